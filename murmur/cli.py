@@ -1,0 +1,69 @@
+"""The umbrella `murmur` command: one sub-app per noun, each mounted from the package that owns it.
+
+Sub-apps are imported lazily so `murmur data ...` does not pay for gRPC or hivemind imports.
+Each module named below exposes ``register(subparsers)``, which adds its parser and sets
+``func`` (called with the parsed arguments, returning an exit code).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from murmur import __version__
+from murmur.errors import MurmurError
+
+# noun -> (module, one-line help)
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "data": ("murmur.node.data_cli", "prepare and inspect token datasets"),
+    "train": ("murmur.node.train", "train one model on this machine"),
+    "sim": ("murmur.node.sim", "simulate K workers of a low-communication run in one process"),
+    "node": ("murmur.node.daemon", "run a volunteer node"),
+    "testnet": ("murmur.node.testnet", "a local network: coordinator and nodes on loopback"),
+    "coordinator": ("murmur.coordinator.cli", "serve a run's coordinator"),
+    "admin": ("murmur.coordinator.admin", "operate a coordinator: runs, tokens, nodes, status"),
+}
+
+
+def build_parser(argv: list[str]) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="murmur", description="Train language models on lent machines.")
+    parser.add_argument("--version", action="version", version=f"murmur {__version__}")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    # Only import the sub-app that is asked for; list the others by name for --help.
+    wanted = next((a for a in argv if a in SUBCOMMANDS), None)
+    for noun, (module, help_text) in SUBCOMMANDS.items():
+        if noun == wanted:
+            try:
+                importlib.import_module(module).register(sub)
+            except ModuleNotFoundError as err:
+                if err.name != module:
+                    raise
+                sub.add_parser(noun, help=f"{help_text} (not built yet)")
+        else:
+            sub.add_parser(noun, help=help_text, add_help=False)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(argv)
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except MurmurError as err:
+        if args.debug:
+            raise
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,200 @@
+"""A readable Llama-style decoder: RMSNorm, rotary embeddings, SwiGLU MLP, causal attention.
+
+The model knows nothing about communication or pipelines. Its memory-bound ops go through
+`murmur.kernels`, which picks the fused Triton kernels on a GPU and the pure-torch references on
+the CPU (override with MURMUR_KERNELS=triton|torch). Initial weights depend on the seed alone:
+they are drawn on the CPU in a fixed order, so the same seed gives the same weights anywhere.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from murmur import kernels
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class ModelConfig:
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    hidden_dim: int
+    vocab_size: int
+    seq_len: int
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    tie_embeddings: bool = True
+
+    def __post_init__(self) -> None:
+        if self.dim % self.n_heads:
+            raise ValueError(f"model dim {self.dim} is not divisible by n_heads {self.n_heads}")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_heads {self.n_heads} is not divisible by n_kv_heads {self.n_kv_heads}")
+        if (self.dim // self.n_heads) % 2:
+            raise ValueError("the head dimension must be even for rotary embeddings")
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    def num_params(self) -> int:
+        d, h, kv = self.dim, self.hidden_dim, self.n_kv_heads * self.head_dim
+        per_layer = d * d * 2 + d * kv * 2 + 3 * d * h + 2 * d
+        embed = self.vocab_size * d * (1 if self.tie_embeddings else 2)
+        return self.n_layers * per_layer + embed + d
+
+    def flops_per_token(self) -> float:
+        """Training FLOPs per token (6N plus attention), for model FLOPs utilization."""
+        n = self.num_params() - self.vocab_size * self.dim * (0 if self.tie_embeddings else 1)
+        return 6 * n + 12 * self.n_layers * self.dim * self.seq_len
+
+
+# Byte-level vocabulary for tiny/small; the GPT-2 BPE (50257, padded to 50304) for base/large.
+PRESETS: dict[str, ModelConfig] = {
+    "tiny": ModelConfig(dim=128, n_layers=4, n_heads=4, n_kv_heads=4, hidden_dim=352, vocab_size=256, seq_len=128),
+    "small": ModelConfig(dim=256, n_layers=6, n_heads=8, n_kv_heads=8, hidden_dim=704, vocab_size=256, seq_len=256),
+    "medium": ModelConfig(
+        dim=512, n_layers=8, n_heads=8, n_kv_heads=8, hidden_dim=1408, vocab_size=50304, seq_len=512
+    ),
+    "base": ModelConfig(
+        dim=768, n_layers=12, n_heads=12, n_kv_heads=12, hidden_dim=2048, vocab_size=50304, seq_len=1024
+    ),
+    "large": ModelConfig(
+        dim=1024, n_layers=24, n_heads=16, n_kv_heads=16, hidden_dim=2816, vocab_size=50304, seq_len=1024
+    ),
+}
+
+
+def model_config(preset: str, **overrides: int | None) -> ModelConfig:
+    base = PRESETS[preset]
+    return dataclasses.replace(base, **{k: v for k, v in overrides.items() if v is not None})
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return kernels.rms_norm(x, self.weight, self.eps)
+
+
+def rotary_tables(cfg: ModelConfig, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of shape [seq_len, head_dim // 2] for the half-split rotary layout."""
+    half = cfg.head_dim // 2
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, half, dtype=torch.float64, device=device) / half))
+    t = torch.arange(cfg.seq_len, dtype=torch.float64, device=device)
+    angles = torch.outer(t, inv_freq)
+    return angles.cos().float(), angles.sin().float()
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.wq(x).view(b, t, self.n_heads, self.head_dim)
+        k = self.wk(x).view(b, t, self.n_kv_heads, self.head_dim)
+        v = self.wv(x).view(b, t, self.n_kv_heads, self.head_dim)
+        q, k = kernels.rotary(q, cos, sin), kernels.rotary(k, cos, sin)
+        q, k, v = (z.transpose(1, 2) for z in (q, k, v))
+        if self.n_kv_heads != self.n_heads:
+            repeat = self.n_heads // self.n_kv_heads
+            k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.w_gate = nn.Linear(cfg.dim, cfg.hidden_dim, bias=False)
+        self.w_up = nn.Linear(cfg.dim, cfg.hidden_dim, bias=False)
+        self.w_down = nn.Linear(cfg.hidden_dim, cfg.dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w_down(kernels.swiglu(self.w_gate(x), self.w_up(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attn = Attention(cfg)
+        self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.mlp = FeedForward(cfg)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig, seed: int = 0) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        cos, sin = rotary_tables(cfg)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.init_weights(seed)
+
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """Draw every weight from one CPU generator in parameter order: the seed alone decides."""
+        gen = torch.Generator(device="cpu").manual_seed(seed)
+        std = 0.02
+        # Residual output projections shrink with depth (GPT-2 / Llama practice).
+        out_std = std / math.sqrt(2 * self.cfg.n_layers)
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+                continue
+            s = out_std if name.endswith(("wo.weight", "w_down.weight")) else std
+            p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32) * s)
+
+    @property
+    def output_weight(self) -> torch.Tensor:
+        return self.embed.weight if self.lm_head is None else self.lm_head.weight
+
+    def hidden_states(self, idx: torch.Tensor) -> torch.Tensor:
+        t = idx.shape[1]
+        if t > self.cfg.seq_len:
+            raise ValueError(f"sequence of {t} tokens exceeds the model's seq_len {self.cfg.seq_len}")
+        cos, sin = self.rope_cos[:t], self.rope_sin[:t]
+        x = self.embed(idx)
+        for block in self.blocks:
+            x = block(x, cos, sin)
+        return self.norm(x)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [B, T, V] without targets; the mean cross-entropy with them.
+
+        With targets the loss goes through `kernels.linear_cross_entropy`, which on a GPU never
+        materializes the full [B*T, V] logits.
+        """
+        h = self.hidden_states(idx)
+        if targets is None:
+            return F.linear(h, self.output_weight)
+        return kernels.linear_cross_entropy(h.flatten(0, 1), self.output_weight, targets.flatten())
+
+
+def build_model(cfg: ModelConfig, seed: int, device: str | torch.device = "cpu") -> Transformer:
+    return Transformer(cfg, seed=seed).to(device)

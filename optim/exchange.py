@@ -1,0 +1,70 @@
+"""The `Exchange` interface: collective operations on wire tensors among a group of peers.
+
+Transport-agnostic. `InProcessExchange` (the simulator) and the gRPC exchange of the node are
+drop-in implementations of the same class. Calls come from the training thread; each returns a
+`concurrent.futures.Future` so that training can go on while an exchange is in flight (Streaming
+DiLoCo's overlap). Every member of the group makes the same call for the same ``round_id`` and
+``key``; the result is the same on every member.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import torch
+
+from murmur.optim.wire import WireTensor
+
+
+@dataclass(slots=True)
+class ReduceResult:
+    tensors: list[torch.Tensor]             # the aggregated, decoded tensors, in input order
+    members: list[str]                       # peers whose input made it into the result
+    dropped: dict[str, str] = field(default_factory=dict)  # peer -> reason it was left out
+    bytes_sent: int = 0                      # payload bytes this peer put on the wire for the call
+    bytes_received: int = 0
+
+
+@dataclass(slots=True)
+class GatherResult:
+    updates: dict[str, list[WireTensor]]     # peer -> that peer's wire tensors, every member
+    dropped: dict[str, str] = field(default_factory=dict)
+    bytes_sent: int = 0
+    bytes_received: int = 0
+
+
+class ExchangeError(RuntimeError):
+    """A round that could not complete; the caller must not apply a partial result."""
+
+
+class Exchange(abc.ABC):
+    """One peer's handle on its group."""
+
+    @property
+    @abc.abstractmethod
+    def peer_id(self) -> str: ...
+
+    @abc.abstractmethod
+    def all_reduce(
+        self,
+        tensors: Sequence[torch.Tensor],
+        *,
+        round_id: int,
+        key: str = "",
+        weight: float = 1.0,
+    ) -> Future[ReduceResult]:
+        """Weighted mean (or the configured robust aggregate) of every member's ``tensors``.
+
+        The implementation compresses with the run's codec and aggregates with the run's rule.
+        ``weight`` 0 lets a late joiner take part without moving the result.
+        """
+
+    @abc.abstractmethod
+    def all_gather(self, wire: Sequence[WireTensor], *, round_id: int, key: str = "") -> Future[GatherResult]:
+        """Every member's wire tensors (sparse updates whose index sets differ, e.g. DeMo)."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook, most implementations need nothing
+        """Release sockets and threads."""
