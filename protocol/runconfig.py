@@ -1,7 +1,8 @@
 """The run configuration: one TOML file describes a whole run.
 
-The coordinator hands this same file to every node, so every key is typed and validated here, in
-one place. A typo or a wrong type is a one-line ``ConfigError`` naming the key, never a traceback
+It is part of the contract between coordinator and nodes (hence `protocol/`): the coordinator
+validates it on `runs create` and hands this same file to every node, so every key is typed and
+validated here, in one place. A typo or a wrong type is a one-line ``ConfigError`` naming the key, never a traceback
 from deep inside the trainer.
 """
 
@@ -177,11 +178,14 @@ def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
     return cls(**kwargs)
 
 
-def _validate(cfg: RunConfig) -> None:
-    from murmur.node.model import PRESETS  # late: the model imports nothing from here
+# The model presets of node/model.py, by name (the coordinator validates without importing node/;
+# a test checks that the two lists agree).
+MODEL_PRESETS = ("tiny", "small", "medium", "base", "large")
 
-    if cfg.model.preset not in PRESETS:
-        raise ConfigError(f"model.preset = {cfg.model.preset!r} is not one of {', '.join(PRESETS)}")
+
+def _validate(cfg: RunConfig) -> None:
+    if cfg.model.preset not in MODEL_PRESETS:
+        raise ConfigError(f"model.preset = {cfg.model.preset!r} is not one of {', '.join(MODEL_PRESETS)}")
     positive = {
         "train.steps": cfg.train.steps,
         "train.batch_size": cfg.train.batch_size,
