@@ -1,0 +1,466 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Hardware(_message.Message):
+    __slots__ = ("device", "cpu_cores", "memory_bytes", "accelerator_memory_bytes")
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    CPU_CORES_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ACCELERATOR_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    device: str
+    cpu_cores: int
+    memory_bytes: int
+    accelerator_memory_bytes: int
+    def __init__(self, device: _Optional[str] = ..., cpu_cores: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., accelerator_memory_bytes: _Optional[int] = ...) -> None: ...
+
+class JoinRequest(_message.Message):
+    __slots__ = ("protocol_version", "token", "csr_pem", "hardware", "peer_address")
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    CSR_PEM_FIELD_NUMBER: _ClassVar[int]
+    HARDWARE_FIELD_NUMBER: _ClassVar[int]
+    PEER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    protocol_version: int
+    token: str
+    csr_pem: bytes
+    hardware: Hardware
+    peer_address: str
+    def __init__(self, protocol_version: _Optional[int] = ..., token: _Optional[str] = ..., csr_pem: _Optional[bytes] = ..., hardware: _Optional[_Union[Hardware, _Mapping]] = ..., peer_address: _Optional[str] = ...) -> None: ...
+
+class JoinReply(_message.Message):
+    __slots__ = ("node_id", "run_id", "certificate_pem", "ca_certificate_pem", "config_toml", "bootstrap_peers", "node_address", "heartbeat_interval_s", "heartbeat_ttl_s", "lease_ttl_s", "tls_server_name")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    CERTIFICATE_PEM_FIELD_NUMBER: _ClassVar[int]
+    CA_CERTIFICATE_PEM_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_TOML_FIELD_NUMBER: _ClassVar[int]
+    BOOTSTRAP_PEERS_FIELD_NUMBER: _ClassVar[int]
+    NODE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_TTL_S_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TTL_S_FIELD_NUMBER: _ClassVar[int]
+    TLS_SERVER_NAME_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    run_id: str
+    certificate_pem: bytes
+    ca_certificate_pem: bytes
+    config_toml: str
+    bootstrap_peers: _containers.RepeatedScalarFieldContainer[str]
+    node_address: str
+    heartbeat_interval_s: float
+    heartbeat_ttl_s: float
+    lease_ttl_s: float
+    tls_server_name: str
+    def __init__(self, node_id: _Optional[str] = ..., run_id: _Optional[str] = ..., certificate_pem: _Optional[bytes] = ..., ca_certificate_pem: _Optional[bytes] = ..., config_toml: _Optional[str] = ..., bootstrap_peers: _Optional[_Iterable[str]] = ..., node_address: _Optional[str] = ..., heartbeat_interval_s: _Optional[float] = ..., heartbeat_ttl_s: _Optional[float] = ..., lease_ttl_s: _Optional[float] = ..., tls_server_name: _Optional[str] = ...) -> None: ...
+
+class HeartbeatRequest(_message.Message):
+    __slots__ = ("tokens_per_s", "ban_list_version", "state")
+    TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    BAN_LIST_VERSION_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    tokens_per_s: float
+    ban_list_version: int
+    state: str
+    def __init__(self, tokens_per_s: _Optional[float] = ..., ban_list_version: _Optional[int] = ..., state: _Optional[str] = ...) -> None: ...
+
+class HeartbeatReply(_message.Message):
+    __slots__ = ("run_state", "leases_renewed", "heartbeat_interval_s", "lease_ttl_s", "ban_list", "ban_list_changed")
+    RUN_STATE_FIELD_NUMBER: _ClassVar[int]
+    LEASES_RENEWED_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TTL_S_FIELD_NUMBER: _ClassVar[int]
+    BAN_LIST_FIELD_NUMBER: _ClassVar[int]
+    BAN_LIST_CHANGED_FIELD_NUMBER: _ClassVar[int]
+    run_state: str
+    leases_renewed: int
+    heartbeat_interval_s: float
+    lease_ttl_s: float
+    ban_list: BanList
+    ban_list_changed: bool
+    def __init__(self, run_state: _Optional[str] = ..., leases_renewed: _Optional[int] = ..., heartbeat_interval_s: _Optional[float] = ..., lease_ttl_s: _Optional[float] = ..., ban_list: _Optional[_Union[BanList, _Mapping]] = ..., ban_list_changed: _Optional[bool] = ...) -> None: ...
+
+class AcquireLeaseRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class Lease(_message.Message):
+    __slots__ = ("lease_id", "shard_id", "shard_name", "start_offset", "end_offset", "expires_at")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    SHARD_ID_FIELD_NUMBER: _ClassVar[int]
+    SHARD_NAME_FIELD_NUMBER: _ClassVar[int]
+    START_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    END_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_AT_FIELD_NUMBER: _ClassVar[int]
+    lease_id: str
+    shard_id: int
+    shard_name: str
+    start_offset: int
+    end_offset: int
+    expires_at: float
+    def __init__(self, lease_id: _Optional[str] = ..., shard_id: _Optional[int] = ..., shard_name: _Optional[str] = ..., start_offset: _Optional[int] = ..., end_offset: _Optional[int] = ..., expires_at: _Optional[float] = ...) -> None: ...
+
+class AcquireLeaseReply(_message.Message):
+    __slots__ = ("granted", "lease", "reason")
+    GRANTED_FIELD_NUMBER: _ClassVar[int]
+    LEASE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    granted: bool
+    lease: Lease
+    reason: str
+    def __init__(self, granted: _Optional[bool] = ..., lease: _Optional[_Union[Lease, _Mapping]] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class CommitRequest(_message.Message):
+    __slots__ = ("lease_id", "shard_id", "start_offset", "end_offset", "outer_step", "loss", "bytes_sent", "seconds")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    SHARD_ID_FIELD_NUMBER: _ClassVar[int]
+    START_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    END_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    OUTER_STEP_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    lease_id: str
+    shard_id: int
+    start_offset: int
+    end_offset: int
+    outer_step: int
+    loss: float
+    bytes_sent: int
+    seconds: float
+    def __init__(self, lease_id: _Optional[str] = ..., shard_id: _Optional[int] = ..., start_offset: _Optional[int] = ..., end_offset: _Optional[int] = ..., outer_step: _Optional[int] = ..., loss: _Optional[float] = ..., bytes_sent: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
+
+class CommitReply(_message.Message):
+    __slots__ = ("duplicate", "committed_offset", "shard_done")
+    DUPLICATE_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    SHARD_DONE_FIELD_NUMBER: _ClassVar[int]
+    duplicate: bool
+    committed_offset: int
+    shard_done: bool
+    def __init__(self, duplicate: _Optional[bool] = ..., committed_offset: _Optional[int] = ..., shard_done: _Optional[bool] = ...) -> None: ...
+
+class ReleaseLeaseRequest(_message.Message):
+    __slots__ = ("lease_id",)
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    lease_id: str
+    def __init__(self, lease_id: _Optional[str] = ...) -> None: ...
+
+class ReleaseLeaseReply(_message.Message):
+    __slots__ = ("committed_offset",)
+    COMMITTED_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    committed_offset: int
+    def __init__(self, committed_offset: _Optional[int] = ...) -> None: ...
+
+class ReportCheckpointRequest(_message.Message):
+    __slots__ = ("step", "location", "sha256")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    LOCATION_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    location: str
+    sha256: str
+    def __init__(self, step: _Optional[int] = ..., location: _Optional[str] = ..., sha256: _Optional[str] = ...) -> None: ...
+
+class ReportCheckpointReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class LeaveRequest(_message.Message):
+    __slots__ = ("reason",)
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    reason: str
+    def __init__(self, reason: _Optional[str] = ...) -> None: ...
+
+class LeaveReply(_message.Message):
+    __slots__ = ("leases_released",)
+    LEASES_RELEASED_FIELD_NUMBER: _ClassVar[int]
+    leases_released: int
+    def __init__(self, leases_released: _Optional[int] = ...) -> None: ...
+
+class GetBanListRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class BanList(_message.Message):
+    __slots__ = ("version", "node_ids")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    NODE_IDS_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    node_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, version: _Optional[int] = ..., node_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class CreateRunRequest(_message.Message):
+    __slots__ = ("config_toml", "manifest_json", "run_id")
+    CONFIG_TOML_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_JSON_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    config_toml: str
+    manifest_json: str
+    run_id: str
+    def __init__(self, config_toml: _Optional[str] = ..., manifest_json: _Optional[str] = ..., run_id: _Optional[str] = ...) -> None: ...
+
+class RunInfo(_message.Message):
+    __slots__ = ("run_id", "name", "state", "created_at", "config_toml", "shards_total", "shards_done", "tokens_total", "tokens_committed", "outer_step", "nodes_active")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    CREATED_AT_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_TOML_FIELD_NUMBER: _ClassVar[int]
+    SHARDS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    SHARDS_DONE_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_COMMITTED_FIELD_NUMBER: _ClassVar[int]
+    OUTER_STEP_FIELD_NUMBER: _ClassVar[int]
+    NODES_ACTIVE_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    name: str
+    state: str
+    created_at: float
+    config_toml: str
+    shards_total: int
+    shards_done: int
+    tokens_total: int
+    tokens_committed: int
+    outer_step: int
+    nodes_active: int
+    def __init__(self, run_id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[str] = ..., created_at: _Optional[float] = ..., config_toml: _Optional[str] = ..., shards_total: _Optional[int] = ..., shards_done: _Optional[int] = ..., tokens_total: _Optional[int] = ..., tokens_committed: _Optional[int] = ..., outer_step: _Optional[int] = ..., nodes_active: _Optional[int] = ...) -> None: ...
+
+class RunList(_message.Message):
+    __slots__ = ("runs",)
+    RUNS_FIELD_NUMBER: _ClassVar[int]
+    runs: _containers.RepeatedCompositeFieldContainer[RunInfo]
+    def __init__(self, runs: _Optional[_Iterable[_Union[RunInfo, _Mapping]]] = ...) -> None: ...
+
+class ListRunsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class RunRef(_message.Message):
+    __slots__ = ("run_id",)
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    def __init__(self, run_id: _Optional[str] = ...) -> None: ...
+
+class SetRunStateRequest(_message.Message):
+    __slots__ = ("run_id", "state")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    state: str
+    def __init__(self, run_id: _Optional[str] = ..., state: _Optional[str] = ...) -> None: ...
+
+class CreateTokenRequest(_message.Message):
+    __slots__ = ("run_id", "ttl_s", "uses", "note")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    TTL_S_FIELD_NUMBER: _ClassVar[int]
+    USES_FIELD_NUMBER: _ClassVar[int]
+    NOTE_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    ttl_s: float
+    uses: int
+    note: str
+    def __init__(self, run_id: _Optional[str] = ..., ttl_s: _Optional[float] = ..., uses: _Optional[int] = ..., note: _Optional[str] = ...) -> None: ...
+
+class TokenInfo(_message.Message):
+    __slots__ = ("token_id", "run_id", "created_at", "expires_at", "uses_left", "max_uses", "revoked", "note")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    CREATED_AT_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_AT_FIELD_NUMBER: _ClassVar[int]
+    USES_LEFT_FIELD_NUMBER: _ClassVar[int]
+    MAX_USES_FIELD_NUMBER: _ClassVar[int]
+    REVOKED_FIELD_NUMBER: _ClassVar[int]
+    NOTE_FIELD_NUMBER: _ClassVar[int]
+    token_id: str
+    run_id: str
+    created_at: float
+    expires_at: float
+    uses_left: int
+    max_uses: int
+    revoked: bool
+    note: str
+    def __init__(self, token_id: _Optional[str] = ..., run_id: _Optional[str] = ..., created_at: _Optional[float] = ..., expires_at: _Optional[float] = ..., uses_left: _Optional[int] = ..., max_uses: _Optional[int] = ..., revoked: _Optional[bool] = ..., note: _Optional[str] = ...) -> None: ...
+
+class CreateTokenReply(_message.Message):
+    __slots__ = ("info", "token")
+    INFO_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    info: TokenInfo
+    token: str
+    def __init__(self, info: _Optional[_Union[TokenInfo, _Mapping]] = ..., token: _Optional[str] = ...) -> None: ...
+
+class ListTokensRequest(_message.Message):
+    __slots__ = ("run_id",)
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    def __init__(self, run_id: _Optional[str] = ...) -> None: ...
+
+class TokenList(_message.Message):
+    __slots__ = ("tokens",)
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    tokens: _containers.RepeatedCompositeFieldContainer[TokenInfo]
+    def __init__(self, tokens: _Optional[_Iterable[_Union[TokenInfo, _Mapping]]] = ...) -> None: ...
+
+class RevokeTokenRequest(_message.Message):
+    __slots__ = ("token_id",)
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    token_id: str
+    def __init__(self, token_id: _Optional[str] = ...) -> None: ...
+
+class NodeInfo(_message.Message):
+    __slots__ = ("node_id", "run_id", "status", "joined_at", "last_heartbeat", "hardware", "tokens_per_s", "peer_address", "certificate_pem", "tokens_committed", "bytes_sent", "shards_held", "ban_reason")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    JOINED_AT_FIELD_NUMBER: _ClassVar[int]
+    LAST_HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
+    HARDWARE_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    PEER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    CERTIFICATE_PEM_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_COMMITTED_FIELD_NUMBER: _ClassVar[int]
+    BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
+    SHARDS_HELD_FIELD_NUMBER: _ClassVar[int]
+    BAN_REASON_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    run_id: str
+    status: str
+    joined_at: float
+    last_heartbeat: float
+    hardware: Hardware
+    tokens_per_s: float
+    peer_address: str
+    certificate_pem: str
+    tokens_committed: int
+    bytes_sent: int
+    shards_held: _containers.RepeatedScalarFieldContainer[int]
+    ban_reason: str
+    def __init__(self, node_id: _Optional[str] = ..., run_id: _Optional[str] = ..., status: _Optional[str] = ..., joined_at: _Optional[float] = ..., last_heartbeat: _Optional[float] = ..., hardware: _Optional[_Union[Hardware, _Mapping]] = ..., tokens_per_s: _Optional[float] = ..., peer_address: _Optional[str] = ..., certificate_pem: _Optional[str] = ..., tokens_committed: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., shards_held: _Optional[_Iterable[int]] = ..., ban_reason: _Optional[str] = ...) -> None: ...
+
+class ListNodesRequest(_message.Message):
+    __slots__ = ("run_id", "status")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    status: str
+    def __init__(self, run_id: _Optional[str] = ..., status: _Optional[str] = ...) -> None: ...
+
+class NodeList(_message.Message):
+    __slots__ = ("nodes",)
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    nodes: _containers.RepeatedCompositeFieldContainer[NodeInfo]
+    def __init__(self, nodes: _Optional[_Iterable[_Union[NodeInfo, _Mapping]]] = ...) -> None: ...
+
+class NodeRef(_message.Message):
+    __slots__ = ("node_id",)
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    def __init__(self, node_id: _Optional[str] = ...) -> None: ...
+
+class BanRequest(_message.Message):
+    __slots__ = ("node_id", "reason")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    reason: str
+    def __init__(self, node_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class ShardInfo(_message.Message):
+    __slots__ = ("shard_id", "name", "tokens", "committed_offset", "holder", "lease_expires_at", "done")
+    SHARD_ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    HOLDER_FIELD_NUMBER: _ClassVar[int]
+    LEASE_EXPIRES_AT_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    shard_id: int
+    name: str
+    tokens: int
+    committed_offset: int
+    holder: str
+    lease_expires_at: float
+    done: bool
+    def __init__(self, shard_id: _Optional[int] = ..., name: _Optional[str] = ..., tokens: _Optional[int] = ..., committed_offset: _Optional[int] = ..., holder: _Optional[str] = ..., lease_expires_at: _Optional[float] = ..., done: _Optional[bool] = ...) -> None: ...
+
+class ListShardsRequest(_message.Message):
+    __slots__ = ("run_id",)
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    def __init__(self, run_id: _Optional[str] = ...) -> None: ...
+
+class ShardList(_message.Message):
+    __slots__ = ("shards",)
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
+    shards: _containers.RepeatedCompositeFieldContainer[ShardInfo]
+    def __init__(self, shards: _Optional[_Iterable[_Union[ShardInfo, _Mapping]]] = ...) -> None: ...
+
+class Event(_message.Message):
+    __slots__ = ("seq", "at", "run_id", "kind", "node_id", "detail")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    AT_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    at: float
+    run_id: str
+    kind: str
+    node_id: str
+    detail: str
+    def __init__(self, seq: _Optional[int] = ..., at: _Optional[float] = ..., run_id: _Optional[str] = ..., kind: _Optional[str] = ..., node_id: _Optional[str] = ..., detail: _Optional[str] = ...) -> None: ...
+
+class ListEventsRequest(_message.Message):
+    __slots__ = ("run_id", "after_seq", "limit", "kind")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    AFTER_SEQ_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    after_seq: int
+    limit: int
+    kind: str
+    def __init__(self, run_id: _Optional[str] = ..., after_seq: _Optional[int] = ..., limit: _Optional[int] = ..., kind: _Optional[str] = ...) -> None: ...
+
+class EventList(_message.Message):
+    __slots__ = ("events",)
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    events: _containers.RepeatedCompositeFieldContainer[Event]
+    def __init__(self, events: _Optional[_Iterable[_Union[Event, _Mapping]]] = ...) -> None: ...
+
+class StatusRequest(_message.Message):
+    __slots__ = ("run_id",)
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    def __init__(self, run_id: _Optional[str] = ...) -> None: ...
+
+class StatusReply(_message.Message):
+    __slots__ = ("run", "nodes", "last_loss", "tokens_per_s", "bytes_sent", "rounds", "nodes_by_status")
+    class NodesByStatusEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    RUN_FIELD_NUMBER: _ClassVar[int]
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    LAST_LOSS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
+    ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    NODES_BY_STATUS_FIELD_NUMBER: _ClassVar[int]
+    run: RunInfo
+    nodes: _containers.RepeatedCompositeFieldContainer[NodeInfo]
+    last_loss: float
+    tokens_per_s: float
+    bytes_sent: int
+    rounds: int
+    nodes_by_status: _containers.ScalarMap[str, int]
+    def __init__(self, run: _Optional[_Union[RunInfo, _Mapping]] = ..., nodes: _Optional[_Iterable[_Union[NodeInfo, _Mapping]]] = ..., last_loss: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., bytes_sent: _Optional[int] = ..., rounds: _Optional[int] = ..., nodes_by_status: _Optional[_Mapping[str, int]] = ...) -> None: ...
