@@ -5,6 +5,11 @@ drop-in implementations of the same class. Calls come from the training thread; 
 `concurrent.futures.Future` so that training can go on while an exchange is in flight (Streaming
 DiLoCo's overlap). Every member of the group makes the same call for the same ``round_id`` and
 ``key``; the result is the same on every member.
+
+Changes since the first cut (additive): `ReduceResult` and `GatherResult` carry ``codec``, the
+name of the codec the payload travelled in, so byte counters can be kept per codec. The rules
+both implementations share (decode, pre-filter, aggregate, re-encode, how many bytes a peer
+sends) live in `murmur.optim.reduce`, so the gRPC exchange only has to move the payloads.
 """
 
 from __future__ import annotations
@@ -15,7 +20,6 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
-
 from murmur.optim.wire import WireTensor
 
 
@@ -26,6 +30,7 @@ class ReduceResult:
     dropped: dict[str, str] = field(default_factory=dict)  # peer -> reason it was left out
     bytes_sent: int = 0                      # payload bytes this peer put on the wire for the call
     bytes_received: int = 0
+    codec: str = ""
 
 
 @dataclass(slots=True)
@@ -34,6 +39,7 @@ class GatherResult:
     dropped: dict[str, str] = field(default_factory=dict)
     bytes_sent: int = 0
     bytes_received: int = 0
+    codec: str = ""
 
 
 class ExchangeError(RuntimeError):

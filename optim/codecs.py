@@ -1,0 +1,377 @@
+"""Compressors: a tensor in, wire tensors out, and back; with error-feedback state per key.
+
+One small interface (after hivemind's compression/base.py, plus error feedback and exact byte
+counts). ``encode(x, key)`` adds the key's error-feedback residual to ``x`` (for codecs that keep
+one), encodes, and keeps what the wire lost as the new residual; ``decode(wire)`` is stateless, so
+any peer can decode any other peer's payload. ``wire.nbytes`` is the exact payload size.
+
+``dense`` tells the exchange how the codec travels in an all-reduce: a dense codec's aggregate
+can be re-encoded by the chunk owner and sent back (bytes of a ring / butterfly all-reduce); a
+sparse one (top-k) cannot, so every member receives every payload (an all-gather).
+
+Pure torch. The Triton kernels of murmur.kernels (quantize_blockwise, topk_chunked, sign_pack, ...)
+did not exist when this was written; the helpers below are the reference semantics to match.
+"""
+
+from __future__ import annotations
+
+import abc
+import hashlib
+import math
+
+import torch
+from murmur.optim.wire import WireTensor
+
+from murmur.errors import MurmurError
+
+
+class CodecError(MurmurError):
+    """An unknown codec name or a payload that does not decode."""
+
+
+class Codec(abc.ABC):
+    name: str = ""
+    dense: bool = True
+    # Keep the residual of what was not sent and add it to the next payload of the same key.
+    error_feedback: bool = False
+
+    def __init__(self, *, error_feedback: bool | None = None, ef_decay: float = 1.0) -> None:
+        if error_feedback is not None:
+            self.error_feedback = error_feedback
+        self.ef_decay = ef_decay
+        self.residuals: dict[str, torch.Tensor] = {}
+
+    # -- the interface ------------------------------------------------------------------------
+
+    def encode(self, x: torch.Tensor, key: str) -> WireTensor:
+        x = x.detach().float()
+        if self.error_feedback:
+            res = self.residuals.get(key)
+            if res is not None:
+                x = x + res * self.ef_decay if self.ef_decay != 1.0 else x + res
+        wire = self._encode(x, key)
+        wire.shape, wire.dtype = tuple(x.shape), "float32"
+        if self.error_feedback:
+            self.residuals[key] = x - self.decode(wire).to(x.device)
+        return wire
+
+    def encode_stateless(self, x: torch.Tensor, key: str = "") -> WireTensor:
+        """Encode without touching error feedback: what a chunk owner sends back after reducing."""
+        wire = self._encode(x.detach().float(), key)
+        wire.shape, wire.dtype = tuple(x.shape), "float32"
+        return wire
+
+    def decode(self, wire: WireTensor) -> torch.Tensor:
+        if wire.codec != self.name:
+            raise CodecError(f"payload encoded with {wire.codec!r} cannot be decoded by {self.name!r}")
+        return self._decode(wire).reshape(wire.shape)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {f"residual/{k}": v for k, v in self.residuals.items()}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        prefix = "residual/"
+        self.residuals = {k.removeprefix(prefix): v for k, v in state.items() if k.startswith(prefix)}
+
+    # -- per codec ----------------------------------------------------------------------------
+
+    @abc.abstractmethod
+    def _encode(self, x: torch.Tensor, key: str) -> WireTensor: ...
+
+    @abc.abstractmethod
+    def _decode(self, wire: WireTensor) -> torch.Tensor: ...
+
+
+# ---------------------------------------------------------------------------------------------
+# Plain casts
+
+
+class CastCodec(Codec):
+    def __init__(self, name: str, dtype: torch.dtype, **kw) -> None:
+        super().__init__(**kw)
+        self.name, self.wire_dtype = name, dtype
+
+    def _encode(self, x: torch.Tensor, key: str) -> WireTensor:
+        return WireTensor(self.name, (), "", {"values": x.to(self.wire_dtype).contiguous()})
+
+    def _decode(self, wire: WireTensor) -> torch.Tensor:
+        return wire.parts["values"].float()
+
+
+# ---------------------------------------------------------------------------------------------
+# Blockwise absmax integer quantization (int8, int4): one fp32 scale per block of `block` values.
+
+
+def _blocks(x: torch.Tensor, block: int) -> torch.Tensor:
+    flat = x.reshape(-1)
+    pad = (-flat.numel()) % block
+    if pad:
+        flat = torch.cat((flat, flat.new_zeros(pad)))
+    return flat.view(-1, block)
+
+
+def quantize_blockwise(x: torch.Tensor, block: int, qmax: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Round-to-nearest q in [-qmax, qmax] with scale absmax/qmax per block; |x - q*s| <= s/2."""
+    b = _blocks(x, block)
+    scales = b.abs().amax(dim=1, keepdim=True) / qmax
+    safe = torch.where(scales > 0, scales, torch.ones_like(scales))
+    q = torch.round(b / safe).clamp_(-qmax, qmax).to(torch.int8)
+    return q, scales.squeeze(1).float()
+
+
+def dequantize_blockwise(q: torch.Tensor, scales: torch.Tensor, numel: int) -> torch.Tensor:
+    return (q.float() * scales[:, None]).reshape(-1)[:numel]
+
+
+def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
+    """int8 values in [-8, 7] -> uint8, two per byte (low nibble first)."""
+    u = (q.reshape(-1).to(torch.int16) + 8).to(torch.uint8)
+    if u.numel() % 2:
+        u = torch.cat((u, u.new_full((1,), 8)))
+    return u[0::2] | (u[1::2] << 4)
+
+
+def unpack_nibbles(packed: torch.Tensor, n: int) -> torch.Tensor:
+    lo, hi = packed & 0xF, packed >> 4
+    return torch.stack((lo, hi), dim=1).reshape(-1)[:n].to(torch.int8) - 8
+
+
+class BlockIntCodec(Codec):
+    def __init__(self, bits: int, block: int, **kw) -> None:
+        super().__init__(**kw)
+        if bits not in (4, 8):
+            raise CodecError(f"blockwise integer codec supports 4 or 8 bits, not {bits}")
+        self.bits, self.block = bits, block
+        self.name = f"int{bits}"
+        self.qmax = 2 ** (bits - 1) - 1  # symmetric: 127 or 7
+
+    def _encode(self, x: torch.Tensor, key: str) -> WireTensor:
+        q, scales = quantize_blockwise(x, self.block, self.qmax)
+        payload = pack_nibbles(q) if self.bits == 4 else q.reshape(-1)
+        return WireTensor(self.name, (), "", {"q": payload, "scales": scales}, {"block": self.block})
+
+    def _decode(self, wire: WireTensor) -> torch.Tensor:
+        block, scales = int(wire.meta["block"]), wire.parts["scales"]
+        n = scales.numel() * block
+        q = wire.parts["q"]
+        q = unpack_nibbles(q, n) if self.bits == 4 else q
+        return dequantize_blockwise(q.view(-1, block), scales, math.prod(wire.shape))
+
+
+# ---------------------------------------------------------------------------------------------
+# Chunked top-k (error feedback): the k largest |values| of every chunk, int16 positions.
+
+TOPK_CHUNK = 4096  # elements per chunk; positions within a chunk fit int16
+
+
+def topk_chunked(x: torch.Tensor, chunk: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    b = _blocks(x, chunk)
+    k = min(k, chunk)
+    idx = b.abs().topk(k, dim=1, sorted=False).indices
+    idx, _ = idx.sort(dim=1)  # sorted positions: the payload does not depend on topk's tie order
+    return idx, b.gather(1, idx)
+
+
+def scatter_chunked(idx: torch.Tensor, values: torch.Tensor, chunk: int, numel: int) -> torch.Tensor:
+    out = values.new_zeros(idx.shape[0], chunk)
+    out.scatter_(1, idx.long(), values)
+    return out.reshape(-1)[:numel]
+
+
+def pack_crumbs(q: torch.Tensor) -> torch.Tensor:
+    """uint8 values in [0, 3] -> four per byte."""
+    u = q.reshape(-1).to(torch.uint8)
+    pad = (-u.numel()) % 4
+    if pad:
+        u = torch.cat((u, u.new_zeros(pad)))
+    u = u.view(-1, 4)
+    return u[:, 0] | (u[:, 1] << 2) | (u[:, 2] << 4) | (u[:, 3] << 6)
+
+
+def unpack_crumbs(packed: torch.Tensor, n: int) -> torch.Tensor:
+    parts = [(packed >> s) & 3 for s in (0, 2, 4, 6)]
+    return torch.stack(parts, dim=1).reshape(-1)[:n]
+
+
+class TopKCodec(Codec):
+    """Top-k per chunk. ``value_bits`` 16: fp16 values; 2: four levels {-3,-1,1,3} * scale per chunk."""
+
+    dense = False
+    error_feedback = True
+
+    def __init__(self, fraction: float, value_bits: int = 16, chunk: int = TOPK_CHUNK, **kw) -> None:
+        super().__init__(**kw)
+        if value_bits not in (2, 16):
+            raise CodecError(f"top-k values travel as 16 or 2 bits, not {value_bits}")
+        self.chunk, self.value_bits = chunk, value_bits
+        self.k = max(1, round(fraction * chunk))
+        self.name = "topk" if value_bits == 16 else "topk2bit"
+
+    def _encode(self, x: torch.Tensor, key: str) -> WireTensor:
+        chunk = min(self.chunk, max(1, x.numel()))
+        idx, vals = topk_chunked(x, chunk, self.k)
+        parts = {"indices": idx.to(torch.int16)}
+        if self.value_bits == 16:
+            parts["values"] = vals.to(torch.float16)
+        else:
+            scale = vals.abs().amax(dim=1) / 3
+            safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+            q = torch.round((vals / safe[:, None] + 3) / 2).clamp_(0, 3)
+            parts["values"] = pack_crumbs(q)
+            parts["scales"] = scale.to(torch.float16)
+        return WireTensor(self.name, (), "", parts, {"chunk": chunk})
+
+    def _decode(self, wire: WireTensor) -> torch.Tensor:
+        idx, chunk = wire.parts["indices"].long(), int(wire.meta["chunk"])
+        if self.value_bits == 16:
+            vals = wire.parts["values"].float()
+        else:
+            q = unpack_crumbs(wire.parts["values"], idx.numel()).view(idx.shape).float()
+            vals = (2 * q - 3) * wire.parts["scales"].float()[:, None]
+        return scatter_chunked(idx, vals, chunk, math.prod(wire.shape))
+
+
+# ---------------------------------------------------------------------------------------------
+# Sign: 1 bit per value and one scale (mean |x|) per block; error feedback makes it unbiased over time.
+
+
+def pack_bits(bits: torch.Tensor) -> torch.Tensor:
+    u = bits.reshape(-1).to(torch.uint8)
+    pad = (-u.numel()) % 8
+    if pad:
+        u = torch.cat((u, u.new_zeros(pad)))
+    shifts = torch.arange(8, device=u.device, dtype=torch.uint8)
+    return (u.view(-1, 8) << shifts).sum(dim=1, dtype=torch.uint8)
+
+
+def unpack_bits(packed: torch.Tensor, n: int) -> torch.Tensor:
+    shifts = torch.arange(8, device=packed.device, dtype=torch.uint8)
+    return ((packed[:, None] >> shifts) & 1).reshape(-1)[:n]
+
+
+class SignCodec(Codec):
+    name = "sign"
+    error_feedback = True
+
+    def __init__(self, block: int, **kw) -> None:
+        super().__init__(**kw)
+        self.block = block
+
+    def _encode(self, x: torch.Tensor, key: str) -> WireTensor:
+        b = _blocks(x, self.block)
+        scales = b.abs().mean(dim=1)
+        if x.numel() % self.block:  # the padded zeros of the last block do not dilute its scale
+            last = x.numel() % self.block
+            scales[-1] = b[-1, :last].abs().mean()
+        parts = {"signs": pack_bits(b >= 0), "scales": scales}
+        return WireTensor(self.name, (), "", parts, {"block": self.block})
+
+    def _decode(self, wire: WireTensor) -> torch.Tensor:
+        scales, block = wire.parts["scales"], int(wire.meta["block"])
+        signs = unpack_bits(wire.parts["signs"], scales.numel() * block).float() * 2 - 1
+        return (signs.view(-1, block) * scales[:, None]).reshape(-1)[: math.prod(wire.shape)]
+
+
+# ---------------------------------------------------------------------------------------------
+# PowerSGD-style low rank: one warm-started power iteration per round, error feedback.
+
+
+def _as_matrix(x: torch.Tensor) -> torch.Tensor:
+    return x.reshape(x.shape[0], -1) if x.dim() >= 2 else x.reshape(1, -1)
+
+
+class PowerSGDCodec(Codec):
+    """Rank-r factors P [m, r], Q [n, r] of each matrix, Q warm-started per key.
+
+    Differs from the original PowerSGD in one way: the factors are computed per worker and the
+    reducer averages the decoded products P Q^T, so the codec fits the one-payload interface
+    (the original all-reduces P, then Q, in two rounds). Vectors travel as fp32.
+    """
+
+    name = "powersgd"
+    error_feedback = True
+
+    def __init__(self, rank: int, **kw) -> None:
+        super().__init__(**kw)
+        self.rank = rank
+        self.q_state: dict[str, torch.Tensor] = {}
+
+    def _initial_q(self, key: str, n: int, r: int, device: torch.device) -> torch.Tensor:
+        # The same key starts from the same Q everywhere: derived from the key, not global RNG.
+        seed = int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "little") & (2**63 - 1)
+        gen = torch.Generator().manual_seed(seed)
+        return torch.randn(n, r, generator=gen).to(device)
+
+    def _encode(self, x: torch.Tensor, key: str) -> WireTensor:
+        m = _as_matrix(x)
+        r = min(self.rank, *m.shape)
+        if x.dim() < 2 or r == min(m.shape):  # low rank would not save anything
+            return WireTensor(self.name, (), "", {"values": x.reshape(-1).clone()}, {"rank": 0})
+        q = self.q_state.get(key)
+        if q is None or q.shape != (m.shape[1], r):
+            q = self._initial_q(key, m.shape[1], r, m.device)
+        p = torch.linalg.qr(m @ q).Q
+        q = m.T @ p
+        self.q_state[key] = q
+        return WireTensor(self.name, (), "", {"p": p.contiguous(), "q": q.contiguous()}, {"rank": r})
+
+    def _decode(self, wire: WireTensor) -> torch.Tensor:
+        if int(wire.meta["rank"]) == 0:
+            return wire.parts["values"].float()
+        return wire.parts["p"].float() @ wire.parts["q"].float().T
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        state = super().state_dict()
+        state.update({f"q/{k}": v for k, v in self.q_state.items()})
+        return state
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        super().load_state_dict(state)
+        self.q_state = {k.removeprefix("q/"): v for k, v in state.items() if k.startswith("q/")}
+
+
+# ---------------------------------------------------------------------------------------------
+# Registry
+
+
+CODECS = ("fp32", "fp16", "bf16", "int8", "int4", "topk", "topk2bit", "sign", "powersgd")
+
+
+def make_codec(
+    name: str,
+    *,
+    block: int = 64,
+    topk_fraction: float = 0.0156,
+    powersgd_rank: int = 4,
+    error_feedback: bool | None = None,
+    ef_decay: float = 1.0,
+) -> Codec:
+    """A fresh codec (its own error-feedback state) by name; unknown names list the known ones."""
+    kw = {"error_feedback": error_feedback, "ef_decay": ef_decay}
+    if name == "fp32":
+        return CastCodec("fp32", torch.float32, **kw)
+    if name == "fp16":
+        return CastCodec("fp16", torch.float16, **kw)
+    if name == "bf16":
+        return CastCodec("bf16", torch.bfloat16, **kw)
+    if name in ("int8", "int4"):
+        return BlockIntCodec(int(name[3:]), block, **kw)
+    if name in ("topk", "topk2bit"):
+        return TopKCodec(topk_fraction, 16 if name == "topk" else 2, **kw)
+    if name == "sign":
+        return SignCodec(block, **kw)
+    if name == "powersgd":
+        return PowerSGDCodec(powersgd_rank, **kw)
+    raise CodecError(f"unknown codec {name!r}; known codecs: {', '.join(CODECS)}")
+
+
+def codec_from_config(sync) -> Codec:  # sync: protocol.runconfig.SyncSection
+    return make_codec(
+        sync.codec,
+        block=sync.codec_block,
+        topk_fraction=sync.topk_fraction,
+        powersgd_rank=sync.powersgd_rank,
+        error_feedback=getattr(sync, "error_feedback", None),
+        ef_decay=getattr(sync, "ef_decay", 1.0),
+    )
+

@@ -1,0 +1,43 @@
+"""The inner optimizer, as single-node training uses it: AdamW with warm-up and cosine decay.
+
+Weight decay applies to matrices only (embeddings and linear weights), not to norms' gains.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def make_inner_optimizer(model: nn.Module, optim_cfg) -> torch.optim.AdamW:  # protocol OptimSection
+    return torch.optim.AdamW(
+        param_groups(model, optim_cfg.weight_decay),
+        lr=optim_cfg.lr,
+        betas=(optim_cfg.beta1, optim_cfg.beta2),
+        eps=optim_cfg.eps,
+        foreach=True,
+    )
+
+
+def lr_at(step: int, total_steps: int, optim_cfg) -> float:
+    """Linear warm-up over ``warmup_steps``, then cosine from lr down to lr * min_lr_ratio."""
+    lr, warm = optim_cfg.lr, optim_cfg.warmup_steps
+    if warm and step < warm:
+        return lr * (step + 1) / warm
+    span = max(1, total_steps - warm)
+    progress = min(1.0, (step - warm) / span)
+    floor = lr * optim_cfg.min_lr_ratio
+    return floor + (lr - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr
