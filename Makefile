@@ -1,0 +1,31 @@
+# The two commands of the README's quick start, and the steps they stand on.
+# Everything installs from this repository's own files into .venv (pinned by constraints.txt).
+
+PY      := .venv/bin/python
+STAMP   := .venv/.installed-stamp
+DATA    := data/shakespeare-byte/manifest.json
+
+.PHONY: demo test lint install clean
+
+demo: $(STAMP) $(DATA)
+	$(PY) -m murmur.cli train --config configs/small-cpu.toml
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+lint: $(STAMP)
+	.venv/bin/ruff check .
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(PY) || python3 -m venv .venv
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[dev]'
+	touch $(STAMP)
+
+$(DATA): $(STAMP)
+	$(PY) -m murmur.cli data prepare --out data/shakespeare-byte
+
+clean:
+	rm -rf .venv data runs

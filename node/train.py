@@ -1,0 +1,265 @@
+"""Single-node training: `murmur train --config RUN.toml`.
+
+AdamW with linear warm-up and cosine decay, gradient clipping, bf16 autocast on a GPU, validation
+every N steps, checkpoints (model, optimizer, data position, RNG) with exact resume, and one
+progress line per step. The pieces here (model from config, optimizer, schedule, evaluation) are
+the ones the simulator and the node reuse for their inner loop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from murmur.errors import MurmurError
+from murmur.node.data import BatchLoader, Dataset, Position, eval_batches
+from murmur.node.model import ModelConfig, Transformer, model_config
+from murmur.protocol.runconfig import OptimSection, RunConfig, load_config
+
+
+def resolve_device(name: str = "auto") -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise MurmurError("--device cuda was asked for but no CUDA device is available: use --device cpu")
+    if name not in ("cpu", "cuda"):
+        raise MurmurError(f"--device {name!r}: use auto, cpu or cuda")
+    return torch.device(name)
+
+
+def resolve_model_config(cfg: RunConfig, vocab_size: int) -> ModelConfig:
+    """The preset with the run's overrides; the vocabulary follows the dataset (padded to 64)."""
+    m = cfg.model
+    vocab = m.vocab_size or (vocab_size if vocab_size <= 256 else 64 * math.ceil(vocab_size / 64))
+    try:
+        return model_config(
+            m.preset, dim=m.dim, n_layers=m.n_layers, n_heads=m.n_heads, n_kv_heads=m.n_kv_heads,
+            hidden_dim=m.hidden_dim, seq_len=m.seq_len, vocab_size=vocab,
+        )
+    except ValueError as err:
+        raise MurmurError(f"[model] {err}") from None
+
+
+def build_model_from_config(cfg: RunConfig, vocab_size: int, device: torch.device | str = "cpu") -> Transformer:
+    mcfg = resolve_model_config(cfg, vocab_size)
+    if mcfg.vocab_size < vocab_size:
+        raise MurmurError(f"model.vocab_size {mcfg.vocab_size} is smaller than the tokenizer's {vocab_size}")
+    return Transformer(mcfg, seed=cfg.seed).to(device)
+
+
+def make_optimizer(model: torch.nn.Module, o: OptimSection) -> torch.optim.AdamW:
+    """AdamW; weight decay on matrices only (norm gains and nothing else are exempt)."""
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
+
+
+def lr_at(step: int, total_steps: int, o: OptimSection) -> float:
+    """Linear warm-up over ``warmup_steps``, then cosine decay to ``min_lr_ratio * lr``."""
+    if o.warmup_steps and step < o.warmup_steps:
+        return o.lr * (step + 1) / o.warmup_steps
+    span = max(1, total_steps - o.warmup_steps)
+    progress = min(1.0, (step - o.warmup_steps) / span)
+    floor = o.lr * o.min_lr_ratio
+    return floor + (o.lr - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def autocast(device: torch.device, dtype: str = "auto") -> contextlib.AbstractContextManager:
+    use_bf16 = dtype == "bf16" or (dtype == "auto" and device.type == "cuda")
+    if use_bf16:
+        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+@torch.no_grad()
+def evaluate(
+    model: torch.nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device, dtype: str = "auto"
+) -> float:
+    was_training = model.training
+    model.eval()
+    total = 0.0
+    with autocast(device, dtype):
+        for x, y in batches:
+            total += model(x.to(device), y.to(device)).item()
+    model.train(was_training)
+    return total / len(batches)
+
+
+@dataclass(slots=True)
+class StepStats:
+    step: int
+    loss: float
+    lr: float
+    tokens_per_s: float
+    ms: float
+
+
+class Trainer:
+    """One model, its AdamW and its data position; `step()` runs one optimizer step."""
+
+    def __init__(self, cfg: RunConfig, dataset: Dataset, device: torch.device, shards: list[int] | None = None):
+        self.cfg, self.dataset, self.device = cfg, dataset, device
+        self.model = build_model_from_config(cfg, dataset.vocab_size, device)
+        self.opt = make_optimizer(self.model, cfg.optim)
+        self.loader = BatchLoader(
+            dataset, shards or list(range(dataset.num_shards)), cfg.train.batch_size, self.model.cfg.seq_len
+        )
+        self.step_count = 0
+        self.forward = torch.compile(self.model) if cfg.train.compile else self.model
+        self.val_batches = eval_batches(dataset, cfg.train.batch_size, self.model.cfg.seq_len, cfg.train.eval_batches)
+
+    def step(self) -> StepStats:
+        t0 = time.perf_counter()
+        lr = lr_at(self.step_count, self.cfg.train.steps, self.cfg.optim)
+        for group in self.opt.param_groups:
+            group["lr"] = lr
+        x, y = next(self.loader)
+        x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+        with autocast(self.device, self.cfg.train.dtype):
+            loss = self.forward(x, y)
+        loss.backward()
+        if self.cfg.optim.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.optim.grad_clip)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        loss_value = loss.item()  # also synchronizes the device, so the timing below is honest
+        if not math.isfinite(loss_value):
+            raise MurmurError(f"loss became {loss_value} at step {self.step_count}: lower optim.lr")
+        dt = time.perf_counter() - t0
+        self.step_count += 1
+        return StepStats(self.step_count, loss_value, lr, x.numel() / dt, dt * 1000)
+
+    def validate(self) -> float:
+        return evaluate(self.model, self.val_batches, self.device, self.cfg.train.dtype)
+
+    # -- checkpoints -------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        rng = {"cpu": torch.get_rng_state()}
+        if self.device.type == "cuda":
+            rng["cuda"] = torch.cuda.get_rng_state(self.device)
+        return {
+            "config": self.cfg.to_dict(),
+            "model": self.model.state_dict(),
+            "optimizer": self.opt.state_dict(),
+            "step": self.step_count,
+            "position": self.loader.position.to_dict(),
+            "rng": rng,
+        }
+
+    def save(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        torch.save(self.state_dict(), tmp)
+        tmp.replace(path)  # atomic: a crash mid-save never leaves a torn checkpoint
+
+    def load(self, path: Path) -> None:
+        try:
+            state = torch.load(path, map_location=self.device, weights_only=False)
+        except Exception as err:  # noqa: BLE001 - any unreadable file is the same user error
+            raise MurmurError(f"checkpoint {path} cannot be read ({err.__class__.__name__}): delete it or fix it")
+        self.model.load_state_dict(state["model"])
+        self.opt.load_state_dict(state["optimizer"])
+        self.step_count = int(state["step"])
+        self.loader.position = Position(**state["position"])
+        torch.set_rng_state(state["rng"]["cpu"])
+        if "cuda" in state["rng"] and self.device.type == "cuda":
+            torch.cuda.set_rng_state(state["rng"]["cuda"], self.device)
+
+
+# ---------------------------------------------------------------------------------------------
+# The command
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("train", help="train one model on this machine")
+    p.add_argument("--config", help="run TOML (default: built-in defaults)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config key, e.g. --set train.steps=200 (repeatable)")
+    p.add_argument("--steps", type=int, help="shortcut for --set train.steps=N")
+    p.add_argument("--data", help="shortcut for --set data.path=DIR")
+    p.add_argument("--preset", help="shortcut for --set model.preset=NAME")
+    p.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    p.add_argument("--out", help="run folder for checkpoints (default runs/<name>)")
+    p.add_argument("--resume", action="store_true", help="continue from the run folder's checkpoint")
+    p.set_defaults(func=_run)
+
+
+def _overrides(args: argparse.Namespace) -> list[str]:
+    extra = list(args.set)
+    if args.steps is not None:
+        extra.append(f"train.steps={args.steps}")
+    if args.data:
+        extra.append(f'data.path="{args.data}"')
+    if args.preset:
+        extra.append(f'model.preset="{args.preset}"')
+    return extra
+
+
+def _run(args: argparse.Namespace) -> int:
+    from murmur.protocol.runconfig import config_from_dict, apply_override
+
+    if args.config:
+        cfg = load_config(args.config, _overrides(args))
+    else:
+        data: dict = {}
+        for item in _overrides(args):
+            apply_override(data, item)
+        cfg = config_from_dict(data)
+    device = resolve_device(args.device)
+    dataset = Dataset.open(cfg.data.path)
+    if dataset.tokenizer != cfg.data.tokenizer:
+        raise MurmurError(
+            f"data.tokenizer is {cfg.data.tokenizer!r} but {cfg.data.path} was prepared with {dataset.tokenizer!r}"
+        )
+    torch.manual_seed(cfg.seed)
+    trainer = Trainer(cfg, dataset, device)
+    out = Path(args.out or Path("runs") / cfg.name)
+    ckpt = out / "checkpoint.pt"
+    if args.resume:
+        if not ckpt.is_file():
+            raise MurmurError(f"--resume: no checkpoint at {ckpt}")
+        trainer.load(ckpt)
+        print(f"resumed from {ckpt} at step {trainer.step_count}")
+    n_params = sum(p.numel() for p in trainer.model.parameters())
+    mc = trainer.model.cfg
+    print(
+        f"training {cfg.model.preset} ({n_params / 1e6:.2f}M params, {mc.n_layers}x{mc.dim}, seq {mc.seq_len}) "
+        f"on {cfg.data.path} ({dataset.tokenizer}) with {device}, {cfg.train.steps} steps of "
+        f"{cfg.train.batch_size}x{mc.seq_len} tokens"
+    )
+    t_start = time.perf_counter()
+    first_val = best_val = trainer.validate()
+    print(f"val  step {trainer.step_count:5d} | loss {first_val:.4f}")
+    tokens = 0
+    stats = None
+    while trainer.step_count < cfg.train.steps:
+        stats = trainer.step()
+        tokens += cfg.train.batch_size * mc.seq_len
+        if stats.step % cfg.train.log_every == 0 or stats.step == cfg.train.steps:
+            print(
+                f"step {stats.step:5d}/{cfg.train.steps} | loss {stats.loss:.4f} | lr {stats.lr:.2e} | "
+                f"{stats.tokens_per_s:,.0f} tok/s | {stats.ms:.0f} ms",
+                flush=True,
+            )
+        if stats.step % cfg.train.eval_every == 0 or stats.step == cfg.train.steps:
+            val = trainer.validate()
+            best_val = min(best_val, val)
+            print(f"val  step {stats.step:5d} | loss {val:.4f}", flush=True)
+        if cfg.train.checkpoint_every and stats.step % cfg.train.checkpoint_every == 0:
+            trainer.save(ckpt)
+    trainer.save(ckpt)
+    wall = time.perf_counter() - t_start
+    final = trainer.validate()
+    print(
+        f"done: {trainer.step_count} steps, {tokens:,} tokens in {wall:.0f}s ({tokens / max(wall, 1e-9):,.0f} tok/s); "
+        f"val loss {first_val:.4f} -> {final:.4f} (best {min(best_val, final):.4f}); checkpoint {ckpt}"
+    )
+    return 0

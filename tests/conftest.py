@@ -1,0 +1,55 @@
+"""Shared fixtures: a small real dataset, and a guard that no test leaves a process behind."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import psutil
+import pytest
+
+# Tests must be reproducible on a noisy 2-core machine: no GPU kernels unless a test asks for them.
+os.environ.setdefault("MURMUR_TEST", "1")
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_children():
+    """Fail a test that leaves a child process (a node, a coordinator, hivemind's p2pd) running."""
+    me = psutil.Process()
+    before = {p.pid for p in me.children(recursive=True)}
+    yield
+    deadline = time.monotonic() + 10.0
+    while True:
+        left = [p for p in me.children(recursive=True) if p.pid not in before and _alive(p)]
+        if not left or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    if left:
+        names = ", ".join(f"{p.pid}:{_name(p)}" for p in left)
+        for p in left:
+            p.kill()
+        pytest.fail(f"test left child processes running: {names}")
+
+
+def _alive(p: psutil.Process) -> bool:
+    try:
+        return p.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _name(p: psutil.Process) -> str:
+    try:
+        return " ".join(p.cmdline()[:3]) or p.name()
+    except psutil.Error:
+        return "?"
+
+
+@pytest.fixture(scope="session")
+def byte_dataset(tmp_path_factory):
+    """The bundled Shakespeare, byte-tokenized into 64K-token shards (about 0.3 s)."""
+    from murmur.node.data import Dataset, prepare
+
+    root = tmp_path_factory.mktemp("data") / "shakespeare-byte"
+    prepare(root, tokenizer="byte", shard_tokens=1 << 16)
+    return Dataset.open(root)

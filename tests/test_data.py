@@ -1,0 +1,99 @@
+import itertools
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from murmur.node.data import BatchLoader, Dataset, DataError, Position, eval_batches, prepare
+
+
+def _files(root):
+    return {p.name: p.read_bytes() for p in sorted(root.iterdir())}
+
+
+def test_prepare_is_deterministic(tmp_path):
+    a = prepare(tmp_path / "a", shard_tokens=1 << 16)
+    b = prepare(tmp_path / "b", shard_tokens=1 << 16)
+    assert a == b
+    assert _files(tmp_path / "a") == _files(tmp_path / "b")
+
+
+def test_manifest_describes_the_shards(byte_dataset):
+    m = byte_dataset.manifest
+    assert m["tokenizer"] == "byte" and m["vocab_size"] == 256
+    assert sum(s["tokens"] for s in m["shards"]) == m["total_train_tokens"]
+    assert all(s["tokens"] == 1 << 16 for s in m["shards"][:-1])
+    byte_dataset.verify()
+    # The tokens are the corpus itself (byte tokenizer): readable text comes back.
+    text = bytes(byte_dataset.shard(0)[:200].tolist()).decode()
+    assert "ACT I" in text
+
+
+def test_resume_from_position_yields_the_same_batches(byte_dataset):
+    shards = [3, 1, 4]
+    straight = BatchLoader(byte_dataset, shards, batch_size=4, seq_len=64)
+    expected = [next(straight) for _ in range(600)]  # crosses shard boundaries
+    first = BatchLoader(byte_dataset, shards, batch_size=4, seq_len=64)
+    got = [next(first) for _ in range(250)]
+    resumed = BatchLoader(byte_dataset, shards, batch_size=4, seq_len=64, position=Position(**first.position.to_dict()))
+    got += [next(resumed) for _ in range(350)]
+    for (ex, ey), (gx, gy) in zip(expected, got, strict=True):
+        assert torch.equal(ex, gx) and torch.equal(ey, gy)
+    assert {b[0].shape for b in got} == {(4, 64)}
+
+
+def test_targets_are_inputs_shifted_by_one(byte_dataset):
+    x, y = next(BatchLoader(byte_dataset, [0], batch_size=2, seq_len=16))
+    raw = torch.from_numpy(byte_dataset.shard(0)[:33].astype(np.int64))
+    assert torch.equal(x.flatten(), raw[:32]) and torch.equal(y.flatten(), raw[1:33])
+
+
+def test_loader_without_cycle_stops_at_the_end_of_its_shard(byte_dataset):
+    loader = BatchLoader(byte_dataset, [0], batch_size=8, seq_len=128, cycle=False)
+    n = sum(1 for _ in itertools.islice(loader, 10_000))
+    assert n == (byte_dataset.shard_size(0) - 1) // (8 * 128)
+
+
+def test_eval_batches_are_fixed(byte_dataset):
+    a, b = eval_batches(byte_dataset, 4, 64, 3), eval_batches(byte_dataset, 4, 64, 3)
+    assert len(a) == 3 and all(torch.equal(x1, x2) for (x1, _), (x2, _) in zip(a, b, strict=True))
+
+
+def test_user_sources_and_gpt2_tokenizer(tmp_path):
+    src = tmp_path / "docs"
+    (src / "sub").mkdir(parents=True)
+    (src / "a.txt").write_text("To be, or not to be, that is the question. " * 400)
+    (src / "sub" / "b.md").write_text("# Notes\nSome *markdown* prose about murmur. " * 400)
+    (src / "sub" / "c.rst").write_text("Title\n=====\nreStructuredText too. " * 400)
+    (src / "skip.py").write_text("print('not text')\n" * 1000)
+    m = prepare(tmp_path / "ds", sources=[src], tokenizer="gpt2", shard_tokens=2048)
+    assert m["source_files"] == 3 and m["vocab_size"] == 50257
+    ds = Dataset.open(tmp_path / "ds")
+    tokens = np.concatenate([ds.shard(i) for i in range(ds.num_shards)])
+    assert tokens.max() < 50257 and (tokens == 50256).sum() >= 2  # documents are separated
+
+
+def test_corrupted_shard_is_a_clear_error(tmp_path):
+    prepare(tmp_path / "ds", shard_tokens=1 << 16)
+    shard = tmp_path / "ds" / "shard_00002.bin"
+    data = bytearray(shard.read_bytes())
+    data[100] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    ds = Dataset.open(tmp_path / "ds")
+    ds.shard(1)  # the others are fine
+    with pytest.raises(DataError, match=r"shard 2 .*sha256"):
+        ds.shard(2)
+
+
+def test_missing_or_malformed_dataset_errors(tmp_path):
+    with pytest.raises(DataError, match="does not exist"):
+        Dataset.open(tmp_path / "nope")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DataError, match="no manifest.json"):
+        Dataset.open(tmp_path / "empty")
+    (tmp_path / "empty" / "manifest.json").write_text(json.dumps({"format_version": 1}))
+    with pytest.raises(DataError, match="malformed"):
+        Dataset.open(tmp_path / "empty")
+    with pytest.raises(DataError, match="no .txt"):
+        prepare(tmp_path / "out", sources=[tmp_path / "empty"])
