@@ -1,0 +1,91 @@
+"""Which implementation runs: Triton on CUDA tensors, the pure-torch reference on the CPU.
+
+`MURMUR_KERNELS=triton|torch|auto` overrides the choice (read at every call, so tests can flip
+it). `triton` on CPU tensors only works under `TRITON_INTERPRET=1` (the CPU test suite).
+
+Triton kernels are declared with `lazy_jit` instead of `triton.jit`: the function is handed to
+Triton on its first launch, not at import. Triton decides between compiling and interpreting
+when a kernel is *defined*, so a lazy definition lets a test set `TRITON_INTERPRET=1` whenever it
+likes before the first launch, and importing `murmur.kernels` never needs a GPU driver.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from murmur.errors import MurmurError
+
+KERNELS_ENV = "MURMUR_KERNELS"
+INTERPRET_ENV = "TRITON_INTERPRET"
+CHOICES = ("auto", "triton", "torch")
+
+
+class KernelError(MurmurError):
+    """Bad arguments to a kernel entry point, or an impossible implementation choice."""
+
+
+def interpreting() -> bool:
+    return os.environ.get(INTERPRET_ENV, "0").strip().lower() in ("1", "true", "yes", "on")
+
+
+def requested() -> str:
+    choice = os.environ.get(KERNELS_ENV, "auto").strip().lower() or "auto"
+    if choice not in CHOICES:
+        raise KernelError(f"{KERNELS_ENV}={choice!r} is not one of {'|'.join(CHOICES)}")
+    return choice
+
+
+def use_triton(*tensors: torch.Tensor) -> bool:
+    """True when the Triton path should run for these tensors (all on one device)."""
+    choice = requested()
+    if choice == "torch":
+        return False
+    on_cuda = all(t.is_cuda for t in tensors)
+    if choice == "triton":
+        if not on_cuda and not interpreting():
+            raise KernelError(
+                f"{KERNELS_ENV}=triton with CPU tensors needs {INTERPRET_ENV}=1 (or use a CUDA device)"
+            )
+        return True
+    return on_cuda
+
+
+class LazyKernel:
+    """A Triton kernel that is jitted (or wrapped by the interpreter) on its first launch.
+
+    Triton reads the source from the module file and drops everything before `def`, so the
+    `@lazy_jit` decorator line is invisible to it. Kernels declared this way must not call other
+    Triton functions declared in this tree (keep helpers inline); `tl.*` is fine.
+    """
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self.fn = fn
+        self._jit: Any = None
+        self._interpreted: bool | None = None
+
+    def _get(self) -> Any:
+        mode = interpreting()
+        if self._jit is None or self._interpreted != mode:
+            import triton
+
+            self._jit, self._interpreted = triton.jit(self.fn), mode
+        return self._jit
+
+    def __getitem__(self, grid: Any) -> Any:
+        return self._get()[grid]
+
+
+def lazy_jit(fn: Callable[..., Any]) -> LazyKernel:
+    return LazyKernel(fn)
+
+
+def next_pow2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)

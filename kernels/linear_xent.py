@@ -1,0 +1,125 @@
+"""Fused linear + cross-entropy: mean CE of hidden @ weight.T without the full [N, V] logits.
+
+The tokens are processed in chunks of `chunk` rows. For each chunk: logits = h @ W.T (one
+matmul, [chunk, V]); a Triton kernel computes each row's log-sum-exp and loss and overwrites the
+logits in place with d loss / d logits = (softmax - onehot) / n_valid; then grad_h = g @ W and
+grad_W += g.T @ h. The gradients are computed during the forward (as Liger-Kernel does) and the
+backward only scales them by the incoming grad of the loss, so peak memory is one chunk of logits
+plus one fp32 [V, D] accumulator instead of several [N, V] tensors.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton.language as tl
+from murmur.kernels.dispatch import lazy_jit, next_pow2
+
+DEFAULT_CHUNK = 1024   # tokens per chunk: [1024, 50304] bf16 logits are ~100 MB
+BLOCK_V = 4096         # vocabulary tile of the softmax kernel (registers, not memory)
+
+
+def linear_cross_entropy_ref(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100
+) -> torch.Tensor:
+    logits = F.linear(hidden, weight).float()
+    return F.cross_entropy(logits, targets, ignore_index=ignore_index)
+
+
+@lazy_jit
+def _xent_kernel(LOGITS, TARGETS, LOSS, INV_N, V, ignore_index, BLOCK_V: tl.constexpr,
+                 GRAD: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    base = LOGITS + row * V
+    target = tl.load(TARGETS + row).to(tl.int64)
+    # Pass 1: online max and sum of exp over the row, in fp32.
+    m = tl.full([BLOCK_V], float("-inf"), tl.float32)
+    s = tl.zeros([BLOCK_V], dtype=tl.float32)
+    for start in range(0, V, BLOCK_V):
+        cols = start + tl.arange(0, BLOCK_V)
+        z = tl.load(base + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
+        m_new = tl.maximum(m, z)
+        # Lanes that have seen only -inf keep s = 0 (avoid inf - inf).
+        s = tl.where(m_new == float("-inf"), 0.0, s * tl.exp(m - m_new) + tl.exp(z - m_new))
+        m = m_new
+    row_max = tl.max(m, axis=0)
+    lse = row_max + tl.log(tl.sum(s * tl.exp(m - row_max), axis=0))
+    valid = target != ignore_index
+    safe_t = tl.where(valid, target, 0)
+    z_t = tl.load(base + safe_t).to(tl.float32)
+    tl.store(LOSS + row, tl.where(valid, lse - z_t, 0.0))
+    if GRAD:
+        scale = tl.where(valid, tl.load(INV_N), 0.0)
+        # Pass 2: overwrite the logits with (softmax - onehot) * scale.
+        for start in range(0, V, BLOCK_V):
+            cols = start + tl.arange(0, BLOCK_V)
+            z = tl.load(base + cols, mask=cols < V, other=0.0).to(tl.float32)
+            g = tl.exp(z - lse) - tl.where(cols == safe_t, 1.0, 0.0)
+            tl.store(base + cols, (g * scale).to(LOGITS.dtype.element_ty), mask=cols < V)
+
+
+def _fused(hidden, weight, targets, ignore_index: int, compute_grad: bool, chunk: int):
+    n, d = hidden.shape
+    v = weight.shape[0]
+    hidden, weight, targets = hidden.contiguous(), weight.contiguous(), targets.contiguous()
+    n_valid = (targets != ignore_index).sum()
+    inv_n = 1.0 / n_valid.to(torch.float32)   # inf when every target is ignored: loss NaN, as torch
+    loss_rows = torch.empty(n, dtype=torch.float32, device=hidden.device)
+    grad_h = torch.empty_like(hidden) if compute_grad else hidden.new_empty(0)
+    # fp32 accumulation of the weight gradient across chunks; cast once at the end.
+    grad_w = torch.zeros(v, d, dtype=torch.float32, device=hidden.device) if compute_grad else None
+    block_v = min(BLOCK_V, next_pow2(v))
+    for start in range(0, n, chunk):
+        h = hidden[start:start + chunk]
+        logits = h @ weight.t()
+        _xent_kernel[(h.shape[0],)](logits, targets[start:start + chunk], loss_rows[start:start + chunk],
+                                    inv_n, v, ignore_index, BLOCK_V=block_v, GRAD=compute_grad)
+        if compute_grad:
+            torch.mm(logits, weight, out=grad_h[start:start + chunk])
+            if grad_w.dtype == logits.dtype:
+                grad_w.addmm_(logits.t(), h)
+            else:
+                grad_w += logits.t() @ h
+    loss = loss_rows.sum() * inv_n
+    if not compute_grad:
+        return loss, grad_h, weight.new_empty(0)
+    return loss, grad_h, grad_w.to(weight.dtype)
+
+
+@torch.library.custom_op("murmur::linear_xent", mutates_args=())
+def linear_xent_op(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, ignore_index: int,
+    compute_grad: bool, chunk: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _fused(hidden, weight, targets, ignore_index, compute_grad, chunk)
+
+
+@linear_xent_op.register_fake
+def _(hidden, weight, targets, ignore_index, compute_grad, chunk):
+    loss = hidden.new_empty((), dtype=torch.float32)
+    if not compute_grad:
+        return loss, hidden.new_empty(0), weight.new_empty(0)
+    return loss, torch.empty_like(hidden), torch.empty_like(weight)
+
+
+def _setup(ctx, inputs, output):
+    ctx.save_for_backward(output[1], output[2])
+    ctx.compute_grad = inputs[4]
+
+
+def _backward(ctx, dloss, _dgh, _dgw):
+    grad_h, grad_w = ctx.saved_tensors
+    if not ctx.compute_grad:
+        raise RuntimeError("linear_cross_entropy ran without gradients (no_grad at forward time)")
+    return grad_h * dloss.to(grad_h.dtype), grad_w * dloss.to(grad_w.dtype), None, None, None, None
+
+
+linear_xent_op.register_autograd(_backward, setup_context=_setup)
+
+
+def linear_cross_entropy_triton(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100,
+    chunk: int = DEFAULT_CHUNK,
+) -> torch.Tensor:
+    compute_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    return linear_xent_op(hidden, weight, targets, int(ignore_index), compute_grad, int(chunk))[0]
