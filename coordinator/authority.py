@@ -1,0 +1,139 @@
+"""The coordinator's secrets on disk, next to its database: the run CA and the admin credential.
+
+Files (all created on first start; keys and the admin secret are 0600):
+    <db>.ca.key     the CA's private key; also the key of the coordinator's TLS certificate
+    <db>.ca.crt     the CA certificate; self-signed, and also the coordinator's TLS certificate
+    <db>.admin-key  the admin secret that `murmur admin` presents as gRPC metadata
+
+Why the CA certificate doubles as the TLS certificate: a joining node has no certificate and
+no CA yet. Its join token carries the CA's fingerprint; the node reads the certificate the
+coordinator presents, checks the fingerprint, and trusts it (protocol/jointoken.py). The same
+certificate then verifies every node's and every peer's certificate, so there is one root to pin.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import ipaddress
+import os
+import secrets
+from dataclasses import dataclass
+from pathlib import Path
+
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+from murmur.protocol import identity
+from murmur.protocol.jointoken import certificate_fingerprint
+
+from murmur.errors import MurmurError
+
+from .settings import TLS_SERVER_NAME
+
+CA_VALIDITY = dt.timedelta(days=3650)
+
+
+class CredentialError(MurmurError):
+    pass
+
+
+@dataclass(slots=True)
+class Secrets:
+    ca: identity.CertificateAuthority
+    admin_key: str
+    admin_key_path: Path
+    ca_cert_path: Path
+
+    @property
+    def ca_fingerprint(self) -> str:
+        return certificate_fingerprint(self.ca.cert_pem)
+
+    @property
+    def tls_key_pem(self) -> bytes:
+        return identity.key_to_pem(self.ca.key)
+
+
+def paths(db_path: Path) -> tuple[Path, Path, Path]:
+    return (
+        db_path.with_name(db_path.name + ".ca.key"),
+        db_path.with_name(db_path.name + ".ca.crt"),
+        db_path.with_name(db_path.name + ".admin-key"),
+    )
+
+
+def _make_ca_cert(key: identity.PrivateKey, extra_names: list[str]) -> x509.Certificate:
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "murmur coordinator CA")])
+    now = dt.datetime.now(dt.timezone.utc)
+    sans: list[x509.GeneralName] = [x509.DNSName(TLS_SERVER_NAME), x509.DNSName("localhost")]
+    for extra in extra_names:
+        try:
+            sans.append(x509.IPAddress(ipaddress.ip_address(extra)))
+        except ValueError:
+            sans.append(x509.DNSName(extra))
+    sans.append(x509.IPAddress(ipaddress.ip_address("127.0.0.1")))
+    return (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - identity.CLOCK_SKEW)
+        .not_valid_after(now + CA_VALIDITY)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=True,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                key_cert_sign=True,
+                crl_sign=True,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
+        .add_extension(x509.SubjectAlternativeName(sans), critical=False)
+        .add_extension(
+            x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
+            critical=False,
+        )
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+        .sign(key, hashes.SHA256())
+    )
+
+
+def _write_private(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def load_or_create(db_path: Path, host_names: list[str] | None = None) -> Secrets:
+    """Load the CA and the admin secret next to ``db_path``, creating whichever is missing."""
+    key_path, cert_path, admin_path = paths(db_path)
+    if key_path.exists() != cert_path.exists():
+        raise CredentialError(
+            f"only one of {key_path.name} and {cert_path.name} exists next to {db_path}; restore the "
+            "other from a backup (nodes pinned this CA), or move both away to start a new CA"
+        )
+    if key_path.exists():
+        key = identity.key_from_pem(key_path.read_bytes())
+        ca = identity.CertificateAuthority(key, cert_path.read_bytes())
+    else:
+        key = identity.generate_key()
+        cert = _make_ca_cert(key, host_names or [])
+        ca = identity.CertificateAuthority(key, cert)
+        _write_private(key_path, identity.key_to_pem(key))
+        cert_path.write_bytes(ca.cert_pem)
+    if not admin_path.exists():
+        _write_private(admin_path, (secrets.token_urlsafe(32) + "\n").encode())
+    admin_key = admin_path.read_text().strip()
+    if not admin_key:
+        raise CredentialError(f"{admin_path} is empty; delete it and restart to make a new admin key")
+    return Secrets(ca=ca, admin_key=admin_key, admin_key_path=admin_path, ca_cert_path=cert_path)

@@ -1,0 +1,88 @@
+"""`murmur coordinator serve`: run a coordinator on one SQLite file."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from .settings import CoordinatorSettings
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    parser = subparsers.add_parser("coordinator", help="serve a run's coordinator")
+    verbs = parser.add_subparsers(dest="verb", metavar="VERB", required=True)
+    serve = verbs.add_parser(
+        "serve",
+        help="serve the control plane on one SQLite ledger",
+        description="Serve the run's control plane. Prints one JSON line with the bound addresses, the CA "
+        "fingerprint and the admin credential's file, then serves until SIGINT/SIGTERM.",
+    )
+    serve.add_argument("--db", required=True, type=Path, help="the ledger (created on first start)")
+    serve.add_argument(
+        "--listen",
+        default="127.0.0.1:7700",
+        help="public address: join and admin calls, server TLS (default %(default)s)",
+    )
+    serve.add_argument(
+        "--node-listen",
+        default="",
+        help="members' address, mutual TLS (default: the --listen host, port + 1)",
+    )
+    serve.add_argument(
+        "--metrics-listen",
+        default="",
+        help="Prometheus /metrics (default: the --listen host, port + 2; 'off' disables it)",
+    )
+    serve.add_argument(
+        "--advertise-host", default="", help="the host nodes should dial (default: --listen's)"
+    )
+    serve.add_argument(
+        "--dht",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="also be a DHT bootstrap peer and publish this address there",
+    )
+    serve.add_argument("--dht-maddr", action="append", default=[], help="libp2p listen multiaddr of the DHT")
+    d = CoordinatorSettings()
+    for name, help_text in (
+        ("heartbeat_interval_s", "how often nodes heartbeat"),
+        ("heartbeat_ttl_s", "a node silent this long is marked lost"),
+        ("lease_ttl_s", "a lease not renewed this long expires"),
+        ("sweep_interval_s", "how often lost nodes and expired leases are looked for"),
+        ("restart_grace_s", "deadlines are pushed this far out after a restart"),
+        ("token_ttl_s", "default lifetime of a join token"),
+    ):
+        flag = "--" + name.removesuffix("_s").replace("_", "-")
+        serve.add_argument(
+            flag,
+            dest=name,
+            type=float,
+            default=getattr(d, name),
+            help=f"{help_text}, seconds (default %(default)s)",
+        )
+    serve.set_defaults(func=_serve)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from .server import ServeOptions, run  # grpc is imported only when serving
+
+    settings = CoordinatorSettings(
+        heartbeat_interval_s=args.heartbeat_interval_s,
+        heartbeat_ttl_s=args.heartbeat_ttl_s,
+        lease_ttl_s=args.lease_ttl_s,
+        sweep_interval_s=args.sweep_interval_s,
+        restart_grace_s=args.restart_grace_s,
+        token_ttl_s=args.token_ttl_s,
+    )
+    return run(
+        ServeOptions(
+            db=args.db,
+            listen=args.listen,
+            node_listen=args.node_listen,
+            metrics_listen=args.metrics_listen,
+            advertise_host=args.advertise_host,
+            dht=args.dht,
+            dht_maddrs=args.dht_maddr,
+            settings=settings,
+        )
+    )

@@ -1,0 +1,207 @@
+"""Who is in the run: joining with a token, heartbeats, lost nodes, leaving, bans.
+
+Heartbeats are the hottest call (every node, every second), so they touch only memory: the last
+time and throughput per node. The sweeper writes them to the ledger in one transaction every
+``sweep_interval_s`` and then marks silent nodes lost. Losing up to one sweep of heartbeats in a
+crash is harmless: after a restart every deadline is pushed out anyway (Store.push_deadlines).
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from murmur.protocol import identity
+from murmur.protocol.jointoken import JoinToken, JoinTokenError, secret_hash
+
+from murmur.errors import MurmurError
+
+from .leases import Leases
+from .settings import CoordinatorSettings
+from .store import Store
+
+
+class MembershipError(MurmurError):
+    code = "PERMISSION_DENIED"
+
+
+class JoinRefused(MembershipError):
+    pass
+
+
+class NotMember(MembershipError):
+    code = "NOT_FOUND"
+
+
+@dataclass(slots=True)
+class Joined:
+    node_id: str
+    run_id: str
+    cert_pem: bytes
+    config_toml: str
+
+
+class Membership:
+    def __init__(
+        self,
+        store: Store,
+        settings: CoordinatorSettings,
+        ca: identity.CertificateAuthority,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.store = store
+        self.settings = settings
+        self.ca = ca
+        self.clock = clock
+        self._pending: dict[str, tuple[float, float]] = {}  # node id -> (time, tokens/s), not yet stored
+        # The node's run, status and ban state, cached for the hot path; rebuilt on every change.
+        self._nodes: dict[str, tuple[str, str]] = {
+            r["node_id"]: (r["run_id"], r["status"]) for r in store.nodes()
+        }
+        self.leases = Leases(store, settings, last_seen=self.last_seen, clock=clock)
+
+    # --- joining -------------------------------------------------------------------------------
+
+    def join(self, token_text: str, csr_pem: bytes, hardware: dict[str, object], peer_address: str) -> Joined:
+        try:
+            token = JoinToken.parse(token_text)
+        except JoinTokenError as err:
+            raise JoinRefused(str(err)) from None
+        now = self.clock()
+        with self.store.write():
+            row = self.store.token(token.token_id)
+            if row is None or not hmac.compare_digest(row["secret_hash"], secret_hash(token.secret)):
+                raise JoinRefused("join token is not valid for this coordinator; ask the operator for one")
+            if row["revoked"]:
+                raise JoinRefused(f"join token {token.token_id} was revoked; ask the operator for a new one")
+            if row["expires_at"] < now:
+                raise JoinRefused(f"join token {token.token_id} has expired; ask the operator for a new one")
+            if row["uses_left"] <= 0:
+                raise JoinRefused(f"join token {token.token_id} is used up; ask the operator for a new one")
+            run = self.store.run(row["run_id"])
+            assert run is not None
+            if run["state"] == "finished":
+                raise JoinRefused(f"run {run['run_id']} is finished; there is nothing left to join")
+            bans = identity.BanList(self.store.banned())
+            try:
+                cert_pem = self.ca.sign_csr(csr_pem, ban_list=bans)
+            except identity.IdentityError as err:
+                raise JoinRefused(str(err)) from None
+            node_id = identity.node_id_of_certificate(cert_pem)
+            self.store.use_token(token.token_id)
+            self.store.upsert_node(
+                node_id, run["run_id"], cert_pem.decode(), json.dumps(hardware), peer_address, now
+            )
+            self.store.event(
+                "join", run_id=run["run_id"], node_id=node_id, at=now, token=token.token_id, hardware=hardware
+            )
+        self._nodes[node_id] = (run["run_id"], "active")
+        self._pending.pop(node_id, None)
+        return Joined(node_id, run["run_id"], cert_pem, run["config_toml"])
+
+    # --- the hot path --------------------------------------------------------------------------
+
+    def member(self, node_id: str) -> str:
+        """The run of an active member; raises for anyone else (with what to do)."""
+        entry = self._nodes.get(node_id)
+        if entry is None:
+            raise NotMember(f"node {node_id} is not a member of any run; join with a token first")
+        run_id, status = entry
+        if status == "banned":
+            reason = self.store.banned().get(node_id, "")
+            raise MembershipError(f"node {node_id} is banned from run {run_id}: {reason}")
+        if status == "left":
+            raise NotMember(f"node {node_id} left run {run_id}; join again with a token")
+        if status == "lost":
+            # It came back before anyone banned it: welcome it again (its leases are gone).
+            with self.store.write():
+                self.store.set_node_status(node_id, "active")
+                self.store.heartbeat(node_id, self.clock(), 0.0)
+                self.store.event("returned", run_id=run_id, node_id=node_id)
+            self._nodes[node_id] = (run_id, "active")
+        return run_id
+
+    def heartbeat(self, node_id: str, tokens_per_s: float) -> str:
+        run_id = self.member(node_id)
+        self._pending[node_id] = (self.clock(), tokens_per_s if tokens_per_s >= 0 else 0.0)
+        return run_id
+
+    def last_seen(self, node_id: str) -> float | None:
+        entry = self._pending.get(node_id)
+        return entry[0] if entry else None
+
+    def flush(self) -> int:
+        """Store the heartbeats received since the last flush and renew their leases."""
+        if not self._pending:
+            return 0
+        pending, self._pending = self._pending, {}
+        with self.store.write():
+            for node_id, (at, tps) in pending.items():
+                self.store.heartbeat(node_id, at, tps)
+                self.store.renew_leases(node_id, at + self.settings.lease_ttl_s)
+        return len(pending)
+
+    def sweep(self) -> tuple[list[str], int]:
+        """Flush heartbeats, mark silent nodes lost (their leases go back), expire stale leases."""
+        self.flush()
+        now = self.clock()
+        lost = []
+        for row in self.store.silent_nodes(now - self.settings.heartbeat_ttl_s):
+            node_id = row["node_id"]
+            with self.store.write():
+                self.store.set_node_status(node_id, "lost")
+                self.store.event(
+                    "lost",
+                    run_id=row["run_id"],
+                    node_id=node_id,
+                    at=now,
+                    silent_s=round(now - row["last_heartbeat"], 3),
+                )
+                self.leases.drop_all(node_id, "lease_expired")
+            self._nodes[node_id] = (row["run_id"], "lost")
+            lost.append(node_id)
+        expired = self.leases.expire()
+        return lost, len(expired)
+
+    # --- leaving and bans ----------------------------------------------------------------------
+
+    def leave(self, node_id: str, reason: str) -> int:
+        run_id = self.member(node_id)
+        self._pending.pop(node_id, None)
+        with self.store.write():
+            released = self.leases.drop_all(node_id, "lease_released")
+            self.store.set_node_status(node_id, "left")
+            self.store.event("leave", run_id=run_id, node_id=node_id, reason=reason[:200])
+        self._nodes[node_id] = (run_id, "left")
+        return released
+
+    def ban(self, node_id: str, reason: str) -> None:
+        row = self.store.node(node_id)
+        if row is None:
+            raise NotMember(f"no node {node_id}; `murmur admin nodes list` shows the ids")
+        self._pending.pop(node_id, None)
+        with self.store.write():
+            self.leases.drop_all(node_id, "lease_released")
+            self.store.set_node_status(node_id, "banned", reason or "banned by the run's admin")
+            self.store.bump("ban_version")
+            self.store.event("ban", run_id=row["run_id"], node_id=node_id, reason=reason)
+        self._nodes[node_id] = (row["run_id"], "banned")
+
+    def unban(self, node_id: str) -> None:
+        row = self.store.node(node_id)
+        if row is None:
+            raise NotMember(f"no node {node_id}; `murmur admin nodes list` shows the ids")
+        if row["status"] != "banned":
+            raise MembershipError(f"node {node_id} is not banned (it is {row['status']})")
+        with self.store.write():
+            # Unbanned nodes come back as "left": they rejoin with a token like anyone else.
+            self.store.set_node_status(node_id, "left", "")
+            self.store.bump("ban_version")
+            self.store.event("unban", run_id=row["run_id"], node_id=node_id)
+        self._nodes[node_id] = (row["run_id"], "left")
+
+    def ban_list(self) -> tuple[int, list[str]]:
+        return self.store.counter("ban_version"), sorted(self.store.banned())

@@ -1,0 +1,223 @@
+"""The coordinator process: one asyncio loop owning the gRPC server, the sweeper and /metrics.
+
+Two gRPC listeners share one server and one servicer:
+  public  (``--listen``)       server-side TLS: Join and the admin calls;
+  node    (``--node-listen``)  mutual TLS with the run CA: heartbeats, leases, commits.
+On start it prints one JSON line on stdout (``{"event": "listening", ...}``) with every bound
+address, so scripts and tests can bind port 0 and read what they got.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import signal
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from murmur.protocol import coordinator_pb2_grpc as pb_grpc
+
+from murmur.errors import MurmurError
+
+from . import authority
+from .membership import Membership
+from .metrics import MetricsServer, render
+from .runs import Runs
+from .service import CoordinatorService
+from .settings import CoordinatorSettings
+from .store import Store
+
+
+class ServeError(MurmurError):
+    pass
+
+
+@dataclass(kw_only=True, slots=True)
+class ServeOptions:
+    db: Path
+    listen: str = "127.0.0.1:7700"
+    node_listen: str = ""  # default: the listen host, port + 1 (port 0 stays 0)
+    metrics_listen: str = ""  # default: the listen host, port + 2; "off" disables it
+    advertise_host: str = ""  # the host nodes should dial; default: the listen host (127.0.0.1 for 0.0.0.0)
+    dht: bool = False
+    dht_maddrs: list[str] = field(default_factory=list)
+    settings: CoordinatorSettings = field(default_factory=CoordinatorSettings)
+
+
+def split_address(address: str, what: str) -> tuple[str, int]:
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
+        raise ServeError(f"{what} {address!r} must look like HOST:PORT (PORT 0 picks a free one)")
+    return host, int(port)
+
+
+def _derived(listen: str, given: str, offset: int, what: str) -> str:
+    if given:
+        split_address(given, what)
+        return given
+    host, port = split_address(listen, "--listen")
+    return f"{host}:{port + offset if port else 0}"
+
+
+class Coordinator:
+    def __init__(self, options: ServeOptions, clock: Callable[[], float] = time.time) -> None:
+        self.options = options
+        self.settings = options.settings
+        self.store = Store(options.db)
+        problems = self.store.check_consistency()
+        for problem in problems:  # never expected; shown loudly rather than refusing to start
+            print(f"warning: ledger inconsistency: {problem}", file=sys.stderr)
+        with self.store.write():
+            self.store.push_deadlines(clock(), self.settings.restart_grace_s)
+            self.store.event(
+                "coordinator_started",
+                schema=self.store.schema_version(),
+                migrated_from=self.store.migrated_from,
+            )
+        host = split_address(options.listen, "--listen")[0]
+        self.secrets = authority.load_or_create(options.db, [h for h in {host, options.advertise_host} if h])
+        self.membership = Membership(self.store, self.settings, self.secrets.ca, clock=clock)
+        self.runs = Runs(self.store, self.settings, self.secrets.ca_fingerprint, clock=clock)
+        self.service = CoordinatorService(
+            self.store,
+            self.settings,
+            self.membership,
+            self.runs,
+            self.secrets.admin_key,
+            self.secrets.ca.cert_pem,
+        )
+        self.metrics = MetricsServer(
+            lambda: render(self.store, self.service.stats, lambda: len(self.membership._pending))
+        )
+        self.server: grpc.aio.Server | None = None
+        self.dht: object | None = None
+        self._stop = asyncio.Event()
+
+    async def start(self) -> dict[str, object]:
+        opts, s = self.options, self.settings
+        self.server = grpc.aio.server(
+            options=[
+                ("grpc.max_receive_message_length", s.max_message_bytes),
+                ("grpc.max_send_message_length", s.max_message_bytes),
+            ]
+        )
+        pb_grpc.add_CoordinatorServicer_to_server(self.service, self.server)
+        pair = [(self.secrets.tls_key_pem, self.secrets.ca.cert_pem)]
+        public_creds = grpc.ssl_server_credentials(pair)
+        node_creds = grpc.ssl_server_credentials(
+            pair, root_certificates=self.secrets.ca.cert_pem, require_client_auth=True
+        )
+        host, _ = split_address(opts.listen, "--listen")
+        node_listen = _derived(opts.listen, opts.node_listen, 1, "--node-listen")
+        try:
+            port = self.server.add_secure_port(opts.listen, public_creds)
+            node_port = self.server.add_secure_port(node_listen, node_creds)
+        except RuntimeError as err:
+            raise ServeError(
+                f"cannot listen on {opts.listen} / {node_listen}: {err}; is the port taken?"
+            ) from None
+        await self.server.start()
+        advertise = opts.advertise_host or ("127.0.0.1" if host in ("0.0.0.0", "[::]", "::") else host)
+        self.service.node_address = f"{advertise}:{node_port}"
+        metrics_address = ""
+        if opts.metrics_listen != "off":
+            mhost, mport = split_address(
+                _derived(opts.listen, opts.metrics_listen, 2, "--metrics-listen"), "--metrics-listen"
+            )
+            try:
+                mport = await self.metrics.start(mhost, mport)
+            except OSError as err:
+                raise ServeError(f"cannot serve metrics on {mhost}:{mport}: {err}") from None
+            metrics_address = f"{mhost}:{mport}"
+        if opts.dht:
+            self.service.bootstrap_peers = await self._start_dht(f"{advertise}:{port}")
+        return {
+            "event": "listening",
+            "address": f"{advertise}:{port}",
+            "node_address": self.service.node_address,
+            "metrics": metrics_address,
+            "ca_fingerprint": self.secrets.ca_fingerprint,
+            "ca_cert_file": str(self.secrets.ca_cert_path),
+            "admin_key_file": str(self.secrets.admin_key_path),
+            "dht": self.service.bootstrap_peers,
+            "schema_version": self.store.schema_version(),
+            "migrated_from": self.store.migrated_from,
+        }
+
+    async def _start_dht(self, address: str) -> list[str]:
+        # hivemind is imported only when asked for (the DHT adapter lives in protocol/dht.py).
+        try:
+            from murmur.protocol import dht as dht_adapter  # type: ignore[attr-defined]
+        except ImportError as err:
+            raise ServeError(
+                f"--dht needs murmur.protocol.dht, which is not available ({err}); start with --no-dht"
+            ) from None
+        self.dht, peers = await dht_adapter.start_coordinator_dht(
+            address=address, host_maddrs=self.options.dht_maddrs, timeout_s=self.settings.dht_start_timeout_s
+        )
+        return list(peers)
+
+    async def sweeper(self) -> None:
+        while not self._stop.is_set():
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._stop.wait(), self.settings.sweep_interval_s)
+            try:
+                self.membership.sweep()
+            except Exception as err:  # noqa: BLE001 - a failed sweep must not kill the coordinator
+                print(f"warning: sweep failed: {err!r}", file=sys.stderr)
+
+    def request_stop(self) -> None:
+        self._stop.set()
+
+    async def serve(self, ready: Callable[[dict[str, object]], None]) -> None:
+        info = await self.start()
+        ready(info)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.add_signal_handler(sig, self.request_stop)
+        sweeper = asyncio.create_task(self.sweeper())
+        try:
+            await self._stop.wait()
+        finally:
+            await self.close(sweeper)
+
+    async def close(self, sweeper: asyncio.Task[None] | None = None) -> None:
+        self._stop.set()
+        if self.server is not None:
+            await self.server.stop(self.settings.grpc_grace_s)
+        if sweeper is not None:
+            await sweeper
+        await self.metrics.stop()
+        if self.dht is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.to_thread(self.dht.shutdown)  # type: ignore[attr-defined]
+        self.membership.flush()
+        with self.store.write():
+            self.store.event("coordinator_stopped")
+        self.store.close()
+
+
+def run(options: ServeOptions) -> int:
+    async def main() -> None:
+        coordinator = Coordinator(options)
+
+        def ready(info: dict[str, object]) -> None:
+            print(json.dumps(info), flush=True)
+            print(
+                f"murmur coordinator: serving {info['address']} (nodes: {info['node_address']}, metrics: "
+                f"{info['metrics'] or 'off'})\n  CA fingerprint {info['ca_fingerprint']}\n"
+                f"  admin credential {info['admin_key_file']}",
+                file=sys.stderr,
+                flush=True,
+            )
+
+        await coordinator.serve(ready)
+
+    asyncio.run(main())
+    return 0

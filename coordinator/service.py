@@ -1,0 +1,497 @@
+"""The gRPC handlers: authenticate, translate protobuf <-> the ledger's calls, map errors to statuses.
+
+Kept thin on purpose: the rules live in membership.py, leases.py and runs.py.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import grpc
+from murmur.protocol import coordinator_pb2 as pb
+from murmur.protocol import coordinator_pb2_grpc as pb_grpc
+from murmur.protocol.version import VERSION_METADATA_KEY, VersionMismatch, check_version
+
+from murmur.errors import MurmurError
+
+from .leases import Progress
+from .membership import Membership
+from .runs import NotFound, RunError, Runs
+from .settings import ADMIN_METADATA_KEY, TLS_SERVER_NAME, CoordinatorSettings
+from .store import Store
+
+T = TypeVar("T")
+
+
+class Stats:
+    """Per-method call counts and errors, for the metrics endpoint."""
+
+    def __init__(self) -> None:
+        self.calls: dict[str, int] = {}
+        self.errors: dict[str, int] = {}
+
+    def count(self, method: str, ok: bool) -> None:
+        self.calls[method] = self.calls.get(method, 0) + 1
+        if not ok:
+            self.errors[method] = self.errors.get(method, 0) + 1
+
+
+def _metadata(context: grpc.aio.ServicerContext) -> dict[str, str]:
+    return {k: v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)}
+
+
+class CoordinatorService(pb_grpc.CoordinatorServicer):
+    def __init__(
+        self,
+        store: Store,
+        settings: CoordinatorSettings,
+        membership: Membership,
+        runs: Runs,
+        admin_key: str,
+        ca_cert_pem: bytes,
+    ) -> None:
+        self.store = store
+        self.settings = settings
+        self.membership = membership
+        self.leases = membership.leases
+        self.runs = runs
+        self.admin_key = admin_key
+        self.ca_cert_pem = ca_cert_pem
+        self.node_address = ""  # set by the server once bound
+        self.bootstrap_peers: list[str] = []
+        self.stats = Stats()
+
+    # --- plumbing ------------------------------------------------------------------------------
+
+    async def _run(self, method: str, context: grpc.aio.ServicerContext, fn: Callable[[], T]) -> T:
+        """Check the protocol version, run ``fn``, and turn a MurmurError into a one-line gRPC status."""
+        try:
+            check_version(_metadata(context).get(VERSION_METADATA_KEY), who="client")
+            result = fn()
+        except VersionMismatch as err:
+            self.stats.count(method, False)
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(err))
+        except MurmurError as err:
+            self.stats.count(method, False)
+            code = getattr(grpc.StatusCode, getattr(err, "code", "INVALID_ARGUMENT"))
+            await context.abort(code, str(err))
+        self.stats.count(method, True)
+        return result
+
+    def _admin(self, context: grpc.aio.ServicerContext) -> None:
+        given = _metadata(context).get(ADMIN_METADATA_KEY)
+        if not given:
+            raise _Unauthenticated(
+                "this call needs the admin credential: pass --admin-key FILE (the coordinator wrote it "
+                "next to its database as <db>.admin-key) or set MURMUR_ADMIN_KEY"
+            )
+        if not hmac.compare_digest(given.encode(), self.admin_key.encode()):
+            raise _Denied("the admin credential is wrong: use the <db>.admin-key file of this coordinator")
+
+    def _node(self, context: grpc.aio.ServicerContext) -> tuple[str, str]:
+        """(node id, run id) of the caller, from the certificate the mutual-TLS handshake verified."""
+        auth = context.auth_context()
+        names = auth.get("x509_common_name") or []
+        if not names:
+            raise _Unauthenticated(
+                "member calls need the node certificate: call the coordinator's node address "
+                "(the join reply names it) with mutual TLS"
+            )
+        node_id = names[0].decode()
+        return node_id, self.membership.member(node_id)
+
+    # --- joining -------------------------------------------------------------------------------
+
+    async def Join(self, request: pb.JoinRequest, context: grpc.aio.ServicerContext) -> pb.JoinReply:
+        def call() -> pb.JoinReply:
+            hw = request.hardware
+            joined = self.membership.join(
+                request.token,
+                bytes(request.csr_pem),
+                {
+                    "device": hw.device[:100],
+                    "cpu_cores": hw.cpu_cores,
+                    "memory_bytes": hw.memory_bytes,
+                    "accelerator_memory_bytes": hw.accelerator_memory_bytes,
+                },
+                request.peer_address[:200],
+            )
+            s = self.settings
+            return pb.JoinReply(
+                node_id=joined.node_id,
+                run_id=joined.run_id,
+                certificate_pem=joined.cert_pem,
+                ca_certificate_pem=self.ca_cert_pem,
+                config_toml=joined.config_toml,
+                bootstrap_peers=self.bootstrap_peers,
+                node_address=self.node_address,
+                heartbeat_interval_s=s.heartbeat_interval_s,
+                heartbeat_ttl_s=s.heartbeat_ttl_s,
+                lease_ttl_s=s.lease_ttl_s,
+                tls_server_name=TLS_SERVER_NAME,
+            )
+
+        return await self._run("Join", context, call)
+
+    # --- members -------------------------------------------------------------------------------
+
+    async def Heartbeat(
+        self, request: pb.HeartbeatRequest, context: grpc.aio.ServicerContext
+    ) -> pb.HeartbeatReply:
+        def call() -> pb.HeartbeatReply:
+            node_id, run_id = self._node(context)
+            self.membership.heartbeat(node_id, request.tokens_per_s)
+            run = self.store.run(run_id)
+            reply = pb.HeartbeatReply(
+                run_state=run["state"] if run else "finished",
+                heartbeat_interval_s=self.settings.heartbeat_interval_s,
+                lease_ttl_s=self.settings.lease_ttl_s,
+            )
+            version = self.store.counter("ban_version")
+            if version != request.ban_list_version:
+                reply.ban_list_changed = True
+                reply.ban_list.version = version
+                reply.ban_list.node_ids.extend(sorted(self.store.banned()))
+            return reply
+
+        return await self._run("Heartbeat", context, call)
+
+    async def AcquireLease(
+        self, request: pb.AcquireLeaseRequest, context: grpc.aio.ServicerContext
+    ) -> pb.AcquireLeaseReply:
+        def call() -> pb.AcquireLeaseReply:
+            node_id, run_id = self._node(context)
+            shard, reason = self.leases.acquire(run_id, node_id)
+            if shard is None:
+                return pb.AcquireLeaseReply(granted=False, reason=reason)
+            return pb.AcquireLeaseReply(
+                granted=True,
+                lease=pb.Lease(
+                    lease_id=shard.lease_id,
+                    shard_id=shard.shard_id,
+                    shard_name=shard.name,
+                    start_offset=shard.committed_offset,
+                    end_offset=shard.tokens,
+                    expires_at=shard.lease_expiry or 0.0,
+                ),
+            )
+
+        return await self._run("AcquireLease", context, call)
+
+    async def Commit(self, request: pb.CommitRequest, context: grpc.aio.ServicerContext) -> pb.CommitReply:
+        def call() -> pb.CommitReply:
+            node_id, run_id = self._node(context)
+            result = self.leases.commit(
+                run_id,
+                node_id,
+                request.lease_id,
+                request.shard_id,
+                request.start_offset,
+                request.end_offset,
+                Progress(request.outer_step, request.loss, request.bytes_sent, request.seconds),
+            )
+            return pb.CommitReply(
+                duplicate=result.duplicate,
+                committed_offset=result.committed_offset,
+                shard_done=result.shard_done,
+            )
+
+        return await self._run("Commit", context, call)
+
+    async def ReleaseLease(
+        self, request: pb.ReleaseLeaseRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ReleaseLeaseReply:
+        def call() -> pb.ReleaseLeaseReply:
+            node_id, _ = self._node(context)
+            return pb.ReleaseLeaseReply(committed_offset=self.leases.release(node_id, request.lease_id))
+
+        return await self._run("ReleaseLease", context, call)
+
+    async def ReportCheckpoint(
+        self, request: pb.ReportCheckpointRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ReportCheckpointReply:
+        def call() -> pb.ReportCheckpointReply:
+            node_id, run_id = self._node(context)
+            if request.step < 0 or not request.location or len(request.location) > 1000:
+                raise RunError("a checkpoint needs a non-negative step and a location of at most 1000 chars")
+            with self.store.write():
+                self.store.insert_checkpoint(
+                    run_id, request.step, request.location, request.sha256[:128], node_id, time.time()
+                )
+                self.store.event(
+                    "checkpoint", run_id=run_id, node_id=node_id, step=request.step, location=request.location
+                )
+            return pb.ReportCheckpointReply()
+
+        return await self._run("ReportCheckpoint", context, call)
+
+    async def Leave(self, request: pb.LeaveRequest, context: grpc.aio.ServicerContext) -> pb.LeaveReply:
+        def call() -> pb.LeaveReply:
+            node_id, _ = self._node(context)
+            return pb.LeaveReply(leases_released=self.membership.leave(node_id, request.reason))
+
+        return await self._run("Leave", context, call)
+
+    async def GetBanList(
+        self, request: pb.GetBanListRequest, context: grpc.aio.ServicerContext
+    ) -> pb.BanList:
+        def call() -> pb.BanList:
+            self._node(context)
+            version, ids = self.membership.ban_list()
+            return pb.BanList(version=version, node_ids=ids)
+
+        return await self._run("GetBanList", context, call)
+
+    # --- admin ---------------------------------------------------------------------------------
+
+    def _admin_call(
+        self, method: str, context: grpc.aio.ServicerContext, fn: Callable[[], T]
+    ) -> Awaitable[T]:
+        def call() -> T:
+            self._admin(context)
+            return fn()
+
+        return self._run(method, context, call)
+
+    def _run_info(self, run_id: str) -> pb.RunInfo:
+        row = self.runs.get(run_id)
+        totals = self.store.run_totals(run_id)
+        last = self.store.last_round(run_id)
+        return pb.RunInfo(
+            run_id=row["run_id"],
+            name=row["name"],
+            state=row["state"],
+            created_at=row["created_at"],
+            config_toml=row["config_toml"],
+            shards_total=totals["shards_total"],
+            shards_done=totals["shards_done"],
+            tokens_total=totals["tokens_total"],
+            tokens_committed=totals["tokens_committed"],
+            outer_step=last["outer_step"] if last else 0,
+            nodes_active=self.store.nodes_by_status(run_id).get("active", 0),
+        )
+
+    def _node_info(self, row: Any, full: bool = False) -> pb.NodeInfo:
+        hw = json.loads(row["hardware_json"] or "{}")
+        tokens, sent = self.store.node_totals(row["node_id"])
+        seen = self.membership.last_seen(row["node_id"])
+        info = pb.NodeInfo(
+            node_id=row["node_id"],
+            run_id=row["run_id"],
+            status=row["status"],
+            joined_at=row["joined_at"],
+            last_heartbeat=max(row["last_heartbeat"], seen or 0.0),
+            tokens_per_s=row["tokens_per_s"],
+            peer_address=row["peer_address"],
+            tokens_committed=tokens,
+            bytes_sent=sent,
+            shards_held=[s.shard_id for s in self.store.shards_held(row["node_id"])],
+            ban_reason=row["ban_reason"],
+            hardware=pb.Hardware(
+                device=str(hw.get("device", "")),
+                cpu_cores=int(hw.get("cpu_cores", 0)),
+                memory_bytes=int(hw.get("memory_bytes", 0)),
+                accelerator_memory_bytes=int(hw.get("accelerator_memory_bytes", 0)),
+            ),
+        )
+        if full:
+            info.certificate_pem = row["cert_pem"]
+        return info
+
+    def _token_info(self, row: Any) -> pb.TokenInfo:
+        return pb.TokenInfo(
+            token_id=row["token_id"],
+            run_id=row["run_id"],
+            created_at=row["created_at"],
+            expires_at=row["expires_at"],
+            uses_left=row["uses_left"],
+            max_uses=row["max_uses"],
+            revoked=bool(row["revoked"]),
+            note=row["note"],
+        )
+
+    def _default_run(self, run_id: str) -> str:
+        if run_id:
+            return run_id
+        runs = self.store.runs()
+        if len(runs) == 1:
+            return runs[0]["run_id"]
+        if not runs:
+            raise NotFound("there is no run yet; create one with `murmur admin runs create --config FILE`")
+        raise RunError(f"there are {len(runs)} runs; name one with --run")
+
+    async def CreateRun(self, request: pb.CreateRunRequest, context: grpc.aio.ServicerContext) -> pb.RunInfo:
+        return await self._admin_call(
+            "CreateRun",
+            context,
+            lambda: self._run_info(
+                self.runs.create(request.config_toml, request.manifest_json, request.run_id)
+            ),
+        )
+
+    async def ListRuns(self, request: pb.ListRunsRequest, context: grpc.aio.ServicerContext) -> pb.RunList:
+        return await self._admin_call(
+            "ListRuns",
+            context,
+            lambda: pb.RunList(runs=[self._run_info(r["run_id"]) for r in self.store.runs()]),
+        )
+
+    async def ShowRun(self, request: pb.RunRef, context: grpc.aio.ServicerContext) -> pb.RunInfo:
+        return await self._admin_call(
+            "ShowRun", context, lambda: self._run_info(self._default_run(request.run_id))
+        )
+
+    async def SetRunState(
+        self, request: pb.SetRunStateRequest, context: grpc.aio.ServicerContext
+    ) -> pb.RunInfo:
+        def call() -> pb.RunInfo:
+            run_id = self._default_run(request.run_id)
+            self.runs.set_state(run_id, request.state)
+            return self._run_info(run_id)
+
+        return await self._admin_call("SetRunState", context, call)
+
+    async def CreateToken(
+        self, request: pb.CreateTokenRequest, context: grpc.aio.ServicerContext
+    ) -> pb.CreateTokenReply:
+        def call() -> pb.CreateTokenReply:
+            new = self.runs.create_token(
+                self._default_run(request.run_id), request.ttl_s, request.uses, request.note
+            )
+            row = self.store.token(new.token_id)
+            return pb.CreateTokenReply(info=self._token_info(row), token=new.token)
+
+        return await self._admin_call("CreateToken", context, call)
+
+    async def ListTokens(
+        self, request: pb.ListTokensRequest, context: grpc.aio.ServicerContext
+    ) -> pb.TokenList:
+        return await self._admin_call(
+            "ListTokens",
+            context,
+            lambda: pb.TokenList(tokens=[self._token_info(r) for r in self.store.tokens(request.run_id)]),
+        )
+
+    async def RevokeToken(
+        self, request: pb.RevokeTokenRequest, context: grpc.aio.ServicerContext
+    ) -> pb.TokenInfo:
+        def call() -> pb.TokenInfo:
+            self.runs.revoke_token(request.token_id)
+            return self._token_info(self.store.token(request.token_id))
+
+        return await self._admin_call("RevokeToken", context, call)
+
+    async def ListNodes(self, request: pb.ListNodesRequest, context: grpc.aio.ServicerContext) -> pb.NodeList:
+        return await self._admin_call(
+            "ListNodes",
+            context,
+            lambda: pb.NodeList(
+                nodes=[self._node_info(r) for r in self.store.nodes(request.run_id, request.status)]
+            ),
+        )
+
+    def _node_row(self, node_id: str) -> Any:
+        row = self.store.node(node_id)
+        if row is None:
+            raise NotFound(f"no node {node_id!r}; `murmur admin nodes list` shows the ids")
+        return row
+
+    async def ShowNode(self, request: pb.NodeRef, context: grpc.aio.ServicerContext) -> pb.NodeInfo:
+        return await self._admin_call(
+            "ShowNode", context, lambda: self._node_info(self._node_row(request.node_id), full=True)
+        )
+
+    async def BanNode(self, request: pb.BanRequest, context: grpc.aio.ServicerContext) -> pb.NodeInfo:
+        def call() -> pb.NodeInfo:
+            self._node_row(request.node_id)
+            self.membership.ban(request.node_id, request.reason[:200])
+            return self._node_info(self._node_row(request.node_id))
+
+        return await self._admin_call("BanNode", context, call)
+
+    async def UnbanNode(self, request: pb.NodeRef, context: grpc.aio.ServicerContext) -> pb.NodeInfo:
+        def call() -> pb.NodeInfo:
+            self._node_row(request.node_id)
+            self.membership.unban(request.node_id)
+            return self._node_info(self._node_row(request.node_id))
+
+        return await self._admin_call("UnbanNode", context, call)
+
+    async def ListShards(
+        self, request: pb.ListShardsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ShardList:
+        def call() -> pb.ShardList:
+            run_id = self._default_run(request.run_id)
+            self.runs.get(run_id)
+            return pb.ShardList(
+                shards=[
+                    pb.ShardInfo(
+                        shard_id=s.shard_id,
+                        name=s.name,
+                        tokens=s.tokens,
+                        committed_offset=s.committed_offset,
+                        holder=s.holder or "",
+                        lease_expires_at=s.lease_expiry or 0.0,
+                        done=s.done,
+                    )
+                    for s in self.store.shards(run_id)
+                ]
+            )
+
+        return await self._admin_call("ListShards", context, call)
+
+    async def ListEvents(
+        self, request: pb.ListEventsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.EventList:
+        def call() -> pb.EventList:
+            limit = request.limit if 0 < request.limit <= 10_000 else 100
+            rows = self.store.events(
+                run_id=request.run_id, after_seq=request.after_seq, limit=limit, kind=request.kind
+            )
+            return pb.EventList(
+                events=[
+                    pb.Event(
+                        seq=r["seq"],
+                        at=r["at"],
+                        run_id=r["run_id"],
+                        kind=r["kind"],
+                        node_id=r["node_id"],
+                        detail=r["detail_json"],
+                    )
+                    for r in rows
+                ]
+            )
+
+        return await self._admin_call("ListEvents", context, call)
+
+    async def Status(self, request: pb.StatusRequest, context: grpc.aio.ServicerContext) -> pb.StatusReply:
+        def call() -> pb.StatusReply:
+            run_id = self._default_run(request.run_id)
+            info = self._run_info(run_id)
+            now = time.time()
+            window = self.settings.tokens_per_s_window_s
+            tokens, first = self.store.committed_since(run_id, now - window)
+            last = self.store.last_round(run_id)
+            return pb.StatusReply(
+                run=info,
+                nodes=[self._node_info(r) for r in self.store.nodes(run_id)],
+                last_loss=(last["loss_sum"] / last["commits"]) if last else 0.0,
+                tokens_per_s=tokens / max(now - first, 1.0) if first is not None else 0.0,
+                bytes_sent=self.store.bytes_sent(run_id),
+                rounds=self.store.round_count(run_id),
+                nodes_by_status=self.store.nodes_by_status(run_id),
+            )
+
+        return await self._admin_call("Status", context, call)
+
+
+class _Unauthenticated(MurmurError):
+    code = "UNAUTHENTICATED"
+
+
+class _Denied(MurmurError):
+    code = "PERMISSION_DENIED"

@@ -1,0 +1,67 @@
+"""Every timeout and limit of the coordinator, named, with its default and why.
+
+How to choose them (docs/coordinator.md has the long version):
+* heartbeat_interval_s: how often nodes report. 1 s is cheap (a thousand nodes are a thousand
+  small writes per second) and lets a lost node be noticed within seconds.
+* heartbeat_ttl_s: a node that has not reported for this long is marked lost. Several intervals,
+  so one delayed packet or a GC pause does not evict a node.
+* lease_ttl_s: a lease not renewed (heartbeats renew every lease a node holds) for this long
+  expires and the shard goes back to the pool from its last committed offset. It is the upper
+  bound on how long a vanished node's shard sits idle.
+* restart_grace_s: after the coordinator restarts, every lease and heartbeat deadline is pushed
+  to at least now + this, because nobody could renew while it was down.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from murmur.errors import MurmurError
+
+ADMIN_METADATA_KEY = "murmur-admin-key"
+TLS_SERVER_NAME = "murmur-coordinator"  # the DNS SAN of the coordinator's certificate
+
+
+class SettingsError(MurmurError):
+    pass
+
+
+@dataclass(kw_only=True, slots=True)
+class CoordinatorSettings:
+    heartbeat_interval_s: float = 1.0
+    heartbeat_ttl_s: float = 10.0
+    lease_ttl_s: float = 30.0
+    sweep_interval_s: float = 0.5  # how often lost nodes and expired leases are looked for
+    restart_grace_s: float = 30.0
+    token_ttl_s: float = 24 * 3600.0  # default lifetime of a join token
+    token_uses: int = 1  # default number of nodes one token admits
+    max_message_bytes: int = 4 * 1024 * 1024  # configs and manifests are small; refuse anything bigger
+    max_config_bytes: int = 256 * 1024
+    max_shards: int = 1_000_000
+    tokens_per_s_window_s: float = 60.0  # the window `status` averages throughput over
+    grpc_grace_s: float = 2.0  # in-flight calls get this long on shutdown
+    dht_start_timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        for name in (
+            "heartbeat_interval_s",
+            "heartbeat_ttl_s",
+            "lease_ttl_s",
+            "sweep_interval_s",
+            "token_ttl_s",
+            "tokens_per_s_window_s",
+        ):
+            if getattr(self, name) <= 0:
+                raise SettingsError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.heartbeat_ttl_s < self.heartbeat_interval_s:
+            raise SettingsError(
+                f"heartbeat_ttl_s ({self.heartbeat_ttl_s}) must be at least heartbeat_interval_s "
+                f"({self.heartbeat_interval_s}), or every node is lost between two heartbeats"
+            )
+        if self.lease_ttl_s < self.heartbeat_interval_s:
+            raise SettingsError(
+                f"lease_ttl_s ({self.lease_ttl_s}) must be at least heartbeat_interval_s "
+                f"({self.heartbeat_interval_s}): heartbeats are what renew leases"
+            )
+        if self.token_uses < 1:
+            raise SettingsError("token_uses must be at least 1")
