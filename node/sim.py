@@ -1,0 +1,383 @@
+"""`murmur sim`: K workers of a low-communication run in one process, on one device.
+
+Each worker is a real replica (model, AdamW, data loader on its own shards as the coordinator
+would lease them) driven by the same `optim` sync code a node runs, in its own thread; the
+workers meet in an `InProcessGroup`, which counts every payload byte by codec. Worker 0 reports a
+progress line per outer step (every H inner steps) and evaluates on the validation split.
+
+    murmur sim --config RUN.toml --workers 8 --algorithm diloco --inner-steps 100 --codec int4 --out runs/x
+
+``--out`` gets sim.json (config, curves of validation loss against steps, tokens and bytes, the
+summary) and sim.png (validation loss against bytes sent per worker, log scale).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from murmur.errors import MurmurError
+from murmur.node.data import BatchLoader, Dataset, Position, eval_batches
+from murmur.node.train import autocast, build_model_from_config, evaluate, resolve_device
+from murmur.optim.exchange import ExchangeError
+from murmur.optim.factory import build_sync, check_sync_config, make_aggregator_for, make_codec_for
+from murmur.optim.inner import lr_at, make_inner_optimizer, set_lr
+from murmur.optim.inprocess import InProcessGroup
+from murmur.optim.sync import SyncAlgorithm
+from murmur.protocol.runconfig import RunConfig, apply_override, config_from_dict, load_config
+
+JOIN_POLL_S = 0.5  # how often the main thread looks up from joining workers (lets Ctrl+C through)
+
+Batches = Iterator[tuple[torch.Tensor, torch.Tensor]]
+
+
+class SimError(MurmurError):
+    pass
+
+
+@dataclass(slots=True)
+class Worker:
+    """One replica and its training step, as a node's trainer runs it."""
+
+    peer: str
+    model: torch.nn.Module
+    opt: torch.optim.Optimizer
+    sync: SyncAlgorithm
+    batches: Batches
+    cfg: RunConfig
+    device: torch.device
+
+    def step(self, step: int, total_steps: int) -> torch.Tensor:
+        lr = lr_at(step, total_steps, self.cfg.optim)
+        set_lr(self.opt, lr)
+        x, y = next(self.batches)
+        with autocast(self.device, self.cfg.train.dtype):
+            loss = self.model(x.to(self.device), y.to(self.device))
+        loss.backward()
+        self.sync.before_optimizer_step(step)
+        if self.sync.replaces_optimizer:
+            self.sync.optimizer_step(step, lr)
+        else:
+            if self.cfg.optim.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.optim.grad_clip)
+            self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        self.sync.after_optimizer_step(step)
+        return loss.detach()
+
+
+def build_workers(
+    cfg: RunConfig,
+    k: int,
+    device: torch.device,
+    batches_for: Callable[[int, int], Batches],
+    vocab_size: int,
+) -> tuple[list[Worker], InProcessGroup]:
+    """K replicas with the same initial weights (the run seed), each with its own data."""
+    check_sync_config(cfg.sync)
+    peers = [f"w{i:03d}" for i in range(k)]
+    group = InProcessGroup(peers, lambda: make_codec_for(cfg.sync), make_aggregator_for(cfg.sync))
+    workers = []
+    for i, peer in enumerate(peers):
+        model = build_model_from_config(cfg, vocab_size, device)
+        opt = make_inner_optimizer(model, cfg.optim)
+        sync = build_sync(
+            cfg.sync, list(model.named_parameters()), group.exchange(peer), weight_decay=cfg.optim.weight_decay
+        )
+        workers.append(Worker(peer, model, opt, sync, batches_for(i, k), cfg, device))
+    return workers, group
+
+
+def worker_loaders(dataset: Dataset, batch: int, seq_len: int) -> Callable[[int, int], Batches]:
+    """Worker i of k reads shards i, i+k, ...; with fewer shards than workers, workers share a
+    shard and start at evenly spaced offsets of it (disjoint leases of one shard)."""
+
+    def make(i: int, k: int) -> Batches:
+        n = dataset.num_shards
+        if n >= k:
+            return BatchLoader(dataset, list(range(i, n, k)), batch, seq_len)
+        shard, share = i % n, math.ceil(k / n)
+        slot = i // n
+        span = batch * seq_len
+        offset = (dataset.shard_size(shard) // share) * slot // span * span
+        order = [shard] + [s for s in range(n) if s != shard]
+        return BatchLoader(dataset, order, batch, seq_len, position=Position(shard, offset))
+
+    return make
+
+
+# ---------------------------------------------------------------------------------------------
+# Running
+
+
+@dataclass(slots=True)
+class CurvePoint:
+    step: int
+    tokens: int
+    bytes_sent: int  # per worker (worker 0), cumulative
+    val_loss: float
+    train_loss: float | None = None
+
+
+@dataclass(slots=True)
+class SimResult:
+    algorithm: str
+    codec: str
+    inner_steps: int
+    workers: int
+    steps: int
+    tokens: int
+    n_params: int
+    val_loss: float
+    bytes_per_worker: int
+    ddp_bytes_per_worker: int
+    seconds: float
+    bytes_by_codec: dict[str, int] = field(default_factory=dict)
+    curve: list[CurvePoint] = field(default_factory=list)
+
+    @property
+    def reduction_vs_ddp(self) -> float:
+        return self.ddp_bytes_per_worker / self.bytes_per_worker if self.bytes_per_worker else math.inf
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["reduction_vs_ddp"] = self.reduction_vs_ddp if self.bytes_per_worker else None
+        return d
+
+
+def ddp_bytes(n_params: int, k: int, steps: int) -> int:
+    """Bytes one worker sends in a ring all-reduce of fp32 gradients every step."""
+    return steps * (2 * (k - 1) * 4 * n_params // k) if k > 1 else 0
+
+
+def eval_points(cfg: RunConfig, steps: int) -> set[int]:
+    """Steps after which worker 0 evaluates: multiples of the eval period, which for the
+    DiLoCo family is rounded to whole windows (the replicas agree right after a sync)."""
+    every = cfg.train.eval_every
+    if cfg.sync.algorithm in ("diloco", "streaming"):
+        h = cfg.sync.inner_steps
+        every = max(h, round(every / h) * h)
+    return {s for s in range(every, steps + 1, every)} | {steps}
+
+
+def run_sim(
+    cfg: RunConfig,
+    k: int,
+    device: torch.device,
+    dataset: Dataset,
+    *,
+    log: Callable[[str], None] = print,
+) -> SimResult:
+    steps = cfg.train.steps
+    probe = build_model_from_config(cfg, dataset.vocab_size, "cpu")
+    seq_len, batch = probe.cfg.seq_len, cfg.train.batch_size
+    n_params = sum(p.numel() for p in probe.parameters())
+    del probe
+    workers, group = build_workers(cfg, k, device, worker_loaders(dataset, batch, seq_len), dataset.vocab_size)
+    val = eval_batches(dataset, batch, seq_len, cfg.train.eval_batches)
+    tokens_per_step = k * batch * seq_len
+    h = cfg.sync.inner_steps
+    evals = eval_points(cfg, steps)
+    lead = workers[0]
+    curve = [CurvePoint(0, 0, 0, evaluate(lead.model, val, device, cfg.train.dtype))]
+    log(
+        f"sim {cfg.sync.algorithm} codec={cfg.sync.codec} H={h} workers={k} steps={steps} "
+        f"params={n_params / 1e6:.2f}M tokens/step={tokens_per_step} device={device} "
+        f"| val {curve[0].val_loss:.4f}"
+    )
+    errors: list[BaseException] = []
+    t0 = time.perf_counter()
+
+    def run(w: Worker) -> None:
+        window: list[torch.Tensor] = []
+        try:
+            for s in range(steps):
+                window.append(w.step(s, steps))
+                if w is not lead:
+                    continue
+                if s + 1 == steps:
+                    w.sync.finish()
+                if (s + 1) % h == 0 or s + 1 == steps:
+                    train = torch.stack(window).float().mean().item()
+                    window.clear()
+                    point = None
+                    if s + 1 in evals:
+                        point = CurvePoint(
+                            s + 1, (s + 1) * tokens_per_step, w.sync.bytes.total_sent,
+                            evaluate(w.model, val, device, cfg.train.dtype), train,
+                        )
+                        curve.append(point)
+                    dt = time.perf_counter() - t0
+                    sent = w.sync.bytes.total_sent
+                    ratio = ddp_bytes(n_params, k, s + 1) / sent if sent else math.inf
+                    log(
+                        f"round {(s + 1) // h:4d} | step {s + 1:6d} | loss {train:.4f}"
+                        + (f" | val {point.val_loss:.4f}" if point else "")
+                        + f" | {(s + 1) * tokens_per_step / dt:,.0f} tok/s | sent {sent / 1e6:.2f} MB"
+                        + f" | {ratio:,.0f}x less than ddp"
+                    )
+            if w is not lead:
+                w.sync.finish()
+        except BaseException as err:  # noqa: BLE001 - any failure must release the other workers
+            errors.append(err)
+            group.abort(f"{w.peer} failed: {err}")
+
+    threads = [threading.Thread(target=run, args=(w,), name=f"sim-{w.peer}", daemon=True) for w in workers]
+    for t in threads:
+        t.start()
+    try:
+        for t in threads:
+            while t.is_alive():
+                t.join(JOIN_POLL_S)
+    except KeyboardInterrupt:
+        group.abort("interrupted")
+        for t in threads:
+            t.join()
+        raise
+    if errors:
+        first = next((e for e in errors if not isinstance(e, ExchangeError)), errors[0])
+        if isinstance(first, MurmurError):
+            raise first
+        raise SimError(f"a worker failed: {type(first).__name__}: {first}") from first
+    seconds = time.perf_counter() - t0
+    counter = lead.sync.bytes
+    return SimResult(
+        algorithm=cfg.sync.algorithm,
+        codec="demo_dct" if cfg.sync.algorithm == "demo" else cfg.sync.codec,
+        inner_steps=h,
+        workers=k,
+        steps=steps,
+        tokens=steps * tokens_per_step,
+        n_params=n_params,
+        val_loss=curve[-1].val_loss,
+        bytes_per_worker=counter.total_sent,
+        ddp_bytes_per_worker=ddp_bytes(n_params, k, steps),
+        seconds=seconds,
+        bytes_by_codec=dict(counter.sent),
+        curve=curve,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Output
+
+
+def format_table(results: list[SimResult]) -> str:
+    head = f"{'algorithm':10} {'codec':9} {'H':>5} {'K':>3} {'tokens':>12} {'val loss':>9} "
+    head += f"{'sent/worker':>12} {'vs ddp':>9} {'time':>7}"
+    lines = [head, "-" * len(head)]
+    for r in results:
+        red = f"{r.reduction_vs_ddp:,.0f}x" if r.bytes_per_worker else "-"
+        lines.append(
+            f"{r.algorithm:10} {r.codec:9} {r.inner_steps:5d} {r.workers:3d} {r.tokens:12,d} {r.val_loss:9.4f} "
+            f"{r.bytes_per_worker / 1e6:10.2f}MB {red:>9} {r.seconds:6.1f}s"
+        )
+    return "\n".join(lines)
+
+
+def label(r: SimResult) -> str:
+    if r.algorithm in ("ddp", "demo"):
+        return r.algorithm if r.algorithm == "demo" or r.codec == "fp32" else f"{r.algorithm} {r.codec}"
+    return f"{r.algorithm} {r.codec} H={r.inner_steps}"
+
+
+def plot_loss_vs_bytes(results: list[SimResult], path: Path, title: str = "") -> None:
+    """Validation loss against bytes sent per worker (log scale): the picture users look at."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5), dpi=120)
+    for r in results:
+        pts = [(p.bytes_sent, p.val_loss) for p in r.curve if p.bytes_sent > 0]
+        if not pts:
+            continue
+        xs, ys = zip(*pts, strict=True)
+        ax.plot(xs, ys, marker="o", markersize=3, label=label(r))
+    ax.set_xscale("log")
+    ax.set_xlabel("bytes sent per worker (log scale)")
+    ax.set_ylabel("validation loss")
+    ax.set_title(title or "validation loss against communication")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def write_outputs(out: Path, cfg: RunConfig, results: list[SimResult]) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    data = {"config": cfg.to_dict(), "runs": [r.to_dict() for r in results]}
+    (out / "sim.json").write_text(json.dumps(data, indent=1) + "\n")
+    plot_loss_vs_bytes(results, out / "sim.png", f"{cfg.name}: {results[0].workers} workers")
+
+
+# ---------------------------------------------------------------------------------------------
+# The command
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("sim", help="simulate K workers of a low-communication run in one process")
+    p.add_argument("--config", help="run TOML (default: built-in defaults)")
+    p.add_argument("--workers", "-k", type=int, default=4, help="replicas (default 4)")
+    p.add_argument("--algorithm", choices=("ddp", "diloco", "streaming", "demo"), help="sync.algorithm")
+    p.add_argument("--inner-steps", "-H", type=int, help="sync.inner_steps (H)")
+    p.add_argument("--codec", help="sync.codec (fp32, fp16, bf16, int8, int4, topk, topk2bit, sign, powersgd)")
+    p.add_argument("--aggregator", help="sync.aggregator (mean, trimmed_mean, centered_clip)")
+    p.add_argument("--steps", type=int, help="train.steps (inner steps per worker)")
+    p.add_argument("--data", help="data.path")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override any config key")
+    p.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    p.add_argument("--out", help="folder for sim.json and sim.png")
+    p.set_defaults(func=_run)
+
+
+def _overrides(args: argparse.Namespace) -> list[str]:
+    extra = []
+    for flag, key in (("algorithm", "sync.algorithm"), ("codec", "sync.codec"), ("aggregator", "sync.aggregator"),
+                      ("data", "data.path")):
+        value = getattr(args, flag)
+        if value is not None:
+            extra.append(f"{key}={json.dumps(value)}")
+    if args.inner_steps is not None:
+        extra.append(f"sync.inner_steps={args.inner_steps}")
+    if args.steps is not None:
+        extra.append(f"train.steps={args.steps}")
+    return extra + list(args.set)
+
+
+def load_sim_config(path: str | None, overrides: list[str]) -> RunConfig:
+    if path:
+        return load_config(path, overrides)
+    data: dict = {}
+    for item in overrides:
+        apply_override(data, item)
+    return config_from_dict(data)
+
+
+def _run(args: argparse.Namespace) -> int:
+    if args.workers < 1:
+        raise SimError(f"--workers must be at least 1, got {args.workers}")
+    cfg = load_sim_config(args.config, _overrides(args))
+    check_sync_config(cfg.sync)
+    device = resolve_device(args.device)
+    dataset = Dataset.open(cfg.data.path)
+    if dataset.tokenizer != cfg.data.tokenizer:
+        raise SimError(
+            f"data.tokenizer is {cfg.data.tokenizer!r} but {cfg.data.path} was prepared with {dataset.tokenizer!r}"
+        )
+    result = run_sim(cfg, args.workers, device, dataset)
+    print(format_table([result]))
+    if args.out:
+        write_outputs(Path(args.out), cfg, [result])
+        print(f"wrote {Path(args.out) / 'sim.json'} and {Path(args.out) / 'sim.png'}")
+    return 0
