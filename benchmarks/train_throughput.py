@@ -29,7 +29,6 @@ PEAK_TFLOPS = {"NVIDIA H200": 989.0}
 
 def measure(preset: str, impl: str, batch: int, steps: int, warmup: int, data: str | None) -> dict:
     import torch
-
     from murmur.node.model import Transformer, model_config
     from murmur.node.train import autocast, make_optimizer
     from murmur.protocol.runconfig import OptimSection

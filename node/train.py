@@ -16,11 +16,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-
-from murmur.errors import MurmurError
 from murmur.node.data import BatchLoader, Dataset, Position, eval_batches
 from murmur.node.model import ModelConfig, Transformer, model_config
 from murmur.protocol.runconfig import OptimSection, RunConfig, load_config
+
+from murmur.errors import MurmurError
 
 
 def resolve_device(name: str = "auto") -> torch.device:
@@ -164,7 +164,8 @@ class Trainer:
         try:
             state = torch.load(path, map_location=self.device, weights_only=False)
         except Exception as err:  # noqa: BLE001 - any unreadable file is the same user error
-            raise MurmurError(f"checkpoint {path} cannot be read ({err.__class__.__name__}): delete it or fix it")
+            name = err.__class__.__name__
+            raise MurmurError(f"checkpoint {path} cannot be read ({name}): delete it or fix it") from None
         self.model.load_state_dict(state["model"])
         self.opt.load_state_dict(state["optimizer"])
         self.step_count = int(state["step"])
@@ -204,7 +205,7 @@ def _overrides(args: argparse.Namespace) -> list[str]:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from murmur.protocol.runconfig import config_from_dict, apply_override
+    from murmur.protocol.runconfig import apply_override, config_from_dict
 
     if args.config:
         cfg = load_config(args.config, _overrides(args))

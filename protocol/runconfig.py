@@ -9,12 +9,13 @@ from deep inside the trainer.
 from __future__ import annotations
 
 import dataclasses
-import tomllib
 import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
+
+import tomllib
 
 from murmur.errors import MurmurError
 

@@ -2,7 +2,6 @@ import subprocess
 import sys
 
 import pytest
-
 from murmur.protocol.runconfig import ConfigError, RunConfig, load_config, parse_config
 
 
@@ -45,9 +44,8 @@ def test_overrides(tmp_path):
 def test_cli_prints_one_line_and_fails(tmp_path):
     path = tmp_path / "run.toml"
     path.write_text("[train]\nbatchsize = 4\n")
-    proc = subprocess.run(
-        [sys.executable, "-m", "murmur.cli", "train", "--config", str(path)], capture_output=True, text=True, timeout=120
-    )
+    cmd = [sys.executable, "-m", "murmur.cli", "train", "--config", str(path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1
     assert proc.stderr.strip().splitlines() == [
         "error: unknown key 'train.batchsize' (known here: batch_size, checkpoint_every, compile, dtype, "

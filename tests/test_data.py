@@ -4,8 +4,7 @@ import json
 import numpy as np
 import pytest
 import torch
-
-from murmur.node.data import BatchLoader, Dataset, DataError, Position, eval_batches, prepare
+from murmur.node.data import BatchLoader, DataError, Dataset, Position, eval_batches, prepare
 
 
 def _files(root):

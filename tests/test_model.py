@@ -1,6 +1,5 @@
 import pytest
 import torch
-
 from murmur.node.model import PRESETS, Transformer, model_config
 from murmur.protocol.runconfig import MODEL_PRESETS
 

@@ -2,7 +2,6 @@ import subprocess
 import sys
 
 import torch
-
 from murmur.node.train import Trainer, lr_at
 from murmur.protocol.runconfig import OptimSection, config_from_dict
 
@@ -26,7 +25,7 @@ def test_schedule_warms_up_then_decays():
     assert lr_at(10, 100, o) == 1.0
     assert abs(lr_at(100, 100, o) - 0.1) < 1e-12
     lrs = [lr_at(s, 100, o) for s in range(10, 101)]
-    assert all(a >= b for a, b in zip(lrs, lrs[1:]))
+    assert all(a >= b for a, b in zip(lrs, lrs[1:], strict=False))
 
 
 def test_checkpoint_round_trip_resumes_exactly(byte_dataset, tmp_path):
