@@ -1,0 +1,195 @@
+"""The member's side of the coordinator protocol: join with a token, then heartbeat, lease, commit.
+
+Shared by the node daemon, the tests and the load benchmark (the node may not import coordinator/,
+so the client lives with the contract). Joining:
+
+    identity, info = await join_run("coord:7700", token, key)
+    client = MemberClient(info.node_address, identity, server_name=info.tls_server_name)
+    lease = await client.acquire()
+    ...
+    await client.commit(lease.lease_id, lease.shard_id, start, end, outer_step=1, loss=2.3)
+
+Every call carries the protocol version; every coordinator refusal becomes a ``CoordinatorError``
+with the coordinator's one-line reason and the gRPC status code (``.code``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from murmur.errors import MurmurError
+
+from . import coordinator_pb2 as pb
+from . import coordinator_pb2_grpc as pb_grpc
+from . import identity
+from .jointoken import JoinToken, fetch_pinned_ca
+from .version import PROTOCOL_VERSION, version_metadata
+
+CALL_TIMEOUT_S = 10.0  # one control-plane call; the coordinator answers in milliseconds when healthy
+
+
+class CoordinatorError(MurmurError):
+    def __init__(self, method: str, code: grpc.StatusCode | None, details: str) -> None:
+        self.method, self.code, self.details = method, code, details
+        if code == grpc.StatusCode.UNAVAILABLE:
+            msg = f"cannot reach the coordinator ({details}); is it running at that address?"
+        elif code == grpc.StatusCode.DEADLINE_EXCEEDED:
+            msg = f"the coordinator did not answer {method} in time; try again"
+        else:
+            msg = details or f"{method} failed with {code}"
+        super().__init__(msg)
+
+
+async def call(method: str, fn: Any, request: Any, metadata: tuple[tuple[str, str], ...], timeout_s: float) -> Any:
+    try:
+        return await fn(request, metadata=metadata, timeout=timeout_s)
+    except grpc.aio.AioRpcError as err:
+        raise CoordinatorError(method, err.code(), err.details() or "") from None
+
+
+@dataclass(slots=True)
+class JoinInfo:
+    node_id: str
+    run_id: str
+    config_toml: str
+    node_address: str
+    tls_server_name: str
+    bootstrap_peers: list[str]
+    heartbeat_interval_s: float
+    heartbeat_ttl_s: float
+    lease_ttl_s: float
+
+
+async def join_run(
+    address: str,
+    token: str,
+    key: identity.PrivateKey,
+    *,
+    hardware: pb.Hardware | None = None,
+    peer_address: str = "",
+    timeout_s: float = CALL_TIMEOUT_S,
+    server_name: str = "murmur-coordinator",
+) -> tuple[identity.Identity, JoinInfo]:
+    """Join the run a token admits to; returns the node's identity (key + certificate + CA)."""
+    parsed = JoinToken.parse(token)
+    ca_pem = await asyncio.to_thread(fetch_pinned_ca, address, parsed.ca_fingerprint, timeout_s=timeout_s)
+    creds = grpc.ssl_channel_credentials(root_certificates=ca_pem)
+    options = [("grpc.ssl_target_name_override", server_name)]
+    async with grpc.aio.secure_channel(address, creds, options=options) as channel:
+        stub = pb_grpc.CoordinatorStub(channel)
+        request = pb.JoinRequest(
+            protocol_version=PROTOCOL_VERSION,
+            token=token,
+            csr_pem=identity.make_csr(key),
+            hardware=hardware or pb.Hardware(device="cpu"),
+            peer_address=peer_address,
+        )
+        reply = await call("Join", stub.Join, request, version_metadata(), timeout_s)
+    if reply.ca_certificate_pem != ca_pem and identity.load_certificate(
+        reply.ca_certificate_pem
+    ) != identity.load_certificate(ca_pem):
+        raise MurmurError("the coordinator's join reply names another CA than the one pinned; refusing it")
+    ident = identity.Identity(key=key, cert_pem=bytes(reply.certificate_pem), ca_cert_pem=ca_pem)
+    if ident.node_id != reply.node_id:
+        raise MurmurError("the coordinator issued a certificate for another node id; refusing it")
+    info = JoinInfo(
+        node_id=reply.node_id,
+        run_id=reply.run_id,
+        config_toml=reply.config_toml,
+        node_address=reply.node_address,
+        tls_server_name=reply.tls_server_name or server_name,
+        bootstrap_peers=list(reply.bootstrap_peers),
+        heartbeat_interval_s=reply.heartbeat_interval_s,
+        heartbeat_ttl_s=reply.heartbeat_ttl_s,
+        lease_ttl_s=reply.lease_ttl_s,
+    )
+    return ident, info
+
+
+class MemberClient:
+    """Calls of a joined node, over mutual TLS with its certificate."""
+
+    def __init__(
+        self,
+        node_address: str,
+        ident: identity.Identity,
+        *,
+        server_name: str = "murmur-coordinator",
+        timeout_s: float = CALL_TIMEOUT_S,
+    ) -> None:
+        creds = grpc.ssl_channel_credentials(
+            root_certificates=ident.ca_cert_pem, private_key=ident.key_pem, certificate_chain=ident.cert_pem
+        )
+        self.channel = grpc.aio.secure_channel(
+            node_address, creds, options=[("grpc.ssl_target_name_override", server_name)]
+        )
+        self.stub = pb_grpc.CoordinatorStub(self.channel)
+        self.timeout_s = timeout_s
+        self.metadata = version_metadata()
+        self.ban_list_version = -1
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+    async def __aenter__(self) -> MemberClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def _call(self, method: str, request: Any) -> Any:
+        return await call(method, getattr(self.stub, method), request, self.metadata, self.timeout_s)
+
+    async def heartbeat(self, tokens_per_s: float = 0.0, state: str = "") -> pb.HeartbeatReply:
+        reply = await self._call(
+            "Heartbeat",
+            pb.HeartbeatRequest(tokens_per_s=tokens_per_s, ban_list_version=self.ban_list_version, state=state),
+        )
+        if reply.ban_list_changed:
+            self.ban_list_version = reply.ban_list.version
+        return reply
+
+    async def acquire(self) -> pb.AcquireLeaseReply:
+        return await self._call("AcquireLease", pb.AcquireLeaseRequest())
+
+    async def commit(
+        self,
+        lease_id: str,
+        shard_id: int,
+        start_offset: int,
+        end_offset: int,
+        *,
+        outer_step: int = 0,
+        loss: float = 0.0,
+        bytes_sent: int = 0,
+        seconds: float = 0.0,
+    ) -> pb.CommitReply:
+        return await self._call(
+            "Commit",
+            pb.CommitRequest(
+                lease_id=lease_id,
+                shard_id=shard_id,
+                start_offset=start_offset,
+                end_offset=end_offset,
+                outer_step=outer_step,
+                loss=loss,
+                bytes_sent=bytes_sent,
+                seconds=seconds,
+            ),
+        )
+
+    async def release(self, lease_id: str) -> pb.ReleaseLeaseReply:
+        return await self._call("ReleaseLease", pb.ReleaseLeaseRequest(lease_id=lease_id))
+
+    async def report_checkpoint(self, step: int, location: str, sha256: str) -> None:
+        await self._call("ReportCheckpoint", pb.ReportCheckpointRequest(step=step, location=location, sha256=sha256))
+
+    async def ban_list(self) -> pb.BanList:
+        return await self._call("GetBanList", pb.GetBanListRequest())
+
+    async def leave(self, reason: str = "") -> pb.LeaveReply:
+        return await self._call("Leave", pb.LeaveRequest(reason=reason))
