@@ -1,7 +1,7 @@
 """murmur's kernels: the one dispatch point between the pure-torch references and Triton.
 
 Every op has a readable reference (`*_ref`, the oracle and the CPU path) and a Triton
-implementation in its own module (rmsnorm, rotary, swiglu, linear_xent, quant, topk, dct, sign).
+implementation in its own module (rmsnorm, rope, glu, linear_xent, quant, topk, dct, sign).
 The functions below pick one per call: Triton for CUDA tensors, the reference otherwise;
 `MURMUR_KERNELS=triton|torch` forces a side (see `dispatch.py`). Nothing else in the tree calls
 Triton directly. The training ops are `torch.library.custom_op`s with fake and autograd
@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import torch
 from murmur.kernels import dct as _dct
+from murmur.kernels import glu as _swiglu
 from murmur.kernels import linear_xent as _xent
 from murmur.kernels import quant as _quant
 from murmur.kernels import rmsnorm as _rms
-from murmur.kernels import rotary as _rot
+from murmur.kernels import rope as _rot
 from murmur.kernels import sign as _sign
-from murmur.kernels import swiglu as _swiglu
 from murmur.kernels import topk as _topk
 from murmur.kernels.dispatch import KernelError, use_triton
 

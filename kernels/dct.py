@@ -16,10 +16,13 @@ take the reference path on any device.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
-import triton.language as tl
 from murmur.kernels.dispatch import KernelError, cdiv, lazy_jit
+
+if TYPE_CHECKING:  # the kernels get `tl` from lazy_jit at first launch (see dispatch.py)
+    import triton.language as tl
 
 _BASIS: dict[tuple[int, str, torch.dtype], torch.Tensor] = {}
 ROWS_1D = 64   # chunks per Triton program in the 1-D transform

@@ -3,10 +3,13 @@
 `MURMUR_KERNELS=triton|torch|auto` overrides the choice (read at every call, so tests can flip
 it). `triton` on CPU tensors only works under `TRITON_INTERPRET=1` (the CPU test suite).
 
-Triton kernels are declared with `lazy_jit` instead of `triton.jit`: the function is handed to
-Triton on its first launch, not at import. Triton decides between compiling and interpreting
-when a kernel is *defined*, so a lazy definition lets a test set `TRITON_INTERPRET=1` whenever it
-likes before the first launch, and importing `murmur.kernels` never needs a GPU driver.
+Triton kernels are declared with `lazy_jit` instead of `triton.jit`, and the kernel modules do
+not import triton at all: triton is imported and the function handed to it on the first launch.
+Triton decides between compiling and interpreting when a function is *defined*, its own
+library (`tl.sum`, `tl.sigmoid`, ...) included, i.e. when triton is first imported. Keeping the
+import lazy means importing `murmur.kernels` (by the model, by optim) neither needs a GPU driver
+nor fixes the mode: `TRITON_INTERPRET=1` works if it is set before the first Triton launch of the
+process (see `interpreter_ready`).
 """
 
 from __future__ import annotations
@@ -46,9 +49,10 @@ def use_triton(*tensors: torch.Tensor) -> bool:
         return False
     on_cuda = all(t.is_cuda for t in tensors)
     if choice == "triton":
-        if not on_cuda and not interpreting():
+        if not on_cuda and not interpreter_ready():
             raise KernelError(
-                f"{KERNELS_ENV}=triton with CPU tensors needs {INTERPRET_ENV}=1 (or use a CUDA device)"
+                f"{KERNELS_ENV}=triton with CPU tensors needs {INTERPRET_ENV}=1, set before triton is "
+                "first imported (or use a CUDA device)"
             )
         return True
     return on_cuda
@@ -71,12 +75,29 @@ class LazyKernel:
         mode = interpreting()
         if self._jit is None or self._interpreted != mode:
             import triton
+            import triton.language as tl
 
+            # The kernel modules name `tl` only under TYPE_CHECKING; the kernel source needs it.
+            self.fn.__globals__.setdefault("tl", tl)
             self._jit, self._interpreted = triton.jit(self.fn), mode
         return self._jit
 
     def __getitem__(self, grid: Any) -> Any:
         return self._get()[grid]
+
+
+def interpreter_ready() -> bool:
+    """Whether Triton kernels can run on CPU tensors in this process: TRITON_INTERPRET=1 is set
+    and triton was not already imported without it (its library functions would be compiled)."""
+    if not interpreting():
+        return False
+    import sys
+
+    if "triton.language" not in sys.modules:
+        return True
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(sys.modules["triton.language"].sum, InterpretedFunction)
 
 
 def lazy_jit(fn: Callable[..., Any]) -> LazyKernel:

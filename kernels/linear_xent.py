@@ -10,10 +10,14 @@ plus one fp32 [V, D] accumulator instead of several [N, V] tensors.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
-import triton.language as tl
 from murmur.kernels.dispatch import lazy_jit, next_pow2
+
+if TYPE_CHECKING:  # the kernels get `tl` from lazy_jit at first launch (see dispatch.py)
+    import triton.language as tl
 
 DEFAULT_CHUNK = 1024   # tokens per chunk: [1024, 50304] bf16 logits are ~100 MB
 BLOCK_V = 4096         # vocabulary tile of the softmax kernel (registers, not memory)
@@ -33,14 +37,15 @@ def _xent_kernel(LOGITS, TARGETS, LOSS, INV_N, V, ignore_index, BLOCK_V: tl.cons
     base = LOGITS + row * V
     target = tl.load(TARGETS + row).to(tl.int64)
     # Pass 1: online max and sum of exp over the row, in fp32.
-    m = tl.full([BLOCK_V], float("-inf"), tl.float32)
+    # The running max starts finite (-3e38, not -inf) so a lane that only sees padding (-inf)
+    # computes exp(-inf) = 0 rather than exp(-inf - -inf) = NaN.
+    m = tl.full([BLOCK_V], -3.0e38, tl.float32)
     s = tl.zeros([BLOCK_V], dtype=tl.float32)
     for start in range(0, V, BLOCK_V):
         cols = start + tl.arange(0, BLOCK_V)
         z = tl.load(base + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
         m_new = tl.maximum(m, z)
-        # Lanes that have seen only -inf keep s = 0 (avoid inf - inf).
-        s = tl.where(m_new == float("-inf"), 0.0, s * tl.exp(m - m_new) + tl.exp(z - m_new))
+        s = s * tl.exp(m - m_new) + tl.exp(z - m_new)
         m = m_new
     row_max = tl.max(m, axis=0)
     lse = row_max + tl.log(tl.sum(s * tl.exp(m - row_max), axis=0))

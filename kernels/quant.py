@@ -17,9 +17,13 @@ reference): the same seed gives the same codes on the same backend, not across b
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
-import triton.language as tl
 from murmur.kernels.dispatch import KernelError, cdiv, lazy_jit, next_pow2
+
+if TYPE_CHECKING:  # the kernels get `tl` from lazy_jit at first launch (see dispatch.py)
+    import triton.language as tl
 
 QMAX = {8: 127, 4: 7}
 TILE = 4096          # elements per Triton program (several quantization blocks)

@@ -7,9 +7,13 @@ registrations so the fused path also runs under `torch.compile`.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
-import triton.language as tl
 from murmur.kernels.dispatch import lazy_jit, next_pow2
+
+if TYPE_CHECKING:  # the kernels get `tl` from lazy_jit at first launch (see dispatch.py)
+    import triton.language as tl
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

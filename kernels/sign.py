@@ -10,9 +10,13 @@ Decoding: x_i ~ (+scale or -scale) of its block.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
-import triton.language as tl
 from murmur.kernels.dispatch import KernelError, cdiv, lazy_jit, next_pow2
+
+if TYPE_CHECKING:  # the kernels get `tl` from lazy_jit at first launch (see dispatch.py)
+    import triton.language as tl
 
 TILE = 4096
 UNPACK_BLOCK = 2048

@@ -12,9 +12,13 @@ distinct, so the scatter has no write conflicts.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
-import triton.language as tl
 from murmur.kernels.dispatch import KernelError, cdiv, lazy_jit, next_pow2
+
+if TYPE_CHECKING:  # the kernels get `tl` from lazy_jit at first launch (see dispatch.py)
+    import triton.language as tl
 
 INT16_MAX_CHUNK = 32768
 

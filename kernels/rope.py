@@ -6,9 +6,13 @@ so only x gets a gradient). The backward is the same rotation by -angle, one ker
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
-import triton.language as tl
 from murmur.kernels.dispatch import lazy_jit, next_pow2
+
+if TYPE_CHECKING:  # the kernels get `tl` from lazy_jit at first launch (see dispatch.py)
+    import triton.language as tl
 
 
 def rotary_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
-import triton.language as tl
 from murmur.kernels.dispatch import cdiv, lazy_jit
+
+if TYPE_CHECKING:  # the kernels get `tl` from lazy_jit at first launch (see dispatch.py)
+    import triton.language as tl
 
 BLOCK = 1024
 
