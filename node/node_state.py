@@ -1,0 +1,209 @@
+"""The node's state folder: what survives a SIGKILL and a restart.
+
+    STATE_DIR/
+      identity/node.key      the node's key pair, made once (the node id derives from it)
+      identity/node.crt      the certificate the coordinator issued on join, and its CA (ca.crt)
+      join.json              the join reply: run id, node id, addresses, intervals
+      config.toml            the run configuration the coordinator handed out
+      checkpoint.pt          model, inner optimizer, sync state (global copy, outer momentum,
+                             round counters), data position: written atomically after a round
+      commits.jsonl          progress commits not yet acknowledged by the coordinator (journal)
+      rounds.jsonl           one JSON line per outer round: loss, hash of the global state, peers
+      node.lock              held while a daemon runs on this folder
+
+Every write goes to a temporary file first and is renamed into place, so a kill at any instant
+leaves either the old file or the new one, never a torn one.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from murmur.protocol import identity
+
+from murmur.errors import MurmurError
+
+
+class StateError(MurmurError):
+    pass
+
+
+@dataclass(slots=True)
+class JoinInfo:
+    node_id: str
+    run_id: str
+    coordinator: str  # the public address the node joined through
+    node_address: str  # the coordinator's mutual-TLS address for member calls
+    tls_server_name: str
+    bootstrap_peers: list[str] = field(default_factory=list)
+    heartbeat_interval_s: float = 1.0
+    heartbeat_ttl_s: float = 10.0
+    lease_ttl_s: float = 30.0
+
+
+@dataclass(slots=True)
+class PendingCommit:
+    """A commit the coordinator has not acknowledged yet; replayed in order until it has."""
+
+    lease_id: str
+    shard_id: int
+    start_offset: int
+    end_offset: int
+    outer_step: int
+    loss: float
+    bytes_sent: int
+    seconds: float
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    tmp.replace(path)
+
+
+class StateDir:
+    def __init__(self, root: str | Path) -> None:
+        self.root = Path(root)
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise StateError(f"cannot create the state folder {self.root}: {err.strerror}") from None
+        self._lock_file: Any = None
+
+    # -- exclusive use ---------------------------------------------------------------------------
+
+    def lock(self) -> None:
+        """Refuse a second daemon on the same folder: two nodes with one identity would fight."""
+        f = open(self.root / "node.lock", "a+")  # noqa: SIM115 - held for the process's lifetime
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.close()
+            raise StateError(
+                f"another murmur node is running on {self.root}; give each node its own --state-dir"
+            ) from None
+        f.seek(0)
+        f.truncate()
+        f.write(str(os.getpid()))
+        f.flush()
+        self._lock_file = f
+
+    def unlock(self) -> None:
+        if self._lock_file is not None:
+            self._lock_file.close()
+            self._lock_file = None
+
+    # -- identity and join -------------------------------------------------------------------------
+
+    @property
+    def identity_dir(self) -> Path:
+        return self.root / "identity"
+
+    def node_key(self) -> identity.PrivateKey:
+        self.identity_dir.mkdir(exist_ok=True)
+        return identity.load_or_create_key(self.identity_dir / "node.key")
+
+    def save_join(self, info: JoinInfo, cert_pem: bytes, ca_pem: bytes, config_toml: str) -> None:
+        (self.identity_dir / "node.crt").write_bytes(cert_pem)
+        (self.identity_dir / "ca.crt").write_bytes(ca_pem)
+        _atomic_write(self.root / "config.toml", config_toml.encode())
+        _atomic_write(self.root / "join.json", (json.dumps(asdict(info), indent=1) + "\n").encode())
+
+    def load_join(self) -> tuple[JoinInfo, identity.Identity, str] | None:
+        """The saved join (info, identity, config text), or None when the node never joined."""
+        path = self.root / "join.json"
+        if not path.is_file():
+            return None
+        try:
+            info = JoinInfo(**json.loads(path.read_text()))
+            ident = identity.Identity.load(self.identity_dir)
+            config = (self.root / "config.toml").read_text()
+        except (OSError, TypeError, json.JSONDecodeError) as err:
+            raise StateError(
+                f"{self.root} holds a damaged join record ({err}); remove join.json to join afresh"
+            ) from None
+        return info, ident, config
+
+    def forget_join(self) -> None:
+        """After a clean leave the coordinator wants a fresh join: drop the join record."""
+        for name in ("join.json",):
+            (self.root / name).unlink(missing_ok=True)
+
+    # -- checkpoint --------------------------------------------------------------------------------
+
+    @property
+    def checkpoint_path(self) -> Path:
+        return self.root / "checkpoint.pt"
+
+    def save_checkpoint(self, state: dict[str, Any]) -> None:
+        tmp = self.checkpoint_path.with_name("checkpoint.pt.tmp")
+        torch.save(state, tmp)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        tmp.replace(self.checkpoint_path)
+
+    def load_checkpoint(self) -> dict[str, Any] | None:
+        if not self.checkpoint_path.is_file():
+            return None
+        try:
+            return torch.load(self.checkpoint_path, map_location="cpu", weights_only=False)
+        except Exception as err:  # noqa: BLE001 - any unreadable file is the same user error
+            raise StateError(
+                f"checkpoint {self.checkpoint_path} cannot be read ({type(err).__name__}); delete it and "
+                "the node will fetch the state from its peers"
+            ) from None
+
+    # -- commit journal ----------------------------------------------------------------------------
+
+    @property
+    def journal_path(self) -> Path:
+        return self.root / "commits.jsonl"
+
+    def save_pending(self, pending: list[PendingCommit]) -> None:
+        data = "".join(json.dumps(asdict(c)) + "\n" for c in pending)
+        _atomic_write(self.journal_path, data.encode())
+
+    def load_pending(self) -> list[PendingCommit]:
+        if not self.journal_path.is_file():
+            return []
+        out = []
+        for line in self.journal_path.read_text().splitlines():
+            if line.strip():
+                try:
+                    out.append(PendingCommit(**json.loads(line)))
+                except (TypeError, json.JSONDecodeError):
+                    continue  # a torn last line of an older format: the lease re-leases it anyway
+        return out
+
+    # -- round log ---------------------------------------------------------------------------------
+
+    @property
+    def rounds_path(self) -> Path:
+        return self.root / "rounds.jsonl"
+
+    def append_round(self, record: dict[str, Any]) -> None:
+        with open(self.rounds_path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+            f.flush()
+
+
+def read_rounds(root: str | Path) -> list[dict[str, Any]]:
+    path = Path(root) / "rounds.jsonl"
+    if not path.is_file():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue  # the line being written when the node was killed
+    return out

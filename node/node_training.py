@@ -1,0 +1,288 @@
+"""The node's training side: one replica, its inner optimizer and its sync algorithm.
+
+It runs in the daemon's training thread (node_lifecycle.py owns the asyncio loop). The loop is the
+simulator's (node/sim.py, `Worker.step`), with the node's extras: the data comes from the shard
+the coordinator leased, compute time is measured apart from time spent waiting for the exchange,
+and the whole state (model, AdamW, global copy, outer momentum, round counters) can be saved,
+restored, hashed and handed to a joiner.
+
+One *window* is H inner steps (sync.inner_steps); a window ends with the run's sync point for
+DiLoCo (and for Streaming DiLoCo the last fragment of the window is launched; it lands tau steps
+into the next window). Progress is committed per window, for the tokens the window consumed.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from murmur.node.data import BatchLoader, Dataset, Position
+from murmur.node.train import autocast, build_model_from_config
+from murmur.optim.demo import DeMo
+from murmur.optim.diloco import StreamingDiLoCo
+from murmur.optim.exchange import Exchange
+from murmur.optim.factory import build_sync
+from murmur.optim.inner import lr_at, make_inner_optimizer, set_lr
+from murmur.protocol.runconfig import RunConfig
+from murmur.protocol.wire import tensors_hash
+
+from murmur.errors import MurmurError
+
+
+class TrainingError(MurmurError):
+    pass
+
+
+@dataclass(slots=True)
+class LeaseView:
+    """The part of a coordinator lease the training thread needs."""
+
+    lease_id: str
+    shard_id: int
+    start_offset: int  # the shard's committed offset when leased: training starts here
+    end_offset: int  # the shard's size in tokens
+
+
+@dataclass(slots=True)
+class Segment:
+    """Tokens [start, end) of one lease consumed within the current window."""
+
+    lease: LeaseView
+    start: int
+    end: int
+    exhausted: bool = False  # the shard has no full batch left: commit up to its end
+
+
+@dataclass(slots=True)
+class WindowResult:
+    round: int
+    steps: int
+    loss: float
+    tokens: int
+    seconds: float
+    compute_seconds: float
+    segments: list[Segment] = field(default_factory=list)
+    stopped: bool = False  # the window ended early because a stop was asked for
+
+
+# Blocks until the coordinator grants a lease; None when the node should stop instead.
+LeaseSource = Callable[[], LeaseView | None]
+
+
+class NodeTrainer:
+    def __init__(
+        self,
+        cfg: RunConfig,
+        dataset: Dataset,
+        device: torch.device,
+        exchange: Exchange,
+        *,
+        round_timeout_s: float,
+    ) -> None:
+        self.cfg, self.dataset, self.device = cfg, dataset, device
+        torch.manual_seed(cfg.seed)
+        # Same seed, same initial weights on every node (node/model.py draws them on the CPU).
+        self.model = build_model_from_config(cfg, dataset.vocab_size, device)
+        self.opt = make_inner_optimizer(self.model, cfg.optim)
+        self.sync = build_sync(
+            cfg.sync,
+            list(self.model.named_parameters()),
+            exchange,
+            weight_decay=cfg.optim.weight_decay,
+            round_timeout_s=round_timeout_s,
+        )
+        self.seq_len = self.model.cfg.seq_len
+        self.batch = cfg.train.batch_size
+        self.span = self.batch * self.seq_len
+        self.h = cfg.sync.inner_steps
+        self.step = 0  # inner steps done (drives the lr schedule and DeMo's round ids)
+        self.round = 0  # windows done
+        self.n_params = sum(p.numel() for p in self.model.parameters())
+        self.lease: LeaseView | None = None
+        self.loader: BatchLoader | None = None
+
+    # -- data ------------------------------------------------------------------------------------
+
+    def use_lease(self, lease: LeaseView) -> None:
+        if not 0 <= lease.shard_id < self.dataset.num_shards:
+            raise TrainingError(
+                f"the coordinator leased shard {lease.shard_id} but the local dataset has "
+                f"{self.dataset.num_shards} shards: --data must be the run's dataset"
+            )
+        if self.dataset.shard_size(lease.shard_id) != lease.end_offset:
+            raise TrainingError(
+                f"shard {lease.shard_id} has {self.dataset.shard_size(lease.shard_id)} tokens here but "
+                f"{lease.end_offset} in the run: --data must be the run's dataset"
+            )
+        self.lease = lease
+        self.loader = BatchLoader(
+            self.dataset, [lease.shard_id], self.batch, self.seq_len,
+            position=Position(lease.shard_id, lease.start_offset), cycle=False,
+        )
+
+    def _fits(self) -> bool:
+        assert self.lease is not None and self.loader is not None
+        return self.loader.position.offset + self.span + 1 <= self.lease.end_offset
+
+    # -- one window ------------------------------------------------------------------------------
+
+    def _inner_step(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, float]:
+        """One step; returns (loss, seconds of compute), the exchange's waits left out."""
+        t0 = time.perf_counter()
+        lr = lr_at(self.step, self.cfg.train.steps, self.cfg.optim)
+        set_lr(self.opt, lr)
+        with autocast(self.device, self.cfg.train.dtype):
+            loss = self.model(x.to(self.device), y.to(self.device))
+        loss.backward()
+        compute = time.perf_counter() - t0
+        self.sync.before_optimizer_step(self.step)  # DDP's gradient all-reduce (a wait)
+        t1 = time.perf_counter()
+        if self.sync.replaces_optimizer:
+            self.sync.optimizer_step(self.step, lr)  # DeMo: compute and its all-gather together
+        else:
+            if self.cfg.optim.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.optim.grad_clip)
+            self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        loss = loss.detach()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        compute += time.perf_counter() - t1
+        self.sync.after_optimizer_step(self.step)  # DiLoCo: launch / apply an exchange (a wait)
+        self.step += 1
+        return loss, compute
+
+    def run_window(self, next_lease: LeaseSource, stop: Callable[[], bool]) -> WindowResult:
+        """H inner steps on the leased data (taking new leases as shards run out)."""
+        t0 = time.perf_counter()
+        losses: list[torch.Tensor] = []
+        compute = 0.0
+        segments: list[Segment] = []
+        stopped = False
+        for _ in range(self.h):
+            if stop():
+                stopped = True
+                break
+            while self.lease is None or not self._fits():
+                if self.lease is not None:
+                    self._close_segment(segments, exhausted=True)
+                lease = next_lease()
+                if lease is None:
+                    stopped = True
+                    break
+                self.use_lease(lease)
+            if stopped:
+                break
+            assert self.loader is not None and self.lease is not None
+            if not segments or segments[-1].lease.lease_id != self.lease.lease_id:
+                offset = self.loader.position.offset
+                segments.append(Segment(self.lease, offset, offset))
+            x, y = next(self.loader)
+            segments[-1].end = self.loader.position.offset
+            loss, dt = self._inner_step(x, y)
+            losses.append(loss)
+            compute += dt
+        if stopped:
+            return WindowResult(self.round, len(losses), math.nan, 0, time.perf_counter() - t0, compute,
+                                [], True)
+        mean = torch.stack(losses).float().mean().item()
+        if not math.isfinite(mean):
+            raise TrainingError(f"loss became {mean} in round {self.round}: lower optim.lr")
+        self.round += 1
+        if self.lease is not None and not self._fits():
+            self._close_segment(segments, exhausted=True)
+        tokens = sum(s.end - s.start for s in segments)
+        return WindowResult(self.round, len(losses), mean, tokens, time.perf_counter() - t0, compute, segments)
+
+    def _close_segment(self, segments: list[Segment], *, exhausted: bool) -> None:
+        """The shard has no full batch left: its segment runs to the shard's end (done)."""
+        assert self.lease is not None
+        if segments and segments[-1].lease.lease_id == self.lease.lease_id:
+            segments[-1].end = self.lease.end_offset
+            segments[-1].exhausted = exhausted
+        self.lease, self.loader = None, None
+
+    def finish(self) -> None:
+        """Apply what is still in flight (Streaming DiLoCo) before a final evaluation."""
+        self.sync.finish()
+
+    # -- the global state --------------------------------------------------------------------------
+
+    def global_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        """The replicated state: identical on every member after a round (hashed, handed to joiners)."""
+        if isinstance(self.sync, StreamingDiLoCo):
+            out = []
+            for frag in self.sync.fragments:
+                for j, g in zip(frag.members, frag.globals_, strict=True):
+                    out.append((f"global/{self.sync.names[j]}", g))
+            return out
+        return [(f"param/{n}", p.detach()) for n, p in self.model.named_parameters()]
+
+    def global_hash(self) -> str:
+        return tensors_hash((n, t.detach().cpu()) for n, t in self.global_tensors()).hex()
+
+    def shared_state(self) -> dict[str, Any]:
+        """What a joiner needs to take part from the next round: global copy, outer momentum, counters."""
+        state: dict[str, Any] = {"step": self.step, "round": self.round,
+                                 "tensors": {n: t.detach().cpu().clone() for n, t in self.global_tensors()}}
+        if isinstance(self.sync, StreamingDiLoCo):
+            state["fragments"] = [
+                {"rounds": f.rounds, "outer": f.outer.state_dict()} for f in self.sync.fragments
+            ]
+        return state
+
+    @torch.no_grad()
+    def load_shared_state(self, state: dict[str, Any]) -> None:
+        tensors = state["tensors"]
+        mine = dict(self.global_tensors())
+        if set(tensors) != set(mine):
+            raise TrainingError("the fetched state names other tensors than this node's model holds")
+        for name, t in mine.items():
+            src = tensors[name]
+            if src.shape != t.shape:
+                raise TrainingError(f"fetched tensor {name} has shape {tuple(src.shape)}, expected {tuple(t.shape)}")
+            t.copy_(src.to(device=t.device, dtype=t.dtype))
+        if isinstance(self.sync, StreamingDiLoCo):
+            for frag, saved in zip(self.sync.fragments, state["fragments"], strict=True):
+                frag.rounds = int(saved["rounds"])
+                frag.outer.load_state_dict(saved["outer"])
+                for j, g in zip(frag.members, frag.globals_, strict=True):
+                    self.sync.params[j].copy_(g.to(self.sync.params[j].dtype))
+            self.sync.in_flight.clear()
+        self.step, self.round = int(state["step"]), int(state["round"])
+
+    # -- local checkpoint --------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        state = {
+            "config": self.cfg.to_dict(),
+            "model": self.model.state_dict(),
+            "optimizer": self.opt.state_dict(),
+            "shared": self.shared_state(),
+            "bytes": self.sync.bytes.to_dict(),
+        }
+        if isinstance(self.sync, DeMo):
+            state["demo_momentum"] = [m.cpu() for m in self.sync.momentum]
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("config") != self.cfg.to_dict():
+            raise TrainingError("the local checkpoint belongs to another run configuration")
+        self.model.load_state_dict(state["model"])
+        self.opt.load_state_dict(state["optimizer"])
+        self.load_shared_state(state["shared"])
+        # load_shared_state copied the global copy into the model; the checkpoint was written
+        # right after a round, when the local weights equal the global ones (DiLoCo) or hold the
+        # mix (Streaming, alpha > 0), so restore the saved local weights on top.
+        self.model.load_state_dict(state["model"])
+        if isinstance(self.sync, DeMo) and "demo_momentum" in state:
+            for m, saved in zip(self.sync.momentum, state["demo_momentum"], strict=True):
+                m.copy_(saved.to(m.device))
+        b = state.get("bytes") or {}
+        self.sync.bytes.sent.update(b.get("sent", {}))
+        self.sync.bytes.received.update(b.get("received", {}))
+        self.sync.bytes.rounds = int(b.get("rounds", 0))
