@@ -122,7 +122,8 @@ def _quant_kernel(X, RES, NEW_RES, Q, S, n, nblocks, block, seed,
         if HAS_RES:
             v_hi += tl.load(RES + off_hi, mask=m_hi, other=0.0)
         amax = tl.maximum(amax, tl.max(tl.abs(v_hi), axis=1))
-    inv = tl.where(amax > 0, QMAX / amax, 0.0)[:, None]
+    # max() keeps the division finite in lanes the where() then discards (padding rows).
+    inv = tl.where(amax > 0, QMAX / tl.maximum(amax, 1.1754944e-38), 0.0)[:, None]
     scale = amax / QMAX
     tl.store(S + rows, scale[:, None], mask=(rows < nblocks))
     if STOCH:
