@@ -1,0 +1,97 @@
+"""`murmur node`: run a volunteer node.
+
+    murmur node run --coordinator HOST:PORT --token TOKEN [--data DIR] [--device auto|cpu|cuda]
+                    [--state-dir DIR] [--listen HOST:PORT] [--metrics-listen HOST:PORT|off]
+
+The node joins the run the token admits to (certificate, run config), meets its peers through
+the DHT, takes the current global state (local checkpoint, or peers when the run has moved on),
+leases a shard, and trains: H inner steps, an exchange round with the run's algorithm, codec and
+aggregator, the outer step, a progress commit; again and again. SIGTERM or Ctrl+C: the node
+finishes its step, commits, releases its lease, leaves and exits 0. Every flag also reads an
+environment variable (MURMUR_COORDINATOR, MURMUR_TOKEN, ...), which is how deploy/compose.yaml
+configures it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from murmur.node.node_settings import NodeSettings
+
+from murmur.errors import MurmurError
+
+DEFAULT_STATE_DIR = "~/.murmur/node"
+
+
+def _env(name: str, default: str | None = None) -> str | None:
+    return os.environ.get(name, default)
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("node", help="run a volunteer node")
+    verbs = p.add_subparsers(dest="verb", metavar="VERB", required=True)
+    r = verbs.add_parser(
+        "run", help="join a run and train until it ends or you stop it",
+        description=__doc__.split("\n\n")[2] if __doc__ else None,
+    )
+    r.add_argument("--coordinator", default=_env("MURMUR_COORDINATOR"),
+                   help="the coordinator's public address HOST:PORT (env MURMUR_COORDINATOR)")
+    r.add_argument("--token", default=_env("MURMUR_TOKEN"),
+                   help="join token from `murmur admin tokens create` (env MURMUR_TOKEN); "
+                        "not needed to restart a node that already joined")
+    r.add_argument("--data", default=_env("MURMUR_DATA"),
+                   help="the run's prepared dataset (default: the run config's data.path; env MURMUR_DATA)")
+    r.add_argument("--device", default=_env("MURMUR_DEVICE", "auto"), help="auto, cpu or cuda (env MURMUR_DEVICE)")
+    r.add_argument("--state-dir", default=_env("MURMUR_STATE_DIR", DEFAULT_STATE_DIR),
+                   help="identity, checkpoint and commit journal (default %(default)s; env MURMUR_STATE_DIR)")
+    r.add_argument("--listen", default=_env("MURMUR_LISTEN", "127.0.0.1:0"),
+                   help="the peer server's address (default %(default)s; env MURMUR_LISTEN)")
+    r.add_argument("--advertise-host", default=_env("MURMUR_ADVERTISE_HOST", ""),
+                   help="the host peers should dial (default: the --listen host; env MURMUR_ADVERTISE_HOST)")
+    r.add_argument("--metrics-listen", default=_env("MURMUR_METRICS_LISTEN", "127.0.0.1:0"),
+                   help="Prometheus /metrics address, or 'off' (default %(default)s; env MURMUR_METRICS_LISTEN)")
+    r.add_argument("--threads", type=int, default=int(_env("MURMUR_THREADS", "0") or 0),
+                   help="torch threads (0: torch's default; env MURMUR_THREADS)")
+    r.add_argument("--max-rounds", type=int, default=0, help="stop after this many rounds (0: run to the end)")
+    r.add_argument("--solo", action="store_true", help="train alone: a one-member exchange, no peers")
+    d = NodeSettings()
+    for name in NodeSettings.names():
+        flag = "--" + name.removesuffix("_s").replace("_", "-")
+        kind = type(getattr(d, name))
+        r.add_argument(flag, dest=name, type=kind, default=getattr(d, name), help=argparse.SUPPRESS)
+    r.set_defaults(func=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from murmur.node.node_lifecycle import NodeOptions, run_node  # grpc, torch: only when running
+
+    if not args.coordinator:
+        raise MurmurError("--coordinator HOST:PORT is required (or set MURMUR_COORDINATOR)")
+    if args.threads < 0 or args.max_rounds < 0:
+        raise MurmurError("--threads and --max-rounds must not be negative")
+    settings = NodeSettings(**{name: getattr(args, name) for name in NodeSettings.names()})
+
+    def log(msg: str) -> None:
+        print(msg, flush=True)
+
+    options = NodeOptions(
+        coordinator=args.coordinator,
+        token=args.token or None,
+        state_dir=Path(os.path.expanduser(args.state_dir)),
+        data=Path(args.data) if args.data else None,
+        device=args.device,
+        listen=args.listen,
+        advertise_host=args.advertise_host,
+        metrics_listen=args.metrics_listen,
+        threads=args.threads,
+        max_rounds=args.max_rounds,
+        solo=args.solo,
+        settings=settings,
+        log=log,
+    )
+    code = run_node(options)
+    sys.stdout.flush()
+    return code
