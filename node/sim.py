@@ -23,8 +23,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-
-from murmur.errors import MurmurError
 from murmur.node.data import BatchLoader, Dataset, Position, eval_batches
 from murmur.node.train import autocast, build_model_from_config, evaluate, resolve_device
 from murmur.optim.exchange import ExchangeError
@@ -33,6 +31,8 @@ from murmur.optim.inner import lr_at, make_inner_optimizer, set_lr
 from murmur.optim.inprocess import InProcessGroup
 from murmur.optim.sync import SyncAlgorithm
 from murmur.protocol.runconfig import RunConfig, apply_override, config_from_dict, load_config
+
+from murmur.errors import MurmurError
 
 JOIN_POLL_S = 0.5  # how often the main thread looks up from joining workers (lets Ctrl+C through)
 

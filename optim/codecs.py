@@ -194,7 +194,7 @@ def unpack_crumbs(packed: torch.Tensor, n: int) -> torch.Tensor:
 
 
 class TopKCodec(Codec):
-    """Top-k per chunk. ``value_bits`` 16: fp16 values; 2: four levels {-3,-1,1,3} * scale per chunk."""
+    """Top-k per chunk. ``value_bits`` 16: fp16 values; 2: sign and one of two magnitudes per chunk."""
 
     dense = False
     error_feedback = True
@@ -214,11 +214,17 @@ class TopKCodec(Codec):
         if self.value_bits == 16:
             parts["values"] = vals.to(torch.float16)
         else:
-            scale = vals.abs().amax(dim=1) / 3
-            safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-            q = torch.round((vals / safe[:, None] + 3) / 2).clamp_(0, 3)
+            # Sign bit + "large" bit; the two magnitudes are the means of |v| below and at-or-above
+            # the chunk's median |v| (a 1-D two-level Lloyd step): never worse than sending zero.
+            mag = vals.abs()
+            big = mag >= mag.median(dim=1, keepdim=True).values
+            n_big = big.sum(1).clamp_min(1)
+            n_small = (~big).sum(1).clamp_min(1)
+            hi = (mag * big).sum(1) / n_big
+            lo = (mag * ~big).sum(1) / n_small
+            q = (vals >= 0).to(torch.uint8) * 2 + big.to(torch.uint8)
             parts["values"] = pack_crumbs(q)
-            parts["scales"] = scale.to(torch.float16)
+            parts["scales"] = torch.stack((lo, hi), dim=1).to(torch.bfloat16)
         return WireTensor(self.name, (), "", parts, {"chunk": chunk})
 
     def _decode(self, wire: WireTensor) -> torch.Tensor:
@@ -226,8 +232,9 @@ class TopKCodec(Codec):
         if self.value_bits == 16:
             vals = wire.parts["values"].float()
         else:
-            q = unpack_crumbs(wire.parts["values"], idx.numel()).view(idx.shape).float()
-            vals = (2 * q - 3) * wire.parts["scales"].float()[:, None]
+            q = unpack_crumbs(wire.parts["values"], idx.numel()).view(idx.shape).long()
+            levels = wire.parts["scales"].float()  # [chunks, 2]: small, large magnitude
+            vals = levels.gather(1, q & 1) * ((q >> 1).float() * 2 - 1)
         return scatter_chunked(idx, vals, chunk, math.prod(wire.shape))
 
 
