@@ -471,10 +471,11 @@ class Store:
         ]
 
     def free_shard(self, run_id: str) -> Shard | None:
-        """A shard nobody holds that is not done: the least-advanced first, so work spreads evenly."""
+        """A shard nobody holds that is not done. Interrupted shards first (a lost node's work is
+        resumed before fresh shards are opened, so partly trained shards do not pile up), then by id."""
         row = self._one(
             "SELECT * FROM shards WHERE run_id = ? AND holder IS NULL AND done = 0 "
-            "ORDER BY committed_offset, shard_id LIMIT 1",
+            "ORDER BY committed_offset > 0 DESC, shard_id LIMIT 1",
             (run_id,),
         )
         return _shard(row) if row else None

@@ -1,0 +1,184 @@
+"""The ledger and its rules in process, with a hand-driven clock: migrations, leases, accounting."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+
+import pytest
+from murmur.coordinator import store as store_mod
+from murmur.coordinator.leases import BadCommit, LeaseLost, Progress
+from murmur.coordinator.membership import JoinRefused, Membership, MembershipError
+from murmur.coordinator.runs import RunError, Runs, parse_manifest
+from murmur.coordinator.settings import CoordinatorSettings, SettingsError
+from murmur.coordinator.store import SCHEMA_VERSION, Store, StoreError
+from murmur.protocol import identity
+from murmur.protocol.jointoken import JoinToken
+
+CONFIG = 'name = "r"\n[model]\npreset = "tiny"\n'
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1_000_000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def manifest(*tokens: int) -> str:
+    return json.dumps({"shards": [{"id": i, "file": f"s{i}", "tokens": n} for i, n in enumerate(tokens)]})
+
+
+@pytest.fixture
+def ledger(tmp_path):
+    clock = Clock()
+    settings = CoordinatorSettings(heartbeat_interval_s=1, heartbeat_ttl_s=5, lease_ttl_s=5)
+    store = Store(tmp_path / "c.db")
+    ca = identity.CertificateAuthority.create()
+    members = Membership(store, settings, ca, clock=clock)
+    runs = Runs(store, settings, "ab" * 32, clock=clock)
+    run_id = runs.create(CONFIG, manifest(1000, 300))
+    token = runs.create_token(run_id, 3600, 5, "").token
+    yield store, members, runs, clock, run_id, token
+    store.close()
+
+
+def join(members, token):
+    key = identity.generate_key()
+    return members.join(token, identity.make_csr(key), {"device": "cpu"}, "").node_id
+
+
+def test_fresh_db_is_at_newest_schema_and_older_is_migrated(tmp_path):
+    old = Store(tmp_path / "old.db", migrate_to=1)
+    assert old.schema_version() == 1
+    old.db.execute("INSERT INTO runs VALUES ('r', 'r', '', '{}', 'active', 0)")
+    old.close()
+    new = Store(tmp_path / "old.db")
+    assert new.schema_version() == SCHEMA_VERSION and new.migrated_from == 1
+    assert new.run("r") is not None  # data kept
+    assert new.checkpoints("r") == []  # the v2 table exists
+    new.close()
+
+
+def test_unknown_schema_and_foreign_files_are_refused(tmp_path):
+    s = Store(tmp_path / "c.db")
+    s.db.execute("UPDATE schema_version SET version = ?", (SCHEMA_VERSION + 1,))
+    s.close()
+    with pytest.raises(StoreError, match="newer than this murmur knows"):
+        Store(tmp_path / "c.db")
+    other = sqlite3.connect(tmp_path / "other.db")
+    other.execute("CREATE TABLE t (x)")
+    other.commit()
+    other.close()
+    with pytest.raises(StoreError, match="not a murmur ledger"):
+        Store(tmp_path / "other.db")
+    (tmp_path / "junk.db").write_bytes(b"this is not sqlite at all" * 100)
+    with pytest.raises(StoreError, match="not a usable murmur database"):
+        Store(tmp_path / "junk.db")
+
+
+def test_settings_reject_inconsistent_timeouts():
+    with pytest.raises(SettingsError, match="heartbeat_ttl_s"):
+        CoordinatorSettings(heartbeat_interval_s=5, heartbeat_ttl_s=1)
+    with pytest.raises(SettingsError, match="must be positive"):
+        CoordinatorSettings(lease_ttl_s=0)
+
+
+def test_manifest_and_config_errors_name_the_problem(ledger):
+    store, _, runs, *_ = ledger
+    before = store.runs()
+    with pytest.raises(RunError, match="not valid JSON"):
+        runs.create(CONFIG, "{", "x1")
+    with pytest.raises(RunError, match="'tokens' must be"):
+        parse_manifest(json.dumps({"shards": [{"id": 0, "tokens": -1}]}))
+    with pytest.raises(RunError, match="repeats a shard id"):
+        parse_manifest(json.dumps({"shards": [{"id": 0, "tokens": 1}, {"id": 0, "tokens": 2}]}))
+    with pytest.raises(RunError, match="unknown key 'model.presett'"):
+        runs.create('[model]\npresett = "tiny"\n', manifest(10), "x2")
+    with pytest.raises(RunError, match="not valid TOML"):
+        runs.create("name = ", manifest(10), "x3")
+    assert [r["run_id"] for r in store.runs()] == [r["run_id"] for r in before]
+
+
+def test_tokens_expire_run_out_and_revoke(ledger):
+    store, members, runs, clock, run_id, token = ledger
+    one = runs.create_token(run_id, 10, 1, "")
+    join(members, one.token)
+    with pytest.raises(JoinRefused, match="used up"):
+        join(members, one.token)
+    short = runs.create_token(run_id, 10, 3, "")
+    clock.t += 11
+    with pytest.raises(JoinRefused, match="expired"):
+        join(members, short.token)
+    runs.revoke_token(JoinToken.parse(token).token_id)
+    with pytest.raises(JoinRefused, match="revoked"):
+        join(members, token)
+    forged = JoinToken(JoinToken.parse(token).token_id, "x" * 32, "ab" * 32)
+    with pytest.raises(JoinRefused, match="not valid"):
+        join(members, str(forged))
+
+
+def test_lease_commit_expire_and_exact_accounting(ledger):
+    store, members, runs, clock, run_id, token = ledger
+    a, b = join(members, token), join(members, token)
+    leases = members.leases
+    sa, _ = leases.acquire(run_id, a)
+    assert sa is not None and sa.committed_offset == 0
+    assert leases.acquire(run_id, a)[0].lease_id == sa.lease_id  # idempotent: one lease per node
+    p = Progress(outer_step=1, loss=2.0, bytes_sent=10, seconds=1.0)
+    assert leases.commit(run_id, a, sa.lease_id, sa.shard_id, 0, 400, p).committed_offset == 400
+    assert leases.commit(run_id, a, sa.lease_id, sa.shard_id, 0, 400, p).duplicate  # a retry
+    with pytest.raises(BadCommit, match="committed up to 400"):
+        leases.commit(run_id, a, sa.lease_id, sa.shard_id, 100, 500, p)
+    with pytest.raises(BadCommit, match="finite"):
+        leases.commit(run_id, a, sa.lease_id, sa.shard_id, 400, 500, Progress(1, float("nan"), 0, 0))
+    # a goes silent; b keeps heartbeating. After the TTL, a is lost and its shard goes back.
+    for _ in range(7):
+        clock.t += 1
+        members.heartbeat(b, 1.0)
+        members.sweep()
+    assert store.node(a)["status"] == "lost"
+    shard = store.shard(run_id, sa.shard_id)
+    assert shard.holder is None and shard.committed_offset == 400
+    sb, _ = leases.acquire(run_id, b)
+    assert (sb.shard_id, sb.committed_offset) == (sa.shard_id, 400)  # interrupted shards are resumed first
+    # a's late commit of the span b now owns is refused; b's counts.
+    members.member(a)  # a calls again: it is welcomed back as a member, its lease is not
+    assert store.node(a)["status"] == "active"
+    with pytest.raises(LeaseLost, match="no longer yours"):
+        leases.commit(run_id, a, sa.lease_id, sa.shard_id, 400, 600, p)
+    leases.commit(run_id, b, sb.lease_id, sb.shard_id, 400, 1000, p)
+    assert store.shard(run_id, sa.shard_id).done and store.shard(run_id, sa.shard_id).holder is None
+    assert store.run_totals(run_id)["tokens_committed"] == 1000
+    assert sum(c["end_offset"] - c["start_offset"] for c in store.commits_of_shard(run_id, 0)) == 1000
+    assert store.check_consistency() == []
+
+
+def test_ban_releases_leases_and_refuses_the_node(ledger):
+    store, members, runs, clock, run_id, token = ledger
+    a = join(members, token)
+    shard, _ = members.leases.acquire(run_id, a)
+    members.ban(a, "poisoned updates")
+    assert store.shard(run_id, shard.shard_id).holder is None
+    with pytest.raises(MembershipError, match="banned"):
+        members.heartbeat(a, 0.0)
+    assert members.ban_list() == (1, [a])
+    members.unban(a)
+    assert members.ban_list() == (2, [])
+    with pytest.raises(MembershipError, match="join again"):
+        members.heartbeat(a, 0.0)
+
+
+def test_paused_run_hands_out_no_lease(ledger):
+    store, members, runs, clock, run_id, token = ledger
+    a = join(members, token)
+    runs.set_state(run_id, "paused")
+    shard, why = members.leases.acquire(run_id, a)
+    assert shard is None and "paused" in why
+    runs.set_state(run_id, "active")
+    assert members.leases.acquire(run_id, a)[0] is not None
+
+
+def test_store_module_keeps_sql_in_one_place():
+    assert store_mod.MIGRATIONS and SCHEMA_VERSION == len(store_mod.MIGRATIONS)
