@@ -1,0 +1,265 @@
+"""A local network as real processes: one coordinator and N nodes on loopback.
+
+Used by `murmur testnet`, the node tests and the benchmarks, so all of them run the same entry
+points a deployment runs (`murmur coordinator serve`, `murmur admin ...`, `murmur node run`).
+Every process starts in its own session so that it can be killed with whatever it spawned
+(hivemind's p2pd) and nothing outlives the network. Ports are all 0: the coordinator prints the
+addresses it bound, and nodes bind their own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+from murmur.errors import MurmurError
+
+COORDINATOR_START_TIMEOUT_S = 60.0  # the coordinator prints its listening line within this
+ADMIN_TIMEOUT_S = 60.0  # one `murmur admin` call
+STOP_TIMEOUT_S = 30.0  # a SIGTERMed process exits within this, else it is killed (with its group)
+
+
+class TestnetError(MurmurError):
+    pass
+
+
+def murmur_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "murmur.cli", *args]
+
+
+def _env(threads: int) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONUNBUFFERED"] = "1"
+    if threads:
+        # Several nodes share the CPU: one BLAS/OpenMP thread each avoids oversubscription.
+        env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(threads)
+    return env
+
+
+def kill_group(proc: subprocess.Popen, sig: int = signal.SIGKILL) -> None:
+    """Signal a process and everything in its session (it was started with start_new_session)."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, sig)
+
+
+def stop_process(proc: subprocess.Popen, timeout_s: float = STOP_TIMEOUT_S) -> int:
+    """SIGTERM, wait, then SIGKILL the group; returns the exit code."""
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            kill_group(proc)
+            proc.wait()
+    kill_group(proc)  # anything the process left in its session (it should have left nothing)
+    return proc.returncode
+
+
+@dataclass(slots=True)
+class NodeProc:
+    index: int
+    state_dir: Path
+    log_path: Path
+    proc: subprocess.Popen | None = None
+    starts: int = 0
+    kills: int = 0
+    _log: IO[bytes] | None = None
+
+    @property
+    def name(self) -> str:
+        return f"node-{self.index}"
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+
+@dataclass(slots=True)
+class Testnet:
+    """Coordinator + nodes under one folder. Use as a context manager: everything stops on exit."""
+
+    root: Path
+    config_path: Path
+    data: Path
+    threads: int = 1
+    node_args: list[str] = field(default_factory=list)
+    coordinator_args: list[str] = field(default_factory=list)
+    coordinator: subprocess.Popen | None = None
+    info: dict[str, Any] = field(default_factory=dict)
+    token: str = ""
+    nodes: list[NodeProc] = field(default_factory=list)
+    run_id: str = ""
+    _coord_log: IO[bytes] | None = None
+
+    # -- the coordinator ----------------------------------------------------------------------------
+
+    @property
+    def db(self) -> Path:
+        return self.root / "coordinator.db"
+
+    def start_coordinator(self, listen: str = "127.0.0.1:0") -> dict[str, Any]:
+        """Start (or restart, on the same ledger and, when given, the same address) the coordinator."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        err = open(self.root / "coordinator.log", "ab")  # noqa: SIM115 - closed in stop()
+        cmd = murmur_cmd("coordinator", "serve", "--db", str(self.db), "--listen", listen, *self.coordinator_args)
+        if self.info.get("node_address") and listen != "127.0.0.1:0":
+            # A restart keeps both addresses (nodes hold them); metrics may move.
+            cmd += ["--node-listen", str(self.info["node_address"]), "--metrics-listen", "127.0.0.1:0"]
+        self.coordinator = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=err, env=_env(0), start_new_session=True
+        )
+        self._coord_log = err
+        line = self._read_line(self.coordinator, COORDINATOR_START_TIMEOUT_S)
+        try:
+            info = json.loads(line)
+        except json.JSONDecodeError:
+            raise TestnetError(f"the coordinator did not start: {self._tail(self.root / 'coordinator.log')}") from None
+        self.info = info
+        # Keep draining its stdout so it never blocks on a full pipe.
+        threading.Thread(target=self._drain, args=(self.coordinator,), daemon=True).start()
+        return info
+
+    def restart_coordinator(self) -> dict[str, Any]:
+        """Stop and start again on the same ledger and addresses (nodes keep their address)."""
+        address = str(self.info["address"])
+        self.stop_coordinator()
+        return self.start_coordinator(address)
+
+    def kill_coordinator(self) -> None:
+        if self.coordinator is not None:
+            kill_group(self.coordinator)
+            self.coordinator.wait()
+
+    def stop_coordinator(self) -> int:
+        code = stop_process(self.coordinator) if self.coordinator is not None else 0
+        if self._coord_log is not None:
+            self._coord_log.close()
+            self._coord_log = None
+        return code
+
+    @staticmethod
+    def _read_line(proc: subprocess.Popen, timeout_s: float) -> str:
+        out: list[str] = []
+
+        def read() -> None:
+            assert proc.stdout is not None
+            out.append(proc.stdout.readline().decode(errors="replace"))
+
+        t = threading.Thread(target=read, daemon=True)
+        t.start()
+        t.join(timeout_s)
+        return out[0] if out else ""
+
+    @staticmethod
+    def _drain(proc: subprocess.Popen) -> None:
+        assert proc.stdout is not None
+        for _ in proc.stdout:
+            pass
+
+    @staticmethod
+    def _tail(path: Path, lines: int = 5) -> str:
+        try:
+            return " / ".join(path.read_text(errors="replace").strip().splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    # -- admin ------------------------------------------------------------------------------------
+
+    def admin(self, *args: str) -> Any:
+        """One `murmur admin` call with JSON output."""
+        cmd = murmur_cmd(
+            "admin", *args, "--coordinator", str(self.info["address"]),
+            "--admin-key", str(self.info["admin_key_file"]), "--output", "json",
+        )
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=ADMIN_TIMEOUT_S, env=_env(0))
+        if done.returncode != 0:
+            raise TestnetError(f"murmur admin {' '.join(args)}: {done.stderr.strip() or done.stdout.strip()}")
+        return json.loads(done.stdout) if done.stdout.strip() else None
+
+    def create_run(self, token_uses: int) -> str:
+        run = self.admin("runs", "create", "--config", str(self.config_path),
+                         "--manifest", str(self.data / "manifest.json"))
+        self.run_id = run["run_id"]
+        tok = self.admin("tokens", "create", "--run", self.run_id, "--uses", str(token_uses), "--note", "testnet")
+        self.token = tok["token"]
+        return self.token
+
+    # -- nodes ------------------------------------------------------------------------------------
+
+    def add_node(self, start: bool = True, extra: list[str] | None = None) -> NodeProc:
+        i = len(self.nodes)
+        node = NodeProc(i, self.root / "nodes" / f"node-{i}", self.root / "nodes" / f"node-{i}.log")
+        self.nodes.append(node)
+        if start:
+            self.start_node(node, extra)
+        return node
+
+    def start_node(self, node: NodeProc, extra: list[str] | None = None) -> None:
+        node.state_dir.mkdir(parents=True, exist_ok=True)
+        if node._log is not None:
+            node._log.close()
+        node._log = open(node.log_path, "ab")  # noqa: SIM115 - closed when the node stops
+        cmd = murmur_cmd(
+            "node", "run", "--coordinator", str(self.info["address"]), "--token", self.token,
+            "--state-dir", str(node.state_dir), "--data", str(self.data), "--threads", str(self.threads),
+            *self.node_args, *(extra or []),
+        )
+        node.proc = subprocess.Popen(
+            cmd, stdout=node._log, stderr=subprocess.STDOUT, env=_env(self.threads), start_new_session=True
+        )
+        node.starts += 1
+
+    def kill_node(self, node: NodeProc) -> None:
+        """SIGKILL, as a crash or a pulled plug: the node and whatever it spawned."""
+        if node.proc is not None:
+            kill_group(node.proc)
+            node.proc.wait()
+            node.kills += 1
+
+    def stop_node(self, node: NodeProc) -> int | None:
+        if node.proc is None:
+            return None
+        code = stop_process(node.proc)
+        if node._log is not None:
+            node._log.close()
+            node._log = None
+        return code
+
+    def stop(self) -> dict[str, int | None]:
+        """SIGTERM every node (in parallel), then the coordinator; returns exit codes by name."""
+        codes: dict[str, int | None] = {}
+
+        def one(n: NodeProc) -> None:
+            codes[n.name] = self.stop_node(n)
+
+        threads = [threading.Thread(target=one, args=(n,)) for n in self.nodes]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        codes["coordinator"] = self.stop_coordinator()
+        return codes
+
+    def __enter__(self) -> Testnet:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def wait_for(predicate: Any, timeout_s: float, poll_s: float = 0.2, what: str = "condition") -> None:
+    """Poll ``predicate`` until true (files written by other processes have no event to await)."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TestnetError(f"timed out after {timeout_s:g}s waiting for {what}")
+        time.sleep(poll_s)

@@ -1,0 +1,283 @@
+"""`murmur testnet`: a whole network on this machine, as real processes on loopback.
+
+    murmur testnet up --nodes 3 --config configs/testnet-small.toml --duration 180
+    murmur testnet chaos --nodes 4 --mtbf 30 --duration 300
+
+`up` starts a coordinator (its own CA, ledger and admin key under --out), creates the run and a
+join token, starts N nodes (one torch thread each), shows one live row per node, and at the end
+(after --duration, or when every node is done) stops everything with SIGTERM, prints a summary
+table and writes the loss curves to OUT/loss.png. `chaos` does the same and meanwhile SIGKILLs a
+random node now and then (exponential gaps with mean --mtbf) and restarts it from its state folder.
+If the run's dataset is missing, it is prepared from the bundled corpus first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from murmur.node.node_procs import NodeProc, Testnet, TestnetError
+from murmur.node.node_state import read_rounds
+
+from murmur.errors import MurmurError
+
+DEFAULT_CONFIG = "configs/testnet-small.toml"
+REFRESH_S = 1.0  # how often the live rows are redrawn
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("testnet", help="a local network: coordinator and nodes on loopback")
+    verbs = p.add_subparsers(dest="verb", metavar="VERB", required=True)
+    for verb, help_text in (("up", "start a coordinator and N nodes, show them train, summarize"),
+                            ("chaos", "like up, and kill and restart nodes at random")):
+        v = verbs.add_parser(verb, help=help_text, description=__doc__)
+        v.add_argument("--nodes", "-n", type=int, default=3, help="how many nodes (default 3)")
+        v.add_argument("--config", default=DEFAULT_CONFIG, help="run TOML (default %(default)s)")
+        v.add_argument("--duration", type=float, default=180.0, help="seconds before stopping (default 180)")
+        v.add_argument("--algo", choices=("diloco", "streaming", "demo"), help="override sync.algorithm")
+        v.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
+        v.add_argument("--out", default="runs/testnet", help="folder for the ledger, node states, logs, PNG")
+        v.add_argument("--threads", type=int, default=1, help="torch threads per node (default 1)")
+        v.add_argument("--solo", action="store_true", help=argparse.SUPPRESS)  # nodes without peers
+        if verb == "chaos":
+            v.add_argument("--mtbf", type=float, default=30.0, help="mean seconds between kills (default 30)")
+            v.add_argument("--restart-delay", type=float, default=3.0, help="seconds before a restart")
+            v.add_argument("--seed", type=int, default=0, help="seed of the kill schedule")
+        v.set_defaults(func=_run)
+
+
+# ---------------------------------------------------------------------------------------------
+# Preparing the run
+
+
+def prepare_run(config: str, overrides: list[str], out: Path) -> tuple[Path, Path]:
+    """Write OUT/run.toml (with overrides and an absolute data path); prepare the data if missing."""
+    from murmur.node.data import prepare
+    from murmur.protocol.runconfig import load_config
+
+    cfg = load_config(config, overrides)
+    data = Path(cfg.data.path).resolve()
+    if not (data / "manifest.json").is_file():
+        print(f"preparing {data} from the bundled corpus ({cfg.data.tokenizer} tokens) ...", flush=True)
+        prepare(data, tokenizer=cfg.data.tokenizer)
+    cfg.data.path = str(data)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "run.toml"
+    path.write_text(cfg.to_toml())
+    return path, data
+
+
+def fresh_folder(out: Path) -> None:
+    """A testnet starts from nothing: an old ledger or node state would resume another run."""
+    import shutil
+
+    for name in ("coordinator.db", "coordinator.db-wal", "coordinator.db-shm", "coordinator.db.ca.key",
+                 "coordinator.db.ca.crt", "coordinator.db.admin-key", "coordinator.log", "nodes", "loss.png",
+                 "summary.json"):
+        p = out / name
+        if p.is_dir():
+            shutil.rmtree(p)
+        else:
+            p.unlink(missing_ok=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Live rows, summary, plot
+
+
+@dataclass(slots=True)
+class Row:
+    name: str
+    status: str
+    rounds: int
+    loss: float
+    val: float | None
+    first_val: float | None
+    tokens: int
+    tokens_per_s: float
+    sent: int
+    peers: int
+    hash: str
+    restarts: int
+
+
+def node_row(node: NodeProc) -> Row:
+    recs = read_rounds(node.state_dir)
+    trained = [r for r in recs if "loss" in r]
+    vals = [r["val_loss"] for r in recs if r.get("val_loss") is not None]
+    last = trained[-1] if trained else {}
+    if node.alive():
+        status = "training" if trained else "starting"
+    elif node.proc is None:
+        status = "-"
+    else:
+        status = f"exit {node.proc.returncode}"
+    speeds = [r["tokens_per_s"] for r in trained[-5:]]
+    return Row(
+        name=node.name, status=status, rounds=int(last.get("round", 0)), loss=float(last.get("loss", math.nan)),
+        val=vals[-1] if vals else None, first_val=vals[0] if vals else None,
+        tokens=sum(int(r.get("tokens", 0)) for r in trained),
+        tokens_per_s=sum(speeds) / len(speeds) if speeds else 0.0, sent=int(last.get("bytes_sent", 0)),
+        peers=int(last.get("peers", 0)), hash=str(last.get("hash", ""))[:10], restarts=max(0, node.starts - 1),
+    )
+
+
+HEADER = (f"{'node':8} {'status':9} {'round':>5} {'loss':>7} {'val':>7} {'tokens':>10} {'tok/s':>7} "
+          f"{'sent':>9} {'peers':>5} {'state hash':10} {'restarts':>8}")
+
+
+def format_row(r: Row) -> str:
+    val = f"{r.val:7.4f}" if r.val is not None else f"{'-':>7}"
+    loss = f"{r.loss:7.4f}" if math.isfinite(r.loss) else f"{'-':>7}"
+    return (f"{r.name:8} {r.status:9} {r.rounds:5d} {loss} {val} {r.tokens:10,d} {r.tokens_per_s:7,.0f} "
+            f"{r.sent / 1e6:7.2f}MB {r.peers:5d} {r.hash:10} {r.restarts:8d}")
+
+
+class LiveView:
+    """One row per node, redrawn in place on a terminal; a new line per change otherwise."""
+
+    def __init__(self, stream=sys.stdout) -> None:  # noqa: ANN001
+        self.stream = stream
+        self.tty = stream.isatty()
+        self.drawn = 0
+        self.last: dict[str, tuple] = {}
+
+    def show(self, rows: list[Row], elapsed: float, note: str = "") -> None:
+        if self.tty:
+            if self.drawn:
+                self.stream.write(f"\x1b[{self.drawn}F")
+            lines = [f"testnet: {elapsed:6.0f}s {note}", HEADER] + [format_row(r) for r in rows]
+            self.stream.write("".join(line + "\x1b[K\n" for line in lines))
+            self.drawn = len(lines)
+        else:
+            if not self.drawn:
+                self.stream.write(HEADER + "\n")
+                self.drawn = 1
+            for r in rows:
+                key = (r.status, r.rounds, r.restarts)
+                if self.last.get(r.name) != key:
+                    self.last[r.name] = key
+                    self.stream.write(f"{format_row(r)}   [{elapsed:.0f}s]\n")
+        self.stream.flush()
+
+
+def plot_losses(nodes: list[NodeProc], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5), dpi=110)
+    for node in nodes:
+        recs = read_rounds(node.state_dir)
+        train = [(r["round"], r["loss"]) for r in recs if "loss" in r]
+        vals = [(r["round"], r["val_loss"]) for r in recs if r.get("val_loss") is not None]
+        if train:
+            line, = ax.plot(*zip(*train, strict=True), label=f"{node.name} train", alpha=0.8)
+            if vals:
+                ax.plot(*zip(*vals, strict=True), "o--", color=line.get_color(), label=f"{node.name} val")
+    ax.set_xlabel("outer round")
+    ax.set_ylabel("loss")
+    ax.set_title(title)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------------------------------------
+# The command
+
+
+def _run(args: argparse.Namespace) -> int:
+    if args.nodes < 1:
+        raise MurmurError(f"--nodes must be at least 1, got {args.nodes}")
+    if args.duration <= 0:
+        raise MurmurError(f"--duration must be positive, got {args.duration}")
+    chaos = args.verb == "chaos"
+    if chaos and args.mtbf <= 0:
+        raise MurmurError(f"--mtbf must be positive, got {args.mtbf}")
+    out = Path(args.out)
+    fresh_folder(out)
+    overrides = list(args.set) + ([f'sync.algorithm="{args.algo}"'] if args.algo else [])
+    config_path, data = prepare_run(args.config, overrides, out)
+    node_args = ["--solo"] if args.solo else []
+    net = Testnet(root=out, config_path=config_path, data=data, threads=args.threads, node_args=node_args)
+    rng = random.Random(args.seed if chaos else 0)
+    view = LiveView()
+    t0 = time.monotonic()
+    restarts: list[tuple[float, NodeProc]] = []
+    try:
+        info = net.start_coordinator()
+        print(f"coordinator on {info['address']} (ledger {net.db}, admin key {info['admin_key_file']})")
+        # Enough uses for every node to rejoin after a clean stop a few times over.
+        net.create_run(token_uses=args.nodes * 20)
+        for _ in range(args.nodes):
+            net.add_node()
+        print(f"{args.nodes} nodes started; logs in {out / 'nodes'}; Ctrl+C stops everything")
+        next_kill = t0 + rng.expovariate(1 / args.mtbf) if chaos else math.inf
+        note = ""
+        while time.monotonic() - t0 < args.duration:
+            now = time.monotonic()
+            if now >= next_kill:
+                victims = [n for n in net.nodes if n.alive()]
+                if victims:
+                    victim = rng.choice(victims)
+                    net.kill_node(victim)
+                    restarts.append((now + args.restart_delay, victim))
+                    note = f"chaos: killed {victim.name} at {now - t0:.0f}s"
+                next_kill = now + rng.expovariate(1 / args.mtbf)
+            for due, node in list(restarts):
+                if now >= due:
+                    net.start_node(node)
+                    restarts.remove((due, node))
+            view.show([node_row(n) for n in net.nodes], now - t0, note)
+            if not restarts and all(not n.alive() for n in net.nodes):
+                break
+            time.sleep(REFRESH_S)
+    except KeyboardInterrupt:
+        print("\ninterrupted: stopping the nodes (each commits, releases its lease and leaves)")
+    finally:
+        codes = net.stop()
+        for _, node in restarts:  # killed by chaos and not yet restarted: not a failed exit
+            codes[node.name] = None
+    return _summarize(net, out, codes, time.monotonic() - t0)
+
+
+def _summarize(net: Testnet, out: Path, codes: dict[str, int | None], wall: float) -> int:
+    rows = [node_row(n) for n in net.nodes]
+    print(f"\nsummary after {wall:.0f}s")
+    head = (f"{'node':8} {'rounds':>6} {'val first':>9} {'val last':>8} {'loss':>7} {'tokens':>10} "
+            f"{'tok/s':>7} {'sent':>9} {'restarts':>8} {'exit':>4}")
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        vf = f"{r.first_val:9.4f}" if r.first_val is not None else f"{'-':>9}"
+        vl = f"{r.val:8.4f}" if r.val is not None else f"{'-':>8}"
+        loss = f"{r.loss:7.4f}" if math.isfinite(r.loss) else f"{'-':>7}"
+        print(f"{r.name:8} {r.rounds:6d} {vf} {vl} {loss} {r.tokens:10,d} {r.tokens_per_s:7,.0f} "
+              f"{r.sent / 1e6:7.2f}MB {r.restarts:8d} {codes.get(r.name)!s:>4}")
+    hashes = {r.hash for r in rows if r.hash}
+    same_round = len({r.rounds for r in rows}) == 1
+    if same_round and len(hashes) == 1:
+        print(f"all nodes hold the same global state after round {rows[0].rounds} (hash {rows[0].hash})")
+    plot = out / "loss.png"
+    try:
+        plot_losses(net.nodes, plot, f"murmur testnet: {len(net.nodes)} nodes")
+        print(f"loss curves: {plot}")
+    except Exception as err:  # noqa: BLE001 - a missing plot must not hide the summary
+        print(f"warning: no plot ({err})")
+    (out / "summary.json").write_text(json.dumps(
+        {"wall_s": wall, "exit_codes": codes, "nodes": [asdict(r) for r in rows]},
+        indent=1, default=str) + "\n")
+    bad = {k: v for k, v in codes.items() if v not in (0, None)}
+    if bad:
+        raise TestnetError(f"some processes did not exit cleanly: {bad}; see the logs in {out}")
+    return 0
