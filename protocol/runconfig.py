@@ -91,6 +91,7 @@ class SyncSection:
     codec_block: int = 64
     topk_fraction: float = 0.0156
     powersgd_rank: int = 4
+    ef_decay: float = 1.0  # error feedback: residual kept per round (SparseLoCo uses 0.95)
     aggregator: Literal["mean", "trimmed_mean", "centered_clip"] = "mean"
     trim: int = 1
     clip_tau: float = 1.0
@@ -213,6 +214,8 @@ def _validate(cfg: RunConfig) -> None:
         raise ConfigError(f"optim.min_lr_ratio must be within [0, 1], got {cfg.optim.min_lr_ratio}")
     if not 0.0 <= cfg.sync.mix_alpha <= 1.0:
         raise ConfigError(f"sync.mix_alpha must be within [0, 1], got {cfg.sync.mix_alpha}")
+    if not 0.0 < cfg.sync.ef_decay <= 1.0:
+        raise ConfigError(f"sync.ef_decay must be within (0, 1], got {cfg.sync.ef_decay}")
     if not 0.0 < cfg.sync.topk_fraction <= 1.0:
         raise ConfigError(f"sync.topk_fraction must be within (0, 1], got {cfg.sync.topk_fraction}")
     if cfg.sync.overlap_steps < 0 or cfg.sync.overlap_steps >= cfg.sync.inner_steps:
