@@ -1,0 +1,207 @@
+"""Joining, leases and commits against a real coordinator process, through the member client."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import grpc
+import pytest
+from _coordinator_helpers import FAST, admin, admin_json, join, new_token, start_coordinator, write_run_files
+from murmur.protocol import coordinator_pb2 as pb
+from murmur.protocol import coordinator_pb2_grpc as pb_grpc
+from murmur.protocol import identity
+from murmur.protocol.coordinator_client import CoordinatorError, MemberClient, join_run
+from murmur.protocol.jointoken import JoinToken, JoinTokenError, fetch_pinned_ca
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def coord(tmp_path):
+    c = start_coordinator(tmp_path / "coord.db", *FAST)
+    try:
+        config, manifest = write_run_files(tmp_path, [1000, 600])
+        created = admin(c, "runs", "create", "--config", str(config), "--manifest", str(manifest))
+        assert created.returncode == 0, created.stderr
+        yield c
+    finally:
+        c.stop()
+
+
+def test_expired_or_revoked_token_cannot_join(coord):
+    expired = new_token(coord, "--ttl", "1")  # one second
+    revoked = admin_json(coord, "tokens", "create")
+    assert admin(coord, "tokens", "revoke", revoked["info"]["token_id"]).returncode == 0
+
+    async def scenario() -> None:
+        await asyncio.sleep(1.2)  # let the one-second token age: this is the condition under test
+        with pytest.raises(CoordinatorError, match="has expired") as err:
+            await join_run(coord.address, expired, identity.generate_key())
+        assert err.value.code == grpc.StatusCode.PERMISSION_DENIED
+        with pytest.raises(CoordinatorError, match="was revoked"):
+            await join_run(coord.address, revoked["token"], identity.generate_key())
+        once = new_token(coord)
+        await join_run(coord.address, once, identity.generate_key())
+        with pytest.raises(CoordinatorError, match="used up"):
+            await join_run(coord.address, once, identity.generate_key())
+        # a token whose secret was tampered with
+        t = JoinToken.parse(once)
+        with pytest.raises(CoordinatorError, match="not valid for this coordinator"):
+            await join_run(
+                coord.address, str(JoinToken(t.token_id, "y" * 32, t.ca_fingerprint)), identity.generate_key()
+            )
+
+    asyncio.run(scenario())
+    assert admin_json(coord, "nodes", "list")["nodes"].__len__() == 1
+
+
+def test_token_pins_the_coordinator_ca(coord):
+    token = JoinToken.parse(new_token(coord))
+    with pytest.raises(JoinTokenError, match="not the coordinator this token was made for"):
+        fetch_pinned_ca(coord.address, "0" * 64)
+    assert b"BEGIN CERTIFICATE" in fetch_pinned_ca(coord.address, token.ca_fingerprint)
+    with pytest.raises(JoinTokenError, match="not a murmur join token"):
+        JoinToken.parse("hello")
+
+
+def test_forged_certificates_are_refused(coord):
+    token = new_token(coord)
+
+    async def scenario() -> None:
+        real, info = await join_run(coord.address, token, identity.generate_key())
+        # a certificate from another CA (self-made) for a fresh key: the TLS handshake refuses it
+        forged = identity.CertificateAuthority.create("evil").issue()
+        forged = identity.Identity(key=forged.key, cert_pem=forged.cert_pem, ca_cert_pem=real.ca_cert_pem)
+        async with MemberClient(info.node_address, forged, timeout_s=5) as client:
+            with pytest.raises(CoordinatorError) as err:
+                await client.heartbeat()
+            assert err.value.code == grpc.StatusCode.UNAVAILABLE
+        # the real node's certificate with another key: the handshake fails too
+        stolen = identity.Identity(key=identity.generate_key(), cert_pem=real.cert_pem, ca_cert_pem=real.ca_cert_pem)
+        async with MemberClient(info.node_address, stolen, timeout_s=5) as client:
+            with pytest.raises(CoordinatorError):
+                await client.heartbeat()
+        # a member call on the public address, where no client certificate is presented
+        public = identity.Identity(key=real.key, cert_pem=real.cert_pem, ca_cert_pem=real.ca_cert_pem)
+        async with MemberClient(coord.address, public, timeout_s=5) as client:
+            with pytest.raises(CoordinatorError, match="need the node certificate") as err:
+                await client.heartbeat()
+            assert err.value.code == grpc.StatusCode.UNAUTHENTICATED
+        # and the real one works
+        async with MemberClient(info.node_address, real) as client:
+            assert (await client.heartbeat()).run_state == "active"
+
+    asyncio.run(scenario())
+
+
+def test_silent_node_loses_its_lease_and_its_late_commit_is_refused(coord):
+    token = new_token(coord, "--uses", "2")
+
+    async def scenario() -> None:
+        a, a_id = await join(coord, token)
+        b, b_id = await join(coord, token)
+        async with a, b:
+            la = (await a.acquire()).lease
+            await a.commit(la.lease_id, la.shard_id, 0, 300, outer_step=1, loss=3.0)
+            # a goes silent; b heartbeats and asks until it is handed a's shard
+            lb = (await b.acquire()).lease
+            assert lb.shard_id != la.shard_id
+            await b.commit(lb.lease_id, lb.shard_id, 0, lb.end_offset, outer_step=1, loss=3.0)  # finish it
+            deadline = asyncio.get_running_loop().time() + 20
+            while True:
+                await b.heartbeat()
+                reply = await b.acquire()
+                if reply.granted:
+                    break
+                assert asyncio.get_running_loop().time() < deadline, "a's lease never expired"
+                await asyncio.sleep(0.1)
+            lb2 = reply.lease
+            assert (lb2.shard_id, lb2.start_offset) == (la.shard_id, 300)  # from the committed offset
+            with pytest.raises(CoordinatorError, match="no longer yours") as err:
+                await a.commit(la.lease_id, la.shard_id, 300, 700, outer_step=2, loss=2.0)
+            assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION
+            done = await b.commit(lb2.lease_id, lb2.shard_id, 300, lb2.end_offset, outer_step=2, loss=2.0)
+            assert done.shard_done
+            assert not (await b.acquire()).granted
+
+    asyncio.run(scenario())
+    shards = admin_json(coord, "shards", "list")["shards"]
+    assert all(s["done"] for s in shards)
+    assert sum(int(s["committed_offset"]) for s in shards) == 1600
+    assert admin_json(coord, "status")["run"]["tokens_committed"] == "1600"  # every token exactly once
+    kinds = [e["kind"] for e in admin_json(coord, "events", "--limit", "500")["events"]]
+    assert "lost" in kinds and "lease_expired" in kinds
+
+
+def test_malformed_requests_get_clear_errors_and_change_nothing(coord):
+    token = new_token(coord)
+
+    async def scenario() -> None:
+        client, node_id = await join(coord, token)
+        async with client:
+            lease = (await client.acquire()).lease
+            before = await asyncio.to_thread(admin_json, coord, "shards", "list")
+            cases = [
+                ((lease.lease_id, lease.shard_id, 0, lease.end_offset + 1), "must be within"),
+                ((lease.lease_id, lease.shard_id, 0, 0), "must be within"),
+                ((lease.lease_id, lease.shard_id, 5, 10), "committed up to 0"),
+                ((lease.lease_id, 99, 0, 10), "no shard 99"),
+                (("", lease.shard_id, 0, 10), "no longer yours"),
+            ]
+            for args, message in cases:
+                with pytest.raises(CoordinatorError, match=message):
+                    await client.commit(*args)
+            with pytest.raises(CoordinatorError, match="finite"):
+                await client.commit(lease.lease_id, lease.shard_id, 0, 10, loss=float("inf"))
+            with pytest.raises(CoordinatorError, match="must not be negative"):
+                await client.commit(lease.lease_id, lease.shard_id, 0, 10, bytes_sent=-1)
+            with pytest.raises(CoordinatorError, match="not held by node"):
+                await client.release("feedface")
+            after = await asyncio.to_thread(admin_json, coord, "shards", "list")
+            assert after == before
+            # a wrong protocol version is refused by name
+            channel = client.channel
+            stub = pb_grpc.CoordinatorStub(channel)
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await stub.Heartbeat(pb.HeartbeatRequest(), metadata=(("murmur-protocol-version", "99"),))
+            assert "protocol version mismatch" in err.value.details()
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await stub.Heartbeat(pb.HeartbeatRequest())
+            assert "no version" in err.value.details()
+
+        # a join with garbage in place of the certificate request
+        ca_pem = fetch_pinned_ca(coord.address, JoinToken.parse(token).ca_fingerprint)
+        creds = grpc.ssl_channel_credentials(root_certificates=ca_pem)
+        async with grpc.aio.secure_channel(
+            coord.address, creds, options=[("grpc.ssl_target_name_override", "murmur-coordinator")]
+        ) as channel:
+            stub = pb_grpc.CoordinatorStub(channel)
+            spare = new_token(coord)
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await stub.Join(
+                    pb.JoinRequest(token=spare, csr_pem=b"not a csr"), metadata=(("murmur-protocol-version", "1"),)
+                )
+            assert "unreadable certificate request" in err.value.details()
+            # a token that is not one
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await stub.Join(
+                    pb.JoinRequest(token="mrm1.garbage", csr_pem=identity.make_csr(identity.generate_key())),
+                    metadata=(("murmur-protocol-version", "1"),),
+                )
+            assert "not a murmur join token" in err.value.details()
+            # oversized messages are refused before they are read
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await stub.Join(
+                    pb.JoinRequest(token=spare, csr_pem=b"x" * (5 * 1024 * 1024)),
+                    metadata=(("murmur-protocol-version", "1"),),
+                )
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            # the garbage did not use the spare token up
+            tokens = (await asyncio.to_thread(admin_json, coord, "tokens", "list"))["tokens"]
+            assert [t["uses_left"] for t in tokens] == [0, 1]
+
+    asyncio.run(scenario())
+    assert len(admin_json(coord, "nodes", "list")["nodes"]) == 1
+    events = admin_json(coord, "events", "--kind", "join")["events"]
+    assert len(events) == 1 and json.loads(events[0]["detail"])["token"]
