@@ -289,7 +289,9 @@ def label(r: SimResult) -> str:
     return f"{r.algorithm} {r.codec} H={r.inner_steps}"
 
 
-def plot_loss_vs_bytes(results: list[SimResult], path: Path, title: str = "") -> None:
+def plot_loss_vs_bytes(
+    results: list[SimResult], path: Path, title: str = "", labels: list[str] | None = None
+) -> None:
     """Validation loss against bytes sent per worker (log scale): the picture users look at."""
     import matplotlib
 
@@ -297,12 +299,12 @@ def plot_loss_vs_bytes(results: list[SimResult], path: Path, title: str = "") ->
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 5), dpi=120)
-    for r in results:
+    for i, r in enumerate(results):
         pts = [(p.bytes_sent, p.val_loss) for p in r.curve if p.bytes_sent > 0]
         if not pts:
             continue
         xs, ys = zip(*pts, strict=True)
-        ax.plot(xs, ys, marker="o", markersize=3, label=label(r))
+        ax.plot(xs, ys, marker="o", markersize=3, label=labels[i] if labels else label(r))
     ax.set_xscale("log")
     ax.set_xlabel("bytes sent per worker (log scale)")
     ax.set_ylabel("validation loss")

@@ -1,0 +1,209 @@
+"""Quality benchmark: validation loss against bytes sent, every algorithm at one token budget.
+
+8 workers of a ~30M-parameter Llama-style model (GPT-2 BPE) in `murmur sim`'s engine, on
+Shakespeare + the Python 3.11 docs + the Linux 6.1 docs. Rows: DDP (fp32 gradients every step),
+DiLoCo at H in {50, 100, 250} with fp32 / int8 / int4, Streaming DiLoCo, DeMo, and DiLoCo with
+top-k + 2-bit values and error feedback (SparseLoCo-style).
+
+    # prepare the corpus (see benchmarks/README or the report): data/quality-gpt2
+    source benchmarks/gpu_env.sh && python3 benchmarks/quality.py --data data/quality-gpt2 \\
+        --time-budget-s 420 --partial-dir $OUT
+
+With ``--time-budget-s`` and no ``--steps``, a short probe times one step of each kind and the
+largest step count (a multiple of 250, so every H divides it) that fits the budget is used for every
+row. The JSON (and the PNG) are rewritten after each row, so a run cut short still leaves data.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+from murmur.node.data import Dataset
+from murmur.node.sim import SimResult, plot_loss_vs_bytes, run_sim
+from murmur.node.train import resolve_device
+from murmur.protocol.runconfig import RunConfig, config_from_dict
+
+RESULTS = Path(__file__).resolve().parent / "results"
+STEP_CHOICES = (3000, 2500, 2000, 1500, 1000, 750, 500, 250)
+PROBE_STEPS = 8
+
+BASE = {
+    "name": "quality",
+    "seed": 0,
+    "model": {"preset": "medium", "dim": 384, "n_layers": 6, "n_heads": 6, "n_kv_heads": 6,
+              "hidden_dim": 1024, "seq_len": 256},
+    "data": {"tokenizer": "gpt2"},
+    "optim": {"lr": 1e-3, "warmup_steps": 50, "weight_decay": 0.1, "min_lr_ratio": 0.1},
+    "train": {"batch_size": 8, "eval_every": 50, "eval_batches": 16},
+    "sync": {"outer_lr": 0.7, "outer_momentum": 0.9, "nesterov": True, "overlap_steps": 0},
+}
+
+# name -> (sync overrides, optim overrides)
+ROWS: dict[str, tuple[dict, dict]] = {"ddp": ({"algorithm": "ddp", "inner_steps": 50}, {})}
+for _h in (50, 100, 250):
+    for _c in ("fp32", "int8", "int4"):
+        ROWS[f"diloco-{_c}-H{_h}"] = ({"algorithm": "diloco", "inner_steps": _h, "codec": _c}, {})
+ROWS["streaming-int4-H100"] = (
+    {"algorithm": "streaming", "inner_steps": 100, "fragments": 4, "overlap_steps": 5, "mix_alpha": 0.0,
+     "codec": "int4"},
+    {},
+)
+# DeMo's sign update moves every weight by lr each step: it wants a smaller lr than AdamW.
+ROWS["demo"] = ({"algorithm": "demo", "inner_steps": 50, "demo_topk": 32, "demo_chunk": 64}, {"lr": 3e-4})
+# SparseLoCo: top-k 1.56% of each 4096-chunk, 2-bit values, error feedback with decay 0.95, outer
+# lr 1 with no outer momentum (the error feedback carries what momentum would).
+ROWS["diloco-topk2bit-H50"] = (
+    {"algorithm": "diloco", "inner_steps": 50, "codec": "topk2bit", "topk_fraction": 0.0156, "ef_decay": 0.95,
+     "outer_lr": 1.0, "outer_momentum": 0.0},
+    {},
+)
+
+
+def row_config(name: str, data: str, steps: int) -> RunConfig:
+    sync, optim = ROWS[name]
+    d = copy.deepcopy(BASE)
+    d["data"]["path"] = data
+    d["train"]["steps"] = steps
+    d["sync"].update(sync)
+    d["optim"].update(optim)
+    return config_from_dict(d)
+
+
+def probe_seconds_per_step(names: list[str], data: str, workers: int, device, dataset: Dataset) -> float:
+    """Seconds one global step takes, summed over ``names`` (measured on a few steps of each)."""
+    total = 0.0
+    kinds: dict[str, float] = {}
+    for name in names:
+        kind = ROWS[name][0]["algorithm"]
+        if kind not in kinds:
+            cfg = row_config(name, data, PROBE_STEPS)
+            cfg.sync.inner_steps = min(cfg.sync.inner_steps, PROBE_STEPS)
+            cfg.sync.overlap_steps = 0
+            cfg.train.eval_every = 10**9
+            cfg.train.eval_batches = 1
+            r = run_sim(cfg, workers, device, dataset, log=lambda s: None)
+            kinds[kind] = r.seconds / PROBE_STEPS
+            print(f"probe {kind}: {kinds[kind] * 1000:.0f} ms per step of {workers} workers", flush=True)
+        total += kinds[kind]
+    return total
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu ({torch.get_num_threads()} threads)"
+
+
+def rows_of(results: list[SimResult], names: list[str]) -> list[dict]:
+    ddp = next((r for r in results if r.algorithm == "ddp"), None)
+    out = []
+    for name, r in zip(names, results, strict=False):
+        gap = 100 * (r.val_loss - ddp.val_loss) / ddp.val_loss if ddp else None
+        out.append({
+            "name": name, "algo": r.algorithm, "codec": r.codec, "H": r.inner_steps, "workers": r.workers,
+            "tokens": r.tokens, "val_loss": round(r.val_loss, 4),
+            "loss_gap_pct": None if gap is None else round(gap, 2),
+            "bytes_per_worker": r.bytes_per_worker,
+            "reduction_vs_ddp": round(r.ddp_bytes_per_worker / r.bytes_per_worker, 1) if r.bytes_per_worker else None,
+            "seconds": round(r.seconds, 1),
+        })
+    return out
+
+
+def summarize(rows: list[dict]) -> dict:
+    within = [r for r in rows if r["loss_gap_pct"] is not None and r["loss_gap_pct"] <= 2.0 and r["algo"] != "ddp"]
+    best = max(within, key=lambda r: r["reduction_vs_ddp"] or 0, default=None)
+    notes = {"best_within_2pct": best and {k: best[k] for k in ("name", "reduction_vs_ddp", "loss_gap_pct")}}
+    for h in (50, 100, 250):
+        a = next((r for r in rows if r["name"] == f"diloco-fp32-H{h}"), None)
+        b = next((r for r in rows if r["name"] == f"diloco-int4-H{h}"), None)
+        if a and b:
+            notes[f"int4_vs_fp32_H{h}_pct"] = round(100 * (b["val_loss"] - a["val_loss"]) / a["val_loss"], 2)
+    return notes
+
+
+def write(out_paths: list[Path], payload: dict, results: list[SimResult], names: list[str]) -> None:
+    for d in out_paths:
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "quality.json").write_text(json.dumps(payload, indent=1) + "\n")
+        if results:
+            plot_loss_vs_bytes(
+                results, d / "quality.png",
+                f"{results[0].workers} workers, {results[0].n_params / 1e6:.0f}M params, "
+                f"{results[0].tokens / 1e6:.1f}M tokens per run: val loss vs bytes sent",
+                labels=names,
+            )
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--data", default="data/quality-gpt2")
+    p.add_argument("--workers", type=int, default=8)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--steps", type=int, help="inner steps per worker for every row (default: fit the budget)")
+    p.add_argument("--time-budget-s", type=float, default=420.0, help="wall time for all rows")
+    p.add_argument("--rows", help="comma-separated subset of: " + ", ".join(ROWS))
+    p.add_argument("--set", action="append", default=[], help="override a base key, e.g. model.n_layers=2")
+    p.add_argument("--partial-dir", help="also write the JSON/PNG here after each row (e.g. $OUT)")
+    p.add_argument("--results-dir", default=str(RESULTS))
+    args = p.parse_args(argv)
+    t_start = time.perf_counter()
+    for item in args.set:
+        key, raw = item.split("=", 1)
+        section, name = key.split(".")
+        BASE[section][name] = json.loads(raw) if raw[:1] in "0123456789-[{tf\"" else raw
+    names = args.rows.split(",") if args.rows else list(ROWS)
+    unknown = [n for n in names if n not in ROWS]
+    if unknown:
+        print(f"error: unknown rows {unknown}; known: {', '.join(ROWS)}", file=sys.stderr)
+        return 2
+    device = resolve_device(args.device)
+    dataset = Dataset.open(args.data)
+    steps = args.steps
+    if steps is None:
+        per_step = probe_seconds_per_step(names, args.data, args.workers, device, dataset)
+        left = args.time_budget_s - (time.perf_counter() - t_start)
+        # 15% for evaluation and the first steps' warm-up.
+        steps = next((s for s in STEP_CHOICES if s * per_step * 1.15 <= left), STEP_CHOICES[-1])
+        print(f"budget: {left:.0f}s left, {per_step:.2f}s per step of all rows -> {steps} steps per row", flush=True)
+    out_paths = [Path(args.results_dir)] + ([Path(args.partial_dir)] if args.partial_dir else [])
+    results: list[SimResult] = []
+    done: list[str] = []
+    payload: dict = {}
+    for name in names:
+        cfg = row_config(name, args.data, steps)
+        print(f"== {name}", flush=True)
+        r = run_sim(cfg, args.workers, device, dataset, log=lambda s: print(s, flush=True))
+        results.append(r)
+        done.append(name)
+        rows = rows_of(results, done)
+        payload = {
+            "device": device_name(device),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "command": "python3 benchmarks/quality.py " + " ".join(sys.argv[1:] if argv is None else argv),
+            "model": {"params": r.n_params, **BASE["model"]},
+            "workers": args.workers,
+            "steps_per_worker": steps,
+            "corpus": f"{args.data}: {sum(dataset.shard_size(i) for i in range(dataset.num_shards)):,} train tokens",
+            "rows": rows,
+            "summary": summarize(rows),
+            "curves": {n: [[p.step, p.tokens, p.bytes_sent, round(p.val_loss, 4)] for p in x.curve]
+                       for n, x in zip(done, results, strict=True)},
+            "curve_columns": ["step", "tokens", "bytes_sent_per_worker", "val_loss"],
+        }
+        write(out_paths, payload, results, done)
+        print(json.dumps(rows[-1]), flush=True)
+    print(json.dumps(payload.get("summary"), indent=1))
+    print(f"total {time.perf_counter() - t_start:.0f}s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
