@@ -64,6 +64,11 @@ def _xent_kernel(LOGITS, TARGETS, LOSS, INV_N, V, ignore_index, BLOCK_V: tl.cons
 
 
 def _fused(hidden, weight, targets, ignore_index: int, compute_grad: bool, chunk: int):
+    with torch.autocast(hidden.device.type, enabled=False):
+        return _fused_body(hidden, weight, targets, ignore_index, compute_grad, chunk)
+
+
+def _fused_body(hidden, weight, targets, ignore_index: int, compute_grad: bool, chunk: int):
     n, d = hidden.shape
     v = weight.shape[0]
     hidden, weight, targets = hidden.contiguous(), weight.contiguous(), targets.contiguous()
@@ -126,5 +131,12 @@ def linear_cross_entropy_triton(
     hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100,
     chunk: int = DEFAULT_CHUNK,
 ) -> torch.Tensor:
+    # Under autocast the matmuls would silently change dtype inside the op (and clash with the
+    # preallocated fp32 outputs): cast once here, where autograd sees the casts, and run the op
+    # with autocast off.
+    dev = hidden.device.type
+    if torch.is_autocast_enabled(dev):
+        dt = torch.get_autocast_dtype(dev)
+        hidden, weight = hidden.to(dt), weight.to(dt)
     compute_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     return linear_xent_op(hidden, weight, targets, int(ignore_index), compute_grad, int(chunk))[0]

@@ -72,7 +72,7 @@ def _topk_kernel(X, VALS, IDX, n, chunk, k, CHUNK_P2: tl.constexpr):
     low = (CHUNK_P2 - 1 - cols).to(tl.int64)
     key = tl.where(valid, (mag << 32) | low, low)
     key = tl.sort(key, descending=True)
-    idx = (CHUNK_P2 - 1) - (key & 0xFFFFFFFF)
+    idx = (CHUNK_P2 - 1) - (key & (CHUNK_P2 - 1))   # the low word (< CHUNK_P2 <= 2^31)
     keep = cols < k
     src_ok = keep & (idx < chunk) & (row * chunk + idx < n)
     val = tl.load(X + row * chunk + idx, mask=src_ok, other=0.0)
