@@ -1,0 +1,374 @@
+"""The discovery plane: murmur's only door to hivemind's DHT (nothing else imports hivemind).
+
+* start or join: ``MurmurDHT(run_id, ..., initial_peers=[multiaddr, ...]).start()``;
+  ``addresses`` are the multiaddrs others bootstrap from (the coordinator runs one too).
+* announce: this node's record (gRPC address, role, stage, throughput, round) under the run's
+  peers key, subkey = its node id, with a TTL; re-announce before it runs out, or it expires and
+  the node is gone from every lookup. ``withdraw`` says goodbye at once.
+* signed: every record is an envelope {payload, certificate, signature}. ``SignedRecordValidator``
+  runs inside every DHT process (hivemind's validator hook): it accepts a record only if the
+  certificate comes from the run's CA, names the subkey's node id, and signed this key, subkey,
+  payload and an expiry no earlier than the record's. Nobody can announce for another node or
+  stretch its record's life. Readers check again and drop banned ids.
+* rendezvous: peers ready for round r put themselves under the round's key and read it back
+  until the expected number arrived or the deadline passed; the sorted ids are the members.
+* shutdown: ``shutdown()`` (also at exit) stops the DHT process and its ``p2pd``; a watcher
+  process (protocol/dht_reaper.py) kills both if this process dies without cleaning up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import base64
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+
+from murmur.protocol import dht_reaper
+from murmur.protocol.identity import (
+    BanList,
+    Identity,
+    IdentityError,
+    load_certificate,
+    sign,
+    verify_certificate,
+    verify_signature,
+)
+
+from murmur.errors import MurmurError
+
+try:  # the GPU box has no hivemind: importing this module there must not fail, only starting
+    import hivemind
+    from hivemind.dht.routing import DHTID
+    from hivemind.dht.validation import DHTRecord, RecordValidatorBase
+    from hivemind.utils import MSGPackSerializer, get_dht_time
+except ImportError:  # pragma: no cover - exercised only where hivemind is absent
+    hivemind = None
+    RecordValidatorBase = object  # type: ignore[assignment,misc]
+
+
+class DHTError(MurmurError):
+    """The DHT could not start, join, store or find what was asked; the message says which."""
+
+
+@dataclass(kw_only=True, slots=True)
+class DHTSettings:
+    host: str = "127.0.0.1"          # interface the DHT listens on ("0.0.0.0" to be reachable)
+    port: int = 0                    # 0: any free port; the real one is in ``addresses``
+    record_ttl: float = 30.0         # a peer record lives this long unless re-announced
+    rendezvous_ttl: float = 120.0    # a round rendezvous entry lives this long
+    poll_interval: float = 0.1       # rendezvous: how often the round's key is read back
+    start_timeout: float = 60.0      # the DHT process and p2pd must be up within this
+    request_timeout: float = 10.0    # one store or get
+    reaper_interval: float = 0.5     # the orphan watcher's polling period
+
+    def __post_init__(self) -> None:
+        for name in ("record_ttl", "rendezvous_ttl", "poll_interval", "start_timeout", "request_timeout"):
+            if getattr(self, name) <= 0:
+                raise DHTError(f"DHT setting {name} must be positive, got {getattr(self, name)}")
+
+
+@dataclass(kw_only=True, slots=True)
+class PeerRecord:
+    node_id: str
+    address: str                 # host:port of the node's gRPC peer server
+    role: str = "trainer"
+    stage: int = -1              # SWARM stage served, -1 for none
+    throughput: float = 0.0      # samples/s (or tokens/s), as the node measures it
+    round: int = -1              # last completed round
+    state_hash: str = ""         # hex hash of the global state after that round
+    expires_at: float = 0.0      # DHT time; filled in by announce
+    gone: bool = False           # a goodbye: the node left on purpose
+
+
+def peers_key(run_id: str) -> str:
+    return f"murmur/{run_id}/peers"
+
+
+def round_key(run_id: str, round_id: int, key: str) -> str:
+    return f"murmur/{run_id}/round/{round_id}/{key}"
+
+
+# --- signed envelopes --------------------------------------------------------------------------
+
+
+def _signed_message(key_id: bytes, subkey_bytes: bytes, payload: bytes) -> bytes:
+    return b"murmur-dht-v1|" + key_id + b"|" + subkey_bytes + b"|" + payload
+
+
+def seal(identity: Identity, key: str, node_id: str, payload: dict) -> bytes:
+    body = json.dumps(payload, sort_keys=True, separators=(",", ":")).encode()
+    key_id = DHTID.generate(source=key).to_bytes()
+    sig = sign(identity.key, _signed_message(key_id, MSGPackSerializer.dumps(node_id), body))
+    envelope = {"p": body.decode(), "c": identity.cert_pem.decode(), "s": base64.b64encode(sig).decode()}
+    return json.dumps(envelope, separators=(",", ":")).encode()
+
+
+def open_envelope(
+    raw: object, key_id: bytes, subkey_bytes: bytes, ca_cert_pem: bytes, ban_list: BanList | None = None
+) -> tuple[str, dict]:
+    """(node id, payload) of a valid envelope; IdentityError or ValueError otherwise."""
+    if not isinstance(raw, bytes):
+        raise ValueError("record value is not an envelope")
+    env = json.loads(raw)
+    body, cert = env["p"].encode(), load_certificate(env["c"].encode())
+    node_id = verify_certificate(cert, ca_cert_pem, ban_list=ban_list)
+    if MSGPackSerializer.loads(subkey_bytes) != node_id:
+        raise IdentityError(f"record signed by {node_id} is filed under another node's subkey")
+    if not verify_signature(cert, _signed_message(key_id, subkey_bytes, body), base64.b64decode(env["s"])):
+        raise IdentityError(f"bad signature on a record of {node_id}")
+    payload = json.loads(body)
+    if not isinstance(payload, dict):
+        raise ValueError("record payload is not an object")
+    return node_id, payload
+
+
+class SignedRecordValidator(RecordValidatorBase):  # type: ignore[misc,valid-type]
+    """Runs inside every DHT process: only records sealed by a certified node are stored or returned."""
+
+    def __init__(self, ca_cert_pem: bytes) -> None:
+        self.ca_cert_pem = ca_cert_pem
+
+    def validate(self, record: DHTRecord) -> bool:
+        try:
+            _, payload = open_envelope(
+                MSGPackSerializer.loads(record.value), record.key, record.subkey, self.ca_cert_pem
+            )
+            return float(payload.get("expires_at", 0)) + 1.0 >= record.expiration_time
+        except Exception:  # noqa: BLE001 - anything unreadable is simply invalid
+            return False
+
+
+# --- the adapter -------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class _Owned:
+    dht: object
+    reaper: subprocess.Popen | None
+    targets: dict[int, str] = field(default_factory=dict)
+
+
+class MurmurDHT:
+    """One node's (or the coordinator's) handle on the run's DHT. Blocking methods are thread-safe;
+    the ``a*`` variants run them off the event loop."""
+
+    def __init__(
+        self,
+        run_id: str,
+        *,
+        ca_cert_pem: bytes,
+        identity: Identity | None = None,
+        initial_peers: list[str] | tuple[str, ...] = (),
+        settings: DHTSettings | None = None,
+        ban_list: BanList | None = None,
+    ) -> None:
+        self.run_id = run_id
+        self.ca_cert_pem = ca_cert_pem
+        self.identity = identity
+        self.initial_peers = list(initial_peers)
+        self.settings = settings or DHTSettings()
+        self.ban_list = ban_list or BanList()
+        self._owned: _Owned | None = None
+        self._lock = threading.Lock()
+        self._last_record: PeerRecord | None = None
+
+    # lifecycle --------------------------------------------------------------------------------
+
+    def start(self) -> MurmurDHT:
+        if hivemind is None:
+            raise DHTError("hivemind is not installed on this machine: pip install murmur (it is a dependency)")
+        s = self.settings
+        try:
+            dht = hivemind.DHT(
+                initial_peers=self.initial_peers or None,
+                start=True,
+                host_maddrs=[f"/ip4/{s.host}/tcp/{s.port}"],
+                record_validators=[SignedRecordValidator(self.ca_cert_pem)],
+                await_ready=False,
+            )
+            dht.wait_until_ready(timeout=s.start_timeout)
+        except Exception as err:  # noqa: BLE001 - hivemind raises many types; the user needs one line
+            if "dht" in locals():
+                dht.shutdown()
+            hint = " (check the bootstrap addresses)" if self.initial_peers else ""
+            raise DHTError(f"could not start the DHT{hint}: {err}") from None
+        self._owned = _Owned(dht=dht, reaper=None)
+        self._arm_reaper()
+        atexit.register(self.shutdown)
+        return self
+
+    def _arm_reaper(self) -> None:
+        owned = self._owned
+        assert owned is not None
+        pids = [owned.dht.pid, *dht_reaper.descendants(owned.dht.pid)]
+        owned.targets = {pid: st for pid in pids if (st := dht_reaper.start_time(pid)) is not None}
+        args = [str(os.getpid()), str(self.settings.reaper_interval)]
+        args += [f"{pid}:{st}" for pid, st in owned.targets.items()]
+        owned.reaper = subprocess.Popen(
+            [sys.executable, "-m", "murmur.protocol.dht_reaper", *args],
+            stdin=subprocess.DEVNULL,
+            close_fds=True,
+        )
+
+    @property
+    def started(self) -> bool:
+        return self._owned is not None
+
+    def shutdown(self) -> None:
+        """Stop the DHT process and p2pd; idempotent; never leaves a child behind."""
+        with self._lock:
+            owned, self._owned = self._owned, None
+        if owned is None:
+            return
+        atexit.unregister(self.shutdown)
+        try:
+            owned.dht.shutdown()
+        finally:
+            dht_reaper.kill_all(owned.targets)
+            if owned.reaper is not None:
+                owned.reaper.terminate()
+                try:
+                    owned.reaper.wait(timeout=dht_reaper.GRACE_SECONDS + 3)
+                except subprocess.TimeoutExpired:
+                    owned.reaper.kill()
+                    owned.reaper.wait()
+
+    def __enter__(self) -> MurmurDHT:
+        return self if self.started else self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    def _dht(self):
+        if self._owned is None:
+            raise DHTError("the DHT is not running (call start() first)")
+        return self._owned.dht
+
+    @property
+    def addresses(self) -> list[str]:
+        """Multiaddrs others can bootstrap from."""
+        return [str(a) for a in self._dht().get_visible_maddrs()]
+
+    @property
+    def helper_pids(self) -> list[int]:
+        """The DHT process and its p2pd (for leak checks)."""
+        return list(self._owned.targets) if self._owned else []
+
+    # records ----------------------------------------------------------------------------------
+
+    def _store(self, key: str, payload: dict, ttl: float) -> bool:
+        if self.identity is None:
+            raise DHTError("this DHT handle has no identity, so it cannot announce")
+        node_id = self.identity.node_id
+        expires = get_dht_time() + ttl
+        payload = {**payload, "expires_at": expires}
+        value = seal(self.identity, key, node_id, payload)
+        fut = self._dht().store(key, value, expiration_time=expires, subkey=node_id, return_future=True)
+        try:
+            return bool(fut.result(timeout=self.settings.request_timeout))
+        except Exception as err:  # noqa: BLE001
+            raise DHTError(f"DHT store of {key} failed: {err}") from None
+
+    def _read(self, key: str) -> dict[str, dict]:
+        """node id -> payload of every valid, unexpired, not banned entry under ``key``."""
+        fut = self._dht().get(key, latest=True, return_future=True)
+        try:
+            found = fut.result(timeout=self.settings.request_timeout)
+        except Exception as err:  # noqa: BLE001
+            raise DHTError(f"DHT lookup of {key} failed: {err}") from None
+        if found is None or not isinstance(found.value, dict):
+            return {}
+        key_id = DHTID.generate(source=key).to_bytes()
+        now = get_dht_time()
+        out = {}
+        for subkey, item in found.value.items():
+            if item.expiration_time < now:
+                continue
+            try:
+                node_id, payload = open_envelope(
+                    item.value, key_id, MSGPackSerializer.dumps(subkey), self.ca_cert_pem, self.ban_list
+                )
+            except Exception:  # noqa: BLE001 - forged, banned or unreadable: not a peer
+                continue
+            out[node_id] = payload
+        return out
+
+    def announce(self, record: PeerRecord, ttl: float | None = None) -> bool:
+        if self.identity is None or record.node_id != self.identity.node_id:
+            raise DHTError("a node can only announce its own record")
+        payload = asdict(record)
+        payload.pop("expires_at")
+        self._last_record = record
+        return self._store(peers_key(self.run_id), payload, ttl or self.settings.record_ttl)
+
+    def withdraw(self) -> None:
+        """Say goodbye: a 'gone' record outlives the last announcement, so lookups drop us at once."""
+        if self._last_record is None or self._owned is None:
+            return
+        payload = asdict(self._last_record)
+        payload.update(gone=True)
+        payload.pop("expires_at")
+        self._store(peers_key(self.run_id), payload, self.settings.record_ttl + 1.0)
+
+    def peers(self, role: str | None = None, stage: int | None = None) -> list[PeerRecord]:
+        records = []
+        for node_id, payload in self._read(peers_key(self.run_id)).items():
+            try:
+                rec = PeerRecord(**{**payload, "node_id": node_id})
+            except TypeError:
+                continue
+            if rec.gone or (role is not None and rec.role != role) or (stage is not None and rec.stage != stage):
+                continue
+            records.append(rec)
+        return sorted(records, key=lambda r: r.node_id)
+
+    def rendezvous(
+        self,
+        round_id: int,
+        key: str,
+        address: str,
+        *,
+        deadline: float,
+        expected: int | None = None,
+        min_members: int = 1,
+        weight: float = 1.0,
+    ) -> dict[str, str]:
+        """Join round ``round_id``'s group and return {node id: address} of its members.
+
+        Returns as soon as ``expected`` members are there, otherwise at ``deadline`` (time.monotonic),
+        with whoever arrived; fewer than ``min_members`` is a DHTError.
+        """
+        rkey = round_key(self.run_id, round_id, key)
+        self._store(rkey, {"address": address, "weight": weight}, self.settings.rendezvous_ttl)
+        members: dict[str, str] = {}
+        while True:
+            members = {
+                n: str(p.get("address", "")) for n, p in self._read(rkey).items() if p.get("address")
+            }
+            if expected is not None and len(members) >= expected:
+                break
+            if time.monotonic() + self.settings.poll_interval >= deadline:
+                break
+            time.sleep(self.settings.poll_interval)
+        if len(members) < min_members:
+            raise DHTError(
+                f"round {round_id} rendezvous: {len(members)} peer(s) by the deadline, {min_members} needed"
+            )
+        return dict(sorted(members.items()))
+
+    # asyncio variants: the DHT calls block on a pipe, so they run in a worker thread ------------
+
+    async def aannounce(self, record: PeerRecord, ttl: float | None = None) -> bool:
+        return await asyncio.to_thread(self.announce, record, ttl)
+
+    async def apeers(self, role: str | None = None, stage: int | None = None) -> list[PeerRecord]:
+        return await asyncio.to_thread(self.peers, role, stage)
+
+    async def arendezvous(self, round_id: int, key: str, address: str, **kwargs: object) -> dict[str, str]:
+        return await asyncio.to_thread(self.rendezvous, round_id, key, address, **kwargs)  # type: ignore[arg-type]
