@@ -190,14 +190,15 @@ def cases(device: torch.device, smoke: bool) -> list[dict]:
     return out
 
 
-def run_ops(timer: Timer, impls: list[str], copy_gbps: float, smoke: bool) -> list[dict]:
+def run_ops(timer: Timer, impls: list[str], copy_gbps: float, smoke: bool, compile_ops: str) -> list[dict]:
     rows = []
     for case in cases(timer.device, smoke):
         fns = dict(case["impls"])
-        if "compile" in impls:
+        compiled = compile_ops == "all" or case["op"].startswith(tuple(compile_ops.split(",")))
+        if "compile" in impls and compiled:
             ref, wrap = case["compile_src"]
             fns["compile"] = wrap(torch.compile(ref, dynamic=False))
-        for impl in impls:
+        for impl in (i for i in impls if i in fns):
             row = {"op": case["op"], "shape": case["shape"], "dtype": case["dtype"], "impl": impl}
             try:
                 ms = timer.ms(fns[impl])
@@ -293,6 +294,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--impls", default="eager,compile,triton")
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--compile-ops", default="all",
+                    help="'all' or comma-separated op-name prefixes to also time under torch.compile")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--smoke", action="store_true", help="tiny shapes: checks the script, not the speed")
     ap.add_argument("--no-ops", action="store_true", help="skip the op table (keep earlier rows)")
@@ -315,12 +318,13 @@ def main() -> int:
 
         copy = copy_bandwidth(timer, 1 << 28 if not args.smoke else 1 << 16)
         print(f"copy bandwidth {copy:.0f} GB/s", flush=True)
-        rows = run_ops(timer, args.impls.split(","), copy, args.smoke)
+        rows = run_ops(timer, args.impls.split(","), copy, args.smoke, args.compile_ops)
         result.update(triton=triton.__version__, copy_gbps=round(copy, 1), rows=rows, summary=summarize(rows),
                       notes="ms: median of CUDA-event timings; gbps: minimum bytes moved / ms; frac_copy: "
                             "gbps / measured device-to-device copy bandwidth (read+write); peak_mem_mb: "
                             "allocation peak of one call beyond the live inputs; model ops in bf16, "
-                            "codecs on fp32 pseudo-gradients")
+                            "codecs on fp32 pseudo-gradients; compile rows for ops matching "
+                            f"--compile-ops {args.compile_ops!r}")
     if args.curve_steps:
         result["loss_curve"] = loss_curves(device, args.curve_preset, args.curve_steps, args.curve_batch, args.data)
         lc = result["loss_curve"]
