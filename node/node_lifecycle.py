@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import os
 import signal
 import sys
@@ -27,7 +28,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +38,7 @@ from murmur.node.data import Dataset, eval_batches
 from murmur.node.node_metrics import MetricsServer, NodeMetrics
 from murmur.node.node_settings import NodeSettings
 from murmur.node.node_state import JoinInfo, PendingCommit, StateDir
-from murmur.node.node_training import LeaseView, NodeTrainer, WindowResult
+from murmur.node.node_training import LeaseView, NodeTrainer, Segment, WindowResult
 from murmur.node.train import evaluate, resolve_device
 from murmur.protocol import coordinator_pb2 as pb
 from murmur.protocol import identity
@@ -109,6 +110,7 @@ class Node:
         self._coordinator_up = True
         self._commit_wakeup: asyncio.Event | None = None
         self._run_finished = False
+        self._ident: identity.Identity | None = None
         self._tokens_per_s = 0.0
 
     # -- logging -----------------------------------------------------------------------------------
@@ -151,6 +153,18 @@ class Node:
 
     # -- coordinator calls from the loop ---------------------------------------------------------
 
+    async def _fresh_channel(self) -> None:
+        """A new channel to the coordinator: gRPC backs off reconnecting up to minutes after an
+        outage, while a node wants to notice the coordinator's return within outage_retry_s."""
+        assert self.info is not None and self._ident is not None
+        old = self.client
+        self.client = MemberClient(self.info.node_address, self._ident, server_name=self.info.tls_server_name,
+                                   timeout_s=self.s.rpc_timeout_s)
+        if old is not None:
+            self.client.ban_list_version = old.ban_list_version
+            with contextlib.suppress(Exception):
+                await old.close()
+
     def _mark(self, up: bool, err: CoordinatorError | None = None) -> None:
         if up and not self._coordinator_up:
             self.log("coordinator is back: replaying pending commits")
@@ -176,6 +190,7 @@ class Node:
             except CoordinatorError as err:
                 if is_outage(err):
                     self._mark(False, err)
+                    await self._fresh_channel()
                 else:
                     self.log(f"heartbeat refused: {err}")
             await self._sleep(interval)
@@ -234,6 +249,10 @@ class Node:
     async def _acquire(self) -> LeaseView | None:
         assert self.client is not None
         while not self.stop_event.is_set():
+            # The coordinator hands back a held lease until its shard is done: commits first.
+            if not await self._flush_commits():
+                await self._sleep(self.s.outage_retry_s)
+                continue
             try:
                 reply = await self.client.acquire()
                 self._mark(True)
@@ -261,8 +280,14 @@ class Node:
 
     # -- training thread side ---------------------------------------------------------------------
 
-    def _next_lease_blocking(self) -> LeaseView | None:
-        assert self.loop is not None
+    def _next_lease_blocking(self, done: Segment | None, loss: float) -> LeaseView | None:
+        """From the training thread: commit the shard that ran out, then wait for a new lease."""
+        assert self.loop is not None and self.trainer is not None
+        if done is not None and done.end > done.start:
+            commit = PendingCommit(done.lease.lease_id, done.lease.shard_id, done.start, done.end,
+                                   self.trainer.round, loss if math.isfinite(loss) else 0.0,
+                                   self.trainer.sync.bytes.total_sent, 0.0)
+            self.loop.call_soon_threadsafe(self._queue_commits, [commit])
         return asyncio.run_coroutine_threadsafe(self._acquire(), self.loop).result()
 
     def _train(self) -> None:
@@ -301,10 +326,10 @@ class Node:
             ckpt = None
             if self.s.checkpoint_every_rounds and result.round % self.s.checkpoint_every_rounds == 0:
                 ckpt = trainer.state_dict()
-            self.loop.call_soon_threadsafe(self._after_round, record, commits, shared)
             if ckpt is not None:
-                ckpt["pending_lease"] = asdict(trainer.lease) if trainer.lease else None
+                # Before the round is logged or committed: the checkpoint is never older than either.
                 self.state.save_checkpoint(ckpt)
+            self.loop.call_soon_threadsafe(self._after_round, record, commits, shared)
             if self.o.max_rounds and rounds_here >= self.o.max_rounds:
                 self.loop.call_soon_threadsafe(self.request_stop, f"--max-rounds {self.o.max_rounds} reached")
                 break
@@ -328,6 +353,16 @@ class Node:
 
     # -- loop side of a round ---------------------------------------------------------------------
 
+    def _queue_commits(self, commits: list[PendingCommit]) -> None:
+        for c in commits:
+            if len(self.pending) >= self.s.max_pending_commits:
+                self.log(f"more than {self.s.max_pending_commits} commits pending: dropping the oldest")
+                self.pending.popleft()
+            self.pending.append(c)
+        self._save_journal()
+        if self._commit_wakeup is not None:
+            self._commit_wakeup.set()
+
     def _record_start(self, val: float) -> None:
         self.state.append_round({"round": 0, "step": 0, "time": time.time(), "val_loss": val,
                                  "node": self.info.node_id if self.info else "",
@@ -343,12 +378,7 @@ class Node:
         m.compute_seconds_total += record["compute_seconds"]
         m.wall_seconds_total += record["seconds"]
         self._tokens_per_s = record["tokens_per_s"]
-        for c in commits:
-            if len(self.pending) < self.s.max_pending_commits:
-                self.pending.append(c)
-        self._save_journal()
-        if self._commit_wakeup is not None:
-            self._commit_wakeup.set()
+        self._queue_commits(commits)
         if shared is not None and hasattr(self.dataplane, "publish"):
             self.dataplane.publish(record["round"], shared)
         self.state.append_round(record)
@@ -383,8 +413,8 @@ class Node:
             dataset = Dataset.open(data_path)
             if dataset.tokenizer != cfg.data.tokenizer:
                 raise NodeError(f"{data_path} holds {dataset.tokenizer} tokens but the run uses {cfg.data.tokenizer}")
-            self.client = MemberClient(info.node_address, ident, server_name=info.tls_server_name,
-                                       timeout_s=self.s.rpc_timeout_s)
+            self._ident = ident
+            await self._fresh_channel()
             self.pending.extend(self.state.load_pending())
             self.metrics.pending_commits = len(self.pending)
             if self.o.metrics_listen != "off":

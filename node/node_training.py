@@ -69,8 +69,10 @@ class WindowResult:
     stopped: bool = False  # the window ended early because a stop was asked for
 
 
-# Blocks until the coordinator grants a lease; None when the node should stop instead.
-LeaseSource = Callable[[], LeaseView | None]
+# Blocks until the coordinator grants a lease; None when the node should stop instead. It gets
+# the segment of the shard that just ran out (or None): that segment must be committed first,
+# because the coordinator hands a node its held lease again until the shard is done.
+LeaseSource = Callable[[Segment | None, float], LeaseView | None]
 
 
 class NodeTrainer:
@@ -162,15 +164,19 @@ class NodeTrainer:
         losses: list[torch.Tensor] = []
         compute = 0.0
         segments: list[Segment] = []
+        early: list[Segment] = []  # shards that ran out mid-window (committed when they did)
         stopped = False
         for _ in range(self.h):
             if stop():
                 stopped = True
                 break
             while self.lease is None or not self._fits():
-                if self.lease is not None:
-                    self._close_segment(segments, exhausted=True)
-                lease = next_lease()
+                done = self._close_segment(segments) if self.lease is not None else None
+                if done is not None and done in segments:
+                    segments.remove(done)  # committed now, not with the window
+                    early.append(done)
+                running = torch.stack(losses).float().mean().item() if losses else math.nan
+                lease = next_lease(done, running)
                 if lease is None:
                     stopped = True
                     break
@@ -194,17 +200,25 @@ class NodeTrainer:
             raise TrainingError(f"loss became {mean} in round {self.round}: lower optim.lr")
         self.round += 1
         if self.lease is not None and not self._fits():
-            self._close_segment(segments, exhausted=True)
-        tokens = sum(s.end - s.start for s in segments)
+            self._close_segment(segments)  # runs out exactly at the window's end: commit with it
+        tokens = sum(s.end - s.start for s in segments + early)
         return WindowResult(self.round, len(losses), mean, tokens, time.perf_counter() - t0, compute, segments)
 
-    def _close_segment(self, segments: list[Segment], *, exhausted: bool) -> None:
-        """The shard has no full batch left: its segment runs to the shard's end (done)."""
+    def _close_segment(self, segments: list[Segment]) -> Segment | None:
+        """The shard has no full batch left: its segment runs to the shard's end (the tail shorter
+        than one batch is never trained; committing it marks the shard done). Returns it."""
         assert self.lease is not None
+        seg = None
         if segments and segments[-1].lease.lease_id == self.lease.lease_id:
-            segments[-1].end = self.lease.end_offset
-            segments[-1].exhausted = exhausted
+            seg = segments[-1]
+        elif self.loader is not None and self.loader.position.offset < self.lease.end_offset:
+            # Nothing trained on it in this window (it ran out at the last window's end).
+            offset = self.loader.position.offset
+            seg = Segment(self.lease, offset, offset)
+        if seg is not None:
+            seg.end, seg.exhausted = self.lease.end_offset, True
         self.lease, self.loader = None, None
+        return seg
 
     def finish(self) -> None:
         """Apply what is still in flight (Streaming DiLoCo) before a final evaluation."""

@@ -1,0 +1,171 @@
+"""The node's peer gRPC server: mutual TLS, version and ban checks, health, state transfer, and the
+door through which the exchange's streams arrive.
+
+Every handler starts with ``_admit``: the protocol version in the call's metadata must be ours
+(else FAILED_PRECONDITION naming both versions), and the caller's TLS certificate (already
+verified against the run's CA by the handshake) must name a node that is not banned (else
+PERMISSION_DENIED with the reason). Why a per-handler check rather than an interceptor:
+protocol/tls.py. Only then is a byte of the request read.
+
+``publish_state`` makes named tensors available to GetState (a round's result for peers that
+missed it, the global state for joiners); node/peer_state.py fetches them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+
+import grpc
+import torch
+from murmur.protocol import peer_pb2, peer_pb2_grpc, tls
+from murmur.protocol.identity import BanList, BannedError, Identity, IdentityError
+from murmur.protocol.version import PROTOCOL_VERSION, VERSION_METADATA_KEY, VersionMismatch, check_version
+from murmur.protocol.wire import dtype_name, split, tensor_bytes
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(kw_only=True, slots=True)
+class PeerServerSettings:
+    host: str = "127.0.0.1"
+    port: int = 0                         # 0: any free port; the real one is in ``address``
+    max_message_bytes: int = tls.DEFAULT_MAX_MESSAGE_BYTES  # one gRPC message (a frame)
+    chunk_bytes: int = 1 << 20            # frame size for streamed state
+    max_published_states: int = 8         # oldest published states are dropped beyond this
+    stop_grace: float = 1.0               # seconds in-flight calls get on stop()
+
+
+@dataclass(slots=True)
+class PublishedState:
+    name: str
+    tensors: list[tuple[str, torch.Tensor]]
+    state_hash: bytes
+    members: list[str] = field(default_factory=list)
+
+
+# (peer id, context) -> None; the exchange's handler for one Exchange stream
+ExchangeHandler = Callable[[str, grpc.aio.ServicerContext], Awaitable[None]]
+
+
+class PeerServer(peer_pb2_grpc.PeerServicer):
+    def __init__(
+        self,
+        identity: Identity,
+        *,
+        run_id: str,
+        ban_list: BanList | None = None,
+        settings: PeerServerSettings | None = None,
+    ) -> None:
+        self.identity = identity
+        self.run_id = run_id
+        self.ban_list = ban_list if ban_list is not None else BanList()
+        self.settings = settings or PeerServerSettings()
+        self.states: OrderedDict[str, PublishedState] = OrderedDict()
+        self.exchange_handler: ExchangeHandler | None = None
+        self.hello_rounds: Callable[[], Sequence[peer_pb2.RoundDone]] = lambda: ()
+        self.refusals: list[tuple[str, str]] = []  # (who, reason): every call refused at the door
+        self._server: grpc.aio.Server | None = None
+        self.address = ""
+
+    @property
+    def node_id(self) -> str:
+        return self.identity.node_id
+
+    async def start(self) -> str:
+        s = self.settings
+        self._server = grpc.aio.server(options=tls.message_options(s.max_message_bytes))
+        peer_pb2_grpc.add_PeerServicer_to_server(self, self._server)
+        port = self._server.add_secure_port(f"{s.host}:{s.port}", tls.server_credentials(self.identity))
+        if port == 0:
+            raise IdentityError(f"could not bind the peer server to {s.host}:{s.port}")
+        await self._server.start()
+        self.address = f"{s.host}:{port}"
+        return self.address
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            await self._server.stop(self.settings.stop_grace)
+            self._server = None
+
+    # -- the door --------------------------------------------------------------------------------
+
+    async def _admit(self, context: grpc.aio.ServicerContext) -> str:
+        metadata = dict(context.invocation_metadata() or ())
+        try:
+            check_version(metadata.get(VERSION_METADATA_KEY), who="caller")
+        except VersionMismatch as err:
+            self.refusals.append(("?", str(err)))
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(err))
+        try:
+            return tls.authenticated_peer(context.auth_context(), self.ban_list)
+        except BannedError as err:
+            self.refusals.append(("banned", str(err)))
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(err))
+        except IdentityError as err:
+            self.refusals.append(("?", str(err)))
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(err))
+        raise AssertionError("unreachable")  # context.abort raises
+
+    async def _reply_metadata(self, context: grpc.aio.ServicerContext) -> None:
+        await context.send_initial_metadata(((VERSION_METADATA_KEY, str(PROTOCOL_VERSION)),))
+
+    # -- handlers --------------------------------------------------------------------------------
+
+    async def Hello(self, request: peer_pb2.HelloRequest, context: grpc.aio.ServicerContext):  # noqa: N802
+        await self._admit(context)
+        if request.run_id and request.run_id != self.run_id:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"run mismatch: this node is in run {self.run_id!r}, the caller in {request.run_id!r}",
+            )
+        return peer_pb2.HelloReply(
+            protocol_version=PROTOCOL_VERSION,
+            run_id=self.run_id,
+            node_id=self.node_id,
+            done=list(self.hello_rounds()),
+            states=list(self.states),
+        )
+
+    async def Exchange(self, request_iterator, context: grpc.aio.ServicerContext):  # noqa: N802
+        peer_id = await self._admit(context)
+        if self.exchange_handler is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "this node takes part in no exchange yet")
+        await self._reply_metadata(context)
+        await self.exchange_handler(peer_id, context)
+
+    async def GetState(self, request: peer_pb2.StateRequest, context: grpc.aio.ServicerContext):  # noqa: N802
+        await self._admit(context)
+        state = self.states.get(request.name)
+        if state is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no published state {request.name!r} on {self.node_id}")
+        infos = [
+            peer_pb2.TensorInfo(name=n, dtype=dtype_name(t.dtype), shape=list(t.shape)) for n, t in state.tensors
+        ]
+        manifest = peer_pb2.StateManifest(
+            name=state.name, state_hash=state.state_hash, tensors=infos, members=state.members
+        )
+        await context.write(peer_pb2.StateFrame(manifest=manifest))
+        wanted = set(request.tensors)
+        for name, t in state.tensors:
+            if name not in wanted:
+                continue
+            data = tensor_bytes(t)
+            for piece in split(data, self.settings.chunk_bytes):
+                part = peer_pb2.StateFrame(part={"name": name, "dtype": dtype_name(t.dtype), "data": piece})
+                await context.write(part)
+            await asyncio.sleep(0)  # let other calls run between tensors
+
+    # -- what GetState serves --------------------------------------------------------------------
+
+    def publish_state(self, state: PublishedState) -> None:
+        self.states[state.name] = state
+        self.states.move_to_end(state.name)
+        while len(self.states) > self.settings.max_published_states:
+            self.states.popitem(last=False)
+
+    def unpublish_state(self, name: str) -> None:
+        self.states.pop(name, None)

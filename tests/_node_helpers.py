@@ -1,0 +1,80 @@
+"""Helpers of the node tests: a small dataset, a testnet in a temporary folder, ledger readers."""
+
+from __future__ import annotations
+
+import re
+import shutil
+from pathlib import Path
+
+from murmur.node.node_procs import Testnet, wait_for
+from murmur.node.node_state import read_rounds
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = REPO / "configs" / "testnet-tiny.toml"
+ROUND_WAIT_S = 90.0  # a few rounds of the tiny model, on a loaded 2-core machine
+
+
+def small_dataset(root: Path) -> Path:
+    """The bundled Shakespeare in 8K-token shards: a node moves to a new shard every few rounds."""
+    from murmur.node.data import prepare
+
+    path = root / "data"
+    if not (path / "manifest.json").is_file():
+        prepare(path, tokenizer="byte", shard_tokens=8192)
+    return path
+
+
+def make_testnet(tmp: Path, data: Path, *, overrides: list[str] = (), node_args: list[str] = ()) -> Testnet:
+    from murmur.protocol.runconfig import load_config
+
+    cfg = load_config(TINY, [f'data.path="{data}"', *overrides])
+    tmp.mkdir(parents=True, exist_ok=True)
+    config = tmp / "run.toml"
+    config.write_text(cfg.to_toml())
+    return Testnet(root=tmp, config_path=config, data=data, threads=1, node_args=list(node_args))
+
+
+def trained(node) -> list[dict]:
+    return [r for r in read_rounds(node.state_dir) if "loss" in r]
+
+
+def wait_rounds(node, n: int, timeout_s: float = ROUND_WAIT_S) -> None:
+    def ok() -> bool:
+        if node.proc is not None and node.proc.poll() is not None:
+            raise AssertionError(f"{node.name} exited with {node.proc.returncode}: {log(node)[-2000:]}")
+        return len(trained(node)) >= n
+
+    wait_for(ok, timeout_s, what=f"{node.name} to finish {n} rounds")
+
+
+def wait_log(node, pattern: str, timeout_s: float = ROUND_WAIT_S) -> re.Match:
+    found: list[re.Match] = []
+
+    def ok() -> bool:
+        m = re.search(pattern, log(node))
+        if m:
+            found.append(m)
+        return bool(m)
+
+    wait_for(ok, timeout_s, what=f"{pattern!r} in {node.name}'s log")
+    return found[0]
+
+
+def log(node) -> str:
+    try:
+        return node.log_path.read_text(errors="replace")
+    except OSError:
+        return ""
+
+
+def ledger(net: Testnet) -> tuple[int, dict[int, int], dict[int, str]]:
+    """(tokens committed in the run, shard -> committed offset, shard -> holder)."""
+    status = net.admin("status", "--run", net.run_id)
+    shards = net.admin("shards", "list", "--run", net.run_id)["shards"]
+    offsets = {int(s["shard_id"]): int(s["committed_offset"]) for s in shards}
+    holders = {int(s["shard_id"]): s.get("holder", "") for s in shards}
+    return int(status["run"]["tokens_committed"]), offsets, holders
+
+
+def cleanup(tmp: Path) -> None:
+    shutil.rmtree(tmp, ignore_errors=True)

@@ -1,0 +1,87 @@
+"""The daemon's lifecycle with real processes and real signals: a coordinator, `murmur node run`
+processes, SIGTERM, SIGKILL and a coordinator restart. The node trains alone here (``--solo``: a
+one-member exchange), so these tests isolate what does not depend on peers; the several-node
+tests are in test_testnet.py."""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+from _node_helpers import ledger, log, make_testnet, small_dataset, trained, wait_log, wait_rounds
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return small_dataset(tmp_path_factory.mktemp("node-data"))
+
+
+def _committed_spans_add_up(offsets: dict[int, int], total: int) -> None:
+    # Every shard starts at 0, so the committed offsets are the tokens counted per shard: their
+    # sum must be the run's total (nothing counted twice, nothing lost).
+    assert sum(offsets.values()) == total
+
+
+def test_sigterm_commits_releases_and_leaves(tmp_path, data):
+    with make_testnet(tmp_path, data, node_args=["--solo"]) as net:
+        net.start_coordinator()
+        net.create_run(token_uses=4)
+        node = net.add_node()
+        wait_rounds(node, 3)
+        node.proc.send_signal(signal.SIGTERM)
+        assert node.proc.wait(60) == 0, log(node)[-2000:]
+        text = log(node)
+        assert "released the lease" in text and "left the run" in text
+        total, offsets, holders = ledger(net)
+        assert not any(holders.values()), "the lease must be released on SIGTERM"
+        # Every completed round was committed before the exit; the half-done window was not.
+        assert total == sum(r["tokens"] for r in trained(node)) > 0
+        _committed_spans_add_up(offsets, total)
+        nodes = net.admin("nodes", "list", "--run", net.run_id)["nodes"]
+        assert [n["status"] for n in nodes] == ["left"]
+
+
+def test_sigkill_then_restart_resumes_from_checkpoint(tmp_path, data):
+    with make_testnet(tmp_path, data, node_args=["--solo"]) as net:
+        net.start_coordinator()
+        net.create_run(token_uses=4)
+        node = net.add_node()
+        wait_rounds(node, 3)
+        net.kill_node(node)
+        before = trained(node)
+        last = before[-1]["round"]
+        net.start_node(node)
+        m = wait_log(node, r"resumed from the local checkpoint at round (\d+)")
+        resumed = int(m.group(1))
+        # A checkpoint is written after every round, before the round is logged.
+        assert resumed in (last, last + 1)
+        wait_rounds(node, len(before) + 2)
+        after = trained(node)[len(before):]
+        assert after[0]["round"] == resumed + 1  # no round repeated, none skipped
+        node.proc.send_signal(signal.SIGTERM)
+        assert node.proc.wait(60) == 0, log(node)[-2000:]
+        total, offsets, holders = ledger(net)
+        _committed_spans_add_up(offsets, total)
+        assert not any(holders.values())
+
+
+def test_coordinator_outage_training_goes_on_and_commits_arrive(tmp_path, data):
+    with make_testnet(tmp_path, data, node_args=["--solo"]) as net:
+        net.start_coordinator()
+        net.create_run(token_uses=4)
+        node = net.add_node()
+        wait_rounds(node, 2)
+        net.kill_coordinator()
+        wait_log(node, "coordinator unreachable")
+        during = len(trained(node))
+        wait_rounds(node, during + 2)  # it keeps training while the coordinator is down
+        net.start_coordinator(str(net.info["address"]))
+        wait_log(node, "coordinator is back")
+        node.proc.send_signal(signal.SIGTERM)
+        assert node.proc.wait(60) == 0, log(node)[-2000:]
+        total, offsets, _ = ledger(net)
+        # Everything trained, through the outage too, reached the ledger exactly once.
+        assert total == sum(r["tokens"] for r in trained(node))
+        _committed_spans_add_up(offsets, total)
