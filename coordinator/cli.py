@@ -33,9 +33,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         default="",
         help="Prometheus /metrics (default: the --listen host, port + 2; 'off' disables it)",
     )
-    serve.add_argument(
-        "--advertise-host", default="", help="the host nodes should dial (default: --listen's)"
-    )
+    serve.add_argument("--advertise-host", default="", help="the host nodes should dial (default: --listen's)")
     serve.add_argument(
         "--dht",
         action=argparse.BooleanOptionalAction,
@@ -60,6 +58,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
             default=getattr(d, name),
             help=f"{help_text}, seconds (default %(default)s)",
         )
+    serve.add_argument("--wal-checkpoint-pages", type=int, default=d.wal_checkpoint_pages, help=argparse.SUPPRESS)
     serve.set_defaults(func=_serve)
 
 
@@ -73,6 +72,7 @@ def _serve(args: argparse.Namespace) -> int:
         sweep_interval_s=args.sweep_interval_s,
         restart_grace_s=args.restart_grace_s,
         token_ttl_s=args.token_ttl_s,
+        wal_checkpoint_pages=args.wal_checkpoint_pages,
     )
     return run(
         ServeOptions(

@@ -1,9 +1,11 @@
 """Who is in the run: joining with a token, heartbeats, lost nodes, leaving, bans.
 
 Heartbeats are the hottest call (every node, every second), so they touch only memory: the last
-time and throughput per node. The sweeper writes them to the ledger in one transaction every
-``sweep_interval_s`` and then marks silent nodes lost. Losing up to one sweep of heartbeats in a
-crash is harmless: after a restart every deadline is pushed out anyway (Store.push_deadlines).
+time and throughput per node (``_seen``). Liveness is decided from that memory: the sweeper marks
+silent nodes lost, and a lease is alive until max(stored expiry, last heartbeat + lease TTL). The
+ledger gets the heartbeats every ``heartbeat_flush_s`` in one batched transaction, for `admin`
+and for restarts. Losing the last few seconds of heartbeats in a crash is harmless: after a
+restart every deadline is pushed out anyway (Store.push_deadlines).
 """
 
 from __future__ import annotations
@@ -56,11 +58,17 @@ class Membership:
         self.settings = settings
         self.ca = ca
         self.clock = clock
-        self._pending: dict[str, tuple[float, float]] = {}  # node id -> (time, tokens/s), not yet stored
-        # The node's run, status and ban state, cached for the hot path; rebuilt on every change.
-        self._nodes: dict[str, tuple[str, str]] = {
-            r["node_id"]: (r["run_id"], r["status"]) for r in store.nodes()
+        now = clock()
+        # node id -> (last heartbeat, tokens/s) of every active node; _dirty: not yet in the ledger
+        self._seen: dict[str, tuple[float, float]] = {
+            r["node_id"]: (max(r["last_heartbeat"], now), r["tokens_per_s"]) for r in store.nodes(status="active")
         }
+        self._dirty: set[str] = set()
+        self._flushed_at = now
+        self.ban_version = store.counter("ban_version")
+        self.run_states: dict[str, str] = {r["run_id"]: r["state"] for r in store.runs()}
+        # The node's run, status and ban state, cached for the hot path; rebuilt on every change.
+        self._nodes: dict[str, tuple[str, str]] = {r["node_id"]: (r["run_id"], r["status"]) for r in store.nodes()}
         self.leases = Leases(store, settings, last_seen=self.last_seen, clock=clock)
 
     # --- joining -------------------------------------------------------------------------------
@@ -92,14 +100,12 @@ class Membership:
                 raise JoinRefused(str(err)) from None
             node_id = identity.node_id_of_certificate(cert_pem)
             self.store.use_token(token.token_id)
-            self.store.upsert_node(
-                node_id, run["run_id"], cert_pem.decode(), json.dumps(hardware), peer_address, now
-            )
+            self.store.upsert_node(node_id, run["run_id"], cert_pem.decode(), json.dumps(hardware), peer_address, now)
             self.store.event(
                 "join", run_id=run["run_id"], node_id=node_id, at=now, token=token.token_id, hardware=hardware
             )
         self._nodes[node_id] = (run["run_id"], "active")
-        self._pending.pop(node_id, None)
+        self._seen[node_id] = (now, 0.0)
         return Joined(node_id, run["run_id"], cert_pem, run["config_toml"])
 
     # --- the hot path --------------------------------------------------------------------------
@@ -117,60 +123,81 @@ class Membership:
             raise NotMember(f"node {node_id} left run {run_id}; join again with a token")
         if status == "lost":
             # It came back before anyone banned it: welcome it again (its leases are gone).
+            now = self.clock()
             with self.store.write():
                 self.store.set_node_status(node_id, "active")
-                self.store.heartbeat(node_id, self.clock(), 0.0)
+                self.store.heartbeat(node_id, now, 0.0)
                 self.store.event("returned", run_id=run_id, node_id=node_id)
             self._nodes[node_id] = (run_id, "active")
+            self._seen[node_id] = (now, 0.0)
         return run_id
+
+    def is_active(self, node_id: str) -> bool:
+        entry = self._nodes.get(node_id)
+        return entry is not None and entry[1] == "active"
 
     def heartbeat(self, node_id: str, tokens_per_s: float) -> str:
+        """Record a heartbeat. Touches the ledger only when the node is not plainly active."""
         run_id = self.member(node_id)
-        self._pending[node_id] = (self.clock(), tokens_per_s if tokens_per_s >= 0 else 0.0)
+        self._seen[node_id] = (self.clock(), tokens_per_s if tokens_per_s >= 0 else 0.0)
+        self._dirty.add(node_id)
         return run_id
 
+    def pending_count(self) -> int:
+        return len(self._dirty)
+
     def last_seen(self, node_id: str) -> float | None:
-        entry = self._pending.get(node_id)
+        entry = self._seen.get(node_id)
         return entry[0] if entry else None
 
+    def tokens_per_s(self, node_id: str) -> float | None:
+        entry = self._seen.get(node_id)
+        return entry[1] if entry else None
+
     def flush(self) -> int:
-        """Store the heartbeats received since the last flush and renew their leases."""
-        if not self._pending:
+        """Write the heartbeats received since the last flush (and the leases they renew) to the ledger."""
+        self._flushed_at = self.clock()
+        if not self._dirty:
             return 0
-        pending, self._pending = self._pending, {}
+        rows = [(node_id, *self._seen[node_id]) for node_id in self._dirty if node_id in self._seen]
+        self._dirty = set()
         with self.store.write():
-            for node_id, (at, tps) in pending.items():
-                self.store.heartbeat(node_id, at, tps)
-                self.store.renew_leases(node_id, at + self.settings.lease_ttl_s)
-        return len(pending)
+            self.store.heartbeats(rows, self.settings.lease_ttl_s)
+        return len(rows)
 
     def sweep(self) -> tuple[list[str], int]:
-        """Flush heartbeats, mark silent nodes lost (their leases go back), expire stale leases."""
-        self.flush()
+        """Mark silent nodes lost (their leases go back), expire stale leases, flush now and then."""
         now = self.clock()
-        lost = []
-        for row in self.store.silent_nodes(now - self.settings.heartbeat_ttl_s):
-            node_id = row["node_id"]
+        if now - self._flushed_at >= self.settings.heartbeat_flush_s:
+            self.flush()
+        deadline = now - self.settings.heartbeat_ttl_s
+        silent = [n for n, (at, _) in self._seen.items() if at < deadline]
+        for node_id in silent:
+            at, tps = self._seen.pop(node_id)
+            self._dirty.discard(node_id)
+            run_id = self._nodes.get(node_id, ("", ""))[0]
             with self.store.write():
+                self.store.heartbeats([(node_id, at, tps)], self.settings.lease_ttl_s)
                 self.store.set_node_status(node_id, "lost")
-                self.store.event(
-                    "lost",
-                    run_id=row["run_id"],
-                    node_id=node_id,
-                    at=now,
-                    silent_s=round(now - row["last_heartbeat"], 3),
-                )
+                self.store.event("lost", run_id=run_id, node_id=node_id, at=now, silent_s=round(now - at, 3))
                 self.leases.drop_all(node_id, "lease_expired")
-            self._nodes[node_id] = (row["run_id"], "lost")
-            lost.append(node_id)
+            self._nodes[node_id] = (run_id, "lost")
         expired = self.leases.expire()
-        return lost, len(expired)
+        return silent, len(expired)
 
     # --- leaving and bans ----------------------------------------------------------------------
 
+    def _forget(self, node_id: str) -> None:
+        """Stop tracking a node's heartbeats (it left or was banned); store the last one first."""
+        entry = self._seen.pop(node_id, None)
+        self._dirty.discard(node_id)
+        if entry is not None:
+            with self.store.write():
+                self.store.heartbeat(node_id, *entry)
+
     def leave(self, node_id: str, reason: str) -> int:
         run_id = self.member(node_id)
-        self._pending.pop(node_id, None)
+        self._forget(node_id)
         with self.store.write():
             released = self.leases.drop_all(node_id, "lease_released")
             self.store.set_node_status(node_id, "left")
@@ -182,13 +209,14 @@ class Membership:
         row = self.store.node(node_id)
         if row is None:
             raise NotMember(f"no node {node_id}; `murmur admin nodes list` shows the ids")
-        self._pending.pop(node_id, None)
+        self._forget(node_id)
         with self.store.write():
             self.leases.drop_all(node_id, "lease_released")
             self.store.set_node_status(node_id, "banned", reason or "banned by the run's admin")
             self.store.bump("ban_version")
             self.store.event("ban", run_id=row["run_id"], node_id=node_id, reason=reason)
         self._nodes[node_id] = (row["run_id"], "banned")
+        self.ban_version = self.store.counter("ban_version")
 
     def unban(self, node_id: str) -> None:
         row = self.store.node(node_id)
@@ -202,6 +230,7 @@ class Membership:
             self.store.bump("ban_version")
             self.store.event("unban", run_id=row["run_id"], node_id=node_id)
         self._nodes[node_id] = (row["run_id"], "left")
+        self.ban_version = self.store.counter("ban_version")
 
     def ban_list(self) -> tuple[int, list[str]]:
         return self.store.counter("ban_version"), sorted(self.store.banned())

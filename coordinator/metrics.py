@@ -38,9 +38,7 @@ def render(store: Store, stats: Stats, pending_heartbeats: Callable[[], int]) ->
         "Dataset tokens committed (each counted once).",
         [("", counters.get("tokens_committed", 0))],
     )
-    metric(
-        "murmur_commits_total", "counter", "Progress commits accepted.", [("", counters.get("commits", 0))]
-    )
+    metric("murmur_commits_total", "counter", "Progress commits accepted.", [("", counters.get("commits", 0))])
     metric(
         "murmur_commits_refused_total",
         "counter",

@@ -40,14 +40,12 @@ def parse_manifest(text: str) -> list[tuple[int, str, int]]:
         data = json.loads(text)
     except json.JSONDecodeError as err:
         raise RunError(
-            f"the dataset manifest is not valid JSON ({err}); pass the manifest.json "
-            "that `murmur data prepare` wrote"
+            f"the dataset manifest is not valid JSON ({err}); pass the manifest.json that `murmur data prepare` wrote"
         ) from None
     shards = data.get("shards") if isinstance(data, dict) else None
     if not isinstance(shards, list) or not shards:
         raise RunError(
-            "the dataset manifest has no 'shards' list; pass the manifest.json that "
-            "`murmur data prepare` wrote"
+            "the dataset manifest has no 'shards' list; pass the manifest.json that `murmur data prepare` wrote"
         )
     out: list[tuple[int, str, int]] = []
     for i, shard in enumerate(shards):
@@ -95,9 +93,7 @@ class Runs:
             raise RunError(str(err)) from None
         shards = parse_manifest(manifest_json)
         if len(shards) > self.settings.max_shards:
-            raise RunError(
-                f"the manifest has {len(shards)} shards, more than max_shards={self.settings.max_shards}"
-            )
+            raise RunError(f"the manifest has {len(shards)} shards, more than max_shards={self.settings.max_shards}")
         run_id = run_id or cfg.name
         if not _RUN_ID_RE.match(run_id):
             raise RunError(f"run id {run_id!r} must be 1-64 letters, digits, '.', '_' or '-'")
@@ -106,9 +102,7 @@ class Runs:
             if self.store.run(run_id) is not None:
                 raise Conflict(f"run {run_id} already exists; pick another --run-id or name")
             self.store.insert_run(run_id, cfg.name, config_toml, manifest_json, shards, now)
-            self.store.event(
-                "run_created", run_id=run_id, at=now, shards=len(shards), tokens=sum(s[2] for s in shards)
-            )
+            self.store.event("run_created", run_id=run_id, at=now, shards=len(shards), tokens=sum(s[2] for s in shards))
         return run_id
 
     def get(self, run_id: str) -> Any:
@@ -139,9 +133,7 @@ class Runs:
             self.store.insert_token(
                 token.token_id, run_id, secret_hash(token.secret), now, now + ttl_s, uses, note[:200]
             )
-            self.store.event(
-                "token_created", run_id=run_id, at=now, token=token.token_id, uses=uses, ttl_s=ttl_s
-            )
+            self.store.event("token_created", run_id=run_id, at=now, token=token.token_id, uses=uses, ttl_s=ttl_s)
         return NewToken(str(token), token.token_id)
 
     def revoke_token(self, token_id: str) -> None:

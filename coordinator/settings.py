@@ -32,6 +32,7 @@ class CoordinatorSettings:
     heartbeat_ttl_s: float = 10.0
     lease_ttl_s: float = 30.0
     sweep_interval_s: float = 0.5  # how often lost nodes and expired leases are looked for
+    heartbeat_flush_s: float = 5.0  # how often heartbeats (kept in memory) are written to the ledger
     restart_grace_s: float = 30.0
     token_ttl_s: float = 24 * 3600.0  # default lifetime of a join token
     token_uses: int = 1  # default number of nodes one token admits
@@ -41,6 +42,7 @@ class CoordinatorSettings:
     tokens_per_s_window_s: float = 60.0  # the window `status` averages throughput over
     grpc_grace_s: float = 2.0  # in-flight calls get this long on shutdown
     dht_start_timeout_s: float = 30.0
+    wal_checkpoint_pages: int = 1000  # SQLite's automatic WAL checkpoint threshold (0: never automatic)
 
     def __post_init__(self) -> None:
         for name in (

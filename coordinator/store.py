@@ -162,7 +162,13 @@ def _shard(row: sqlite3.Row) -> Shard:
 
 
 class Store:
-    def __init__(self, path: str | Path, *, migrate_to: int = SCHEMA_VERSION) -> None:
+    def __init__(
+        self,
+        path: str | Path,
+        *,
+        migrate_to: int = SCHEMA_VERSION,
+        wal_checkpoint_pages: int = 1000,
+    ) -> None:
         self.path = Path(path)
         if self.path.exists() and self.path.is_dir():
             raise StoreError(f"--db {self.path} is a folder; give the path of a database file")
@@ -175,6 +181,7 @@ class Store:
             self.db.execute("PRAGMA synchronous=FULL")
             self.db.execute("PRAGMA foreign_keys=ON")
             self.db.execute("PRAGMA busy_timeout=5000")
+            self.db.execute(f"PRAGMA wal_autocheckpoint={int(wal_checkpoint_pages)}")
             self._migrate(migrate_to)
         except sqlite3.DatabaseError as err:
             raise StoreError(
@@ -265,9 +272,7 @@ class Store:
     def counters(self) -> dict[str, int]:
         return {r["name"]: int(r["value"]) for r in self._q("SELECT name, value FROM counters")}
 
-    def event(
-        self, kind: str, *, run_id: str = "", node_id: str = "", at: float | None = None, **detail: Any
-    ) -> None:
+    def event(self, kind: str, *, run_id: str = "", node_id: str = "", at: float | None = None, **detail: Any) -> None:
         self.db.execute(
             "INSERT INTO events(at, run_id, kind, node_id, detail_json) VALUES (?, ?, ?, ?, ?)",
             (time.time() if at is None else at, run_id, kind, node_id, json.dumps(detail, sort_keys=True)),
@@ -419,6 +424,17 @@ class Store:
             (now, tokens_per_s, node_id),
         )
 
+    def heartbeats(self, rows: list[tuple[str, float, float]], lease_ttl_s: float) -> None:
+        """Batch of (node id, last heartbeat, tokens/s); renews the leases those nodes hold."""
+        self.db.executemany(
+            "UPDATE nodes SET last_heartbeat = ?, tokens_per_s = ? WHERE node_id = ?",
+            [(at, tps, node_id) for node_id, at, tps in rows],
+        )
+        self.db.executemany(
+            "UPDATE shards SET lease_expiry = ? WHERE holder = ?",
+            [(at + lease_ttl_s, node_id) for node_id, at, _ in rows],
+        )
+
     def set_node_status(self, node_id: str, status: str, ban_reason: str | None = None) -> None:
         if ban_reason is None:
             self.db.execute("UPDATE nodes SET status = ? WHERE node_id = ?", (status, node_id))
@@ -447,9 +463,7 @@ class Store:
 
     def push_deadlines(self, now: float, grace: float) -> None:
         """After a restart: nobody could heartbeat while we were down, so nobody is late yet."""
-        self.db.execute(
-            "UPDATE nodes SET last_heartbeat = MAX(last_heartbeat, ?) WHERE status = 'active'", (now,)
-        )
+        self.db.execute("UPDATE nodes SET last_heartbeat = MAX(last_heartbeat, ?) WHERE status = 'active'", (now,))
         self.db.execute(
             "UPDATE shards SET lease_expiry = MAX(lease_expiry, ?) WHERE lease_id IS NOT NULL", (now + grace,)
         )
@@ -461,14 +475,10 @@ class Store:
         return _shard(row) if row else None
 
     def shards(self, run_id: str) -> list[Shard]:
-        return [
-            _shard(r) for r in self._q("SELECT * FROM shards WHERE run_id = ? ORDER BY shard_id", (run_id,))
-        ]
+        return [_shard(r) for r in self._q("SELECT * FROM shards WHERE run_id = ? ORDER BY shard_id", (run_id,))]
 
     def shards_held(self, node_id: str) -> list[Shard]:
-        return [
-            _shard(r) for r in self._q("SELECT * FROM shards WHERE holder = ? ORDER BY shard_id", (node_id,))
-        ]
+        return [_shard(r) for r in self._q("SELECT * FROM shards WHERE holder = ? ORDER BY shard_id", (node_id,))]
 
     def free_shard(self, run_id: str) -> Shard | None:
         """A shard nobody holds that is not done. Interrupted shards first (a lost node's work is
@@ -488,8 +498,7 @@ class Store:
 
     def clear_lease(self, run_id: str, shard_id: int) -> None:
         self.db.execute(
-            "UPDATE shards SET holder = NULL, lease_id = NULL, lease_expiry = NULL "
-            "WHERE run_id = ? AND shard_id = ?",
+            "UPDATE shards SET holder = NULL, lease_id = NULL, lease_expiry = NULL WHERE run_id = ? AND shard_id = ?",
             (run_id, shard_id),
         )
 
@@ -499,8 +508,7 @@ class Store:
 
     def expired_leases(self, now: float) -> list[Shard]:
         return [
-            _shard(r)
-            for r in self._q("SELECT * FROM shards WHERE lease_id IS NOT NULL AND lease_expiry < ?", (now,))
+            _shard(r) for r in self._q("SELECT * FROM shards WHERE lease_id IS NOT NULL AND lease_expiry < ?", (now,))
         ]
 
     def advance(self, run_id: str, shard_id: int, end_offset: int, done: bool) -> None:
@@ -512,9 +520,7 @@ class Store:
     # --- commits, rounds, checkpoints ----------------------------------------------------------
 
     def commit_record(self, lease_id: str, end_offset: int) -> sqlite3.Row | None:
-        return self._one(
-            "SELECT * FROM commits WHERE lease_id = ? AND end_offset = ?", (lease_id, end_offset)
-        )
+        return self._one("SELECT * FROM commits WHERE lease_id = ? AND end_offset = ?", (lease_id, end_offset))
 
     def insert_commit(
         self,
@@ -561,9 +567,7 @@ class Store:
             (run_id, shard_id),
         )
 
-    def insert_checkpoint(
-        self, run_id: str, step: int, location: str, sha256: str, node_id: str, at: float
-    ) -> None:
+    def insert_checkpoint(self, run_id: str, step: int, location: str, sha256: str, node_id: str, at: float) -> None:
         self.db.execute(
             "INSERT OR REPLACE INTO checkpoints VALUES (?, ?, ?, ?, ?, ?)",
             (run_id, step, location, sha256, node_id, at),

@@ -1,0 +1,247 @@
+"""Load on one coordinator: many simulated nodes heartbeating (and committing) over mutual TLS.
+
+    python benchmarks/coordinator_load.py                      # the committed table
+    python benchmarks/coordinator_load.py --nodes 1000 --hz 1  # one row
+
+The coordinator is a real subprocess (`murmur coordinator serve`) on a fresh ledger. The simulated
+nodes really join (token, CSR, certificate), each holds a lease and its own mutual-TLS channel, and
+they run in ``--workers`` load processes (asyncio clients) so the client side does not saturate one
+core. Each node heartbeats ``hz`` times a second (start times spread evenly over the period) and
+commits ``--commit-every`` seconds. Reported per row: heartbeat latency p50/p99 (client side, so it
+includes the client's own loop delay: an upper bound), commits/s accepted, and the coordinator's
+CPU use (psutil, % of one core) over the measured window.
+
+Target (issue 6): 1,000 nodes at 1 Hz with p99 under 50 ms on 2 cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import json
+import os
+import platform
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results" / "coordinator_load.json"
+DEFAULT_ROWS = [(100, 1.0), (500, 1.0), (1000, 1.0), (1000, 2.0)]
+START_TIMEOUT_S = 60.0
+JOIN_CONCURRENCY = 32
+
+
+# --- the load worker (a subprocess) ----------------------------------------------------------------
+
+
+async def _worker(args: argparse.Namespace) -> None:
+    import grpc
+    from murmur.protocol import coordinator_pb2 as pb
+    from murmur.protocol import coordinator_pb2_grpc as pb_grpc
+    from murmur.protocol import identity
+    from murmur.protocol.coordinator_client import MemberClient
+    from murmur.protocol.jointoken import JoinToken, fetch_pinned_ca
+    from murmur.protocol.version import PROTOCOL_VERSION, version_metadata
+
+    token = JoinToken.parse(args.token)
+    ca_pem = fetch_pinned_ca(args.address, token.ca_fingerprint)
+    opts = [("grpc.ssl_target_name_override", "murmur-coordinator")]
+    clients: list[MemberClient] = []
+    gate = asyncio.Semaphore(JOIN_CONCURRENCY)
+    async with grpc.aio.secure_channel(args.address, grpc.ssl_channel_credentials(ca_pem), options=opts) as ch:
+        stub = pb_grpc.CoordinatorStub(ch)
+
+        async def join_one() -> None:
+            key = identity.generate_key()
+            async with gate:
+                reply = await stub.Join(pb.JoinRequest(protocol_version=PROTOCOL_VERSION, token=args.token,
+                                                       csr_pem=identity.make_csr(key)),
+                                        metadata=version_metadata(), timeout=60)
+            ident = identity.Identity(key=key, cert_pem=reply.certificate_pem, ca_cert_pem=ca_pem)
+            clients.append(MemberClient(reply.node_address, ident, timeout_s=30))
+
+        await asyncio.gather(*(join_one() for _ in range(args.nodes)))
+    leases = await asyncio.gather(*(c.acquire() for c in clients))
+    await asyncio.gather(*(c.heartbeat() for c in clients))  # open every channel before the clock starts
+    # Tell the driver we are ready; it answers with the common start time once every worker is.
+    print("ready", flush=True)
+    args.start_at = float(await asyncio.to_thread(sys.stdin.readline))
+    latencies: list[float] = []
+    commit_latencies: list[float] = []
+    trace: list[tuple[float, float, float]] = []  # (scheduled at, start delay, latency): for diagnosis
+    commits = 0
+    errors = 0
+    period = 1.0 / args.hz
+    start, end = args.start_at, args.start_at + args.seconds
+
+    async def run_node(i: int, client: MemberClient, lease: object) -> None:
+        nonlocal commits, errors
+        rng = random.Random(i)
+        lease = lease.lease  # type: ignore[attr-defined]
+        offset = lease.start_offset
+        next_beat = start + rng.random() * period
+        next_commit = start + rng.random() * args.commit_every if args.commit_every > 0 else float("inf")
+        while True:
+            t = min(next_beat, next_commit)
+            if t >= end:
+                return
+            await asyncio.sleep(max(0.0, t - time.time()))
+            t0 = time.perf_counter()
+            try:
+                if next_commit <= next_beat:
+                    next_commit += args.commit_every
+                    await client.commit(lease.lease_id, lease.shard_id, offset, offset + 100, outer_step=1,
+                                        loss=1.0, bytes_sent=1000, seconds=1.0)
+                    offset += 100
+                    commits += 1
+                    commit_latencies.append(time.perf_counter() - t0)
+                else:
+                    next_beat += period
+                    await client.heartbeat(tokens_per_s=100.0)
+                    latencies.append(time.perf_counter() - t0)
+                    trace.append((round(t - start, 3), round(time.time() - t, 4), latencies[-1]))
+            except Exception:  # noqa: BLE001 - counted and reported; the benchmark keeps going
+                errors += 1
+
+    await asyncio.gather(*(run_node(args.index * 100_000 + i, c, lz)
+                           for i, (c, lz) in enumerate(zip(clients, leases, strict=True))))
+    await asyncio.gather(*(c.close() for c in clients))
+    Path(args.out).write_text(json.dumps({"latencies": latencies, "commit_latencies": commit_latencies,
+                                          "commits": commits, "errors": errors,
+                                          "trace": trace}))
+
+
+# --- the driver -------------------------------------------------------------------------------------
+
+
+def _pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    return s[min(len(s) - 1, int(q * len(s)))]
+
+
+def measure(nodes: int, hz: float, seconds: float, workers: int, commit_every: float) -> dict[str, object]:
+    import psutil
+    from murmur.coordinator.admin_client import AdminClient, resolve
+    from murmur.protocol import coordinator_pb2 as pb
+
+    tmp = Path(tempfile.mkdtemp(prefix="murmur-load-"))
+    db = tmp / "coord.db"
+    coord = subprocess.Popen(
+        [sys.executable, *os.environ.get("LOAD_COORD_PY", "").split(), "-m", "murmur.cli", "coordinator", "serve",
+         "--db", str(db), "--listen", "127.0.0.1:0",
+         "--node-listen", "127.0.0.1:0", "--metrics-listen", "off", "--no-dht", "--heartbeat-interval", str(1 / hz),
+         "--heartbeat-ttl", "60", "--lease-ttl", "120", *os.environ.get("LOAD_COORD_ARGS", "").split()],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+    )
+    procs: list[subprocess.Popen[str]] = []
+    try:
+        info = json.loads(coord.stdout.readline())  # type: ignore[union-attr]
+        manifest = json.dumps({"shards": [{"id": i, "tokens": 10**9} for i in range(nodes)]})
+        config = 'name = "load"\n[model]\npreset = "tiny"\n'
+        with AdminClient(resolve(info["address"], info["admin_key_file"], None)) as admin:
+            admin.call("CreateRun", pb.CreateRunRequest(config_toml=config, manifest_json=manifest))
+            token = admin.call("CreateToken", pb.CreateTokenRequest(ttl_s=3600, uses=nodes)).token
+        outs = []
+        for w in range(workers):
+            share = nodes // workers + (1 if w < nodes % workers else 0)
+            out = tmp / f"worker{w}.json"
+            outs.append(out)
+            procs.append(subprocess.Popen(
+                [sys.executable, __file__, "--worker", "--address", info["address"], "--token", token,
+                 "--nodes", str(share), "--hz", str(hz), "--seconds", str(seconds),
+                 "--commit-every", str(commit_every), "--index", str(w), "--out", str(out)],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))
+        for p in procs:  # every node joined, leased and connected
+            if p.stdout.readline().strip() != "ready":  # type: ignore[union-attr]
+                raise RuntimeError("a load worker failed while joining its nodes")
+        start_at = time.time() + 1.0
+        for p in procs:
+            p.stdin.write(f"{start_at}\n")  # type: ignore[union-attr]
+            p.stdin.flush()  # type: ignore[union-attr]
+        proc = psutil.Process(coord.pid)
+        time.sleep(max(0.0, start_at - time.time()))
+        cpu0 = proc.cpu_times()
+        wprocs = [psutil.Process(p.pid) for p in procs]
+        wcpu0 = [w.cpu_times() for w in wprocs]
+        t0 = time.time()
+        time.sleep(seconds)
+        wcpu1 = [w.cpu_times() for w in wprocs]
+        cpu1 = proc.cpu_times()
+        for p in procs:
+            p.wait(timeout=START_TIMEOUT_S + nodes * 0.05)
+        client_busy = sum((b.user + b.system) - (a.user + a.system) for a, b in zip(wcpu0, wcpu1, strict=True))
+        window = min(time.time() - t0, seconds)
+        busy = (cpu1.user + cpu1.system) - (cpu0.user + cpu0.system)
+        results = [json.loads(o.read_text()) for o in outs]
+        print(f"worker outputs in {tmp}", file=sys.stderr)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        coord.terminate()
+        try:
+            coord.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            coord.kill()
+            coord.wait()
+    lat = [x for r in results for x in r["latencies"]]
+    clat = [x for r in results for x in r["commit_latencies"]]
+    commits = sum(r["commits"] for r in results)
+    return {
+        "nodes": nodes, "heartbeat_hz": hz, "commits_per_s": round(commits / seconds, 1),
+        "p50_ms": round(1000 * _pct(lat, 0.50), 2), "p99_ms": round(1000 * _pct(lat, 0.99), 2),
+        "cpu_pct": round(100 * busy / window, 1),
+        "client_cpu_pct": round(100 * client_busy / window, 1),
+        "heartbeats_per_s": round(len(lat) / seconds, 1),
+        "commit_p99_ms": round(1000 * _pct(clat, 0.99), 2), "errors": sum(r["errors"] for r in results),
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--nodes", type=int, default=0, help="one row with this many nodes (default: the table)")
+    parser.add_argument("--hz", type=float, default=1.0)
+    parser.add_argument("--seconds", type=float, default=20.0, help="measured window per row")
+    parser.add_argument("--workers", type=int, default=2, help="load-generator processes")
+    parser.add_argument("--commit-every", type=float, default=10.0, help="seconds between a node's commits")
+    parser.add_argument("--no-write", action="store_true", help="print, do not write the results file")
+    # worker mode (internal)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    for name in ("--address", "--token", "--out"):
+        parser.add_argument(name, help=argparse.SUPPRESS)
+    parser.add_argument("--index", type=int, default=0, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        asyncio.run(_worker(args))
+        return 0
+    rows_spec = [(args.nodes, args.hz)] if args.nodes else DEFAULT_ROWS
+    rows = []
+    for nodes, hz in rows_spec:
+        row = measure(nodes, hz, args.seconds, args.workers, args.commit_every)
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    if not args.no_write:
+        RESULTS.parent.mkdir(parents=True, exist_ok=True)
+        RESULTS.write_text(json.dumps({
+            "device": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores (CPU only)",
+            "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+            "command": "python " + " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+            "notes": "latency is client-side (includes the load generator's own loop delay, on the same 2 cores "
+                     f"as the coordinator: an upper bound); {args.workers} load processes; each node commits "
+                     f"every {args.commit_every:g} s; cpu_pct is the coordinator process, % of one core; SQLite "
+                     "WAL synchronous=FULL",
+            "rows": rows,
+        }, indent=1) + "\n")
+        print(f"wrote {RESULTS}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
