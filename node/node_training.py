@@ -269,6 +269,46 @@ class NodeTrainer:
             self.sync.in_flight.clear()
         self.step, self.round = int(state["step"]), int(state["round"])
 
+    # -- the shared state as named tensors (what peers publish and joiners fetch) ------------------
+
+    def shared_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        """The shared state flattened to named CPU tensors, in a fixed order (its hash is the state's)."""
+        state = self.shared_state()
+        out = list(state["tensors"].items())
+        counters = [state["step"], state["round"]]
+        for i, frag in enumerate(state.get("fragments", [])):
+            counters.append(frag["rounds"])
+            for j, entry in sorted(frag["outer"]["state"].items()):
+                buf = entry.get("momentum_buffer")
+                if buf is not None:
+                    out.append((f"outer/{i}/{j}", buf.detach().cpu()))
+        out.append(("counters", torch.tensor(counters, dtype=torch.int64)))
+        return out
+
+    def load_shared_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Inverse of `shared_tensors` (fetched from peers, already verified by hash)."""
+        if "counters" not in tensors:
+            raise TrainingError("the fetched state has no counters")
+        counters = [int(v) for v in tensors["counters"].tolist()]
+        state: dict[str, Any] = {
+            "step": counters[0], "round": counters[1],
+            "tensors": {n: t for n, t in tensors.items() if n.startswith(("global/", "param/"))},
+        }
+        if isinstance(self.sync, StreamingDiLoCo):
+            if len(counters) != 2 + len(self.sync.fragments):
+                raise TrainingError("the fetched state has another number of fragments than this run")
+            frags = []
+            for i, frag in enumerate(self.sync.fragments):
+                outer = frag.outer.state_dict()
+                outer["state"] = {}
+                for j in range(len(frag.globals_)):
+                    buf = tensors.get(f"outer/{i}/{j}")
+                    if buf is not None:
+                        outer["state"][j] = {"momentum_buffer": buf.clone()}
+                frags.append({"rounds": counters[2 + i], "outer": outer})
+            state["fragments"] = frags
+        self.load_shared_state(state)
+
     # -- local checkpoint --------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:

@@ -1,0 +1,122 @@
+"""The node's training side in one process: windows over leased shards, the replicated state's
+hash, and the shared state a joiner takes (flattened to named tensors and back)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from _node_helpers import TINY, small_dataset
+from murmur.node.data import Dataset
+from murmur.node.node_training import LeaseView, NodeTrainer
+from murmur.optim.factory import make_aggregator_for, make_codec_for
+from murmur.optim.inprocess import InProcessGroup
+from murmur.protocol.runconfig import load_config
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    return Dataset.open(small_dataset(tmp_path_factory.mktemp("train-data")))
+
+
+def _cfg(dataset, algorithm="streaming"):
+    return load_config(TINY, [f'data.path="{dataset.root}"', f'sync.algorithm="{algorithm}"'])
+
+
+def _trainers(cfg, dataset, k):
+    torch.set_num_threads(1)
+    peers = [f"p{i}" for i in range(k)]
+    group = InProcessGroup(peers, lambda: make_codec_for(cfg.sync), make_aggregator_for(cfg.sync))
+    return [NodeTrainer(cfg, dataset, torch.device("cpu"), group.exchange(p), round_timeout_s=60) for p in peers]
+
+
+def _leases(shards):
+    """Leases of whole shards, one after another, as the coordinator would grant them."""
+    queue = list(shards)
+    committed = []
+
+    def next_lease(done, loss):
+        if done is not None:
+            committed.append(done)
+        if not queue:
+            return None
+        shard, size = queue.pop(0)
+        return LeaseView(f"lease-{shard}", shard, 0, size)
+
+    return next_lease, committed
+
+
+@pytest.mark.parametrize("algorithm", ["diloco", "streaming", "demo"])
+def test_replicas_agree_after_every_window(dataset, algorithm):
+    cfg = _cfg(dataset, algorithm)
+    trainers = _trainers(cfg, dataset, 2)
+    sources = [_leases([(s, dataset.shard_size(s)) for s in range(i, 20, 2)])[0] for i in range(2)]
+    hashes: list[list[str]] = [[], []]
+
+    def run(i):
+        for _ in range(3):
+            result = trainers[i].run_window(sources[i], lambda: False)
+            assert not result.stopped and result.steps == cfg.sync.inner_steps
+            hashes[i].append(trainers[i].global_hash())
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert len(hashes[0]) == 3 and hashes[0] == hashes[1]
+    assert len(set(hashes[0])) == 3  # the state moves every round
+
+
+def test_a_shard_that_runs_out_mid_window_is_handed_back_whole(dataset):
+    cfg = _cfg(dataset, "diloco")
+    (trainer,) = _trainers(cfg, dataset, 1)
+    span = trainer.span
+    # A lease starting 2.5 batches before the shard's end: it runs out within the first window.
+    size = dataset.shard_size(0)
+    start = size - 2 * span - span // 2
+    queue = [LeaseView("a", 0, start, size), LeaseView("b", 1, 0, dataset.shard_size(1))]
+    handed = []
+
+    def next_lease(done, loss):
+        if done is not None:
+            handed.append(done)
+        return queue.pop(0) if queue else None
+
+    result = trainer.run_window(next_lease, lambda: False)
+    assert [(s.lease.lease_id, s.start, s.end, s.exhausted) for s in handed] == [("a", start, size, True)]
+    rest = (cfg.sync.inner_steps - 2) * span
+    assert [(s.lease.lease_id, s.start, s.end) for s in result.segments] == [("b", 0, rest)]
+    assert result.tokens == (size - start) + rest
+
+
+def test_shared_state_round_trip_gives_a_joiner_the_same_state(dataset):
+    cfg = _cfg(dataset, "streaming")
+    (a,) = _trainers(cfg, dataset, 1)
+    next_lease, _ = _leases([(s, dataset.shard_size(s)) for s in range(4)])
+    for _ in range(2):
+        a.run_window(next_lease, lambda: False)
+    (joiner,) = _trainers(cfg, dataset, 1)
+    assert joiner.global_hash() != a.global_hash()
+    joiner.load_shared_tensors(dict(a.shared_tensors()))
+    assert joiner.global_hash() == a.global_hash()
+    assert (joiner.step, joiner.round) == (a.step, a.round)
+    assert [f.rounds for f in joiner.sync.fragments] == [f.rounds for f in a.sync.fragments]
+    mom_a = [f.outer.state_dict()["state"] for f in a.sync.fragments]
+    mom_j = [f.outer.state_dict()["state"] for f in joiner.sync.fragments]
+    for sa, sj in zip(mom_a, mom_j, strict=True):
+        for k in sa:
+            assert torch.equal(sa[k]["momentum_buffer"], sj[k]["momentum_buffer"])
+
+
+def test_checkpoint_round_trip(dataset, tmp_path):
+    cfg = _cfg(dataset, "diloco")
+    (a,) = _trainers(cfg, dataset, 1)
+    next_lease, _ = _leases([(0, dataset.shard_size(0))])
+    a.run_window(next_lease, lambda: False)
+    (b,) = _trainers(cfg, dataset, 1)
+    b.load_state_dict(a.state_dict())
+    assert b.global_hash() == a.global_hash() and b.round == a.round == 1
+    for pa, pb in zip(a.model.parameters(), b.model.parameters(), strict=True):
+        assert torch.equal(pa, pb)
