@@ -57,16 +57,16 @@ class Attempt:
     number: int
     members: tuple[str, ...]
     layout: bytes
-    span: tuple[int, int]                        # reduce: the span this peer owns; gather: (0, 0)
-    validate: Callable[[str, peer_pb2.Payload], object]   # -> the decoded input, or raises
-    finalize: Callable[[Attempt], None]          # computes the result once every input is in
+    span: tuple[int, int]  # reduce: the span this peer owns; gather: (0, 0)
+    validate: Callable[[str, peer_pb2.Payload], object]  # -> the decoded input, or raises
+    finalize: Callable[[Attempt], None]  # computes the result once every input is in
     inputs: dict[str, object] = field(default_factory=dict)
     weights: dict[str, float] = field(default_factory=dict)
     failed: dict[str, str] = field(default_factory=dict)
     started: set[str] = field(default_factory=set)
     done: asyncio.Event = field(default_factory=asyncio.Event)
-    result: object = None                        # reduce: decoded span; gather: None
-    result_payload: bytes = b""                  # reduce: serialized Payload sent back to callers
+    result: object = None  # reduce: decoded span; gather: None
+    result_payload: bytes = b""  # reduce: serialized Payload sent back to callers
     bytes_sent: int = 0
     bytes_received: int = 0
 
@@ -83,6 +83,12 @@ class Attempt:
         self.inputs.pop(member, None)
         self.failed.setdefault(member, reason)
         self._maybe_finish()
+
+    def disagree(self, reason: str) -> None:
+        """Members hold different member lists: end the attempt now; callers merge the lists and retry."""
+        if not self.done.is_set():
+            self.failed["*"] = reason
+            self.done.set()
 
     def expire(self, timeout: float) -> None:
         """Members that never started sending by now are failed (those mid-stream keep going)."""
@@ -246,6 +252,7 @@ class ServeSettings:
     max_payload_bytes: int
     chunk_bytes: int
     run_id: str
+    node_id: str
 
 
 def status(code: int, **kw: object) -> peer_pb2.ExchangeReply:
@@ -279,20 +286,29 @@ async def serve_exchange(book: RoundBook, settings: ServeSettings, peer_id: str,
     if att is None:
         if rk in book.done:
             await context.write(status(DONE, result_hash=book.done[rk].result_hash))
-        else:
-            await context.write(status(REFUSED, reason=f"this peer did not start round {rk[0]} {rk[1]!r} in time"))
+        else:  # the owner itself is the one missing: the caller drops it, not its own input
+            why = f"did not start round {rk[0]} {rk[1]!r} within {s.peer_timeout:g}s"
+            await context.write(status(ABORT, reason=why, failed={s.node_id: why}))
         return
     if att.number != h.attempt:
         await context.write(
-            status(ABORT, reason=f"attempt {h.attempt} is over here; now at attempt {att.number}",
-                   members=list(att.members), attempt=att.number)
+            status(
+                ABORT,
+                reason=f"attempt {h.attempt} is over here; now at attempt {att.number}",
+                members=list(att.members),
+                attempt=att.number,
+            )
         )
+        return
+    if peer_id in att.members and tuple(h.members) != att.members:
+        why = f"member lists differ ({peer_id} has {len(h.members)}, this peer {len(att.members)})"
+        att.disagree(why)
+        await context.write(status(ABORT, reason=why, members=list(att.members), attempt=att.number))
         return
     reason = _header_problem(att, h, peer_id, s)
     if reason:
         att.reject(peer_id, reason)
-        code = ABORT if "member list" in reason else REFUSED
-        await context.write(status(code, reason=reason, members=list(att.members), attempt=att.number))
+        await context.write(status(REFUSED, reason=reason, members=list(att.members), attempt=att.number))
         return
     att.started.add(peer_id)
     try:
@@ -301,6 +317,9 @@ async def serve_exchange(book: RoundBook, settings: ServeSettings, peer_id: str,
         att.reject(peer_id, str(err))
         await context.write(status(REFUSED, reason=str(err), attempt=att.number))
         return
+    except BaseException:  # the caller vanished mid-stream (its RPC was cancelled): drop it, re-raise
+        att.reject(peer_id, "connection lost while sending its input")
+        raise
     att.add(peer_id, value, float(h.weight))
     await att.done.wait()
     if book.stalled.is_set():
@@ -318,8 +337,6 @@ async def serve_exchange(book: RoundBook, settings: ServeSettings, peer_id: str,
 def _header_problem(att: Attempt, h: peer_pb2.ExchangeHeader, peer_id: str, s: ServeSettings) -> str:
     if peer_id not in att.members:
         return f"{peer_id} is not a member of round {att.round_id} attempt {att.number}"
-    if tuple(h.members) != att.members:
-        return "member list differs from this peer's"
     if h.op != att.op:
         return "operation differs (reduce vs gather)"
     if h.layout_hash != att.layout:

@@ -29,8 +29,8 @@ class StaticGroup:
 
 @dataclass(kw_only=True, slots=True)
 class RendezvousSettings:
-    deadline: float = 30.0          # seconds a peer waits at the rendezvous for the others
-    min_members: int = 1            # fewer by the deadline: the round fails
+    deadline: float = 30.0  # seconds a peer waits at the rendezvous for the others
+    min_members: int = 1  # fewer by the deadline: the round fails
 
 
 class DHTGroup:

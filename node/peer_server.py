@@ -32,11 +32,11 @@ log = logging.getLogger(__name__)
 @dataclass(kw_only=True, slots=True)
 class PeerServerSettings:
     host: str = "127.0.0.1"
-    port: int = 0                         # 0: any free port; the real one is in ``address``
+    port: int = 0  # 0: any free port; the real one is in ``address``
     max_message_bytes: int = tls.DEFAULT_MAX_MESSAGE_BYTES  # one gRPC message (a frame)
-    chunk_bytes: int = 1 << 20            # frame size for streamed state
-    max_published_states: int = 8         # oldest published states are dropped beyond this
-    stop_grace: float = 1.0               # seconds in-flight calls get on stop()
+    chunk_bytes: int = 1 << 20  # frame size for streamed state
+    max_published_states: int = 8  # oldest published states are dropped beyond this
+    stop_grace: float = 1.0  # seconds in-flight calls get on stop()
 
 
 @dataclass(slots=True)
@@ -68,6 +68,7 @@ class PeerServer(peer_pb2_grpc.PeerServicer):
         self.exchange_handler: ExchangeHandler | None = None
         self.hello_rounds: Callable[[], Sequence[peer_pb2.RoundDone]] = lambda: ()
         self.refusals: list[tuple[str, str]] = []  # (who, reason): every call refused at the door
+        self.on_refusal: Callable[[str, str], None] | None = None
         self._server: grpc.aio.Server | None = None
         self.address = ""
 
@@ -94,21 +95,25 @@ class PeerServer(peer_pb2_grpc.PeerServicer):
     # -- the door --------------------------------------------------------------------------------
 
     async def _admit(self, context: grpc.aio.ServicerContext) -> str:
+        """The caller's node id, or abort the call (banned, no certificate, other version)."""
+        try:
+            peer_id = tls.authenticated_peer(context.auth_context(), self.ban_list)
+        except BannedError as err:
+            await self._refuse(context, node_id_from_auth(context), grpc.StatusCode.PERMISSION_DENIED, str(err))
+        except IdentityError as err:
+            await self._refuse(context, "", grpc.StatusCode.UNAUTHENTICATED, str(err))
         metadata = dict(context.invocation_metadata() or ())
         try:
             check_version(metadata.get(VERSION_METADATA_KEY), who="caller")
         except VersionMismatch as err:
-            self.refusals.append(("?", str(err)))
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(err))
-        try:
-            return tls.authenticated_peer(context.auth_context(), self.ban_list)
-        except BannedError as err:
-            self.refusals.append(("banned", str(err)))
-            await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(err))
-        except IdentityError as err:
-            self.refusals.append(("?", str(err)))
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(err))
-        raise AssertionError("unreachable")  # context.abort raises
+            await self._refuse(context, peer_id, grpc.StatusCode.FAILED_PRECONDITION, str(err))
+        return peer_id
+
+    async def _refuse(self, context: grpc.aio.ServicerContext, peer_id: str, code: grpc.StatusCode, why: str):
+        self.refusals.append((peer_id or "?", why))
+        if peer_id and self.on_refusal is not None:
+            self.on_refusal(peer_id, why)  # the exchange drops the peer from open attempts at once
+        await context.abort(code, why)
 
     async def _reply_metadata(self, context: grpc.aio.ServicerContext) -> None:
         await context.send_initial_metadata(((VERSION_METADATA_KEY, str(PROTOCOL_VERSION)),))
@@ -142,9 +147,7 @@ class PeerServer(peer_pb2_grpc.PeerServicer):
         state = self.states.get(request.name)
         if state is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no published state {request.name!r} on {self.node_id}")
-        infos = [
-            peer_pb2.TensorInfo(name=n, dtype=dtype_name(t.dtype), shape=list(t.shape)) for n, t in state.tensors
-        ]
+        infos = [peer_pb2.TensorInfo(name=n, dtype=dtype_name(t.dtype), shape=list(t.shape)) for n, t in state.tensors]
         manifest = peer_pb2.StateManifest(
             name=state.name, state_hash=state.state_hash, tensors=infos, members=state.members
         )
@@ -169,3 +172,10 @@ class PeerServer(peer_pb2_grpc.PeerServicer):
 
     def unpublish_state(self, name: str) -> None:
         self.states.pop(name, None)
+
+
+def node_id_from_auth(context: grpc.aio.ServicerContext) -> str:
+    try:
+        return tls.authenticated_peer(context.auth_context(), None)
+    except IdentityError:
+        return ""

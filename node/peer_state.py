@@ -32,9 +32,9 @@ class StateError(MurmurError):
 
 @dataclass(kw_only=True, slots=True)
 class StateFetchSettings:
-    call_timeout: float = 120.0          # one GetState call, transfer included
+    call_timeout: float = 120.0  # one GetState call, transfer included
     max_message_bytes: int = tls.DEFAULT_MAX_MESSAGE_BYTES
-    max_state_bytes: int = 64 << 30      # refuse manifests that promise more than this
+    max_state_bytes: int = 64 << 30  # refuse manifests that promise more than this
 
 
 def state_name(round_id: int) -> str:
@@ -46,8 +46,13 @@ def result_name(round_id: int, key: str) -> str:
 
 
 async def _get(
-    identity: Identity, node_id: str, address: str, name: str, tensors: list[str],
-    settings: StateFetchSettings, ban_list: BanList | None,
+    identity: Identity,
+    node_id: str,
+    address: str,
+    name: str,
+    tensors: list[str],
+    settings: StateFetchSettings,
+    ban_list: BanList | None,
 ) -> tuple[peer_pb2.StateManifest, dict[str, bytes]]:
     async with tls.secure_channel(
         identity, address, node_id, ban_list=ban_list, max_message_bytes=settings.max_message_bytes
@@ -112,7 +117,9 @@ async def afetch(
         manifest = found
         break
     if manifest is None:
-        raise StateError(f"no peer could serve {name!r}: " + ("; ".join(f"{k}: {v}" for k, v in errors.items()) or "none known"))
+        raise StateError(
+            f"no peer could serve {name!r}: " + ("; ".join(f"{k}: {v}" for k, v in errors.items()) or "none known")
+        )
     want_hash = manifest.state_hash
     infos = {t.name: t for t in manifest.tensors}
     total = sum(_nbytes(t) for t in manifest.tensors)

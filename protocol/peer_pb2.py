@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from murmur.protocol import tensor_pb2 as murmur_dot_protocol_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1amurmur/protocol/peer.proto\x12\tmurmur.v1\x1a\x1cmurmur/protocol/tensor.proto\"8\n\x0cHelloRequest\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x0e\n\x06run_id\x18\x02 \x01(\t\"M\n\tRoundDone\x12\r\n\x05round\x18\x01 \x01(\x03\x12\x0b\n\x03key\x18\x02 \x01(\t\x12\x13\n\x0bresult_hash\x18\x03 \x01(\x0c\x12\x0f\n\x07members\x18\x04 \x03(\t\"{\n\nHelloReply\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\x0f\n\x07node_id\x18\x03 \x01(\t\x12\"\n\x04\x64one\x18\x04 \x03(\x0b\x32\x14.murmur.v1.RoundDone\x12\x0e\n\x06states\x18\x05 \x03(\t\"\x85\x02\n\x0e\x45xchangeHeader\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\x19\n\x02op\x18\x03 \x01(\x0e\x32\r.murmur.v1.Op\x12\r\n\x05round\x18\x04 \x01(\x03\x12\x0b\n\x03key\x18\x05 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x06 \x01(\r\x12\x0f\n\x07members\x18\x07 \x03(\t\x12\x0e\n\x06sender\x18\x08 \x01(\t\x12\x0e\n\x06weight\x18\t \x01(\x01\x12\x13\n\x0blayout_hash\x18\n \x01(\x0c\x12\x12\n\nspan_start\x18\x0b \x01(\x03\x12\x10\n\x08span_end\x18\x0c \x01(\x03\x12\x15\n\rpayload_bytes\x18\r \x01(\x03\"1\n\x07Payload\x12&\n\x07tensors\x18\x01 \x03(\x0b\x32\x15.murmur.v1.WireTensor\"T\n\rExchangeFrame\x12+\n\x06header\x18\x01 \x01(\x0b\x32\x19.murmur.v1.ExchangeHeaderH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04kind\"\xe0\x02\n\x0e\x45xchangeStatus\x12,\n\x04\x63ode\x18\x01 \x01(\x0e\x32\x1e.murmur.v1.ExchangeStatus.Code\x12\x35\n\x06\x66\x61iled\x18\x02 \x03(\x0b\x32%.murmur.v1.ExchangeStatus.FailedEntry\x12\x14\n\x0c\x63ontributors\x18\x03 \x03(\t\x12\x15\n\rpayload_bytes\x18\x04 \x01(\x03\x12\x13\n\x0bresult_hash\x18\x05 \x01(\x0c\x12\x0e\n\x06reason\x18\x06 \x01(\t\x12\x18\n\x10protocol_version\x18\x07 \x01(\r\x1a-\n\x0b\x46\x61iledEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"N\n\x04\x43ode\x12\x14\n\x10\x43ODE_UNSPECIFIED\x10\x00\x12\x06\n\x02OK\x10\x01\x12\t\n\x05\x41\x42ORT\x10\x02\x12\x10\n\x0c\x41LREADY_DONE\x10\x03\x12\x0b\n\x07REFUSED\x10\x04\"T\n\rExchangeReply\x12+\n\x06status\x18\x01 \x01(\x0b\x32\x19.murmur.v1.ExchangeStatusH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04kind\"G\n\x0cStateRequest\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0f\n\x07tensors\x18\x03 \x03(\t\"8\n\nTensorInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\"j\n\rStateManifest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nstate_hash\x18\x02 \x01(\x0c\x12&\n\x07tensors\x18\x03 \x03(\x0b\x32\x15.murmur.v1.TensorInfo\x12\x0f\n\x07members\x18\x04 \x03(\t\"i\n\nStateFrame\x12,\n\x08manifest\x18\x01 \x01(\x0b\x32\x18.murmur.v1.StateManifestH\x00\x12%\n\x04part\x18\x02 \x01(\x0b\x32\x15.murmur.v1.TensorPartH\x00\x42\x06\n\x04kind*6\n\x02Op\x12\x12\n\x0eOP_UNSPECIFIED\x10\x00\x12\r\n\tOP_REDUCE\x10\x01\x12\r\n\tOP_GATHER\x10\x02\x32\xc1\x01\n\x04Peer\x12\x37\n\x05Hello\x12\x17.murmur.v1.HelloRequest\x1a\x15.murmur.v1.HelloReply\x12\x42\n\x08\x45xchange\x12\x18.murmur.v1.ExchangeFrame\x1a\x18.murmur.v1.ExchangeReply(\x01\x30\x01\x12<\n\x08GetState\x12\x17.murmur.v1.StateRequest\x1a\x15.murmur.v1.StateFrame0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1amurmur/protocol/peer.proto\x12\tmurmur.v1\x1a\x1cmurmur/protocol/tensor.proto\"8\n\x0cHelloRequest\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x0e\n\x06run_id\x18\x02 \x01(\t\"M\n\tRoundDone\x12\r\n\x05round\x18\x01 \x01(\x03\x12\x0b\n\x03key\x18\x02 \x01(\t\x12\x13\n\x0bresult_hash\x18\x03 \x01(\x0c\x12\x0f\n\x07members\x18\x04 \x03(\t\"{\n\nHelloReply\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\x0f\n\x07node_id\x18\x03 \x01(\t\x12\"\n\x04\x64one\x18\x04 \x03(\x0b\x32\x14.murmur.v1.RoundDone\x12\x0e\n\x06states\x18\x05 \x03(\t\"\x85\x02\n\x0e\x45xchangeHeader\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\x19\n\x02op\x18\x03 \x01(\x0e\x32\r.murmur.v1.Op\x12\r\n\x05round\x18\x04 \x01(\x03\x12\x0b\n\x03key\x18\x05 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x06 \x01(\r\x12\x0f\n\x07members\x18\x07 \x03(\t\x12\x0e\n\x06sender\x18\x08 \x01(\t\x12\x0e\n\x06weight\x18\t \x01(\x01\x12\x13\n\x0blayout_hash\x18\n \x01(\x0c\x12\x12\n\nspan_start\x18\x0b \x01(\x03\x12\x10\n\x08span_end\x18\x0c \x01(\x03\x12\x15\n\rpayload_bytes\x18\r \x01(\x03\"1\n\x07Payload\x12&\n\x07tensors\x18\x01 \x03(\x0b\x32\x15.murmur.v1.WireTensor\"T\n\rExchangeFrame\x12+\n\x06header\x18\x01 \x01(\x0b\x32\x19.murmur.v1.ExchangeHeaderH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04kind\"\x82\x03\n\x0e\x45xchangeStatus\x12,\n\x04\x63ode\x18\x01 \x01(\x0e\x32\x1e.murmur.v1.ExchangeStatus.Code\x12\x35\n\x06\x66\x61iled\x18\x02 \x03(\x0b\x32%.murmur.v1.ExchangeStatus.FailedEntry\x12\x14\n\x0c\x63ontributors\x18\x03 \x03(\t\x12\x15\n\rpayload_bytes\x18\x04 \x01(\x03\x12\x13\n\x0bresult_hash\x18\x05 \x01(\x0c\x12\x0e\n\x06reason\x18\x06 \x01(\t\x12\x18\n\x10protocol_version\x18\x07 \x01(\r\x12\x0f\n\x07members\x18\x08 \x03(\t\x12\x0f\n\x07\x61ttempt\x18\t \x01(\r\x1a-\n\x0b\x46\x61iledEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"N\n\x04\x43ode\x12\x14\n\x10\x43ODE_UNSPECIFIED\x10\x00\x12\x06\n\x02OK\x10\x01\x12\t\n\x05\x41\x42ORT\x10\x02\x12\x10\n\x0c\x41LREADY_DONE\x10\x03\x12\x0b\n\x07REFUSED\x10\x04\"T\n\rExchangeReply\x12+\n\x06status\x18\x01 \x01(\x0b\x32\x19.murmur.v1.ExchangeStatusH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04kind\"G\n\x0cStateRequest\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0f\n\x07tensors\x18\x03 \x03(\t\"8\n\nTensorInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\"j\n\rStateManifest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nstate_hash\x18\x02 \x01(\x0c\x12&\n\x07tensors\x18\x03 \x03(\x0b\x32\x15.murmur.v1.TensorInfo\x12\x0f\n\x07members\x18\x04 \x03(\t\"i\n\nStateFrame\x12,\n\x08manifest\x18\x01 \x01(\x0b\x32\x18.murmur.v1.StateManifestH\x00\x12%\n\x04part\x18\x02 \x01(\x0b\x32\x15.murmur.v1.TensorPartH\x00\x42\x06\n\x04kind*6\n\x02Op\x12\x12\n\x0eOP_UNSPECIFIED\x10\x00\x12\r\n\tOP_REDUCE\x10\x01\x12\r\n\tOP_GATHER\x10\x02\x32\xc1\x01\n\x04Peer\x12\x37\n\x05Hello\x12\x17.murmur.v1.HelloRequest\x1a\x15.murmur.v1.HelloReply\x12\x42\n\x08\x45xchange\x12\x18.murmur.v1.ExchangeFrame\x1a\x18.murmur.v1.ExchangeReply(\x01\x30\x01\x12<\n\x08GetState\x12\x17.murmur.v1.StateRequest\x1a\x15.murmur.v1.StateFrame0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,8 +34,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_EXCHANGESTATUS_FAILEDENTRY']._loaded_options = None
   _globals['_EXCHANGESTATUS_FAILEDENTRY']._serialized_options = b'8\001'
-  _globals['_OP']._serialized_start=1521
-  _globals['_OP']._serialized_end=1575
+  _globals['_OP']._serialized_start=1555
+  _globals['_OP']._serialized_end=1609
   _globals['_HELLOREQUEST']._serialized_start=71
   _globals['_HELLOREQUEST']._serialized_end=127
   _globals['_ROUNDDONE']._serialized_start=129
@@ -49,21 +49,21 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_EXCHANGEFRAME']._serialized_start=648
   _globals['_EXCHANGEFRAME']._serialized_end=732
   _globals['_EXCHANGESTATUS']._serialized_start=735
-  _globals['_EXCHANGESTATUS']._serialized_end=1087
-  _globals['_EXCHANGESTATUS_FAILEDENTRY']._serialized_start=962
-  _globals['_EXCHANGESTATUS_FAILEDENTRY']._serialized_end=1007
-  _globals['_EXCHANGESTATUS_CODE']._serialized_start=1009
-  _globals['_EXCHANGESTATUS_CODE']._serialized_end=1087
-  _globals['_EXCHANGEREPLY']._serialized_start=1089
-  _globals['_EXCHANGEREPLY']._serialized_end=1173
-  _globals['_STATEREQUEST']._serialized_start=1175
-  _globals['_STATEREQUEST']._serialized_end=1246
-  _globals['_TENSORINFO']._serialized_start=1248
-  _globals['_TENSORINFO']._serialized_end=1304
-  _globals['_STATEMANIFEST']._serialized_start=1306
-  _globals['_STATEMANIFEST']._serialized_end=1412
-  _globals['_STATEFRAME']._serialized_start=1414
-  _globals['_STATEFRAME']._serialized_end=1519
-  _globals['_PEER']._serialized_start=1578
-  _globals['_PEER']._serialized_end=1771
+  _globals['_EXCHANGESTATUS']._serialized_end=1121
+  _globals['_EXCHANGESTATUS_FAILEDENTRY']._serialized_start=996
+  _globals['_EXCHANGESTATUS_FAILEDENTRY']._serialized_end=1041
+  _globals['_EXCHANGESTATUS_CODE']._serialized_start=1043
+  _globals['_EXCHANGESTATUS_CODE']._serialized_end=1121
+  _globals['_EXCHANGEREPLY']._serialized_start=1123
+  _globals['_EXCHANGEREPLY']._serialized_end=1207
+  _globals['_STATEREQUEST']._serialized_start=1209
+  _globals['_STATEREQUEST']._serialized_end=1280
+  _globals['_TENSORINFO']._serialized_start=1282
+  _globals['_TENSORINFO']._serialized_end=1338
+  _globals['_STATEMANIFEST']._serialized_start=1340
+  _globals['_STATEMANIFEST']._serialized_end=1446
+  _globals['_STATEFRAME']._serialized_start=1448
+  _globals['_STATEFRAME']._serialized_end=1553
+  _globals['_PEER']._serialized_start=1612
+  _globals['_PEER']._serialized_end=1805
 # @@protoc_insertion_point(module_scope)

@@ -96,7 +96,7 @@ class ExchangeFrame(_message.Message):
     def __init__(self, header: _Optional[_Union[ExchangeHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class ExchangeStatus(_message.Message):
-    __slots__ = ("code", "failed", "contributors", "payload_bytes", "result_hash", "reason", "protocol_version")
+    __slots__ = ("code", "failed", "contributors", "payload_bytes", "result_hash", "reason", "protocol_version", "members", "attempt")
     class Code(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         CODE_UNSPECIFIED: _ClassVar[ExchangeStatus.Code]
@@ -123,6 +123,8 @@ class ExchangeStatus(_message.Message):
     RESULT_HASH_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     code: ExchangeStatus.Code
     failed: _containers.ScalarMap[str, str]
     contributors: _containers.RepeatedScalarFieldContainer[str]
@@ -130,7 +132,9 @@ class ExchangeStatus(_message.Message):
     result_hash: bytes
     reason: str
     protocol_version: int
-    def __init__(self, code: _Optional[_Union[ExchangeStatus.Code, str]] = ..., failed: _Optional[_Mapping[str, str]] = ..., contributors: _Optional[_Iterable[str]] = ..., payload_bytes: _Optional[int] = ..., result_hash: _Optional[bytes] = ..., reason: _Optional[str] = ..., protocol_version: _Optional[int] = ...) -> None: ...
+    members: _containers.RepeatedScalarFieldContainer[str]
+    attempt: int
+    def __init__(self, code: _Optional[_Union[ExchangeStatus.Code, str]] = ..., failed: _Optional[_Mapping[str, str]] = ..., contributors: _Optional[_Iterable[str]] = ..., payload_bytes: _Optional[int] = ..., result_hash: _Optional[bytes] = ..., reason: _Optional[str] = ..., protocol_version: _Optional[int] = ..., members: _Optional[_Iterable[str]] = ..., attempt: _Optional[int] = ...) -> None: ...
 
 class ExchangeReply(_message.Message):
     __slots__ = ("status", "data")

@@ -1,0 +1,96 @@
+"""Shared by the protocol, exchange and DHT tests: a CA, peers on loopback, leak checks."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+from murmur.optim.codecs import make_codec
+from murmur.protocol.identity import BanList, CertificateAuthority, Identity
+
+from murmur.node.exchange_grpc import ExchangeSettings, GrpcExchange
+from murmur.node.exchange_group import StaticGroup
+from murmur.node.peer_faults import FaultInjector
+from murmur.node.peer_loop import LoopThread
+from murmur.node.peer_server import PeerServer
+
+REPO = Path(__file__).resolve().parents[1]
+RUN = "test-run"
+
+# Short timeouts: every failure test is bounded by a few of these.
+FAST = dict(peer_timeout=2.0, round_deadline=20.0, chunk_bytes=64 << 10, span_align=64, catch_up_poll=0.05)
+
+
+@dataclass
+class Peer:
+    identity: Identity
+    server: PeerServer
+    exchange: GrpcExchange | None = None
+    faults: FaultInjector | None = None
+
+    @property
+    def node_id(self) -> str:
+        return self.identity.node_id
+
+
+def start_servers(loop: LoopThread, identities: list[Identity], ban_list: BanList | None = None) -> list[Peer]:
+    peers = []
+    for ident in identities:
+        server = PeerServer(ident, run_id=RUN, ban_list=ban_list if ban_list is not None else BanList())
+        loop.run(server.start())
+        peers.append(Peer(ident, server))
+    return peers
+
+
+def attach_exchanges(
+    loop: LoopThread, peers: list[Peer], codec: str = "fp32", group: dict[str, str] | None = None, **settings
+) -> None:
+    group = group or {p.node_id: p.server.address for p in peers}
+    for p in peers:
+        p.faults = FaultInjector(stall_seconds=60)
+        p.exchange = GrpcExchange(
+            p.server, loop, StaticGroup(group), make_codec(codec),
+            settings=ExchangeSettings(**{**FAST, **settings}), faults=p.faults,
+        )
+
+
+@contextlib.contextmanager
+def peer_group(n: int, codec: str = "fp32", ca: CertificateAuthority | None = None, **settings) -> Iterator[
+    tuple[LoopThread, list[Peer], CertificateAuthority]
+]:
+    ca = ca or CertificateAuthority.create("test")
+    loop = LoopThread()
+    peers: list[Peer] = []
+    try:
+        peers = start_servers(loop, [ca.issue() for _ in range(n)])
+        attach_exchanges(loop, peers, codec, **settings)
+        yield loop, peers, ca
+    finally:
+        for p in peers:
+            if p.exchange is not None:
+                loop.run(p.exchange.aclose())
+            loop.run(p.server.stop())
+        loop.stop()
+
+
+def p2pd_processes() -> list[psutil.Process]:
+    out = []
+    for proc in psutil.process_iter(["name", "cmdline"]):
+        with contextlib.suppress(psutil.Error):
+            if proc.info["name"] == "p2pd" and proc.status() != psutil.STATUS_ZOMBIE:
+                out.append(proc)
+    return out
+
+
+def python_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+PYTHON = sys.executable
