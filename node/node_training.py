@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -69,6 +70,56 @@ class WindowResult:
     stopped: bool = False  # the window ended early because a stop was asked for
 
 
+class _MeteredFuture(Future):
+    """A future that adds the time its caller spends blocked in ``result()`` to a meter."""
+
+    def __init__(self, meter: WaitMeter) -> None:
+        super().__init__()
+        self._meter = meter
+
+    def result(self, timeout: float | None = None) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return super().result(timeout)
+        finally:
+            self._meter.waited_s += time.perf_counter() - t0
+
+
+class WaitMeter(Exchange):
+    """Wraps the run's exchange and measures how long training waits for it: compute time is a
+    step's time minus this (the algorithms wait inside their hooks, DeMo inside its optimizer)."""
+
+    def __init__(self, inner: Exchange) -> None:
+        self.inner = inner
+        self.waited_s = 0.0
+
+    @property
+    def peer_id(self) -> str:
+        return self.inner.peer_id
+
+    def _wrap(self, fut: Future) -> Future:
+        out = _MeteredFuture(self)
+
+        def done(f: Future) -> None:
+            err = f.exception()
+            if err is not None:
+                out.set_exception(err)
+            else:
+                out.set_result(f.result())
+
+        fut.add_done_callback(done)
+        return out
+
+    def all_reduce(self, tensors, *, round_id: int, key: str = "", weight: float = 1.0):  # noqa: ANN001
+        return self._wrap(self.inner.all_reduce(tensors, round_id=round_id, key=key, weight=weight))
+
+    def all_gather(self, wire, *, round_id: int, key: str = ""):  # noqa: ANN001
+        return self._wrap(self.inner.all_gather(wire, round_id=round_id, key=key))
+
+    def close(self) -> None:
+        self.inner.close()
+
+
 # Blocks until the coordinator grants a lease; None when the node should stop instead. It gets
 # the segment of the shard that just ran out (or None): that segment must be committed first,
 # because the coordinator hands a node its held lease again until the shard is done.
@@ -90,10 +141,11 @@ class NodeTrainer:
         # Same seed, same initial weights on every node (node/model.py draws them on the CPU).
         self.model = build_model_from_config(cfg, dataset.vocab_size, device)
         self.opt = make_inner_optimizer(self.model, cfg.optim)
+        self.meter = WaitMeter(exchange)
         self.sync = build_sync(
             cfg.sync,
             list(self.model.named_parameters()),
-            exchange,
+            self.meter,
             weight_decay=cfg.optim.weight_decay,
             round_timeout_s=round_timeout_s,
         )
@@ -133,30 +185,27 @@ class NodeTrainer:
     # -- one window ------------------------------------------------------------------------------
 
     def _inner_step(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, float]:
-        """One step; returns (loss, seconds of compute), the exchange's waits left out."""
-        t0 = time.perf_counter()
+        """One step; returns (loss, seconds of compute): the step's time less its exchange waits."""
+        t0, waited0 = time.perf_counter(), self.meter.waited_s
         lr = lr_at(self.step, self.cfg.train.steps, self.cfg.optim)
         set_lr(self.opt, lr)
         with autocast(self.device, self.cfg.train.dtype):
             loss = self.model(x.to(self.device), y.to(self.device))
         loss.backward()
-        compute = time.perf_counter() - t0
-        self.sync.before_optimizer_step(self.step)  # DDP's gradient all-reduce (a wait)
-        t1 = time.perf_counter()
+        self.sync.before_optimizer_step(self.step)  # DDP: the gradient all-reduce
         if self.sync.replaces_optimizer:
-            self.sync.optimizer_step(self.step, lr)  # DeMo: compute and its all-gather together
+            self.sync.optimizer_step(self.step, lr)  # DeMo: compress, all-gather, apply
         else:
             if self.cfg.optim.grad_clip > 0:
                 torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.optim.grad_clip)
             self.opt.step()
         self.opt.zero_grad(set_to_none=True)
+        self.sync.after_optimizer_step(self.step)  # DiLoCo: launch / apply an exchange
         loss = loss.detach()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        compute += time.perf_counter() - t1
-        self.sync.after_optimizer_step(self.step)  # DiLoCo: launch / apply an exchange (a wait)
         self.step += 1
-        return loss, compute
+        return loss, (time.perf_counter() - t0) - (self.meter.waited_s - waited0)
 
     def run_window(self, next_lease: LeaseSource, stop: Callable[[], bool]) -> WindowResult:
         """H inner steps on the leased data (taking new leases as shards run out)."""
