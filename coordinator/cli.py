@@ -40,7 +40,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         default=False,
         help="also be a DHT bootstrap peer and publish this address there",
     )
-    serve.add_argument("--dht-maddr", action="append", default=[], help="libp2p listen multiaddr of the DHT")
+    serve.add_argument("--dht-listen", default="127.0.0.1:0", help="HOST:PORT of the DHT (default %(default)s)")
     d = CoordinatorSettings()
     for name, help_text in (
         ("heartbeat_interval_s", "how often nodes heartbeat"),
@@ -82,7 +82,7 @@ def _serve(args: argparse.Namespace) -> int:
             metrics_listen=args.metrics_listen,
             advertise_host=args.advertise_host,
             dht=args.dht,
-            dht_maddrs=args.dht_maddr,
+            dht_listen=args.dht_listen,
             settings=settings,
         )
     )

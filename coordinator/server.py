@@ -26,6 +26,7 @@ from murmur.protocol import coordinator_pb2_grpc as pb_grpc
 from murmur.errors import MurmurError
 
 from . import authority
+from .discovery import Discovery
 from .membership import Membership
 from .metrics import MetricsServer, render
 from .runs import Runs
@@ -46,7 +47,7 @@ class ServeOptions:
     metrics_listen: str = ""  # default: the listen host, port + 2; "off" disables it
     advertise_host: str = ""  # the host nodes should dial; default: the listen host (127.0.0.1 for 0.0.0.0)
     dht: bool = False
-    dht_maddrs: list[str] = field(default_factory=list)
+    dht_listen: str = "127.0.0.1:0"  # where the DHT (libp2p) listens
     settings: CoordinatorSettings = field(default_factory=CoordinatorSettings)
 
 
@@ -94,7 +95,7 @@ class Coordinator:
         )
         self.metrics = MetricsServer(lambda: render(self.store, self.service.stats, self.membership.pending_count))
         self.server: grpc.aio.Server | None = None
-        self.dht: object | None = None
+        self.dht: Discovery | None = None
         self._stop = asyncio.Event()
 
     async def start(self) -> dict[str, object]:
@@ -147,17 +148,21 @@ class Coordinator:
         }
 
     async def _start_dht(self, address: str) -> list[str]:
-        # hivemind is imported only when asked for (the DHT adapter lives in protocol/dht.py).
-        try:
-            from murmur.protocol import dht as dht_adapter  # type: ignore[attr-defined]
-        except ImportError as err:
-            raise ServeError(
-                f"--dht needs murmur.protocol.dht, which is not available ({err}); start with --no-dht"
-            ) from None
-        self.dht, peers = await dht_adapter.start_coordinator_dht(
-            address=address, host_maddrs=self.options.dht_maddrs, timeout_s=self.settings.dht_start_timeout_s
+        from .discovery import Discovery
+
+        host, port = split_address(self.options.dht_listen, "--dht-listen")
+        self.dht = Discovery(
+            self.secrets.ca,
+            address,
+            self.settings,
+            host,
+            port,
+            lambda: [r["run_id"] for r in self.store.runs() if r["state"] == "active"],
         )
-        return list(peers)
+        try:
+            return await self.dht.start()
+        except MurmurError as err:
+            raise ServeError(f"{err}; start without --dht to run with no discovery") from None
 
     async def sweeper(self) -> None:
         while not self._stop.is_set():
@@ -197,7 +202,7 @@ class Coordinator:
         await self.metrics.stop()
         if self.dht is not None:
             with contextlib.suppress(Exception):
-                await asyncio.to_thread(self.dht.shutdown)  # type: ignore[attr-defined]
+                await self.dht.stop()
         self.membership.flush()
         with self.store.write():
             self.store.event("coordinator_stopped")

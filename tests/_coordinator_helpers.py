@@ -96,7 +96,7 @@ class CoordinatorProc:
                 stream.close()
 
 
-def start_coordinator(db: Path, *extra: str, listen: str = "127.0.0.1:0") -> CoordinatorProc:
+def start_coordinator(db: Path, *extra: str, listen: str = "127.0.0.1:0", dht: bool = False) -> CoordinatorProc:
     cmd = [
         sys.executable,
         "-m",
@@ -111,7 +111,7 @@ def start_coordinator(db: Path, *extra: str, listen: str = "127.0.0.1:0") -> Coo
         "127.0.0.1:0",
         "--metrics-listen",
         "127.0.0.1:0",
-        "--no-dht",
+        *([] if dht else ["--no-dht"]),
         *extra,
     ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

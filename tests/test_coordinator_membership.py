@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
+import sys
 
 import grpc
 import pytest
@@ -205,3 +207,43 @@ def test_malformed_requests_get_clear_errors_and_change_nothing(coord):
     assert len(admin_json(coord, "nodes", "list")["nodes"]) == 1
     events = admin_json(coord, "events", "--kind", "join")["events"]
     assert len(events) == 1 and json.loads(events[0]["detail"])["token"]
+
+
+LOOKUP = """
+import asyncio, json, sys
+from murmur.protocol.dht import MurmurDHT
+from murmur.protocol import identity
+run_id, ca, peers = sys.argv[1], open(sys.argv[2], "rb").read(), json.loads(sys.argv[3])
+dht = MurmurDHT(run_id, ca_cert_pem=ca, initial_peers=peers).start()
+try:
+    deadline = asyncio.get_event_loop().time() + 30
+    found = []
+    while not found and asyncio.get_event_loop().time() < deadline:
+        found = dht.peers(role="coordinator")
+    print(json.dumps([p.address for p in found]))
+finally:
+    dht.shutdown()
+"""
+
+
+def test_coordinator_is_a_dht_bootstrap_peer_and_announces_itself(tmp_path):
+    c = start_coordinator(tmp_path / "coord.db", *FAST, "--dht", dht=True)
+    try:
+        assert c.info["dht"], c.info
+        config, manifest = write_run_files(tmp_path, [100])
+        assert admin(c, "runs", "create", "--config", str(config), "--manifest", str(manifest)).returncode == 0
+        token = new_token(c)
+        ident, info = asyncio.run(join_run(c.address, token, identity.generate_key()))
+        assert info.bootstrap_peers == c.info["dht"]
+        # A separate process looks the coordinator up in the DHT (hivemind's own helpers stay out of
+        # this test process).
+        found = subprocess.run(
+            [sys.executable, "-c", LOOKUP, info.run_id, str(c.info["ca_cert_file"]), json.dumps(info.bootstrap_peers)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert found.returncode == 0, found.stderr
+        assert json.loads(found.stdout.strip().splitlines()[-1]) == [c.address]
+    finally:
+        c.stop()
