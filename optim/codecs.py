@@ -9,8 +9,10 @@ any peer can decode any other peer's payload. ``wire.nbytes`` is the exact paylo
 can be re-encoded by the chunk owner and sent back (bytes of a ring / butterfly all-reduce); a
 sparse one (top-k) cannot, so every member receives every payload (an all-gather).
 
-Pure torch. The Triton kernels of murmur.kernels (quantize_blockwise, topk_chunked, sign_pack, ...)
-did not exist when this was written; the helpers below are the reference semantics to match.
+The blockwise integer codecs run on murmur.kernels (Triton on a GPU). Top-k, sign and the DCT of
+DeMo are pure torch here: the kernels' versions differ in layout (top-k ordered by magnitude rather
+than position; DCT tiles padded to one chunk size rather than divisor tiles), so switching them
+would change the wire format; the helpers below define ours.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import math
 import torch
 from murmur.optim.wire import WireTensor
 
+from murmur import kernels
 from murmur.errors import MurmurError
 
 
@@ -110,32 +113,6 @@ def _blocks(x: torch.Tensor, block: int) -> torch.Tensor:
     return flat.view(-1, block)
 
 
-def quantize_blockwise(x: torch.Tensor, block: int, qmax: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Round-to-nearest q in [-qmax, qmax] with scale absmax/qmax per block; |x - q*s| <= s/2."""
-    b = _blocks(x, block)
-    scales = b.abs().amax(dim=1, keepdim=True) / qmax
-    safe = torch.where(scales > 0, scales, torch.ones_like(scales))
-    q = torch.round(b / safe).clamp_(-qmax, qmax).to(torch.int8)
-    return q, scales.squeeze(1).float()
-
-
-def dequantize_blockwise(q: torch.Tensor, scales: torch.Tensor, numel: int) -> torch.Tensor:
-    return (q.float() * scales[:, None]).reshape(-1)[:numel]
-
-
-def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
-    """int8 values in [-8, 7] -> uint8, two per byte (low nibble first)."""
-    u = (q.reshape(-1).to(torch.int16) + 8).to(torch.uint8)
-    if u.numel() % 2:
-        u = torch.cat((u, u.new_full((1,), 8)))
-    return u[0::2] | (u[1::2] << 4)
-
-
-def unpack_nibbles(packed: torch.Tensor, n: int) -> torch.Tensor:
-    lo, hi = packed & 0xF, packed >> 4
-    return torch.stack((lo, hi), dim=1).reshape(-1)[:n].to(torch.int8) - 8
-
-
 class BlockIntCodec(Codec):
     def __init__(self, bits: int, block: int, **kw) -> None:
         super().__init__(**kw)
@@ -146,16 +123,16 @@ class BlockIntCodec(Codec):
         self.qmax = 2 ** (bits - 1) - 1  # symmetric: 127 or 7
 
     def _encode(self, x: torch.Tensor, key: str) -> WireTensor:
-        q, scales = quantize_blockwise(x, self.block, self.qmax)
-        payload = pack_nibbles(q) if self.bits == 4 else q.reshape(-1)
-        return WireTensor(self.name, (), "", {"q": payload, "scales": scales}, {"block": self.block})
+        # murmur.kernels: Triton on a GPU, its torch reference elsewhere (same wire layout:
+        # int8 q, or two nibbles q+8 per byte low first; one fp32 absmax/qmax scale per block).
+        q, scales, _ = kernels.quantize_blockwise(x.reshape(-1), self.bits, self.block)
+        return WireTensor(self.name, (), "", {"q": q, "scales": scales}, {"block": self.block})
 
     def _decode(self, wire: WireTensor) -> torch.Tensor:
-        block, scales = int(wire.meta["block"]), wire.parts["scales"]
-        n = scales.numel() * block
-        q = wire.parts["q"]
-        q = unpack_nibbles(q, n) if self.bits == 4 else q
-        return dequantize_blockwise(q.view(-1, block), scales, math.prod(wire.shape))
+        block, n = int(wire.meta["block"]), math.prod(wire.shape)
+        if wire.parts["scales"].numel() != -(-n // block):
+            raise CodecError(f"{self.name} payload has {wire.parts['scales'].numel()} scales for {n} values")
+        return kernels.dequantize_blockwise(wire.parts["q"], wire.parts["scales"], self.bits, block, (n,))
 
 
 # ---------------------------------------------------------------------------------------------

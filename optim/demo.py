@@ -100,11 +100,19 @@ class DCTTopKCodec(Codec):
         parts = {"indices": idx.to(torch.int16), "values": coef.gather(1, idx).to(torch.bfloat16)}
         return WireTensor(self.name, (), "", parts, {"chunk_rows": cr, "chunk_cols": cc})
 
-    def coefficients(self, wire: WireTensor) -> torch.Tensor:
+    @staticmethod
+    def out_of_range(wire: WireTensor) -> torch.Tensor:
+        """A 0-d bool tensor: does the payload name positions outside its chunks? Kept on the
+        device so a caller can check many payloads with one synchronization."""
+        idx = wire.parts["indices"]
+        n = int(wire.meta["chunk_rows"]) * int(wire.meta["chunk_cols"])
+        return ((idx < 0) | (idx >= n)).any()
+
+    def coefficients(self, wire: WireTensor, checked: bool = False) -> torch.Tensor:
         """The dense coefficient array [chunks, cr*cc] of a payload (zeros where nothing was sent)."""
         idx = wire.parts["indices"].long()
         cr, cc = int(wire.meta["chunk_rows"]), int(wire.meta["chunk_cols"])
-        if idx.shape[1] > cr * cc or int(idx.max()) >= cr * cc or int(idx.min()) < 0:
+        if idx.shape[1] > cr * cc or (not checked and bool(self.out_of_range(wire))):
             raise CodecError("DCT payload has positions outside its chunk")
         out = torch.zeros(idx.shape[0], cr * cc, device=idx.device)
         return out.scatter_(1, idx, wire.parts["values"].float())
@@ -144,10 +152,15 @@ class DeMo(SyncAlgorithm):
             wires.append(wire)
         result: GatherResult = self._wait(self.exchange.all_gather(wires, round_id=step, key="demo"))
         peers = sorted(result.updates)
+        # Untrusted positions would crash the scatter: check every payload, one sync for all.
+        if any(len(result.updates[peer]) != len(wires) for peer in peers) or (
+            wires and bool(torch.stack([self.codec.out_of_range(w) for q in peers for w in result.updates[q]]).any())
+        ):
+            raise CodecError("a DeMo payload has the wrong number of tensors or positions outside its chunks")
         for i, (p, wire) in enumerate(zip(self.params, wires, strict=True)):
             total = None
             for peer in peers:  # fixed order: bit-identical replicas
-                coef = self.codec.coefficients(result.updates[peer][i])
+                coef = self.codec.coefficients(result.updates[peer][i], checked=True)
                 total = coef if total is None else total.add_(coef)
             cr, cc = int(wire.meta["chunk_rows"]), int(wire.meta["chunk_cols"])
             update = idct_chunked(total / len(peers), tuple(p.shape), cr, cc)
