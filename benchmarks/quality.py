@@ -142,6 +142,53 @@ def write(out_paths: list[Path], payload: dict, results: list[SimResult], names:
             )
 
 
+def plot_panels(panels: list[tuple[str, dict]], path: Path) -> None:
+    """One panel per run set: validation loss against bytes sent per worker (log x), from the
+    JSON curves ({name: [[step, tokens, bytes, val_loss], ...]})."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(panels), figsize=(7.5 * len(panels), 5.5), dpi=120, squeeze=False)
+    for ax, (title, curves) in zip(axes[0], panels, strict=True):
+        for name, pts in curves.items():
+            pts = [p for p in pts if p[2] > 0]
+            if pts:
+                style = "-" if name.startswith(("ddp", "diloco-fp32")) else "--"
+                ax.plot([p[2] for p in pts], [p[3] for p in pts], style, marker="o", markersize=3, label=name)
+        ax.set_xscale("log")
+        ax.set_xlabel("bytes sent per worker (log scale)")
+        ax.set_ylabel("validation loss")
+        ax.set_title(title, fontsize=9)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=6, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def combine(gpu_path: Path, cpu_path: Path, out_dir: Path, notes: list[str]) -> None:
+    """The committed result: the GPU run's rows at top level, the complete small CPU sweep beside."""
+    gpu, cpu = json.loads(gpu_path.read_text()), json.loads(cpu_path.read_text())
+    merged = dict(gpu)
+    merged["cpu_sweep"] = {k: cpu[k] for k in ("device", "date", "command", "model", "workers", "steps_per_worker",
+                                               "corpus", "rows", "summary", "curves")}
+    merged["notes"] = notes
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "quality.json").write_text(json.dumps(merged, indent=1) + "\n")
+    g_m, c_m = gpu["model"], cpu["model"]
+    plot_panels(
+        [
+            (f"{gpu['device']}: {gpu['workers']} workers, {g_m['params'] / 1e6:.0f}M params, "
+             f"{gpu['steps_per_worker']} steps ({gpu['rows'][0]['tokens'] / 1e6:.1f}M tokens)", gpu["curves"]),
+            (f"{cpu['device']}: {cpu['workers']} workers, {c_m['params'] / 1e6:.2f}M params (bytes), "
+             f"{cpu['steps_per_worker']} steps ({cpu['rows'][0]['tokens'] / 1e6:.1f}M tokens)", cpu["curves"]),
+        ],
+        out_dir / "quality.png",
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--data", default="data/quality-gpt2")
@@ -153,7 +200,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--set", action="append", default=[], help="override a base key, e.g. model.n_layers=2")
     p.add_argument("--partial-dir", help="also write the JSON/PNG here after each row (e.g. $OUT)")
     p.add_argument("--results-dir", default=str(RESULTS))
+    p.add_argument("--combine", nargs=2, metavar=("GPU_JSON", "CPU_JSON"),
+                   help="merge a GPU run and a CPU sweep into --results-dir/quality.json and .png")
+    p.add_argument("--note", action="append", default=[], help="a note for the combined JSON (repeatable)")
     args = p.parse_args(argv)
+    if args.combine:
+        combine(Path(args.combine[0]), Path(args.combine[1]), Path(args.results_dir), args.note)
+        return 0
     t_start = time.perf_counter()
     for item in args.set:
         key, raw = item.split("=", 1)

@@ -217,12 +217,11 @@ def run_sim(
                         curve.append(point)
                     dt = time.perf_counter() - t0
                     sent = w.sync.bytes.total_sent
-                    ratio = ddp_bytes(n_params, k, s + 1) / sent if sent else math.inf
+                    ratio = f"{ddp_bytes(n_params, k, s + 1) / sent:,.0f}x less than ddp" if sent else "none yet"
                     log(
-                        f"round {(s + 1) // h:4d} | step {s + 1:6d} | loss {train:.4f}"
+                        f"round {math.ceil((s + 1) / h):4d} | step {s + 1:6d} | loss {train:.4f}"
                         + (f" | val {point.val_loss:.4f}" if point else "")
-                        + f" | {(s + 1) * tokens_per_step / dt:,.0f} tok/s | sent {sent / 1e6:.2f} MB"
-                        + f" | {ratio:,.0f}x less than ddp"
+                        + f" | {(s + 1) * tokens_per_step / dt:,.0f} tok/s | sent {sent / 1e6:.2f} MB ({ratio})"
                     )
             if w is not lead:
                 w.sync.finish()

@@ -299,6 +299,17 @@ class PowerSGDCodec(Codec):
         self.q_state[key] = q
         return WireTensor(self.name, (), "", {"p": p.contiguous(), "q": q.contiguous()}, {"rank": r})
 
+    def encode_stateless(self, x: torch.Tensor, key: str = "") -> WireTensor:
+        # Warm-start from the key's Q but leave it as it was: a reducer's re-encode is not a round.
+        saved = self.q_state.get(key)
+        try:
+            return super().encode_stateless(x, key)
+        finally:
+            if saved is None:
+                self.q_state.pop(key, None)
+            else:
+                self.q_state[key] = saved
+
     def _decode(self, wire: WireTensor) -> torch.Tensor:
         if int(wire.meta["rank"]) == 0:
             return wire.parts["values"].float()

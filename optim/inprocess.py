@@ -93,7 +93,8 @@ class InProcessGroup:
 
     def _finish(self, kind: str, key: str, slot: _Slot) -> None:
         k = len(self.peers)
-        assert slot.codec is not None
+        # Decode and re-encode with the first peer's codec, whoever arrived first: reproducible.
+        slot.codec = self._handles[self.peers[0]].codec
         if kind == "gather":
             codec_name = next((w[0].codec for w in slot.payloads.values() if w), slot.codec.name)
             for p in self.peers:

@@ -150,3 +150,14 @@ def test_error_feedback_state_round_trips():
     x = torch.randn(5000)
     assert torch.equal(a.decode(a.encode(x, "w")), b.decode(b.encode(x, "w")))
     assert math.isclose(float(np.float32(1.0)), 1.0)
+
+
+@pytest.mark.parametrize("name", CODECS)
+def test_stateless_encode_leaves_the_codec_state_alone(name):
+    """What a chunk owner re-encodes must not move the owner's own error feedback or warm start."""
+    codec = make_codec(name, topk_fraction=0.05, powersgd_rank=2)
+    codec.encode(torch.randn(40, 30), "k")
+    before = {k: v.clone() for k, v in codec.state_dict().items()}
+    codec.encode_stateless(torch.randn(40, 30), "k")
+    after = codec.state_dict()
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
