@@ -443,9 +443,6 @@ class Store:
                 "UPDATE nodes SET status = ?, ban_reason = ? WHERE node_id = ?", (status, ban_reason, node_id)
             )
 
-    def silent_nodes(self, before: float) -> list[sqlite3.Row]:
-        return self._q("SELECT * FROM nodes WHERE status = 'active' AND last_heartbeat < ?", (before,))
-
     def banned(self) -> dict[str, str]:
         return {
             r["node_id"]: r["ban_reason"]
@@ -501,10 +498,6 @@ class Store:
             "UPDATE shards SET holder = NULL, lease_id = NULL, lease_expiry = NULL WHERE run_id = ? AND shard_id = ?",
             (run_id, shard_id),
         )
-
-    def renew_leases(self, node_id: str, expiry: float) -> int:
-        cur = self.db.execute("UPDATE shards SET lease_expiry = ? WHERE holder = ?", (expiry, node_id))
-        return cur.rowcount
 
     def expired_leases(self, now: float) -> list[Shard]:
         return [

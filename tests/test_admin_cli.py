@@ -245,3 +245,36 @@ def test_serve_refuses_bad_arguments(tmp_path):
         timeout=60,
     )
     assert "heartbeat_ttl_s" in one_error_line(ttl)
+
+
+def test_serve_migrates_an_older_ledger_and_refuses_an_unknown_one(tmp_path):
+    from murmur.coordinator.store import SCHEMA_VERSION, Store
+
+    old = Store(tmp_path / "old.db", migrate_to=1)
+    old.close()
+    c = start_coordinator(tmp_path / "old.db")
+    try:
+        assert (c.info["migrated_from"], c.info["schema_version"]) == (1, SCHEMA_VERSION)
+    finally:
+        c.stop()
+    future = Store(tmp_path / "future.db")
+    future.db.execute("UPDATE schema_version SET version = ?", (SCHEMA_VERSION + 7,))
+    future.close()
+    refused = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "murmur.cli",
+            "coordinator",
+            "serve",
+            "--db",
+            str(tmp_path / "future.db"),
+            "--listen",
+            "127.0.0.1:0",
+            "--no-dht",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert "newer than this murmur knows" in one_error_line(refused)
