@@ -158,11 +158,16 @@ class DeMo(SyncAlgorithm):
         ):
             raise CodecError("a DeMo payload has the wrong number of tensors or positions outside its chunks")
         for i, (p, wire) in enumerate(zip(self.params, wires, strict=True)):
-            total = None
-            for peer in peers:  # fixed order: bit-identical replicas
-                coef = self.codec.coefficients(result.updates[peer][i], checked=True)
-                total = coef if total is None else total.add_(coef)
             cr, cc = int(wire.meta["chunk_rows"]), int(wire.meta["chunk_cols"])
+            got = [result.updates[q][i] for q in peers]  # sorted peers: a fixed order
+            if any(w.parts["indices"].shape != wire.parts["indices"].shape for w in got):
+                raise CodecError("a DeMo payload does not match this parameter's chunking")
+            # Every peer's coefficients scattered into its own row, then one sum over the peer
+            # dimension: a fixed-order reduction (no scatter-add races), a few kernels per tensor.
+            idx = torch.stack([w.parts["indices"] for w in got]).long()
+            val = torch.stack([w.parts["values"] for w in got]).float()
+            dense = torch.zeros(len(got), idx.shape[1], cr * cc, device=idx.device)
+            total = dense.scatter_(2, idx, val).sum(0)
             update = idct_chunked(total / len(peers), tuple(p.shape), cr, cc)
             if self.weight_decay and p.dim() >= 2:
                 p.mul_(1 - lr * self.weight_decay)
