@@ -245,6 +245,8 @@ def main(argv: list[str] | None = None) -> int:
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "command": "python3 benchmarks/quality.py " + " ".join(sys.argv[1:] if argv is None else argv),
             "model": {"params": r.n_params, **BASE["model"]},
+            "train": {k: BASE["train"][k] for k in ("batch_size", "eval_every", "eval_batches")},
+            "optim": BASE["optim"],
             "workers": args.workers,
             "steps_per_worker": steps,
             "corpus": f"{args.data}: {sum(dataset.shard_size(i) for i in range(dataset.num_shards)):,} train tokens",
