@@ -14,13 +14,14 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
-from murmur.kernels.dispatch import lazy_jit, next_pow2
+from murmur.kernels.dispatch import cdiv, lazy_jit, next_pow2
 
 if TYPE_CHECKING:  # the kernels get `tl` from lazy_jit at first launch (see dispatch.py)
     import triton.language as tl
 
 DEFAULT_CHUNK = 1024   # tokens per chunk: [1024, 50304] bf16 logits are ~100 MB
 BLOCK_V = 4096         # vocabulary tile of the softmax kernel (registers, not memory)
+VOCAB_ALIGN = 64       # logits row padding (elements) for aligned matmuls
 
 
 def linear_cross_entropy_ref(
@@ -31,10 +32,10 @@ def linear_cross_entropy_ref(
 
 
 @lazy_jit
-def _xent_kernel(LOGITS, TARGETS, LOSS, INV_N, V, ignore_index, BLOCK_V: tl.constexpr,
+def _xent_kernel(LOGITS, TARGETS, LOSS, INV_N, V, stride, ignore_index, BLOCK_V: tl.constexpr,
                  GRAD: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
-    base = LOGITS + row * V
+    base = LOGITS + row * stride
     target = tl.load(TARGETS + row).to(tl.int64)
     # Pass 1: online max and sum of exp over the row, in fp32.
     # The running max starts finite (-3e38, not -inf) so a lane that only sees padding (-inf)
@@ -77,13 +78,19 @@ def _fused_body(hidden, weight, targets, ignore_index: int, compute_grad: bool, 
     loss_rows = torch.empty(n, dtype=torch.float32, device=hidden.device)
     grad_h = torch.empty_like(hidden) if compute_grad else hidden.new_empty(0)
     # fp32 accumulation of the weight gradient across chunks; cast once at the end.
-    grad_w = torch.zeros(v, d, dtype=torch.float32, device=hidden.device) if compute_grad else None
+    # Rows of the logits padded to a multiple of VOCAB_ALIGN columns keep cuBLAS on its fast
+    # (aligned) kernels for vocabularies like 50257; zero rows of W make the pad logits exactly 0,
+    # the kernel never touches them, so they add nothing to grad_h, and grad_w drops them.
+    v_pad = cdiv(v, VOCAB_ALIGN) * VOCAB_ALIGN
+    if v_pad != v:
+        weight = F.pad(weight, (0, 0, 0, v_pad - v))
+    grad_w = torch.zeros(v_pad, d, dtype=torch.float32, device=hidden.device) if compute_grad else None
     block_v = min(BLOCK_V, next_pow2(v))
     for start in range(0, n, chunk):
         h = hidden[start:start + chunk]
         logits = h @ weight.t()
         _xent_kernel[(h.shape[0],)](logits, targets[start:start + chunk], loss_rows[start:start + chunk],
-                                    inv_n, v, ignore_index, BLOCK_V=block_v, GRAD=compute_grad)
+                                    inv_n, v, v_pad, ignore_index, BLOCK_V=block_v, GRAD=compute_grad)
         if compute_grad:
             torch.mm(logits, weight, out=grad_h[start:start + chunk])
             if grad_w.dtype == logits.dtype:
@@ -93,7 +100,7 @@ def _fused_body(hidden, weight, targets, ignore_index: int, compute_grad: bool, 
     loss = loss_rows.sum() * inv_n
     if not compute_grad:
         return loss, grad_h, weight.new_empty(0)
-    return loss, grad_h, grad_w.to(weight.dtype)
+    return loss, grad_h, grad_w[:v].to(weight.dtype)
 
 
 @torch.library.custom_op("murmur::linear_xent", mutates_args=())

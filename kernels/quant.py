@@ -100,51 +100,37 @@ def dequantize_ref(q, scales, bits, block, shape, out=None, accumulate=False):
 def _quant_kernel(X, RES, NEW_RES, Q, S, n, nblocks, block, seed,
                   QMAX: tl.constexpr, INT4: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
                   HAS_RES: tl.constexpr, WRITE_RES: tl.constexpr, STOCH: tl.constexpr):
-    # A [ROWS, COLS] tile: one quantization block per row. For int4 each lane holds a pair
-    # (element 2j in `lo`, 2j + 1 in `hi`) so that the two nibbles of a byte meet in one lane.
+    # A [ROWS, COLS] tile, one quantization block per row, loaded contiguously. For int4 the
+    # codes are regrouped as [ROWS, COLS/2, 2] pairs and split, so that the two nibbles of a
+    # byte meet in one lane and the byte store stays contiguous too.
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)[:, None]
     j = tl.arange(0, COLS)[None, :]
-    if INT4:
-        off_lo = rows * block + 2 * j
-        in_blk = (2 * j < block) & (rows < nblocks)
-    else:
-        off_lo = rows * block + j
-        in_blk = (j < block) & (rows < nblocks)
-    m_lo = in_blk & (off_lo < n)
-    v_lo = tl.load(X + off_lo, mask=m_lo, other=0.0).to(tl.float32)
+    off = rows * block + j
+    m = (j < block) & (rows < nblocks) & (off < n)
+    v = tl.load(X + off, mask=m, other=0.0).to(tl.float32)
     if HAS_RES:
-        v_lo += tl.load(RES + off_lo, mask=m_lo, other=0.0)
-    amax = tl.max(tl.abs(v_lo), axis=1)
-    if INT4:
-        off_hi = off_lo + 1
-        m_hi = in_blk & (off_hi < n)
-        v_hi = tl.load(X + off_hi, mask=m_hi, other=0.0).to(tl.float32)
-        if HAS_RES:
-            v_hi += tl.load(RES + off_hi, mask=m_hi, other=0.0)
-        amax = tl.maximum(amax, tl.max(tl.abs(v_hi), axis=1))
+        v += tl.load(RES + off, mask=m, other=0.0)
+    amax = tl.max(tl.abs(v), axis=1)
     # max() keeps the division finite in lanes the where() then discards (padding rows).
     inv = tl.where(amax > 0, QMAX / tl.maximum(amax, 1.1754944e-38), 0.0)[:, None]
     scale = amax / QMAX
     tl.store(S + rows, scale[:, None], mask=(rows < nblocks))
     if STOCH:
-        r_lo = tl.rand(seed, off_lo)
+        r = tl.rand(seed, off)
     else:
-        r_lo = 0.5
-    q_lo = tl.minimum(tl.maximum(tl.floor(v_lo * inv + r_lo), -QMAX), QMAX)
+        r = 0.5
+    q = tl.minimum(tl.maximum(tl.floor(v * inv + r), -QMAX), QMAX)
     if WRITE_RES:
-        tl.store(NEW_RES + off_lo, v_lo - q_lo * scale[:, None], mask=m_lo)
+        tl.store(NEW_RES + off, v - q * scale[:, None], mask=m)
     if INT4:
-        if STOCH:
-            r_hi = tl.rand(seed, off_hi)
-        else:
-            r_hi = 0.5
-        q_hi = tl.minimum(tl.maximum(tl.floor(v_hi * inv + r_hi), -QMAX), QMAX)
-        if WRITE_RES:
-            tl.store(NEW_RES + off_hi, v_hi - q_hi * scale[:, None], mask=m_hi)
-        byte = (q_lo.to(tl.int32) + 8) | ((q_hi.to(tl.int32) + 8) << 4)
-        tl.store(Q + off_lo // 2, byte.to(tl.uint8), mask=m_lo)
+        lo, hi = tl.split(tl.reshape(q.to(tl.int32) + 8, [ROWS, COLS // 2, 2]))
+        jb = tl.arange(0, COLS // 2)[None, :]
+        boff = rows * (block // 2) + jb
+        bm = (2 * jb < block) & (rows < nblocks) & (rows * block + 2 * jb < n)
+        # A missing odd element (n odd) was loaded as 0 and so encodes as 8, the zero nibble.
+        tl.store(Q + boff, (lo | (hi << 4)).to(tl.uint8), mask=bm)
     else:
-        tl.store(Q + off_lo, q_lo.to(tl.int8), mask=m_lo)
+        tl.store(Q + off, q.to(tl.int8), mask=m)
 
 
 @lazy_jit
@@ -178,7 +164,7 @@ def quantize_triton(x, bits, block, stochastic=False, seed=None, residual=None, 
     new_res = (res_in if res_in is not None else torch.empty(n, dtype=torch.float32, device=x.device)) \
         if write_res else None
     if n:
-        cols = next_pow2(cdiv(block, 2) if bits == 4 else block)
+        cols = max(2, next_pow2(block))
         rows = max(1, min(next_pow2(nblocks), TILE // cols))
         # The residual is read and rewritten by the same lane, so updating it in place is safe.
         _quant_kernel[(cdiv(nblocks, rows),)](
