@@ -124,6 +124,16 @@ def _renice(nice: int):
     return (lambda: os.nice(nice)) if nice else None
 
 
+def _renice_session(nice: int) -> None:
+    # With autogroup scheduling (Linux default), niceness only ranks processes within one session;
+    # the session's own weight is set here (root), so it applies against other users' jobs too.
+    if nice:
+        try:
+            Path("/proc/self/autogroup").write_text(str(nice))
+        except OSError as err:
+            print(f"note: could not set the session's priority ({err}); measuring without it", file=sys.stderr)
+
+
 def _pct(values: list[float], q: float) -> float:
     if not values:
         return float("nan")
@@ -231,6 +241,7 @@ def main() -> int:
     if args.worker:
         asyncio.run(_worker(args))
         return 0
+    _renice_session(args.nice)
     rows_spec = [(args.nodes, args.hz)] if args.nodes else DEFAULT_ROWS
     rows = []
     for nodes, hz in rows_spec:
