@@ -168,12 +168,28 @@ def plot_panels(panels: list[tuple[str, dict]], path: Path) -> None:
     plt.close(fig)
 
 
-def combine(gpu_path: Path, cpu_path: Path, out_dir: Path, notes: list[str]) -> None:
+def merge_sweeps(parts: list[dict]) -> dict:
+    """Several runs of one sweep (rows split over processes) as one: gaps against its DDP row."""
+    merged = dict(parts[0])
+    merged["rows"] = [r for part in parts for r in part["rows"]]
+    merged["curves"] = {k: v for part in parts for k, v in part["curves"].items()}
+    merged["command"] = " ; ".join(part["command"] for part in parts)
+    ddp = next((r for r in merged["rows"] if r["algo"] == "ddp"), None)
+    for r in merged["rows"]:
+        if ddp:
+            r["loss_gap_pct"] = round(100 * (r["val_loss"] - ddp["val_loss"]) / ddp["val_loss"], 2)
+    merged["summary"] = summarize(merged["rows"])
+    return merged
+
+
+def combine(gpu_path: Path, cpu_paths: list[Path], out_dir: Path, notes: list[str]) -> None:
     """The committed result: the GPU run's rows at top level, the complete small CPU sweep beside."""
-    gpu, cpu = json.loads(gpu_path.read_text()), json.loads(cpu_path.read_text())
+    gpu = json.loads(gpu_path.read_text())
+    cpu = merge_sweeps([json.loads(p.read_text()) for p in cpu_paths])
     merged = dict(gpu)
-    merged["cpu_sweep"] = {k: cpu[k] for k in ("device", "date", "command", "model", "workers", "steps_per_worker",
-                                               "corpus", "rows", "summary", "curves")}
+    keys = ("device", "date", "command", "model", "train", "optim", "workers", "steps_per_worker", "corpus",
+            "rows", "summary", "curves")
+    merged["cpu_sweep"] = {k: cpu[k] for k in keys if k in cpu}
     merged["notes"] = notes
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "quality.json").write_text(json.dumps(merged, indent=1) + "\n")
@@ -200,12 +216,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--set", action="append", default=[], help="override a base key, e.g. model.n_layers=2")
     p.add_argument("--partial-dir", help="also write the JSON/PNG here after each row (e.g. $OUT)")
     p.add_argument("--results-dir", default=str(RESULTS))
-    p.add_argument("--combine", nargs=2, metavar=("GPU_JSON", "CPU_JSON"),
-                   help="merge a GPU run and a CPU sweep into --results-dir/quality.json and .png")
+    p.add_argument("--combine", nargs="+", metavar="JSON",
+                   help="GPU_JSON CPU_JSON [CPU_JSON ...]: merge a GPU run and a CPU sweep (its rows may be "
+                   "split over several runs) into --results-dir/quality.json and .png")
     p.add_argument("--note", action="append", default=[], help="a note for the combined JSON (repeatable)")
     args = p.parse_args(argv)
     if args.combine:
-        combine(Path(args.combine[0]), Path(args.combine[1]), Path(args.results_dir), args.note)
+        if len(args.combine) < 2:
+            p.error("--combine needs a GPU JSON and at least one CPU JSON")
+        combine(Path(args.combine[0]), [Path(x) for x in args.combine[1:]], Path(args.results_dir), args.note)
         return 0
     t_start = time.perf_counter()
     for item in args.set:
