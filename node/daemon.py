@@ -57,6 +57,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="torch threads (0: torch's default; env MURMUR_THREADS)")
     r.add_argument("--max-rounds", type=int, default=0, help="stop after this many rounds (0: run to the end)")
     r.add_argument("--solo", action="store_true", help="train alone: a one-member exchange, no peers")
+    r.add_argument("--dht-peer", action="append", default=(_env("MURMUR_DHT_PEERS", "") or "").split(),
+                   metavar="MULTIADDR", help="a DHT peer to bootstrap from, besides the coordinator's "
+                   "(repeatable; env MURMUR_DHT_PEERS, space-separated)")
+    r.add_argument("--min-peers", type=int, default=int(_env("MURMUR_MIN_PEERS", "1") or 1),
+                   help="wait for this many peers (this one included) before the first round (default 1)")
     d = NodeSettings()
     for name in NodeSettings.names():
         flag = "--" + name.removesuffix("_s").replace("_", "-")
@@ -89,6 +94,8 @@ def _run(args: argparse.Namespace) -> int:
         threads=args.threads,
         max_rounds=args.max_rounds,
         solo=args.solo,
+        dht_peers=list(args.dht_peer),
+        min_peers=max(1, args.min_peers),
         settings=settings,
         log=log,
     )

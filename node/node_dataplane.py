@@ -19,6 +19,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 from concurrent.futures import Future
+from pathlib import Path
 from typing import Any
 
 from murmur.node.node_settings import NodeSettings
@@ -73,11 +74,14 @@ class SoloDataPlane:
         group = InProcessGroup([node_id], lambda: make_codec_for(cfg.sync), make_aggregator_for(cfg.sync))
         self.exchange = _MemberTracker(group.exchange(node_id))
 
-    def publish(self, round_id: int, state: dict[str, Any]) -> None:
+    def publish(self, round_id: int, tensors: list[tuple[str, Any]]) -> None:
         pass
 
     async def fetch_state(self, *, min_round: int, timeout_s: float) -> dict[str, Any] | None:
         return None
+
+    async def wait_for_peers(self, count: int, timeout_s: float, stop: Callable[[], bool] = lambda: False) -> int:
+        return 1
 
     def last_round_members(self) -> list[str]:
         return self.exchange.members
@@ -99,6 +103,8 @@ async def open_dataplane(
     advertise_host: str,
     log: Callable[[str], None],
     solo: bool = False,
+    dht_peers: list[str] | None = None,
+    state_dir: Path | None = None,
 ) -> Any:
     if solo:
         log("solo mode: a one-member exchange, no peer server, no DHT")
@@ -119,5 +125,6 @@ async def open_dataplane(
     from murmur.node import node_peers  # noqa: PLC0415 - imports hivemind and the gRPC peer stack
 
     return await node_peers.open_peer_dataplane(
-        ident=ident, info=info, cfg=cfg, settings=settings, listen=listen, advertise_host=advertise_host, log=log
+        ident=ident, info=info, cfg=cfg, settings=settings, listen=listen, advertise_host=advertise_host, log=log,
+        dht_peers=list(dht_peers or []), state_dir=state_dir or Path("."),
     )

@@ -40,6 +40,7 @@ from murmur.node.node_settings import NodeSettings
 from murmur.node.node_state import JoinInfo, PendingCommit, StateDir
 from murmur.node.node_training import LeaseView, NodeTrainer, Segment, WindowResult
 from murmur.node.train import evaluate, resolve_device
+from murmur.optim.exchange import ExchangeError
 from murmur.protocol import coordinator_pb2 as pb
 from murmur.protocol import identity
 from murmur.protocol.coordinator_client import CoordinatorError, MemberClient, join_run
@@ -75,6 +76,8 @@ class NodeOptions:
     threads: int = 0  # torch threads (0: torch's default); 1 when several nodes share a machine
     max_rounds: int = 0  # stop after this many rounds (0: until the run's schedule ends)
     solo: bool = False  # a one-member exchange: train alone against the coordinator, no peers
+    dht_peers: list[str] = field(default_factory=list)  # extra DHT bootstrap multiaddrs
+    min_peers: int = 1  # wait (up to peers_wait_s) for this many peers before the first round
     settings: NodeSettings = field(default_factory=NodeSettings)
     log: Callable[[str], None] = print
 
@@ -309,7 +312,15 @@ class Node:
                 break
             if trainer.lease is not None and trainer.lease.lease_id in self.lost_leases:
                 trainer.lease, trainer.loader = None, None  # its work is refused: take a new lease
-            result = trainer.run_window(self._next_lease_blocking, self.stop_event.is_set)
+            try:
+                result = trainer.run_window(self._next_lease_blocking, self.stop_event.is_set)
+            except ExchangeError as err:
+                # Nothing partial was applied. Re-sync from peers; the window's tokens are
+                # trained again (the lease restarts from its committed offset).
+                self.loop.call_soon_threadsafe(self.log, f"round {trainer.round + 1} failed ({err}); re-syncing")
+                trainer.lease, trainer.loader = None, None
+                self._resync_blocking()
+                continue
             if result.stopped:
                 break
             rounds_here += 1
@@ -322,7 +333,7 @@ class Node:
                               result.loss, record["bytes_sent"], result.seconds)
                 for seg in result.segments if seg.end > seg.start
             ]
-            shared = trainer.shared_state() if self.dataplane is not None else None
+            shared = trainer.shared_tensors()
             ckpt = None
             if self.s.checkpoint_every_rounds and result.round % self.s.checkpoint_every_rounds == 0:
                 ckpt = trainer.state_dict()
@@ -333,6 +344,17 @@ class Node:
             if self.o.max_rounds and rounds_here >= self.o.max_rounds:
                 self.loop.call_soon_threadsafe(self.request_stop, f"--max-rounds {self.o.max_rounds} reached")
                 break
+
+    def _resync_blocking(self) -> None:
+        assert self.loop is not None and self.trainer is not None
+        fetch = getattr(self.dataplane, "fetch_state", None)
+        if fetch is None:
+            return
+        coro = fetch(min_round=self.trainer.round, timeout_s=self.s.state_fetch_timeout_s)
+        state = asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+        if state is not None:
+            self.trainer.load_shared_tensors(state)
+            self.loop.call_soon_threadsafe(self.log, f"re-synced to round {self.trainer.round} from peers")
 
     def _round_record(self, result: WindowResult, val: float | None) -> dict[str, Any]:
         assert self.trainer is not None
@@ -369,7 +391,7 @@ class Node:
                                  "hash": self.trainer.global_hash() if self.trainer else ""})
         self.log(f"round    0 | val {val:.4f}")
 
-    def _after_round(self, record: dict[str, Any], commits: list[PendingCommit], shared: dict | None) -> None:
+    def _after_round(self, record: dict[str, Any], commits: list[PendingCommit], shared: list | None) -> None:
         m = self.metrics
         m.round, m.steps, m.loss = record["round"], record["step"], record["loss"]
         m.tokens_per_s, m.tokens_total = record["tokens_per_s"], m.tokens_total + record["tokens"]
@@ -427,12 +449,19 @@ class Node:
             self.dataplane = await node_dataplane.open_dataplane(
                 ident=ident, info=info, cfg=cfg, settings=self.s, listen=self.o.listen,
                 advertise_host=self.o.advertise_host, log=self.log, solo=self.o.solo,
+                dht_peers=self.o.dht_peers, state_dir=self.state.root,
             )
             device = resolve_device(self.o.device)
             if self.o.threads:
                 torch.set_num_threads(self.o.threads)
             self.trainer = NodeTrainer(cfg, dataset, device, self.dataplane.exchange,
                                        round_timeout_s=self.s.round_timeout_s)
+            if self.o.min_peers > 1 and not self.stop_event.is_set():
+                seen = await self.dataplane.wait_for_peers(self.o.min_peers, self.s.peers_wait_s,
+                                                           self.stop_event.is_set)
+                self.log(f"{seen} peer(s) announced (waited for {self.o.min_peers})")
+            if self.stop_event.is_set():
+                return 0
             await self._restore()
             self.log(
                 f"node {info.node_id}: {cfg.sync.algorithm} codec={cfg.sync.codec} H={cfg.sync.inner_steps} "
@@ -469,9 +498,9 @@ class Node:
             return
         state = await fetch(min_round=self.trainer.round + 1, timeout_s=self.s.state_fetch_timeout_s)
         if state is not None:
-            self.trainer.load_shared_state(state)
+            self.trainer.load_shared_tensors(state)
             self.log(f"took the global state of round {self.trainer.round} from peers")
-        self.dataplane.publish(self.trainer.round, self.trainer.shared_state())
+        self.dataplane.publish(self.trainer.round, self.trainer.shared_tensors())
 
     async def _shutdown(self, tasks: list[asyncio.Task]) -> None:
         """Commit, release, leave; each step bounded so a dead coordinator cannot hold the exit."""
@@ -511,7 +540,7 @@ class Node:
                 t.cancel()
         if self.dataplane is not None:
             try:
-                await asyncio.wait_for(self.dataplane.close(), left())
+                await self.dataplane.close()  # bounds its own steps; always stops the DHT's processes
             except Exception as err:  # noqa: BLE001 - closing must go on whatever the data plane says
                 print(f"warning: data plane did not close cleanly: {err!r}", file=sys.stderr)
 

@@ -203,8 +203,28 @@ class Testnet:
             self.start_node(node, extra)
         return node
 
+    def dht_bootstrap(self) -> list[str]:
+        """DHT multiaddrs a new node can join through: the coordinator's if it runs a DHT, else
+        those of any running node (its peer.json), waiting for the first node's if need be."""
+        if self.info.get("dht"):
+            return []  # the coordinator hands them out in the join reply
+        for other in self.nodes:
+            peer = other.state_dir / "peer.json"
+            if other.alive() and peer.is_file():
+                with contextlib.suppress(json.JSONDecodeError, OSError):
+                    return list(json.loads(peer.read_text()).get("dht", []))[:2]
+        return []
+
+    def wait_dht_bootstrap(self, timeout_s: float = COORDINATOR_START_TIMEOUT_S) -> list[str]:
+        found: list[list[str]] = []
+        wait_for(lambda: bool(found.append(self.dht_bootstrap()) or found[-1]) or not any(
+            n.alive() for n in self.nodes), timeout_s, what="a node's DHT address")
+        return found[-1]
+
     def start_node(self, node: NodeProc, extra: list[str] | None = None) -> None:
         node.state_dir.mkdir(parents=True, exist_ok=True)
+        if "--solo" not in self.node_args and not self.info.get("dht"):
+            extra = [*(extra or []), *[a for m in self.dht_bootstrap() for a in ("--dht-peer", m)]]
         if node._log is not None:
             node._log.close()
         node._log = open(node.log_path, "ab")  # noqa: SIM115 - closed when the node stops

@@ -25,6 +25,10 @@ class NodeSettings:
     max_pending_commits: int = 10_000  # commits queued through an outage (kept on disk too)
     # Data plane (peers).
     round_timeout_s: float = 120.0  # the longest wait for one exchange round's result
+    peer_timeout_s: float = 30.0  # a round member silent this long is dropped from the round
+    rendezvous_deadline_s: float = 15.0  # how long a round's rendezvous waits for announced peers
+    dht_record_ttl_s: float = 20.0  # this node's DHT record lives this long unless re-announced
+    peers_wait_s: float = 60.0  # at start, how long to wait for --min-peers peers to show up
     state_fetch_timeout_s: float = 60.0  # fetching the global state from peers on (re)join
     dht_start_timeout_s: float = 30.0  # starting the DHT and reaching a bootstrap peer
     # Lifecycle.

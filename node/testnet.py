@@ -219,8 +219,15 @@ def _run(args: argparse.Namespace) -> int:
         print(f"coordinator on {info['address']} (ledger {net.db}, admin key {info['admin_key_file']})")
         # Enough uses for every node to rejoin after a clean stop a few times over.
         net.create_run(token_uses=args.nodes * 20)
-        for _ in range(args.nodes):
-            net.add_node()
+        min_peers = ["--min-peers", str(args.nodes)] if not args.solo else []
+        first = net.add_node(extra=min_peers)
+        if not args.solo and not info.get("dht"):
+            # No DHT at the coordinator: the first node starts the run's DHT, the others join it.
+            net.wait_dht_bootstrap()
+            if not first.alive():
+                raise TestnetError(f"{first.name} exited at start; see {first.log_path}")
+        for _ in range(args.nodes - 1):
+            net.add_node(extra=min_peers)
         print(f"{args.nodes} nodes started; logs in {out / 'nodes'}; Ctrl+C stops everything")
         next_kill = t0 + rng.expovariate(1 / args.mtbf) if chaos else math.inf
         note = ""
