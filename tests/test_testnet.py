@@ -1,0 +1,124 @@
+"""Several real nodes on loopback: the gRPC exchange, the DHT, state transfer, real signals.
+
+Each test starts a coordinator and nodes as processes (`murmur coordinator serve`, `murmur node
+run`), the way `murmur testnet up` and deploy/compose.yaml do."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+
+import pytest
+from _node_helpers import ledger, log, make_testnet, small_dataset, trained, wait_log, wait_rounds
+
+pytestmark = pytest.mark.slow
+
+# Short coordinator deadlines, so a killed node's lease comes back within the test.
+FAST_COORDINATOR = ["--heartbeat-ttl", "3", "--lease-ttl", "4", "--restart-grace", "5"]
+# Rounds fail over quickly when a member dies; rendezvous waits briefly for announced peers.
+FAST_NODE = ["--peer-timeout", "8", "--rendezvous-deadline", "8", "--round-timeout", "60",
+             "--dht-record-ttl", "6"]
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return small_dataset(tmp_path_factory.mktemp("testnet-data"))
+
+
+def _start(tmp_path, data, n, *, min_peers=None):
+    net = make_testnet(tmp_path, data, node_args=FAST_NODE)
+    net.coordinator_args = list(FAST_COORDINATOR)
+    net.start_coordinator()
+    net.create_run(token_uses=4 * n + 4)
+    extra = ["--min-peers", str(min_peers or n)]
+    first = net.add_node(extra=extra)
+    net.wait_dht_bootstrap()
+    assert first.alive(), log(first)[-2000:]
+    for _ in range(n - 1):
+        net.add_node(extra=extra)
+    return net
+
+
+def _hashes_by_round(nodes):
+    out: dict[int, dict[str, str]] = {}
+    for node in nodes:
+        for r in trained(node):
+            out.setdefault(r["round"], {})[node.name] = r["hash"]
+    return out
+
+
+def test_three_nodes_learn_and_hold_the_same_state(tmp_path, data):
+    with _start(tmp_path, data, 3) as net:
+        for node in net.nodes:
+            wait_rounds(node, 6, timeout_s=240)
+        for node in net.nodes:
+            node.proc.send_signal(signal.SIGTERM)
+        for node in net.nodes:
+            assert node.proc.wait(60) == 0, log(node)[-2000:]
+        by_round = _hashes_by_round(net.nodes)
+        common = [r for r, h in by_round.items() if len(h) == 3]
+        assert len(common) >= 4
+        for r in common:
+            assert len(set(by_round[r].values())) == 1, f"round {r}: nodes disagree {by_round[r]}"
+        assert max(trained(net.nodes[0])[-1]["peers"] for _ in [0]) == 3
+        for node in net.nodes:
+            vals = [r["val_loss"] for r in trained(node) if r.get("val_loss") is not None]
+            assert vals and vals[-1] < 5.0  # from ~5.5 (uniform over bytes) at round 0
+
+
+def test_sigkill_mid_round_others_go_on_and_the_shard_is_leased_again(tmp_path, data):
+    with _start(tmp_path, data, 3) as net:
+        for node in net.nodes:
+            wait_rounds(node, 3, timeout_s=240)
+        victim = net.nodes[2]
+        victim_shards = set(trained(victim)[-1]["shards"])
+        net.kill_node(victim)  # node and its DHT process and p2pd: a pulled plug
+        survivors = net.nodes[:2]
+        marks = [len(trained(n)) for n in survivors]
+        for node, mark in zip(survivors, marks, strict=True):
+            wait_rounds(node, mark + 3, timeout_s=180)
+        assert {trained(n)[-1]["peers"] for n in survivors} == {2}
+        # The killed node's lease expired and its shard went back to the pool from the
+        # committed offset; someone holds or finished it again.
+        events = net.admin("events", "list", "--run", net.run_id, "--limit", "1000")["events"]
+        kinds = [(e["kind"], e.get("node_id", "")) for e in events]
+        assert any(k in ("lease_expired", "lost") for k, _ in kinds), kinds[-20:]
+        for node in survivors:
+            node.proc.send_signal(signal.SIGTERM)
+        for node in survivors:
+            assert node.proc.wait(60) == 0, log(node)[-2000:]
+        total, offsets, _ = ledger(net)
+        assert sum(offsets.values()) == total  # every committed token counted exactly once
+        assert victim_shards  # it held something, which went back
+
+
+def test_late_joiner_takes_the_state_from_peers(tmp_path, data):
+    with _start(tmp_path, data, 2, min_peers=2) as net:
+        for node in net.nodes:
+            wait_rounds(node, 3, timeout_s=240)
+        joiner = net.add_node(extra=["--min-peers", "1"])
+        m = wait_log(joiner, r"fetched the state of round (\d+)", timeout_s=180)
+        start = int(m.group(1))
+        assert start >= 3
+        wait_rounds(joiner, 2, timeout_s=180)
+        first = trained(joiner)[0]
+        assert first["round"] == start + 1  # it contributes from the next round
+        for node in net.nodes:
+            node.proc.send_signal(signal.SIGTERM)
+        for node in net.nodes:
+            assert node.proc.wait(60) == 0, log(node)[-2000:]
+        by_round = _hashes_by_round(net.nodes)
+        joined = [r for r, h in by_round.items() if len(h) == 3]
+        assert joined, "the joiner never shared a round with the others"
+        for r in joined:
+            assert len(set(by_round[r].values())) == 1, f"round {r}: {by_round[r]}"
+
+
+def test_testnet_cli_refuses_bad_input(tmp_path):
+    for args, needle in ((["--nodes", "0"], "--nodes"), (["--duration", "-1"], "--duration"),
+                         (["--config", str(tmp_path / "missing.toml")], "does not exist")):
+        done = subprocess.run([sys.executable, "-m", "murmur.cli", "testnet", "up", "--out", str(tmp_path / "o"),
+                               *args], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 1
+        assert needle in done.stderr and done.stderr.count("\n") == 1, done.stderr
