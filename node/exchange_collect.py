@@ -67,8 +67,7 @@ class Attempt:
     done: asyncio.Event = field(default_factory=asyncio.Event)
     result: object = None  # reduce: decoded span; gather: None
     result_payload: bytes = b""  # reduce: serialized Payload sent back to callers
-    bytes_sent: int = 0
-    bytes_received: int = 0
+    bytes_received: int = 0                      # inputs read from other members
 
     def add(self, member: str, value: object, weight: float) -> None:
         if member in self.failed or self.done.is_set():
@@ -331,7 +330,6 @@ async def serve_exchange(book: RoundBook, settings: ServeSettings, peer_id: str,
     if att.op == peer_pb2.OP_REDUCE:
         for piece in split(att.result_payload, s.chunk_bytes):
             await context.write(peer_pb2.ExchangeReply(data=piece))
-        att.bytes_sent += len(att.result_payload)
 
 
 def _header_problem(att: Attempt, h: peer_pb2.ExchangeHeader, peer_id: str, s: ServeSettings) -> str:

@@ -50,12 +50,11 @@ class DHTGroup:
         self.settings = settings or RendezvousSettings()
 
     async def members(self, round_id: int, key: str) -> dict[str, str]:
-        expected = self.expected() if callable(self.expected) else self.expected
         return await self.dht.arendezvous(
             round_id,
             key,
             self.address,
             deadline=time.monotonic() + self.settings.deadline,
-            expected=expected,
+            expected=self.expected,
             min_members=self.settings.min_members,
         )

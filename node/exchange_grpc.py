@@ -156,6 +156,7 @@ class GrpcExchange(Exchange):
         self.settings = settings or ExchangeSettings()
         self.faults = faults or FaultInjector()
         self.book = RoundBook()
+        self.caught_up: list[tuple[int, str]] = []  # calls whose result came from peers (observability)
         self.limits = WireLimits(max_numel=self.settings.max_payload_bytes)
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._serve = ServeSettings(
@@ -310,7 +311,10 @@ class GrpcExchange(Exchange):
                 if hints:
                     why = "other peers completed this round first"
                     break
+                call.received += att.bytes_received  # the inputs this peer took in as an owner
                 if att.done.is_set() and not att.failed and all(r.code == OK for r in replies.values()):
+                    # As an owner it sends its re-encoded span to every other member.
+                    call.sent += len(att.result_payload) * (len(att.members) - 1)
                     return self._complete(call, att, replies), list(att.members), False
                 failed, seen, at = self._failures(call, att, replies)
                 if me in failed:
@@ -322,6 +326,7 @@ class GrpcExchange(Exchange):
                 members = sorted((set(members) | (seen & set(call.peers))) - set(excluded))
                 number = max(number + 1, at)
             named, members_done = await self._catch_up(call, hints, why)
+            self.caught_up.append((call.round_id, call.key))
             return named, members_done, True
         finally:
             self.book.forget(call.round_id, call.key)
@@ -393,17 +398,27 @@ class GrpcExchange(Exchange):
         expire = loop.call_later(s.peer_timeout, att.expire, s.peer_timeout)
         own = asyncio.create_task(att.done.wait())
         pending: set[asyncio.Task] = {*tasks.values(), own}
+        own_done_at: float | None = None
         try:
             while pending:
                 wait = call.deadline - loop.time()
-                settled = own.done() or any(t.done() and t.result().code != OK for t in tasks.values())
-                if settled:  # from here on every owner should answer promptly: bound the stragglers
-                    wait = min(wait, progress[0] + s.peer_timeout - loop.time())
+                if own.done():
+                    # Our own inputs are settled (all in, or expired), so every other owner's are
+                    # too within one peer_timeout of skew; an owner silent past that (and past any
+                    # transfer still making progress) is stalled or gone.
+                    own_done_at = own_done_at or loop.time()
+                    bound = max(own_done_at, progress[0]) + 2 * s.peer_timeout
+                    wait = min(wait, bound - loop.time())
                 if wait <= 0:
                     break
                 done, pending = await asyncio.wait(pending, timeout=wait, return_when=asyncio.FIRST_COMPLETED)
-                if not done and not settled:
+                if not done and own_done_at is not None:
                     break
+                finished = [t.result() for t in tasks.values() if t.done()]
+                if any(r.code == DONE for r in finished):
+                    break  # someone completed the round: catch up from it, nothing else matters
+                if len(finished) == len(tasks) and any(r.code != OK for r in finished):
+                    break  # doomed, and every other member has told us why
         finally:
             expire.cancel()
             for t in pending:

@@ -27,6 +27,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 from murmur.protocol import dht_reaper
@@ -58,14 +59,14 @@ class DHTError(MurmurError):
 
 @dataclass(kw_only=True, slots=True)
 class DHTSettings:
-    host: str = "127.0.0.1"          # interface the DHT listens on ("0.0.0.0" to be reachable)
-    port: int = 0                    # 0: any free port; the real one is in ``addresses``
-    record_ttl: float = 30.0         # a peer record lives this long unless re-announced
-    rendezvous_ttl: float = 120.0    # a round rendezvous entry lives this long
-    poll_interval: float = 0.1       # rendezvous: how often the round's key is read back
-    start_timeout: float = 60.0      # the DHT process and p2pd must be up within this
-    request_timeout: float = 10.0    # one store or get
-    reaper_interval: float = 0.5     # the orphan watcher's polling period
+    host: str = "127.0.0.1"  # interface the DHT listens on ("0.0.0.0" to be reachable)
+    port: int = 0  # 0: any free port; the real one is in ``addresses``
+    record_ttl: float = 30.0  # a peer record lives this long unless re-announced
+    rendezvous_ttl: float = 120.0  # a round rendezvous entry lives this long
+    poll_interval: float = 0.1  # rendezvous: how often the round's key is read back
+    start_timeout: float = 60.0  # the DHT process and p2pd must be up within this
+    request_timeout: float = 10.0  # one store or get
+    reaper_interval: float = 0.5  # the orphan watcher's polling period
 
     def __post_init__(self) -> None:
         for name in ("record_ttl", "rendezvous_ttl", "poll_interval", "start_timeout", "request_timeout"):
@@ -76,14 +77,14 @@ class DHTSettings:
 @dataclass(kw_only=True, slots=True)
 class PeerRecord:
     node_id: str
-    address: str                 # host:port of the node's gRPC peer server
+    address: str  # host:port of the node's gRPC peer server
     role: str = "trainer"
-    stage: int = -1              # SWARM stage served, -1 for none
-    throughput: float = 0.0      # samples/s (or tokens/s), as the node measures it
-    round: int = -1              # last completed round
-    state_hash: str = ""         # hex hash of the global state after that round
-    expires_at: float = 0.0      # DHT time; filled in by announce
-    gone: bool = False           # a goodbye: the node left on purpose
+    stage: int = -1  # SWARM stage served, -1 for none
+    throughput: float = 0.0  # samples/s (or tokens/s), as the node measures it
+    round: int = -1  # last completed round
+    state_hash: str = ""  # hex hash of the global state after that round
+    expires_at: float = 0.0  # DHT time; filled in by announce
+    gone: bool = False  # a goodbye: the node left on purpose
 
 
 def peers_key(run_id: str) -> str:
@@ -335,31 +336,29 @@ class MurmurDHT:
         address: str,
         *,
         deadline: float,
-        expected: int | None = None,
+        expected: int | Callable[[], int | None] | None = None,
         min_members: int = 1,
         weight: float = 1.0,
     ) -> dict[str, str]:
         """Join round ``round_id``'s group and return {node id: address} of its members.
 
-        Returns as soon as ``expected`` members are there, otherwise at ``deadline`` (time.monotonic),
+        Returns as soon as ``expected`` members are there (a callable is asked again at every poll,
+        e.g. the number of live peer records), otherwise at ``deadline`` (time.monotonic),
         with whoever arrived; fewer than ``min_members`` is a DHTError.
         """
         rkey = round_key(self.run_id, round_id, key)
         self._store(rkey, {"address": address, "weight": weight}, self.settings.rendezvous_ttl)
         members: dict[str, str] = {}
         while True:
-            members = {
-                n: str(p.get("address", "")) for n, p in self._read(rkey).items() if p.get("address")
-            }
-            if expected is not None and len(members) >= expected:
+            members = {n: str(p.get("address", "")) for n, p in self._read(rkey).items() if p.get("address")}
+            want = expected() if callable(expected) else expected
+            if want is not None and len(members) >= want:
                 break
             if time.monotonic() + self.settings.poll_interval >= deadline:
                 break
             time.sleep(self.settings.poll_interval)
         if len(members) < min_members:
-            raise DHTError(
-                f"round {round_id} rendezvous: {len(members)} peer(s) by the deadline, {min_members} needed"
-            )
+            raise DHTError(f"round {round_id} rendezvous: {len(members)} peer(s) by the deadline, {min_members} needed")
         return dict(sorted(members.items()))
 
     # asyncio variants: the DHT calls block on a pipe, so they run in a worker thread ------------

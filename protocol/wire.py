@@ -62,7 +62,7 @@ def tensor_bytes(t: torch.Tensor) -> bytes:
     t = t.detach().cpu().contiguous()
     if t.dtype == torch.bool:
         t = t.to(torch.uint8)
-    return t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
+    return t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
 
 
 def _check_shape(shape: Sequence[int], limits: WireLimits, what: str) -> tuple[int, ...]:

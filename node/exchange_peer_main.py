@@ -1,0 +1,114 @@
+"""One exchange peer as a process: the tests' SIGKILL and multi-process runs, and a manual check.
+
+    python -m murmur.node.exchange_peer_main --identity DIR --run RUN --bootstrap MADDR \
+        --peers 4 --rounds 3 --numel 65536 --codec int8 [--fault exit@2] [--fault lose_result@2]
+
+It joins the run's DHT, starts its TLS peer server, announces itself, and for each round meets
+the others at the DHT rendezvous and all-reduces a deterministic update (seeded by node id and
+round), printing one JSON line per round: the members, who was dropped and why, whether the
+result was fetched from peers (caught up), and the result's hash. Faults (node/peer_faults.py)
+make it misbehave on purpose. It exits cleanly on SIGTERM/SIGINT, leaving no p2pd behind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import signal
+import sys
+import time
+
+import torch
+from murmur.node.exchange_group import DHTGroup, RendezvousSettings
+from murmur.node.exchange_grpc import ExchangeSettings, GrpcExchange
+from murmur.node.peer_faults import FaultInjector
+from murmur.node.peer_loop import LoopThread
+from murmur.node.peer_server import PeerServer
+from murmur.optim.codecs import make_codec
+from murmur.protocol.dht import DHTSettings, MurmurDHT, PeerRecord
+from murmur.protocol.identity import Identity
+from murmur.protocol.wire import tensors_hash
+
+
+def update_for(node_id: str, round_id: int, numel: int) -> torch.Tensor:
+    seed = int.from_bytes(hashlib.sha256(f"{node_id}/{round_id}".encode()).digest()[:8], "little")
+    return torch.randn(numel, generator=torch.Generator().manual_seed(seed))
+
+
+def emit(**record: object) -> None:
+    print(json.dumps(record), flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m murmur.node.exchange_peer_main")
+    ap.add_argument("--identity", required=True, help="folder with node.key, node.crt, ca.crt")
+    ap.add_argument("--run", default="murmur-run")
+    ap.add_argument("--bootstrap", action="append", default=[], help="DHT multiaddr to join (repeatable)")
+    ap.add_argument("--peers", type=int, required=True, help="how many peers each round waits for")
+    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--numel", type=int, default=1 << 16)
+    ap.add_argument("--codec", default="int8")
+    ap.add_argument("--fault", action="append", default=[], help="fault[@round], see node/peer_faults.py")
+    ap.add_argument("--peer-timeout", type=float, default=3.0)
+    ap.add_argument("--round-deadline", type=float, default=30.0)
+    ap.add_argument("--rendezvous-deadline", type=float, default=60.0)
+    ap.add_argument("--record-ttl", type=float, default=5.0)
+    args = ap.parse_args(argv)
+
+    identity = Identity.load(args.identity)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    loop = LoopThread()
+    dht = MurmurDHT(
+        args.run, ca_cert_pem=identity.ca_cert_pem, identity=identity, initial_peers=args.bootstrap,
+        settings=DHTSettings(record_ttl=args.record_ttl),
+    )
+    server = PeerServer(identity, run_id=args.run)
+    exchange = None
+    try:
+        dht.start()
+        address = loop.run(server.start())
+        record = PeerRecord(node_id=identity.node_id, address=address)
+        dht.announce(record)
+        first_round = [True]
+
+        def expected() -> int:
+            # The first round waits for --peers; later ones for the peers whose records are alive
+            # (a dead peer's record expires after record_ttl, so the group shrinks without it).
+            return args.peers if first_round[0] else len(dht.peers())
+
+        rendezvous = RendezvousSettings(deadline=args.rendezvous_deadline)
+        group = DHTGroup(dht, address, expected=expected, settings=rendezvous)
+        exchange = GrpcExchange(
+            server, loop, group, make_codec(args.codec),
+            settings=ExchangeSettings(peer_timeout=args.peer_timeout, round_deadline=args.round_deadline),
+            faults=FaultInjector.parse(args.fault),
+        )
+        emit(event="ready", node_id=identity.node_id, address=address)
+        for r in range(1, args.rounds + 1):
+            t0 = time.monotonic()
+            dht.announce(record)  # re-announce every round: the record lives record_ttl seconds
+            x = update_for(identity.node_id, r, args.numel)
+            try:
+                res = exchange.all_reduce([x], round_id=r, key="update").result()
+            except Exception as err:  # noqa: BLE001 - reported, and the next round goes on
+                emit(event="round", round=r, ok=False, error=str(err))
+                continue
+            first_round[0] = False
+            emit(
+                event="round", round=r, ok=True, members=res.members, dropped=res.dropped,
+                fetched=(r, "update") in exchange.caught_up,
+                hash=tensors_hash([("0", res.tensors[0])]).hex(), seconds=round(time.monotonic() - t0, 3),
+            )
+        dht.withdraw()
+        return 0
+    finally:
+        if exchange is not None:
+            loop.run(exchange.aclose())
+        loop.run(server.stop())
+        loop.stop()
+        dht.shutdown()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,262 @@
+"""The gRPC exchange between real TLS servers on loopback (one process, one loop, N servers)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _net_helpers import RUN, attach_exchanges, peer_group, start_servers
+from murmur.optim.codecs import make_codec
+from murmur.optim.exchange import ExchangeError
+from murmur.protocol import peer_pb2
+from murmur.protocol.identity import BanList, CertificateAuthority
+from murmur.protocol.wire import tensors_hash
+
+from murmur.node.exchange_grpc import ExchangeSettings, ExchangeSettingsError, spans
+from murmur.node.peer_loop import LoopThread
+from murmur.node.peer_server import PublishedState
+from murmur.node.peer_state import StateError, fetch_state, state_name
+
+TIMEOUT = 60  # seconds a test waits for a future: generous, the machine may be busy
+
+
+def inputs(n: int, shapes=((37, 5), (300,)), seed: int = 0) -> list[list[torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [[torch.randn(*s, generator=g) for s in shapes] for _ in range(n)]
+
+
+def run_reduce(peers, xs, round_id=1, key="k", weights=None):
+    weights = weights or [1.0] * len(peers)
+    futs = [
+        p.exchange.all_reduce(x, round_id=round_id, key=key, weight=w)
+        for p, x, w in zip(peers, xs, weights, strict=True)
+    ]
+    out = []
+    for f in futs:
+        try:
+            out.append(f.result(timeout=TIMEOUT))
+        except ExchangeError as err:
+            out.append(err)
+    return out
+
+
+def assert_identical(results):
+    first = results[0]
+    for r in results[1:]:
+        for a, b in zip(first.tensors, r.tensors, strict=True):
+            assert torch.equal(a, b)
+
+
+# codec -> the bound on |result - mean| per element, relative to the inputs' max |value|:
+# the inputs are quantized once and the owner's aggregate once more.
+BOUNDS = {"fp32": 1e-6, "fp16": 2e-3, "int8": 2 * 2 / 127, "int4": 2 * 2 / 7}
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+@pytest.mark.parametrize("codec", ["fp32", "int8"])
+def test_all_reduce_is_the_mean_within_the_codec_bound(n, codec):
+    with peer_group(n, codec=codec) as (_, peers, _):
+        xs = inputs(n, seed=n)
+        results = run_reduce(peers, xs)
+        assert all(not isinstance(r, Exception) for r in results), results
+        assert_identical(results)
+        scale = max(t.abs().max().item() for x in xs for t in x)
+        for i, got in enumerate(results[0].tensors):
+            mean = sum(x[i] for x in xs) / n
+            assert got.shape == mean.shape
+            assert (got - mean).abs().max().item() <= BOUNDS[codec] * scale + 1e-6
+        assert results[0].members == sorted(p.node_id for p in peers)
+        assert results[0].dropped == {}
+        # Bytes: each peer sends about (N-1)/N of its payload plus (N-1)/N of the result.
+        if codec == "fp32":
+            numel = sum(t.numel() for t in xs[0])
+            sent = sum(r.bytes_sent for r in results) / n
+            assert sent == pytest.approx(2 * (n - 1) / n * 4 * numel, rel=0.35)
+
+
+def test_weight_zero_joiner_does_not_move_the_mean():
+    with peer_group(3) as (_, peers, _):
+        xs = inputs(3)
+        results = run_reduce(peers, xs, weights=[1.0, 1.0, 0.0])
+        assert_identical(results)
+        for i, got in enumerate(results[0].tensors):
+            assert torch.allclose(got, (xs[0][i] + xs[1][i]) / 2, atol=1e-6)
+        assert len(results[0].members) == 3
+
+
+def test_all_gather_returns_every_peers_sparse_update():
+    n = 4
+    with peer_group(n, codec="topk") as (loop, peers, _):
+        codec = make_codec("topk")
+        wires = [[codec.encode_stateless(torch.randn(4096), "w")] for _ in range(n)]
+        futs = [p.exchange.all_gather(w, round_id=3, key="demo") for p, w in zip(peers, wires, strict=True)]
+        results = [f.result(timeout=TIMEOUT) for f in futs]
+        for res in results:
+            assert sorted(res.updates) == sorted(p.node_id for p in peers)
+            for p, w in zip(peers, wires, strict=True):
+                got = res.updates[p.node_id][0]
+                assert got.codec == w[0].codec and got.shape == w[0].shape
+                for name, t in w[0].parts.items():
+                    assert torch.equal(got.parts[name], t)
+
+
+def test_sparse_codec_all_reduce_aggregates_every_payload_identically():
+    with peer_group(3, codec="topk") as (_, peers, _):
+        xs = inputs(3, shapes=((8192,),))
+        results = run_reduce(peers, xs)
+        assert_identical(results)
+        assert len(results[0].members) == 3
+
+
+@pytest.mark.parametrize(
+    "fault, reason",
+    [
+        ("nan", "NaN"),
+        ("wrong_shape", "shape"),
+        ("corrupt", "malformed payload"),
+        ("oversize", "over the limit"),
+        ("wrong_version", "this node speaks v1, the caller speaks v2"),
+    ],
+)
+def test_bad_input_is_refused_with_its_reason_and_the_honest_round_completes(fault, reason):
+    with peer_group(4, codec="int8", max_payload_bytes=1 << 20) as (_, peers, _):
+        bad = peers[1]
+        bad.faults.arm(fault, peer=bad.node_id, round=1)
+        xs = inputs(4)
+        results = run_reduce(peers, xs)
+        honest = [r for p, r in zip(peers, results, strict=True) if p is not bad]
+        assert all(not isinstance(r, Exception) for r in honest), honest
+        assert_identical(honest)
+        assert bad.node_id not in honest[0].members and len(honest[0].members) == 3
+        assert reason in honest[0].dropped[bad.node_id]
+        scale = max(t.abs().max().item() for x in xs for t in x)
+        for i, got in enumerate(honest[0].tensors):
+            mean = sum(x[i] for p, x in zip(peers, xs, strict=True) if p is not bad) / 3
+            assert (got - mean).abs().max().item() <= BOUNDS["int8"] * scale
+        # The refused peer does not drift: it catches up with the honest result.
+        assert not isinstance(results[1], Exception), results[1]
+        assert_identical([honest[0], results[1]])
+
+
+def test_a_peer_that_lost_its_result_catches_up_from_those_that_completed():
+    with peer_group(4, codec="int8") as (_, peers, _):
+        lagging = peers[2]
+        lagging.faults.arm("lose_result", peer=lagging.node_id, round=1)
+        results = run_reduce(peers, inputs(4))
+        assert all(not isinstance(r, Exception) for r in results), results
+        assert_identical(results)
+        assert (1, "k") in lagging.exchange.caught_up
+        assert len(results[0].members) == 4  # its input still counted: only the reply was lost
+        hashes = {p.exchange.book.done[(1, "k")].result_hash for p in peers}
+        assert len(hashes) == 1
+
+
+def test_a_stalled_peer_is_dropped_and_its_span_re_owned_within_the_deadline():
+    with peer_group(4, codec="fp32", peer_timeout=1.0) as (_, peers, _):
+        stalled = peers[3]
+        stalled.faults.arm("stall", peer=stalled.node_id, round=1)
+        futs = [p.exchange.all_reduce(x, round_id=1, key="k") for p, x in zip(peers, inputs(4), strict=True)]
+        honest = [f.result(timeout=TIMEOUT) for f in futs[:3]]
+        assert_identical(honest)
+        assert stalled.node_id not in honest[0].members
+        assert "no answer" in honest[0].dropped[stalled.node_id] or "input" in honest[0].dropped[stalled.node_id]
+        futs[3].cancel()
+
+
+def test_banned_node_is_refused_and_the_others_complete():
+    ca = CertificateAuthority.create("t")
+    ids = [ca.issue() for _ in range(3)]
+    bans = BanList()
+    loop = LoopThread()
+    peers = []
+    try:
+        peers = start_servers(loop, ids, ban_list=bans)
+        # The banned node keeps its own (empty) ban list, so it tries to take part anyway.
+        peers[2].server.ban_list = BanList()
+        bans.ban(ids[2].node_id, "poisoned updates")
+        attach_exchanges(loop, peers)
+        results = run_reduce(peers, inputs(3))
+        honest = results[:2]
+        assert_identical(honest)
+        assert ids[2].node_id not in honest[0].members
+        assert any("banned" in why and "poisoned updates" in why for _, why in peers[0].server.refusals)
+        assert isinstance(results[2], ExchangeError)  # nobody serves it the result either
+    finally:
+        for p in peers:
+            loop.run(p.exchange.aclose()) if p.exchange else None
+            loop.run(p.server.stop())
+        loop.stop()
+
+
+def test_a_strangers_certificate_fails_the_handshake_and_the_round_completes():
+    ca, other_ca = CertificateAuthority.create("run"), CertificateAuthority.create("someone else")
+    ids = [ca.issue(), ca.issue(), other_ca.issue()]
+    loop = LoopThread()
+    peers = []
+    try:
+        peers = start_servers(loop, ids)
+        attach_exchanges(loop, peers, peer_timeout=1.0)
+        results = run_reduce(peers, inputs(3))
+        assert_identical(results[:2])
+        assert ids[2].node_id not in results[0].members
+        assert "UNAVAILABLE" in results[0].dropped[ids[2].node_id] or "input" in results[0].dropped[ids[2].node_id]
+        assert isinstance(results[2], ExchangeError)
+    finally:
+        for p in peers:
+            loop.run(p.exchange.aclose()) if p.exchange else None
+            loop.run(p.server.stop())
+        loop.stop()
+
+
+def test_two_peers_need_each_other_no_split_brain():
+    with peer_group(2, peer_timeout=0.5, round_deadline=4.0) as (loop, peers, _):
+        loop.run(peers[1].server.stop())
+        with pytest.raises(ExchangeError, match="quorum|did not complete"):
+            peers[0].exchange.all_reduce(inputs(1)[0], round_id=1, key="k").result(timeout=TIMEOUT)
+
+
+def test_consecutive_rounds_and_keys_are_independent():
+    with peer_group(3, codec="int8") as (_, peers, _):
+        for r in range(1, 4):
+            for key in ("a", "b"):
+                results = run_reduce(peers, inputs(3, seed=r), round_id=r, key=key)
+                assert_identical(results)
+        assert len(peers[0].exchange.book.done) == 6
+
+
+def test_fetch_state_from_several_peers_verifies_the_hash():
+    with peer_group(3) as (loop, peers, _):
+        state = [(f"layer{i}.weight", torch.randn(64, 33)) for i in range(5)] + [("step", torch.tensor(7))]
+        digest = tensors_hash(state)
+        for p in peers[:2]:
+            p.server.publish_state(PublishedState(state_name(4), state, digest, []))
+        sources = {p.node_id: p.server.address for p in peers[:2]}
+        got = fetch_state(sources, 4, digest, identity=peers[2].identity, loop=loop)
+        assert list(got) == [n for n, _ in state]
+        for name, t in state:
+            assert torch.equal(got[name], t)
+        with pytest.raises(StateError, match="no peer could serve"):
+            fetch_state(sources, 4, b"\0" * 32, identity=peers[2].identity, loop=loop)
+
+
+def test_hello_reports_completed_rounds():
+    with peer_group(2) as (loop, peers, _):
+        run_reduce(peers, inputs(2), round_id=9, key="x")
+        done = peers[0].exchange._done_list()
+        assert [(d.round, d.key) for d in done] == [(9, "x")]
+        assert isinstance(done[0], peer_pb2.RoundDone) and RUN
+
+
+def test_spans_cover_the_update_with_aligned_boundaries():
+    for numel in (0, 1, 63, 64, 1000, 4097):
+        for n in (1, 2, 3, 8):
+            sp = spans(numel, n, 64)
+            assert len(sp) == n and sp[0][0] == 0 and sp[-1][1] == numel
+            assert all(a[1] == b[0] for a, b in zip(sp, sp[1:]))
+            assert all(s % 64 == 0 or s == numel for s, _ in sp)
+
+
+def test_settings_are_validated():
+    with pytest.raises(ExchangeSettingsError, match="peer_timeout"):
+        ExchangeSettings(peer_timeout=0)
+    with pytest.raises(ExchangeSettingsError, match="chunk_bytes"):
+        ExchangeSettings(chunk_bytes=64 << 20)
