@@ -90,7 +90,9 @@ class LinkExchange(Exchange):
         fut.add_done_callback(done)
         return out
 
-    def all_reduce(self, tensors: Sequence[torch.Tensor], *, round_id: int, key: str = "", weight: float = 1.0):
+    def all_reduce(
+        self, tensors: Sequence[torch.Tensor], *, round_id: int, key: str = "", weight: float = 1.0
+    ):
         now = time.monotonic()
         return self._delayed(self.inner.all_reduce(tensors, round_id=round_id, key=key, weight=weight), now)
 
@@ -103,8 +105,13 @@ def run_config(cfg, dataset: Dataset, nodes: int, mbps: float, latency_ms: float
     peers = [f"n{i}" for i in range(nodes)]
     group = InProcessGroup(peers, lambda: make_codec_for(cfg.sync), make_aggregator_for(cfg.sync))
     trainers = [
-        NodeTrainer(cfg, dataset, torch.device("cpu"), LinkExchange(group.exchange(p), Link(mbps, latency_ms)),
-                    round_timeout_s=JOIN_TIMEOUT_S)
+        NodeTrainer(
+            cfg,
+            dataset,
+            torch.device("cpu"),
+            LinkExchange(group.exchange(p), Link(mbps, latency_ms)),
+            round_timeout_s=JOIN_TIMEOUT_S,
+        )
         for p in peers
     ]
     stats: list[tuple[float, float]] = [(0.0, 0.0)] * nodes
@@ -193,8 +200,10 @@ def main(argv: list[str] | None = None) -> int:
     preset, windows, h = ("tiny", 1, 5) if args.quick else (args.preset, args.windows, args.inner_steps)
     rows = []
     plans = [
-        ("diloco", "fp32"), ("diloco", "int4"),
-        ("streaming", "fp32"), ("streaming", "int4"),
+        ("diloco", "fp32"),
+        ("diloco", "int4"),
+        ("streaming", "fp32"),
+        ("streaming", "int4"),
         ("demo", "fp32"),
     ]
     for algo, codec in plans:
@@ -210,15 +219,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         return 0
     out = {
-        "device": f"cpu: {platform.processor() or platform.machine()}, {torch.get_num_threads()} torch threads "
-                  f"available, {args.nodes} nodes as threads with 1 torch thread each",
+        "device": f"cpu: {platform.processor() or platform.machine()}, "
+        f"{torch.get_num_threads()} torch threads "
+        f"available, {args.nodes} nodes as threads with 1 torch thread each",
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "command": " ".join([Path(sys.executable).name, "benchmarks/utilization.py", *(argv or sys.argv[1:])]),
+        "command": " ".join(
+            [Path(sys.executable).name, "benchmarks/utilization.py", *(argv or sys.argv[1:])]
+        ),
         "notes": "Emulated link per node (token bucket at link_mbps, full duplex, 2 one-way latencies per "
-                 "round) behind the in-process exchange; compute = forward+backward+optimizer seconds, "
-                 "utilization = compute / wall summed over nodes. Streaming DiLoCo launches each fragment's "
-                 "exchange and trains overlap_steps more steps before applying it. Target: >= 0.95 with "
-                 "Streaming DiLoCo's overlap (OpenDiLoCo reports 0.90-0.95).",
+        "round) behind the in-process exchange; compute = forward+backward+optimizer seconds, "
+        "utilization = compute / wall summed over nodes. Streaming DiLoCo launches each fragment's "
+        "exchange and trains overlap_steps more steps before applying it. Target: >= 0.95 with "
+        "Streaming DiLoCo's overlap (OpenDiLoCo reports 0.90-0.95).",
         "rows": rows,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

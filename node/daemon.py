@@ -34,34 +34,73 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("node", help="run a volunteer node")
     verbs = p.add_subparsers(dest="verb", metavar="VERB", required=True)
     r = verbs.add_parser(
-        "run", help="join a run and train until it ends or you stop it",
+        "run",
+        help="join a run and train until it ends or you stop it",
         description=__doc__.split("\n\n")[2] if __doc__ else None,
     )
-    r.add_argument("--coordinator", default=_env("MURMUR_COORDINATOR"),
-                   help="the coordinator's public address HOST:PORT (env MURMUR_COORDINATOR)")
-    r.add_argument("--token", default=_env("MURMUR_TOKEN"),
-                   help="join token from `murmur admin tokens create` (env MURMUR_TOKEN); "
-                        "not needed to restart a node that already joined")
-    r.add_argument("--data", default=_env("MURMUR_DATA"),
-                   help="the run's prepared dataset (default: the run config's data.path; env MURMUR_DATA)")
-    r.add_argument("--device", default=_env("MURMUR_DEVICE", "auto"), help="auto, cpu or cuda (env MURMUR_DEVICE)")
-    r.add_argument("--state-dir", default=_env("MURMUR_STATE_DIR", DEFAULT_STATE_DIR),
-                   help="identity, checkpoint and commit journal (default %(default)s; env MURMUR_STATE_DIR)")
-    r.add_argument("--listen", default=_env("MURMUR_LISTEN", "127.0.0.1:0"),
-                   help="the peer server's address (default %(default)s; env MURMUR_LISTEN)")
-    r.add_argument("--advertise-host", default=_env("MURMUR_ADVERTISE_HOST", ""),
-                   help="the host peers should dial (default: the --listen host; env MURMUR_ADVERTISE_HOST)")
-    r.add_argument("--metrics-listen", default=_env("MURMUR_METRICS_LISTEN", "127.0.0.1:0"),
-                   help="Prometheus /metrics address, or 'off' (default %(default)s; env MURMUR_METRICS_LISTEN)")
-    r.add_argument("--threads", type=int, default=int(_env("MURMUR_THREADS", "0") or 0),
-                   help="torch threads (0: torch's default; env MURMUR_THREADS)")
-    r.add_argument("--max-rounds", type=int, default=0, help="stop after this many rounds (0: run to the end)")
+    r.add_argument(
+        "--coordinator",
+        default=_env("MURMUR_COORDINATOR"),
+        help="the coordinator's public address HOST:PORT (env MURMUR_COORDINATOR)",
+    )
+    r.add_argument(
+        "--token",
+        default=_env("MURMUR_TOKEN"),
+        help="join token from `murmur admin tokens create` (env MURMUR_TOKEN); "
+        "not needed to restart a node that already joined",
+    )
+    r.add_argument(
+        "--data",
+        default=_env("MURMUR_DATA"),
+        help="the run's prepared dataset (default: the run config's data.path; env MURMUR_DATA)",
+    )
+    r.add_argument(
+        "--device", default=_env("MURMUR_DEVICE", "auto"), help="auto, cpu or cuda (env MURMUR_DEVICE)"
+    )
+    r.add_argument(
+        "--state-dir",
+        default=_env("MURMUR_STATE_DIR", DEFAULT_STATE_DIR),
+        help="identity, checkpoint and commit journal (default %(default)s; env MURMUR_STATE_DIR)",
+    )
+    r.add_argument(
+        "--listen",
+        default=_env("MURMUR_LISTEN", "127.0.0.1:0"),
+        help="the peer server's address (default %(default)s; env MURMUR_LISTEN)",
+    )
+    r.add_argument(
+        "--advertise-host",
+        default=_env("MURMUR_ADVERTISE_HOST", ""),
+        help="the host peers should dial (default: the --listen host; env MURMUR_ADVERTISE_HOST)",
+    )
+    r.add_argument(
+        "--metrics-listen",
+        default=_env("MURMUR_METRICS_LISTEN", "127.0.0.1:0"),
+        help="Prometheus /metrics address, or 'off' (default %(default)s; env MURMUR_METRICS_LISTEN)",
+    )
+    r.add_argument(
+        "--threads",
+        type=int,
+        default=int(_env("MURMUR_THREADS", "0") or 0),
+        help="torch threads (0: torch's default; env MURMUR_THREADS)",
+    )
+    r.add_argument(
+        "--max-rounds", type=int, default=0, help="stop after this many rounds (0: run to the end)"
+    )
     r.add_argument("--solo", action="store_true", help="train alone: a one-member exchange, no peers")
-    r.add_argument("--dht-peer", action="append", default=(_env("MURMUR_DHT_PEERS", "") or "").split(),
-                   metavar="MULTIADDR", help="a DHT peer to bootstrap from, besides the coordinator's "
-                   "(repeatable; env MURMUR_DHT_PEERS, space-separated)")
-    r.add_argument("--min-peers", type=int, default=int(_env("MURMUR_MIN_PEERS", "1") or 1),
-                   help="wait for this many peers (this one included) before the first round (default 1)")
+    r.add_argument(
+        "--dht-peer",
+        action="append",
+        default=(_env("MURMUR_DHT_PEERS", "") or "").split(),
+        metavar="MULTIADDR",
+        help="a DHT peer to bootstrap from, besides the coordinator's "
+        "(repeatable; env MURMUR_DHT_PEERS, space-separated)",
+    )
+    r.add_argument(
+        "--min-peers",
+        type=int,
+        default=int(_env("MURMUR_MIN_PEERS", "1") or 1),
+        help="wait for this many peers (this one included) before the first round (default 1)",
+    )
     d = NodeSettings()
     for name in NodeSettings.names():
         flag = "--" + name.removesuffix("_s").replace("_", "-")

@@ -80,7 +80,9 @@ class SoloDataPlane:
     async def fetch_state(self, *, min_round: int, timeout_s: float) -> dict[str, Any] | None:
         return None
 
-    async def wait_for_peers(self, count: int, timeout_s: float, stop: Callable[[], bool] = lambda: False) -> int:
+    async def wait_for_peers(
+        self, count: int, timeout_s: float, stop: Callable[[], bool] = lambda: False
+    ) -> int:
         return 1
 
     def last_round_members(self) -> list[str]:
@@ -125,6 +127,13 @@ async def open_dataplane(
     from murmur.node import node_peers  # noqa: PLC0415 - imports hivemind and the gRPC peer stack
 
     return await node_peers.open_peer_dataplane(
-        ident=ident, info=info, cfg=cfg, settings=settings, listen=listen, advertise_host=advertise_host, log=log,
-        dht_peers=list(dht_peers or []), state_dir=state_dir or Path("."),
+        ident=ident,
+        info=info,
+        cfg=cfg,
+        settings=settings,
+        listen=listen,
+        advertise_host=advertise_host,
+        log=log,
+        dht_peers=list(dht_peers or []),
+        state_dir=state_dir or Path("."),
     )

@@ -55,8 +55,13 @@ class NodeError(MurmurError):
 
 # gRPC codes that mean "the coordinator is not there right now" (keep going, retry later),
 # as opposed to a refusal (drop the call's work and say why).
-OUTAGE_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
-                grpc.StatusCode.UNKNOWN, None}
+OUTAGE_CODES = {
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.CANCELLED,
+    grpc.StatusCode.UNKNOWN,
+    None,
+}
 
 
 def is_outage(err: CoordinatorError) -> bool:
@@ -85,8 +90,11 @@ class NodeOptions:
 def hardware() -> pb.Hardware:
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
-        return pb.Hardware(device=f"cuda:{props.name}", cpu_cores=os.cpu_count() or 0,
-                           accelerator_memory_bytes=props.total_memory)
+        return pb.Hardware(
+            device=f"cuda:{props.name}",
+            cpu_cores=os.cpu_count() or 0,
+            accelerator_memory_bytes=props.total_memory,
+        )
     mem = 0
     with contextlib.suppress(ValueError, OSError, AttributeError):
         mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -142,13 +150,22 @@ class Node:
             )
         key = self.state.node_key()
         ident, joined = await join_run(
-            self.o.coordinator, self.o.token, key, hardware=hardware(), timeout_s=self.s.join_timeout_s,
+            self.o.coordinator,
+            self.o.token,
+            key,
+            hardware=hardware(),
+            timeout_s=self.s.join_timeout_s,
         )
         info = JoinInfo(
-            node_id=joined.node_id, run_id=joined.run_id, coordinator=self.o.coordinator,
-            node_address=joined.node_address, tls_server_name=joined.tls_server_name,
-            bootstrap_peers=list(joined.bootstrap_peers), heartbeat_interval_s=joined.heartbeat_interval_s,
-            heartbeat_ttl_s=joined.heartbeat_ttl_s, lease_ttl_s=joined.lease_ttl_s,
+            node_id=joined.node_id,
+            run_id=joined.run_id,
+            coordinator=self.o.coordinator,
+            node_address=joined.node_address,
+            tls_server_name=joined.tls_server_name,
+            bootstrap_peers=list(joined.bootstrap_peers),
+            heartbeat_interval_s=joined.heartbeat_interval_s,
+            heartbeat_ttl_s=joined.heartbeat_ttl_s,
+            lease_ttl_s=joined.lease_ttl_s,
         )
         self.state.save_join(info, ident.cert_pem, ident.ca_cert_pem, joined.config_toml)
         self.log(f"joined run {info.run_id} as {info.node_id}")
@@ -161,8 +178,12 @@ class Node:
         outage, while a node wants to notice the coordinator's return within outage_retry_s."""
         assert self.info is not None and self._ident is not None
         old = self.client
-        self.client = MemberClient(self.info.node_address, self._ident, server_name=self.info.tls_server_name,
-                                   timeout_s=self.s.rpc_timeout_s)
+        self.client = MemberClient(
+            self.info.node_address,
+            self._ident,
+            server_name=self.info.tls_server_name,
+            timeout_s=self.s.rpc_timeout_s,
+        )
         if old is not None:
             self.client.ban_list_version = old.ban_list_version
             with contextlib.suppress(Exception):
@@ -226,8 +247,14 @@ class Node:
             c = self.pending[0]
             try:
                 reply = await self.client.commit(
-                    c.lease_id, c.shard_id, c.start_offset, c.end_offset, outer_step=c.outer_step,
-                    loss=c.loss, bytes_sent=c.bytes_sent, seconds=c.seconds,
+                    c.lease_id,
+                    c.shard_id,
+                    c.start_offset,
+                    c.end_offset,
+                    outer_step=c.outer_step,
+                    loss=c.loss,
+                    bytes_sent=c.bytes_sent,
+                    seconds=c.seconds,
                 )
                 self._mark(True)
                 self.metrics.commits_total += 1
@@ -269,10 +296,14 @@ class Node:
                 lease = reply.lease
                 if lease.lease_id in self.lost_leases:
                     self.lost_leases.discard(lease.lease_id)
-                view = LeaseView(lease.lease_id, int(lease.shard_id), int(lease.start_offset), int(lease.end_offset))
+                view = LeaseView(
+                    lease.lease_id, int(lease.shard_id), int(lease.start_offset), int(lease.end_offset)
+                )
                 self.current_lease = view
-                self.log(f"leased shard {view.shard_id} from offset {view.start_offset:,} "
-                         f"({view.end_offset - view.start_offset:,} tokens left)")
+                self.log(
+                    f"leased shard {view.shard_id} from offset {view.start_offset:,} "
+                    f"({view.end_offset - view.start_offset:,} tokens left)"
+                )
                 return view
             if "done" in reply.reason or "finished" in reply.reason:
                 self._run_finished = True
@@ -287,9 +318,16 @@ class Node:
         """From the training thread: commit the shard that ran out, then wait for a new lease."""
         assert self.loop is not None and self.trainer is not None
         if done is not None and done.end > done.start:
-            commit = PendingCommit(done.lease.lease_id, done.lease.shard_id, done.start, done.end,
-                                   self.trainer.round, loss if math.isfinite(loss) else 0.0,
-                                   self.trainer.sync.bytes.total_sent, 0.0)
+            commit = PendingCommit(
+                done.lease.lease_id,
+                done.lease.shard_id,
+                done.start,
+                done.end,
+                self.trainer.round,
+                loss if math.isfinite(loss) else 0.0,
+                self.trainer.sync.bytes.total_sent,
+                0.0,
+            )
             self.loop.call_soon_threadsafe(self._queue_commits, [commit])
         return asyncio.run_coroutine_threadsafe(self._acquire(), self.loop).result()
 
@@ -317,7 +355,9 @@ class Node:
             except ExchangeError as err:
                 # Nothing partial was applied. Re-sync from peers; the window's tokens are
                 # trained again (the lease restarts from its committed offset).
-                self.loop.call_soon_threadsafe(self.log, f"round {trainer.round + 1} failed ({err}); re-syncing")
+                self.loop.call_soon_threadsafe(
+                    self.log, f"round {trainer.round + 1} failed ({err}); re-syncing"
+                )
                 trainer.lease, trainer.loader = None, None
                 self._resync_blocking()
                 continue
@@ -329,9 +369,18 @@ class Node:
                 v = evaluate(trainer.model, val, trainer.device, cfg.train.dtype)
             record = self._round_record(result, v)
             commits = [
-                PendingCommit(seg.lease.lease_id, seg.lease.shard_id, seg.start, seg.end, result.round,
-                              result.loss, record["bytes_sent"], result.seconds)
-                for seg in result.segments if seg.end > seg.start
+                PendingCommit(
+                    seg.lease.lease_id,
+                    seg.lease.shard_id,
+                    seg.start,
+                    seg.end,
+                    result.round,
+                    result.loss,
+                    record["bytes_sent"],
+                    result.seconds,
+                )
+                for seg in result.segments
+                if seg.end > seg.start
             ]
             shared = trainer.shared_tensors()
             ckpt = None
@@ -364,13 +413,22 @@ class Node:
         k = max(2, len(peers))
         ddp = t.step * (2 * (k - 1) * 4 * t.n_params // k)
         return {
-            "round": result.round, "step": t.step, "time": time.time(), "node": self.info.node_id if self.info else "",
-            "loss": result.loss, "val_loss": val, "tokens": result.tokens,
+            "round": result.round,
+            "step": t.step,
+            "time": time.time(),
+            "node": self.info.node_id if self.info else "",
+            "loss": result.loss,
+            "val_loss": val,
+            "tokens": result.tokens,
             "tokens_per_s": result.tokens / result.seconds if result.seconds > 0 else 0.0,
-            "seconds": result.seconds, "compute_seconds": result.compute_seconds,
-            "bytes_sent": sent, "bytes_received": t.sync.bytes.total_received,
-            "compression": ddp / sent if sent else 0.0, "peers": len(peers),
-            "hash": t.global_hash(), "shards": [s.lease.shard_id for s in result.segments],
+            "seconds": result.seconds,
+            "compute_seconds": result.compute_seconds,
+            "bytes_sent": sent,
+            "bytes_received": t.sync.bytes.total_received,
+            "compression": ddp / sent if sent else 0.0,
+            "peers": len(peers),
+            "hash": t.global_hash(),
+            "shards": [s.lease.shard_id for s in result.segments],
         }
 
     # -- loop side of a round ---------------------------------------------------------------------
@@ -386,9 +444,16 @@ class Node:
             self._commit_wakeup.set()
 
     def _record_start(self, val: float) -> None:
-        self.state.append_round({"round": 0, "step": 0, "time": time.time(), "val_loss": val,
-                                 "node": self.info.node_id if self.info else "",
-                                 "hash": self.trainer.global_hash() if self.trainer else ""})
+        self.state.append_round(
+            {
+                "round": 0,
+                "step": 0,
+                "time": time.time(),
+                "val_loss": val,
+                "node": self.info.node_id if self.info else "",
+                "hash": self.trainer.global_hash() if self.trainer else "",
+            }
+        )
         self.log(f"round    0 | val {val:.4f}")
 
     def _after_round(self, record: dict[str, Any], commits: list[PendingCommit], shared: list | None) -> None:
@@ -407,7 +472,8 @@ class Node:
         ratio = f"{record['compression']:,.0f}x" if record["compression"] else "-"
         val = f" | val {record['val_loss']:.4f}" if record["val_loss"] is not None else ""
         self.log(
-            f"round {record['round']:4d} | loss {record['loss']:.4f}{val} | {record['tokens_per_s']:,.0f} tok/s"
+            f"round {record['round']:4d} | loss {record['loss']:.4f}{val}"
+            f" | {record['tokens_per_s']:,.0f} tok/s"
             f" | sent {record['bytes_sent'] / 1e6:.2f} MB | {ratio} less than ddp | peers {record['peers']}"
             f" | {'coordinator ok' if self._coordinator_up else 'coordinator DOWN'}"
         )
@@ -434,7 +500,9 @@ class Node:
             data_path = self.o.data or Path(cfg.data.path)
             dataset = Dataset.open(data_path)
             if dataset.tokenizer != cfg.data.tokenizer:
-                raise NodeError(f"{data_path} holds {dataset.tokenizer} tokens but the run uses {cfg.data.tokenizer}")
+                raise NodeError(
+                    f"{data_path} holds {dataset.tokenizer} tokens but the run uses {cfg.data.tokenizer}"
+                )
             self._ident = ident
             await self._fresh_channel()
             self.pending.extend(self.state.load_pending())
@@ -447,18 +515,27 @@ class Node:
             from murmur.node import node_dataplane  # gRPC peer server, DHT, exchange
 
             self.dataplane = await node_dataplane.open_dataplane(
-                ident=ident, info=info, cfg=cfg, settings=self.s, listen=self.o.listen,
-                advertise_host=self.o.advertise_host, log=self.log, solo=self.o.solo,
-                dht_peers=self.o.dht_peers, state_dir=self.state.root,
+                ident=ident,
+                info=info,
+                cfg=cfg,
+                settings=self.s,
+                listen=self.o.listen,
+                advertise_host=self.o.advertise_host,
+                log=self.log,
+                solo=self.o.solo,
+                dht_peers=self.o.dht_peers,
+                state_dir=self.state.root,
             )
             device = resolve_device(self.o.device)
             if self.o.threads:
                 torch.set_num_threads(self.o.threads)
-            self.trainer = NodeTrainer(cfg, dataset, device, self.dataplane.exchange,
-                                       round_timeout_s=self.s.round_timeout_s)
+            self.trainer = NodeTrainer(
+                cfg, dataset, device, self.dataplane.exchange, round_timeout_s=self.s.round_timeout_s
+            )
             if self.o.min_peers > 1 and not self.stop_event.is_set():
-                seen = await self.dataplane.wait_for_peers(self.o.min_peers, self.s.peers_wait_s,
-                                                           self.stop_event.is_set)
+                seen = await self.dataplane.wait_for_peers(
+                    self.o.min_peers, self.s.peers_wait_s, self.stop_event.is_set
+                )
                 self.log(f"{seen} peer(s) announced (waited for {self.o.min_peers})")
             if self.stop_event.is_set():
                 return 0
@@ -532,7 +609,9 @@ class Node:
                     self.state.forget_join()  # a left node joins afresh next time
                     self.log("left the run")
                 except (asyncio.TimeoutError, CoordinatorError) as err:
-                    self.log(f"could not say goodbye to the coordinator ({err}); its lease expires on its own")
+                    self.log(
+                        f"could not say goodbye to the coordinator ({err}); its lease expires on its own"
+                    )
             with contextlib.suppress(Exception):
                 await self.client.close()
         else:
@@ -547,4 +626,3 @@ class Node:
 
 def run_node(options: NodeOptions) -> int:
     return asyncio.run(Node(options).run())
-

@@ -54,7 +54,11 @@ class NodeMetrics:
         for f in fields(self):
             kind, text = _HELP[f.name]
             name = f"murmur_node_{f.name}"
-            lines += [f"# HELP {name} {text}", f"# TYPE {name} {kind}", f"{name}{{{lab}}} {getattr(self, f.name)}"]
+            lines += [
+                f"# HELP {name} {text}",
+                f"# TYPE {name} {kind}",
+                f"{name}{{{lab}}} {getattr(self, f.name)}",
+            ]
         return "\n".join(lines) + "\n"
 
 
@@ -77,7 +81,8 @@ class MetricsServer:
                 body, status = b"not found: try /metrics\n", "404 Not Found"
             writer.write(
                 f"HTTP/1.0 {status}\r\nContent-Type: text/plain; version=0.0.4\r\n"
-                f"Content-Length: {len(body)}\r\n\r\n".encode() + body
+                f"Content-Length: {len(body)}\r\n\r\n".encode()
+                + body
             )
             await writer.drain()
         except (asyncio.TimeoutError, ConnectionError):

@@ -71,8 +71,14 @@ def advertised(host: str, advertise_host: str) -> str:
 
 
 class PeerDataPlane:
-    def __init__(self, ident: identity.Identity, info: JoinInfo, cfg: RunConfig, settings: NodeSettings,
-                 log: Callable[[str], None]) -> None:
+    def __init__(
+        self,
+        ident: identity.Identity,
+        info: JoinInfo,
+        cfg: RunConfig,
+        settings: NodeSettings,
+        log: Callable[[str], None],
+    ) -> None:
         self.ident, self.info, self.cfg, self.s, self.log = ident, info, cfg, settings, log
         self.server: PeerServer | None = None
         self.dht: MurmurDHT | None = None
@@ -86,16 +92,25 @@ class PeerDataPlane:
 
     async def start(self, listen: str, advertise_host: str, dht_peers: list[str], state_dir: Path) -> None:
         host, _, port = listen.rpartition(":")
-        self.server = PeerServer(self.ident, run_id=self.info.run_id,
-                                 settings=PeerServerSettings(host=host or "127.0.0.1", port=int(port or 0)))
+        self.server = PeerServer(
+            self.ident,
+            run_id=self.info.run_id,
+            settings=PeerServerSettings(host=host or "127.0.0.1", port=int(port or 0)),
+        )
         bound = await self.server.start()
         self.address = f"{advertised(host, advertise_host)}:{bound.rpartition(':')[2]}"
         self.server.address = self.address  # what the exchange tells its peers
         initial = list(self.info.bootstrap_peers) + list(dht_peers)
         self.dht = MurmurDHT(
-            self.info.run_id, ca_cert_pem=self.ident.ca_cert_pem, identity=self.ident, initial_peers=initial,
-            settings=DHTSettings(host=host if host not in WILDCARDS else "0.0.0.0",
-                                 record_ttl=self.s.dht_record_ttl_s, start_timeout=self.s.dht_start_timeout_s),
+            self.info.run_id,
+            ca_cert_pem=self.ident.ca_cert_pem,
+            identity=self.ident,
+            initial_peers=initial,
+            settings=DHTSettings(
+                host=host if host not in WILDCARDS else "0.0.0.0",
+                record_ttl=self.s.dht_record_ttl_s,
+                start_timeout=self.s.dht_start_timeout_s,
+            ),
         )
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.s.dht_start_timeout_s
@@ -112,17 +127,30 @@ class PeerDataPlane:
                 self.log(f"DHT start failed ({err}); retrying")
                 await asyncio.sleep(DHT_RETRY_S)
         # Where others can bootstrap from and dial us (read by `murmur testnet` and by operators).
-        (state_dir / "peer.json").write_text(json.dumps(
-            {"node_id": self.ident.node_id, "address": self.address, "dht": self.dht.addresses}) + "\n")
+        (state_dir / "peer.json").write_text(
+            json.dumps({"node_id": self.ident.node_id, "address": self.address, "dht": self.dht.addresses})
+            + "\n"
+        )
         if not initial:
-            self.log("no DHT bootstrap peers (the coordinator runs no DHT and none was given): "
-                     "this node starts the run's DHT; others can join it with --dht-peer")
-        group = DHTGroup(self.dht, self.address, expected=lambda: self.live_peers,
-                         settings=RendezvousSettings(deadline=self.s.rendezvous_deadline_s))
+            self.log(
+                "no DHT bootstrap peers (the coordinator runs no DHT and none was given): "
+                "this node starts the run's DHT; others can join it with --dht-peer"
+            )
+        group = DHTGroup(
+            self.dht,
+            self.address,
+            expected=lambda: self.live_peers,
+            settings=RendezvousSettings(deadline=self.s.rendezvous_deadline_s),
+        )
         self.grpc = GrpcExchange(
-            self.server, _LoopHandle(asyncio.get_running_loop()), group, make_codec_for(self.cfg.sync),
+            self.server,
+            _LoopHandle(asyncio.get_running_loop()),
+            group,
+            make_codec_for(self.cfg.sync),
             aggregator=make_aggregator_for(self.cfg.sync),
-            settings=ExchangeSettings(peer_timeout=self.s.peer_timeout_s, round_deadline=self.s.round_timeout_s),
+            settings=ExchangeSettings(
+                peer_timeout=self.s.peer_timeout_s, round_deadline=self.s.round_timeout_s
+            ),
         )
         self.exchange = _MemberTracker(self.grpc)
         self.log(f"peer server on {self.address}; DHT on {', '.join(self.dht.addresses[:1]) or '?'}")
@@ -148,7 +176,9 @@ class PeerDataPlane:
                 await asyncio.wait_for(self._stop.wait(), period)
             await self._announce()
 
-    async def wait_for_peers(self, count: int, timeout_s: float, stop: Callable[[], bool] = lambda: False) -> int:
+    async def wait_for_peers(
+        self, count: int, timeout_s: float, stop: Callable[[], bool] = lambda: False
+    ) -> int:
         """Wait until ``count`` peers (this one included) are in the DHT, the timeout, or a stop.
         Peers that are still starting have no record yet: they are found by rendezvous entries
         too, so this also counts nodes that registered for round 0."""
@@ -175,8 +205,9 @@ class PeerDataPlane:
         digest = tensors_hash(tensors)
         members = list(self.exchange.members) if self.exchange else []
         self.server.publish_state(PublishedState(state_name(round_id), tensors, digest, members))
-        self.record = PeerRecord(node_id=self.ident.node_id, address=self.address, round=round_id,
-                                 state_hash=digest.hex())
+        self.record = PeerRecord(
+            node_id=self.ident.node_id, address=self.address, round=round_id, state_hash=digest.hex()
+        )
         if self._announcer is None:
             self._announcer = asyncio.create_task(self._announce_loop())
         asyncio.create_task(self._announce())
@@ -190,7 +221,9 @@ class PeerDataPlane:
         except DHTError as err:
             self.log(f"cannot list peers ({err}); starting from the local state")
             return None
-        others = [r for r in records if r.node_id != self.ident.node_id and r.round >= min_round and r.state_hash]
+        others = [
+            r for r in records if r.node_id != self.ident.node_id and r.round >= min_round and r.state_hash
+        ]
         if not others:
             return None
         # The newest round; within it, the hash most peers hold (a lone liar is outvoted).
@@ -200,14 +233,21 @@ class PeerDataPlane:
         holders = {r.node_id: r.address for r in others if r.round == newest and r.state_hash == digest}
         try:
             tensors, _ = await asyncio.wait_for(
-                afetch(self.ident, holders, state_name(newest), bytes.fromhex(digest),
-                       settings=StateFetchSettings(call_timeout=timeout_s)),
+                afetch(
+                    self.ident,
+                    holders,
+                    state_name(newest),
+                    bytes.fromhex(digest),
+                    settings=StateFetchSettings(call_timeout=timeout_s),
+                ),
                 timeout_s,
             )
         except (StateError, asyncio.TimeoutError) as err:
             self.log(f"could not fetch the state of round {newest} from {len(holders)} peers: {err}")
             return None
-        self.log(f"fetched the state of round {newest} from {len(holders)} peer(s), hash {digest[:12]} verified")
+        self.log(
+            f"fetched the state of round {newest} from {len(holders)} peer(s), hash {digest[:12]} verified"
+        )
         return tensors
 
     def last_round_members(self) -> list[str]:
@@ -235,8 +275,16 @@ class PeerDataPlane:
 
 
 async def open_peer_dataplane(
-    *, ident: identity.Identity, info: JoinInfo, cfg: RunConfig, settings: NodeSettings, listen: str,
-    advertise_host: str, log: Callable[[str], None], dht_peers: list[str], state_dir: Path,
+    *,
+    ident: identity.Identity,
+    info: JoinInfo,
+    cfg: RunConfig,
+    settings: NodeSettings,
+    listen: str,
+    advertise_host: str,
+    log: Callable[[str], None],
+    dht_peers: list[str],
+    state_dir: Path,
 ) -> PeerDataPlane:
     plane = PeerDataPlane(ident, info, cfg, settings, log)
     try:

@@ -110,7 +110,9 @@ class Testnet:
         """Start (or restart, on the same ledger and, when given, the same address) the coordinator."""
         self.root.mkdir(parents=True, exist_ok=True)
         err = open(self.root / "coordinator.log", "ab")  # noqa: SIM115 - closed in stop()
-        cmd = murmur_cmd("coordinator", "serve", "--db", str(self.db), "--listen", listen, *self.coordinator_args)
+        cmd = murmur_cmd(
+            "coordinator", "serve", "--db", str(self.db), "--listen", listen, *self.coordinator_args
+        )
         if self.info.get("node_address") and listen != "127.0.0.1:0":
             # A restart keeps both addresses (nodes hold them); metrics may move.
             cmd += ["--node-listen", str(self.info["node_address"]), "--metrics-listen", "127.0.0.1:0"]
@@ -122,7 +124,9 @@ class Testnet:
         try:
             info = json.loads(line)
         except json.JSONDecodeError:
-            raise TestnetError(f"the coordinator did not start: {self._tail(self.root / 'coordinator.log')}") from None
+            raise TestnetError(
+                f"the coordinator did not start: {self._tail(self.root / 'coordinator.log')}"
+            ) from None
         self.info = info
         # Keep draining its stdout so it never blocks on a full pipe.
         threading.Thread(target=self._drain, args=(self.coordinator,), daemon=True).start()
@@ -177,8 +181,14 @@ class Testnet:
     def admin(self, *args: str) -> Any:
         """One `murmur admin` call with JSON output."""
         cmd = murmur_cmd(
-            "admin", *args, "--coordinator", str(self.info["address"]),
-            "--admin-key", str(self.info["admin_key_file"]), "--output", "json",
+            "admin",
+            *args,
+            "--coordinator",
+            str(self.info["address"]),
+            "--admin-key",
+            str(self.info["admin_key_file"]),
+            "--output",
+            "json",
         )
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=ADMIN_TIMEOUT_S, env=_env(0))
         if done.returncode != 0:
@@ -186,10 +196,18 @@ class Testnet:
         return json.loads(done.stdout) if done.stdout.strip() else None
 
     def create_run(self, token_uses: int) -> str:
-        run = self.admin("runs", "create", "--config", str(self.config_path),
-                         "--manifest", str(self.data / "manifest.json"))
+        run = self.admin(
+            "runs",
+            "create",
+            "--config",
+            str(self.config_path),
+            "--manifest",
+            str(self.data / "manifest.json"),
+        )
         self.run_id = run["run_id"]
-        tok = self.admin("tokens", "create", "--run", self.run_id, "--uses", str(token_uses), "--note", "testnet")
+        tok = self.admin(
+            "tokens", "create", "--run", self.run_id, "--uses", str(token_uses), "--note", "testnet"
+        )
         self.token = tok["token"]
         return self.token
 
@@ -217,8 +235,14 @@ class Testnet:
 
     def wait_dht_bootstrap(self, timeout_s: float = COORDINATOR_START_TIMEOUT_S) -> list[str]:
         found: list[list[str]] = []
-        wait_for(lambda: bool(found.append(self.dht_bootstrap()) or found[-1]) or not any(
-            n.alive() for n in self.nodes), timeout_s, what="a node's DHT address")
+        wait_for(
+            lambda: (
+                bool(found.append(self.dht_bootstrap()) or found[-1])
+                or not any(n.alive() for n in self.nodes)
+            ),
+            timeout_s,
+            what="a node's DHT address",
+        )
         return found[-1]
 
     def start_node(self, node: NodeProc, extra: list[str] | None = None) -> None:
@@ -229,9 +253,20 @@ class Testnet:
             node._log.close()
         node._log = open(node.log_path, "ab")  # noqa: SIM115 - closed when the node stops
         cmd = murmur_cmd(
-            "node", "run", "--coordinator", str(self.info["address"]), "--token", self.token,
-            "--state-dir", str(node.state_dir), "--data", str(self.data), "--threads", str(self.threads),
-            *self.node_args, *(extra or []),
+            "node",
+            "run",
+            "--coordinator",
+            str(self.info["address"]),
+            "--token",
+            self.token,
+            "--state-dir",
+            str(node.state_dir),
+            "--data",
+            str(self.data),
+            "--threads",
+            str(self.threads),
+            *self.node_args,
+            *(extra or []),
         )
         node.proc = subprocess.Popen(
             cmd, stdout=node._log, stderr=subprocess.STDOUT, env=_env(self.threads), start_new_session=True

@@ -174,8 +174,12 @@ class NodeTrainer:
             )
         self.lease = lease
         self.loader = BatchLoader(
-            self.dataset, [lease.shard_id], self.batch, self.seq_len,
-            position=Position(lease.shard_id, lease.start_offset), cycle=False,
+            self.dataset,
+            [lease.shard_id],
+            self.batch,
+            self.seq_len,
+            position=Position(lease.shard_id, lease.start_offset),
+            cycle=False,
         )
 
     def _fits(self) -> bool:
@@ -242,8 +246,9 @@ class NodeTrainer:
             losses.append(loss)
             compute += dt
         if stopped:
-            return WindowResult(self.round, len(losses), math.nan, 0, time.perf_counter() - t0, compute,
-                                [], True)
+            return WindowResult(
+                self.round, len(losses), math.nan, 0, time.perf_counter() - t0, compute, [], True
+            )
         mean = torch.stack(losses).float().mean().item()
         if not math.isfinite(mean):
             raise TrainingError(f"loss became {mean} in round {self.round}: lower optim.lr")
@@ -251,7 +256,9 @@ class NodeTrainer:
         if self.lease is not None and not self._fits():
             self._close_segment(segments)  # runs out exactly at the window's end: commit with it
         tokens = sum(s.end - s.start for s in segments + early)
-        return WindowResult(self.round, len(losses), mean, tokens, time.perf_counter() - t0, compute, segments)
+        return WindowResult(
+            self.round, len(losses), mean, tokens, time.perf_counter() - t0, compute, segments
+        )
 
     def _close_segment(self, segments: list[Segment]) -> Segment | None:
         """The shard has no full batch left: its segment runs to the shard's end (the tail shorter
@@ -290,8 +297,11 @@ class NodeTrainer:
 
     def shared_state(self) -> dict[str, Any]:
         """What a joiner needs to take part from the next round: global copy, outer momentum, counters."""
-        state: dict[str, Any] = {"step": self.step, "round": self.round,
-                                 "tensors": {n: t.detach().cpu().clone() for n, t in self.global_tensors()}}
+        state: dict[str, Any] = {
+            "step": self.step,
+            "round": self.round,
+            "tensors": {n: t.detach().cpu().clone() for n, t in self.global_tensors()},
+        }
         if isinstance(self.sync, StreamingDiLoCo):
             state["fragments"] = [
                 {"rounds": f.rounds, "outer": f.outer.state_dict()} for f in self.sync.fragments
@@ -307,7 +317,9 @@ class NodeTrainer:
         for name, t in mine.items():
             src = tensors[name]
             if src.shape != t.shape:
-                raise TrainingError(f"fetched tensor {name} has shape {tuple(src.shape)}, expected {tuple(t.shape)}")
+                raise TrainingError(
+                    f"fetched tensor {name} has shape {tuple(src.shape)}, expected {tuple(t.shape)}"
+                )
             t.copy_(src.to(device=t.device, dtype=t.dtype))
         if isinstance(self.sync, StreamingDiLoCo):
             for frag, saved in zip(self.sync.fragments, state["fragments"], strict=True):
@@ -340,7 +352,8 @@ class NodeTrainer:
             raise TrainingError("the fetched state has no counters")
         counters = [int(v) for v in tensors["counters"].tolist()]
         state: dict[str, Any] = {
-            "step": counters[0], "round": counters[1],
+            "step": counters[0],
+            "round": counters[1],
             "tensors": {n: t for n, t in tensors.items() if n.startswith(("global/", "param/"))},
         }
         if isinstance(self.sync, StreamingDiLoCo):

@@ -34,14 +34,18 @@ REFRESH_S = 1.0  # how often the live rows are redrawn
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("testnet", help="a local network: coordinator and nodes on loopback")
     verbs = p.add_subparsers(dest="verb", metavar="VERB", required=True)
-    for verb, help_text in (("up", "start a coordinator and N nodes, show them train, summarize"),
-                            ("chaos", "like up, and kill and restart nodes at random")):
+    for verb, help_text in (
+        ("up", "start a coordinator and N nodes, show them train, summarize"),
+        ("chaos", "like up, and kill and restart nodes at random"),
+    ):
         v = verbs.add_parser(verb, help=help_text, description=__doc__)
         v.add_argument("--nodes", "-n", type=int, default=3, help="how many nodes (default 3)")
         v.add_argument("--config", default=DEFAULT_CONFIG, help="run TOML (default %(default)s)")
         v.add_argument("--duration", type=float, default=180.0, help="seconds before stopping (default 180)")
         v.add_argument("--algo", choices=("diloco", "streaming", "demo"), help="override sync.algorithm")
-        v.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
+        v.add_argument(
+            "--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key"
+        )
         v.add_argument("--out", default="runs/testnet", help="folder for the ledger, node states, logs, PNG")
         v.add_argument("--threads", type=int, default=1, help="torch threads per node (default 1)")
         v.add_argument("--solo", action="store_true", help=argparse.SUPPRESS)  # nodes without peers
@@ -77,9 +81,18 @@ def fresh_folder(out: Path) -> None:
     """A testnet starts from nothing: an old ledger or node state would resume another run."""
     import shutil
 
-    for name in ("coordinator.db", "coordinator.db-wal", "coordinator.db-shm", "coordinator.db.ca.key",
-                 "coordinator.db.ca.crt", "coordinator.db.admin-key", "coordinator.log", "nodes", "loss.png",
-                 "summary.json"):
+    for name in (
+        "coordinator.db",
+        "coordinator.db-wal",
+        "coordinator.db-shm",
+        "coordinator.db.ca.key",
+        "coordinator.db.ca.crt",
+        "coordinator.db.admin-key",
+        "coordinator.log",
+        "nodes",
+        "loss.png",
+        "summary.json",
+    ):
         p = out / name
         if p.is_dir():
             shutil.rmtree(p)
@@ -120,23 +133,34 @@ def node_row(node: NodeProc) -> Row:
         status = f"exit {node.proc.returncode}"
     speeds = [r["tokens_per_s"] for r in trained[-5:]]
     return Row(
-        name=node.name, status=status, rounds=int(last.get("round", 0)), loss=float(last.get("loss", math.nan)),
-        val=vals[-1] if vals else None, first_val=vals[0] if vals else None,
+        name=node.name,
+        status=status,
+        rounds=int(last.get("round", 0)),
+        loss=float(last.get("loss", math.nan)),
+        val=vals[-1] if vals else None,
+        first_val=vals[0] if vals else None,
         tokens=sum(int(r.get("tokens", 0)) for r in trained),
-        tokens_per_s=sum(speeds) / len(speeds) if speeds else 0.0, sent=int(last.get("bytes_sent", 0)),
-        peers=int(last.get("peers", 0)), hash=str(last.get("hash", ""))[:10], restarts=max(0, node.starts - 1),
+        tokens_per_s=sum(speeds) / len(speeds) if speeds else 0.0,
+        sent=int(last.get("bytes_sent", 0)),
+        peers=int(last.get("peers", 0)),
+        hash=str(last.get("hash", ""))[:10],
+        restarts=max(0, node.starts - 1),
     )
 
 
-HEADER = (f"{'node':8} {'status':9} {'round':>5} {'loss':>7} {'val':>7} {'tokens':>10} {'tok/s':>7} "
-          f"{'sent':>9} {'peers':>5} {'state hash':10} {'restarts':>8}")
+HEADER = (
+    f"{'node':8} {'status':9} {'round':>5} {'loss':>7} {'val':>7} {'tokens':>10} {'tok/s':>7} "
+    f"{'sent':>9} {'peers':>5} {'state hash':10} {'restarts':>8}"
+)
 
 
 def format_row(r: Row) -> str:
     val = f"{r.val:7.4f}" if r.val is not None else f"{'-':>7}"
     loss = f"{r.loss:7.4f}" if math.isfinite(r.loss) else f"{'-':>7}"
-    return (f"{r.name:8} {r.status:9} {r.rounds:5d} {loss} {val} {r.tokens:10,d} {r.tokens_per_s:7,.0f} "
-            f"{r.sent / 1e6:7.2f}MB {r.peers:5d} {r.hash:10} {r.restarts:8d}")
+    return (
+        f"{r.name:8} {r.status:9} {r.rounds:5d} {loss} {val} {r.tokens:10,d} {r.tokens_per_s:7,.0f} "
+        f"{r.sent / 1e6:7.2f}MB {r.peers:5d} {r.hash:10} {r.restarts:8d}"
+    )
 
 
 class LiveView:
@@ -179,7 +203,7 @@ def plot_losses(nodes: list[NodeProc], path: Path, title: str) -> None:
         train = [(r["round"], r["loss"]) for r in recs if "loss" in r]
         vals = [(r["round"], r["val_loss"]) for r in recs if r.get("val_loss") is not None]
         if train:
-            line, = ax.plot(*zip(*train, strict=True), label=f"{node.name} train", alpha=0.8)
+            (line,) = ax.plot(*zip(*train, strict=True), label=f"{node.name} train", alpha=0.8)
             if vals:
                 ax.plot(*zip(*vals, strict=True), "o--", color=line.get_color(), label=f"{node.name} val")
     ax.set_xlabel("outer round")
@@ -261,16 +285,20 @@ def _run(args: argparse.Namespace) -> int:
 def _summarize(net: Testnet, out: Path, codes: dict[str, int | None], wall: float) -> int:
     rows = [node_row(n) for n in net.nodes]
     print(f"\nsummary after {wall:.0f}s")
-    head = (f"{'node':8} {'rounds':>6} {'val first':>9} {'val last':>8} {'loss':>7} {'tokens':>10} "
-            f"{'tok/s':>7} {'sent':>9} {'restarts':>8} {'exit':>4}")
+    head = (
+        f"{'node':8} {'rounds':>6} {'val first':>9} {'val last':>8} {'loss':>7} {'tokens':>10} "
+        f"{'tok/s':>7} {'sent':>9} {'restarts':>8} {'exit':>4}"
+    )
     print(head)
     print("-" * len(head))
     for r in rows:
         vf = f"{r.first_val:9.4f}" if r.first_val is not None else f"{'-':>9}"
         vl = f"{r.val:8.4f}" if r.val is not None else f"{'-':>8}"
         loss = f"{r.loss:7.4f}" if math.isfinite(r.loss) else f"{'-':>7}"
-        print(f"{r.name:8} {r.rounds:6d} {vf} {vl} {loss} {r.tokens:10,d} {r.tokens_per_s:7,.0f} "
-              f"{r.sent / 1e6:7.2f}MB {r.restarts:8d} {codes.get(r.name)!s:>4}")
+        print(
+            f"{r.name:8} {r.rounds:6d} {vf} {vl} {loss} {r.tokens:10,d} {r.tokens_per_s:7,.0f} "
+            f"{r.sent / 1e6:7.2f}MB {r.restarts:8d} {codes.get(r.name)!s:>4}"
+        )
     hashes = {r.hash for r in rows if r.hash}
     same_round = len({r.rounds for r in rows}) == 1
     if same_round and len(hashes) == 1:
@@ -281,9 +309,12 @@ def _summarize(net: Testnet, out: Path, codes: dict[str, int | None], wall: floa
         print(f"loss curves: {plot}")
     except Exception as err:  # noqa: BLE001 - a missing plot must not hide the summary
         print(f"warning: no plot ({err})")
-    (out / "summary.json").write_text(json.dumps(
-        {"wall_s": wall, "exit_codes": codes, "nodes": [asdict(r) for r in rows]},
-        indent=1, default=str) + "\n")
+    (out / "summary.json").write_text(
+        json.dumps(
+            {"wall_s": wall, "exit_codes": codes, "nodes": [asdict(r) for r in rows]}, indent=1, default=str
+        )
+        + "\n"
+    )
     bad = {k: v for k, v in codes.items() if v not in (0, None)}
     if bad:
         raise TestnetError(f"some processes did not exit cleanly: {bad}; see the logs in {out}")

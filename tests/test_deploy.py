@@ -38,8 +38,15 @@ def test_compose_file_validates(tmp_path):
 
 
 def test_compose_commands_are_real_cli_commands(tmp_path):
-    done = _compose(tmp_path, "--profile", "admin", "config", "--format", "json",
-                    env={"MURMUR_TOKEN": "mrm1.x", "MURMUR_COORDINATOR": "c:7700"})
+    done = _compose(
+        tmp_path,
+        "--profile",
+        "admin",
+        "config",
+        "--format",
+        "json",
+        env={"MURMUR_TOKEN": "mrm1.x", "MURMUR_COORDINATOR": "c:7700"},
+    )
     assert done.returncode == 0, done.stderr
     services = json.loads(done.stdout)["services"]
     assert {"coordinator", "node", "admin"} <= set(services)

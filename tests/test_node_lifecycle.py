@@ -58,7 +58,7 @@ def test_sigkill_then_restart_resumes_from_checkpoint(tmp_path, data):
         # A checkpoint is written after every round, before the round is logged.
         assert resumed in (last, last + 1)
         wait_rounds(node, len(before) + 2)
-        after = trained(node)[len(before):]
+        after = trained(node)[len(before) :]
         assert after[0]["round"] == resumed + 1  # no round repeated, none skipped
         node.proc.send_signal(signal.SIGTERM)
         assert node.proc.wait(60) == 0, log(node)[-2000:]

@@ -28,7 +28,9 @@ def _trainers(cfg, dataset, k):
     torch.set_num_threads(1)
     peers = [f"p{i}" for i in range(k)]
     group = InProcessGroup(peers, lambda: make_codec_for(cfg.sync), make_aggregator_for(cfg.sync))
-    return [NodeTrainer(cfg, dataset, torch.device("cpu"), group.exchange(p), round_timeout_s=60) for p in peers]
+    return [
+        NodeTrainer(cfg, dataset, torch.device("cpu"), group.exchange(p), round_timeout_s=60) for p in peers
+    ]
 
 
 def _leases(shards):

@@ -17,8 +17,16 @@ pytestmark = pytest.mark.slow
 # Short coordinator deadlines, so a killed node's lease comes back within the test.
 FAST_COORDINATOR = ["--heartbeat-ttl", "3", "--lease-ttl", "4", "--restart-grace", "5"]
 # Rounds fail over quickly when a member dies; rendezvous waits briefly for announced peers.
-FAST_NODE = ["--peer-timeout", "8", "--rendezvous-deadline", "8", "--round-timeout", "60",
-             "--dht-record-ttl", "6"]
+FAST_NODE = [
+    "--peer-timeout",
+    "8",
+    "--rendezvous-deadline",
+    "8",
+    "--round-timeout",
+    "60",
+    "--dht-record-ttl",
+    "6",
+]
 
 
 @pytest.fixture(scope="module")
@@ -116,9 +124,16 @@ def test_late_joiner_takes_the_state_from_peers(tmp_path, data):
 
 
 def test_testnet_cli_refuses_bad_input(tmp_path):
-    for args, needle in ((["--nodes", "0"], "--nodes"), (["--duration", "-1"], "--duration"),
-                         (["--config", str(tmp_path / "missing.toml")], "does not exist")):
-        done = subprocess.run([sys.executable, "-m", "murmur.cli", "testnet", "up", "--out", str(tmp_path / "o"),
-                               *args], capture_output=True, text=True, timeout=120)
+    for args, needle in (
+        (["--nodes", "0"], "--nodes"),
+        (["--duration", "-1"], "--duration"),
+        (["--config", str(tmp_path / "missing.toml")], "does not exist"),
+    ):
+        done = subprocess.run(
+            [sys.executable, "-m", "murmur.cli", "testnet", "up", "--out", str(tmp_path / "o"), *args],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert done.returncode == 1
         assert needle in done.stderr and done.stderr.count("\n") == 1, done.stderr
