@@ -43,6 +43,11 @@ from murmur.protocol.identity import (
 
 from murmur.errors import MurmurError
 
+# hivemind sets torch's tensor-sharing strategy for the whole process when imported, and its
+# default ("file_system") starts a torch_shm_manager helper that outlives the DHT. The DHT only
+# shares a few small future buffers with its forked child, which file descriptors carry fine.
+os.environ.setdefault("HIVEMIND_MEMORY_SHARING_STRATEGY", "file_descriptor")
+
 try:  # the GPU box has no hivemind: importing this module there must not fail, only starting
     import hivemind
     from hivemind.dht.routing import DHTID

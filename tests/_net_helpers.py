@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parents[1]
 RUN = "test-run"
 
 # Short timeouts: every failure test is bounded by a few of these.
-FAST = dict(peer_timeout=2.0, round_deadline=20.0, chunk_bytes=64 << 10, span_align=64, catch_up_poll=0.05)
+FAST = dict(peer_timeout=5.0, round_deadline=40.0, chunk_bytes=64 << 10, span_align=64, catch_up_poll=0.05)
 
 
 @dataclass

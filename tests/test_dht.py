@@ -1,0 +1,133 @@
+"""The DHT adapter: signed records, TTL expiry, rendezvous across 3 processes, no p2pd left."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+
+import psutil
+import pytest
+from _net_helpers import PYTHON, REPO, p2pd_processes, python_env
+from murmur.protocol import dht as D
+from murmur.protocol.identity import CertificateAuthority
+
+pytestmark = pytest.mark.slow
+START_TIMEOUT = 120  # seconds for a child process to import torch/hivemind and join: the CI box is busy
+
+
+@pytest.fixture()
+def ca():
+    return CertificateAuthority.create("dht-test")
+
+
+def test_records_are_signed_expire_and_say_goodbye(ca):
+    a, b = ca.issue(), ca.issue()
+    fast = D.DHTSettings(record_ttl=8.0)
+    with D.MurmurDHT("run", ca_cert_pem=ca.cert_pem, identity=a, settings=fast) as da:
+        with D.MurmurDHT("run", ca_cert_pem=ca.cert_pem, identity=b, initial_peers=da.addresses) as db:
+            helpers = da.helper_pids + db.helper_pids
+            assert da.announce(D.PeerRecord(node_id=a.node_id, address="127.0.0.1:1", role="trainer"))
+            assert db.announce(D.PeerRecord(node_id=b.node_id, address="127.0.0.1:2", role="stage", stage=1))
+            assert [p.node_id for p in da.peers()] == sorted([a.node_id, b.node_id])
+            assert [p.address for p in da.peers(role="stage", stage=1)] == ["127.0.0.1:2"]
+            # Nobody can announce for another node: b signs a record filed under a's id.
+            forged = D.seal(b, D.peers_key("run"), a.node_id, {"address": "evil", "expires_at": D.get_dht_time() + 60})
+            assert not db._dht().store(D.peers_key("run"), forged, D.get_dht_time() + 60, subkey=a.node_id)
+            assert {p.address for p in da.peers()} == {"127.0.0.1:1", "127.0.0.1:2"}
+            # A record from another run's CA is dropped by readers too.
+            other = D.MurmurDHT("run", ca_cert_pem=CertificateAuthority.create("x").cert_pem)
+            other._owned, other.ca_cert_pem = db._owned, CertificateAuthority.create("y").cert_pem
+            assert other._read(D.peers_key("run")) == {}
+            other._owned = None
+            # The goodbye removes b at once; a's record runs out after its TTL.
+            db.withdraw()
+            assert [p.node_id for p in da.peers()] == [a.node_id]
+            deadline = time.monotonic() + 30
+            while da.peers() and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert da.peers() == []
+    assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in helpers)
+    assert p2pd_processes() == []
+
+
+def test_start_errors_are_one_line(ca):
+    bad = D.MurmurDHT("run", ca_cert_pem=ca.cert_pem, initial_peers=["/ip4/127.0.0.1/tcp/1/p2p/notapeer"],
+                      settings=D.DHTSettings(start_timeout=20))
+    with pytest.raises(D.DHTError, match="could not start the DHT"):
+        bad.start()
+    assert p2pd_processes() == []
+
+
+def _living(procs: list[psutil.Process]) -> list[psutil.Process]:
+    out = []
+    for p in procs:
+        try:
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE and p.name() != "torch_shm_manager":
+                out.append(p)
+        except psutil.Error:
+            pass
+    return out
+
+
+def _spawn(ident_dir, ttl, boot=None):
+    args = [PYTHON, str(REPO / "tests" / "_dht_node.py"), str(ident_dir), "run", str(ttl)] + ([boot] if boot else [])
+    return subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=python_env())
+
+
+def _ready(proc) -> str:
+    line = proc.stdout.readline()
+    assert line.startswith("ready"), f"child did not start: {line!r}"
+    return line.split()[1]
+
+
+def test_rendezvous_across_three_processes_and_a_dead_nodes_record_expires(ca, tmp_path):
+    idents = [ca.issue() for _ in range(3)]
+    for i, ident in enumerate(idents):
+        ident.save(tmp_path / str(i))
+    procs = []
+    try:
+        procs.append(_spawn(tmp_path / "0", 1.5))
+        boot = _ready(procs[0])
+        procs += [_spawn(tmp_path / str(i), 1.5, boot) for i in (1, 2)]
+        for p in procs[1:]:
+            _ready(p)
+        for p in procs:
+            p.stdin.write(f"rendezvous 7 3 {START_TIMEOUT}\n")
+            p.stdin.flush()
+        seen = [json.loads(p.stdout.readline()) for p in procs]
+        assert seen == [sorted(i.node_id for i in idents)] * 3
+        # SIGKILL node 2: its record stops being renewed and expires; its p2pd is reaped.
+        victim = psutil.Process(procs[2].pid)
+        victim_kids = victim.children(recursive=True)
+        os.kill(procs[2].pid, signal.SIGKILL)
+        procs[2].wait(10)
+        watcher = D.MurmurDHT("run", ca_cert_pem=ca.cert_pem, initial_peers=[boot]).start()
+        try:
+            deadline = time.monotonic() + 30
+            alive = {p.node_id for p in watcher.peers()}
+            while idents[2].node_id in alive and time.monotonic() < deadline:
+                time.sleep(0.3)
+                alive = {p.node_id for p in watcher.peers()}
+            assert alive == {idents[0].node_id, idents[1].node_id}
+        finally:
+            watcher.shutdown()
+        deadline = time.monotonic() + 15
+        while _living(victim_kids) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert _living(victim_kids) == []  # the DHT process and p2pd of the killed node are gone
+        for p in procs[:2]:
+            p.stdin.write("exit\n")
+            p.stdin.flush()
+            assert p.wait(60) == 0
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    deadline = time.monotonic() + 15
+    while p2pd_processes() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert p2pd_processes() == []
