@@ -549,7 +549,9 @@ class Node:
             await asyncio.to_thread(self._train)
             return 0
         finally:
-            self.request_stop(self.stop_reason or "shutting down")
+            if not self.stop_event.is_set():  # the run ended or failed: no "stopping" line
+                self.stop_reason = self.stop_reason or "shutting down"
+                self.stop_event.set()
             await self._shutdown(tasks)
             watcher.cancel()
             if metrics_server is not None:

@@ -1,0 +1,52 @@
+"""`murmur node run` refuses bad input with one line and leaves nothing behind."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+STARTUP_TIMEOUT_S = 240  # python, torch and grpc imports on a loaded 2-core machine
+
+
+def _node(tmp_path, *args, env=None):
+    return subprocess.run(
+        [sys.executable, "-m", "murmur.cli", "node", "run", "--state-dir", str(tmp_path / "state"), *args],
+        capture_output=True, text=True, timeout=STARTUP_TIMEOUT_S, env=env,
+    )
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        ([], "--coordinator"),
+        (["--coordinator", "127.0.0.1:9"], "--token"),
+        (["--coordinator", "127.0.0.1:9", "--token", "not-a-token"], "not a murmur join token"),
+        (["--coordinator", "127.0.0.1:1", "--token", "mrm1.abcdefgh." + "s" * 16 + "." + "0" * 64],
+         "cannot reach the coordinator"),
+        (["--coordinator", "127.0.0.1:9", "--threads", "-1"], "must not be negative"),
+    ],
+)
+def test_bad_input_is_one_line(tmp_path, args, needle):
+    import os
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MURMUR_")}
+    done = _node(tmp_path, *args, env=env)
+    assert done.returncode == 1, done.stderr
+    assert needle in done.stderr, done.stderr
+    assert done.stderr.startswith("error: ") and done.stderr.count("\n") == 1, done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_second_daemon_on_one_state_dir_is_refused(tmp_path):
+    from murmur.node.node_state import StateDir, StateError
+
+    first = StateDir(tmp_path / "s")
+    first.lock()
+    try:
+        with pytest.raises(StateError, match="another murmur node is running"):
+            StateDir(tmp_path / "s").lock()
+    finally:
+        first.unlock()
+    StateDir(tmp_path / "s").lock()  # free again once the first let go
