@@ -1,0 +1,242 @@
+"""Benchmark: the gRPC all-reduce over shaped links, and the CPU cost of encode/decode.
+
+    sudo .venv/bin/python benchmarks/exchange.py [--peers 2,4,8] [--numel 100000000] [--rates 100,1000]
+
+Each peer is its own process in its own network namespace (veth into a bridge), with mutual TLS,
+and its upload shaped by ``tc tbf`` to the link rate (NOTES.md: tbf works here, netem does not).
+For each group size the peers start once; the driver then sets the rate, starts a round on every
+peer at once (stdin), and collects each peer's start/end stamps and payload bytes. A round's
+time runs from the last peer's start to the last peer's end (the round cannot finish before the
+last member joined). Rows:
+
+  peers, codec, tensor_mb (the update, fp32), link_mbps, seconds,
+  sent_mb (payload bytes one peer sends, mean), goodput_mbps (sent bits / seconds),
+  link_utilization (goodput / link), expected_mb (the butterfly's 2(N-1)/N of the encoded update)
+
+and cpu rows: encode/decode seconds of the update by codec on this machine.
+Writes benchmarks/results/exchange.json. Needs root (namespaces); cleans up after itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+PORT = 50051
+BRIDGE = "mxb0"
+NS = "mx-bench-{}"
+SUBNET = "10.77.0.{}"
+
+
+def sh(*cmd: str, check: bool = True) -> None:
+    subprocess.run(cmd, check=check, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def net_up(n: int) -> None:
+    net_down(n)
+    sh("ip", "link", "add", BRIDGE, "type", "bridge")
+    sh("ip", "link", "set", BRIDGE, "up")
+    for i in range(n):
+        ns = NS.format(i)
+        sh("ip", "netns", "add", ns)
+        sh("ip", "link", "add", f"mxh{i}", "type", "veth", "peer", "name", f"mxp{i}")
+        sh("ip", "link", "set", f"mxp{i}", "netns", ns)
+        sh("ip", "link", "set", f"mxh{i}", "master", BRIDGE)
+        sh("ip", "link", "set", f"mxh{i}", "up")
+        sh("ip", "netns", "exec", ns, "ip", "addr", "add", f"{SUBNET.format(i + 1)}/24", "dev", f"mxp{i}")
+        sh("ip", "netns", "exec", ns, "ip", "link", "set", f"mxp{i}", "up")
+        sh("ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up")
+
+
+def set_rate(n: int, mbps: int) -> None:
+    """Shape each peer's upload (egress of its namespace end) with a token bucket."""
+    burst = max(32_000, mbps * 1_000_000 // 8 // 250)  # ~4 ms of traffic
+    for i in range(n):
+        sh(
+            "ip", "netns", "exec", NS.format(i), "tc", "qdisc", "replace", "dev", f"mxp{i}", "root", "tbf",
+            "rate", f"{mbps}mbit", "burst", str(burst), "latency", "200ms",
+        )
+
+
+def net_down(n: int) -> None:
+    for i in range(max(n, 8)):
+        sh("ip", "netns", "del", NS.format(i), check=False)
+        sh("ip", "link", "del", f"mxh{i}", check=False)
+    sh("ip", "link", "del", BRIDGE, check=False)
+
+
+# --- one peer (runs inside its namespace) ---------------------------------------------------------
+
+
+def peer_main(args: argparse.Namespace) -> int:
+    import torch
+    from murmur.node.exchange_group import StaticGroup
+    from murmur.node.exchange_grpc import ExchangeSettings, GrpcExchange
+    from murmur.node.peer_loop import LoopThread
+    from murmur.node.peer_server import PeerServer, PeerServerSettings
+    from murmur.optim.codecs import make_codec
+    from murmur.protocol.identity import Identity
+
+    root = Path(args.dir)
+    ident = Identity.load(root / str(args.peer))
+    ids = [Identity.load(root / str(i)).node_id for i in range(args.n)]
+    group = StaticGroup({nid: f"{SUBNET.format(i + 1)}:{PORT}" for i, nid in enumerate(ids)})
+    loop = LoopThread()
+    server = PeerServer(
+        ident, run_id="bench", settings=PeerServerSettings(host=SUBNET.format(args.peer + 1), port=PORT)
+    )
+    loop.run(server.start())
+    settings = ExchangeSettings(peer_timeout=120, round_deadline=1200, max_payload_bytes=2 << 30)
+    ex = GrpcExchange(server, loop, group, make_codec("fp32"), settings=settings)
+    x = torch.randn(args.numel, generator=torch.Generator().manual_seed(args.peer))
+    print(json.dumps({"event": "ready"}), flush=True)
+    try:
+        for line in sys.stdin:
+            cmd = line.split()
+            if not cmd or cmd[0] == "exit":
+                break
+            round_id, codec, numel = int(cmd[1]), cmd[2], int(cmd[3])
+            ex.codec = make_codec(codec)  # rounds run one after another: every peer switches first
+            start = time.time()
+            res = ex.all_reduce([x[:numel]], round_id=round_id, key=codec).result()
+            end = time.time()
+            print(json.dumps({"event": "round", "start": start, "end": end, "sent": res.bytes_sent,
+                              "received": res.bytes_received, "members": len(res.members)}), flush=True)
+    finally:
+        loop.run(ex.aclose())
+        loop.run(server.stop())
+        loop.stop()
+    return 0
+
+
+# --- the driver ------------------------------------------------------------------------------------
+
+
+def cpu_rows(numel: int, codecs: list[str]) -> list[dict]:
+    import torch
+    from murmur.optim.codecs import make_codec
+
+    x = torch.randn(numel)
+    rows = []
+    for name in codecs:
+        c = make_codec(name)
+        t0 = time.perf_counter()
+        w = c.encode_stateless(x, "k")
+        t1 = time.perf_counter()
+        c.decode(w)
+        t2 = time.perf_counter()
+        rows.append({"kind": "cpu", "codec": name, "tensor_mb": round(numel * 4 / 1e6, 1),
+                     "wire_mb": round(w.nbytes / 1e6, 1), "encode_s": round(t1 - t0, 3),
+                     "decode_s": round(t2 - t1, 3)})
+    return rows
+
+
+def run_group(n: int, plan: list[tuple[int, str, int]], root: Path, numel: int, env: dict) -> list[dict]:
+    net_up(n)
+    procs = []
+    rows = []
+    try:
+        for i in range(n):
+            cmd = ["ip", "netns", "exec", NS.format(i), sys.executable, str(Path(__file__).resolve()),
+                   "--peer", str(i), "--n", str(n), "--dir", str(root), "--numel", str(numel)]
+            procs.append(subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env))
+        for p in procs:
+            assert json.loads(p.stdout.readline())["event"] == "ready"
+        round_id = 0
+        for rate, codec, count in [(1000, "fp32", 4096)] + plan:  # the first round opens the TLS channels
+            set_rate(n, rate)
+            round_id += 1
+            for p in procs:
+                p.stdin.write(f"round {round_id} {codec} {count}\n")
+                p.stdin.flush()
+            results = [json.loads(p.stdout.readline()) for p in procs]
+            if round_id == 1:
+                continue
+            seconds = max(r["end"] for r in results) - max(r["start"] for r in results)
+            sent = sum(r["sent"] for r in results) / n
+            wire_mb = {"fp32": 4, "fp16": 2, "int8": 1 + 4 / 64, "int4": 0.5 + 4 / 64}[codec] * count / 1e6
+            row = {
+                "peers": n, "codec": codec, "tensor_mb": round(count * 4 / 1e6, 1), "link_mbps": rate,
+                "seconds": round(seconds, 2), "sent_mb": round(sent / 1e6, 1),
+                "expected_mb": round(2 * (n - 1) / n * wire_mb, 1),
+                "goodput_mbps": round(sent * 8 / seconds / 1e6, 1),
+                "link_utilization": round(sent * 8 / seconds / 1e6 / rate, 3),
+            }
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+        for p in procs:
+            p.stdin.write("exit\n")
+            p.stdin.flush()
+        for p in procs:
+            p.wait(60)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        net_down(n)
+    return rows
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--peer", type=int, default=-1, help=argparse.SUPPRESS)
+    ap.add_argument("--n", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--dir", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--peers", default="2,4,8")
+    ap.add_argument("--numel", type=int, default=100_000_000, help="parameters of the update")
+    ap.add_argument("--rates", default="100,1000", help="link rates, Mbit/s")
+    ap.add_argument("--codecs", default="int8", help="codecs for every group size")
+    ap.add_argument("--fp32-peers", default="2", help="group sizes that also run fp32")
+    ap.add_argument("--out", default=str(HERE / "results" / "exchange.json"))
+    args = ap.parse_args()
+    if args.peer >= 0:
+        return peer_main(args)
+    if os.geteuid() != 0:
+        print("error: the benchmark needs root for network namespaces (tc tbf)", file=sys.stderr)
+        return 1
+    from murmur.protocol.identity import CertificateAuthority
+
+    peers = [int(p) for p in args.peers.split(",")]
+    rates = [int(r) for r in args.rates.split(",")]
+    codecs = args.codecs.split(",")
+    fp32_peers = {int(p) for p in args.fp32_peers.split(",") if p}
+    rows: list[dict] = []
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    with tempfile.TemporaryDirectory(prefix="murmur-bench-") as tmp:
+        ca = CertificateAuthority.create("bench")
+        for i in range(max(peers)):
+            ca.issue().save(Path(tmp) / str(i))
+        for n in peers:
+            plan = [(r, c, args.numel) for r in rates for c in codecs]
+            if n in fp32_peers:
+                plan += [(r, "fp32", args.numel) for r in rates]
+            rows += run_group(n, plan, Path(tmp), args.numel, env)
+    rows += cpu_rows(args.numel, sorted(set(codecs) | {"fp32"}))
+    out = {
+        "device": f"{platform.node()} CPU ({os.cpu_count()} cores), loopback veth + tbf per peer",
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join(["benchmarks/exchange.py", *sys.argv[1:]]),
+        "notes": "seconds: last peer's start to last peer's end. sent_mb: payload bytes a peer puts on the wire "
+                 "(its spans to the owners + its reduced span to the others); goodput counts payload only, "
+                 "not TLS/HTTP2/protobuf framing. All peers share this machine's 2 cores, so at 1 Gbit/s "
+                 "the CPU (encode, TLS, copies) bounds the result, not the link.",
+        "rows": rows,
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,59 @@
+"""Peers as separate processes meeting through the DHT: a SIGKILLed peer, a peer that catches up.
+
+Each peer is ``python -m murmur.node.exchange_peer_main`` with its own TLS identity; the test
+process runs the bootstrap DHT. Peer 3 is armed with the ``exit`` fault for round 2: once its
+input is out it SIGKILLs itself, mid-round. Peer 1 loses a reduced chunk in round 1 (a cut
+connection) and must catch up from the peers that completed.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+
+import pytest
+from _net_helpers import PYTHON, REPO, p2pd_processes, python_env
+from murmur.protocol.dht import MurmurDHT
+from murmur.protocol.identity import CertificateAuthority
+
+pytestmark = pytest.mark.slow
+PROCESS_TIMEOUT = 280  # child start-up (torch, hivemind) on a busy 2-core machine dominates
+
+
+def test_sigkilled_peer_mid_round_survivors_agree_and_a_lagging_peer_catches_up(tmp_path):
+    ca = CertificateAuthority.create("kill-test")
+    boot = MurmurDHT("kill", ca_cert_pem=ca.cert_pem).start()
+    faults = {1: ["--fault", "lose_result@1"], 3: ["--fault", "exit@2"]}
+    procs = []
+    try:
+        for i in range(4):
+            ca.issue().save(tmp_path / str(i))
+            cmd = [
+                PYTHON, "-m", "murmur.node.exchange_peer_main", "--identity", str(tmp_path / str(i)),
+                "--run", "kill", "--bootstrap", boot.addresses[0], "--peers", "4", "--rounds", "2",
+                "--numel", "50000", "--codec", "int8", "--peer-timeout", "5", "--round-deadline", "60",
+                "--rendezvous-deadline", "150", *faults.get(i, []),
+            ]
+            procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=python_env(), cwd=REPO))
+        outputs = [p.communicate(timeout=PROCESS_TIMEOUT)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        boot.shutdown()
+    assert procs[3].returncode == -signal.SIGKILL
+    assert [p.returncode for p in procs[:3]] == [0, 0, 0]
+    rounds = [{r["round"]: r for r in map(json.loads, out.splitlines()) if r["event"] == "round"} for out in outputs]
+    ids = [json.loads(out.splitlines()[0])["node_id"] for out in outputs]
+    # Round 1: all four inputs, one hash; peer 1 lost a reply and caught up from the others.
+    assert all(rounds[i][1]["ok"] and len(rounds[i][1]["members"]) == 4 for i in range(4))
+    assert len({rounds[i][1]["hash"] for i in range(4)}) == 1
+    assert rounds[1][1]["fetched"] is True and rounds[0][1]["fetched"] is False
+    # Round 2: the killed peer's span was re-owned; the three survivors hold the same result.
+    survivors = [rounds[i][2] for i in range(3)]
+    assert all(r["ok"] for r in survivors), survivors
+    assert len({r["hash"] for r in survivors}) == 1
+    assert all(ids[3] not in r["members"] and len(r["members"]) == 3 for r in survivors)
+    assert p2pd_processes() == []
