@@ -2,14 +2,10 @@
 
 from __future__ import annotations
 
-import os
 import time
 
 import psutil
 import pytest
-
-# Tests must be reproducible on a noisy 2-core machine: no GPU kernels unless a test asks for them.
-os.environ.setdefault("MURMUR_TEST", "1")
 
 
 @pytest.fixture(autouse=True)

@@ -1,0 +1,34 @@
+"""The configuration reference must name every run key and every environment variable we read."""
+
+import dataclasses
+import re
+from pathlib import Path
+
+from murmur.protocol.runconfig import RunConfig
+
+ROOT = Path(__file__).resolve().parent.parent
+DOC = (ROOT / "docs" / "configuration.md").read_text()
+
+
+def _keys(cls, prefix=""):
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(f.type) or f.name in ("model", "data", "optim", "train", "sync"):
+            yield from _keys(type(getattr(RunConfig(), f.name)), f"{f.name}.")
+        else:
+            yield prefix + f.name
+
+
+def test_every_config_key_is_documented():
+    missing = [k for k in _keys(RunConfig) if f"`{k}`" not in DOC]
+    assert not missing, f"docs/configuration.md lacks {missing}"
+
+
+def test_every_environment_variable_is_documented():
+    used = set()
+    for folder in ("murmur", "node", "optim", "kernels", "protocol", "coordinator", "tests"):
+        for path in (ROOT / folder).glob("*.py"):
+            used |= set(re.findall(r"\bMURMUR_[A-Z_]+\b", path.read_text()))
+    documented = set(re.findall(r"`(MURMUR_[A-Z_]+)`", DOC))
+    # A name that only stands as the prefix of documented ones (a filter in a test) is fine.
+    missing = sorted(v for v in used if v not in documented and not any(d.startswith(v) for d in documented))
+    assert not missing, f"docs/configuration.md lacks {missing}"
