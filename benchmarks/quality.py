@@ -171,7 +171,8 @@ def plot_panels(panels: list[tuple[str, dict]], path: Path) -> None:
 def merge_sweeps(parts: list[dict]) -> dict:
     """Several runs of one sweep (rows split over processes) as one: gaps against its DDP row."""
     merged = dict(parts[0])
-    merged["rows"] = [r for part in parts for r in part["rows"]]
+    seen: set[str] = set()
+    merged["rows"] = [r for part in parts for r in part["rows"] if not (r["name"] in seen or seen.add(r["name"]))]
     merged["curves"] = {k: v for part in parts for k, v in part["curves"].items()}
     merged["command"] = " ; ".join(part["command"] for part in parts)
     ddp = next((r for r in merged["rows"] if r["algo"] == "ddp"), None)
