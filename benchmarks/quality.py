@@ -152,6 +152,7 @@ def plot_panels(panels: list[tuple[str, dict]], path: Path) -> None:
 
     fig, axes = plt.subplots(1, len(panels), figsize=(7.5 * len(panels), 5.5), dpi=120, squeeze=False)
     for ax, (title, curves) in zip(axes[0], panels, strict=True):
+        ax.set_prop_cycle(color=plt.cm.tab20.colors)  # 13+ runs: no colour used twice
         for name, pts in curves.items():
             pts = [p for p in pts if p[2] > 0]
             if pts:
