@@ -30,7 +30,8 @@ PEAK_TFLOPS = {"NVIDIA H200": 989.0}
 def measure(preset: str, impl: str, batch: int, steps: int, warmup: int, data: str | None) -> dict:
     import torch
     from murmur.node.model import Transformer, model_config
-    from murmur.node.train import autocast, make_optimizer
+    from murmur.node.train import autocast
+    from murmur.optim.inner import make_inner_optimizer as make_optimizer
     from murmur.protocol.runconfig import OptimSection
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

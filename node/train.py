@@ -2,8 +2,8 @@
 
 AdamW with linear warm-up and cosine decay, gradient clipping, bf16 autocast on a GPU, validation
 every N steps, checkpoints (model, optimizer, data position, RNG) with exact resume, and one
-progress line per step. The pieces here (model from config, optimizer, schedule, evaluation) are
-the ones the simulator and the node reuse for their inner loop.
+progress line per step. The inner optimizer and its schedule come from `optim.inner`, shared with
+the simulator and the node; the model-from-config and evaluation helpers here are shared the other way.
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from pathlib import Path
 import torch
 from murmur.node.data import BatchLoader, Dataset, Position, eval_batches
 from murmur.node.model import ModelConfig, Transformer, model_config
-from murmur.protocol.runconfig import OptimSection, RunConfig, load_config
+from murmur.optim.inner import lr_at, make_inner_optimizer, set_lr
+from murmur.protocol.runconfig import RunConfig, load_config
 
 from murmur.errors import MurmurError
 
@@ -51,24 +52,6 @@ def build_model_from_config(cfg: RunConfig, vocab_size: int, device: torch.devic
     if mcfg.vocab_size < vocab_size:
         raise MurmurError(f"model.vocab_size {mcfg.vocab_size} is smaller than the tokenizer's {vocab_size}")
     return Transformer(mcfg, seed=cfg.seed).to(device)
-
-
-def make_optimizer(model: torch.nn.Module, o: OptimSection) -> torch.optim.AdamW:
-    """AdamW; weight decay on matrices only (norm gains and nothing else are exempt)."""
-    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
-
-
-def lr_at(step: int, total_steps: int, o: OptimSection) -> float:
-    """Linear warm-up over ``warmup_steps``, then cosine decay to ``min_lr_ratio * lr``."""
-    if o.warmup_steps and step < o.warmup_steps:
-        return o.lr * (step + 1) / o.warmup_steps
-    span = max(1, total_steps - o.warmup_steps)
-    progress = min(1.0, (step - o.warmup_steps) / span)
-    floor = o.lr * o.min_lr_ratio
-    return floor + (o.lr - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
 def autocast(device: torch.device, dtype: str = "auto") -> contextlib.AbstractContextManager:
@@ -107,7 +90,7 @@ class Trainer:
     def __init__(self, cfg: RunConfig, dataset: Dataset, device: torch.device, shards: list[int] | None = None):
         self.cfg, self.dataset, self.device = cfg, dataset, device
         self.model = build_model_from_config(cfg, dataset.vocab_size, device)
-        self.opt = make_optimizer(self.model, cfg.optim)
+        self.opt = make_inner_optimizer(self.model, cfg.optim)
         self.loader = BatchLoader(
             dataset, shards or list(range(dataset.num_shards)), cfg.train.batch_size, self.model.cfg.seq_len
         )
@@ -118,8 +101,7 @@ class Trainer:
     def step(self) -> StepStats:
         t0 = time.perf_counter()
         lr = lr_at(self.step_count, self.cfg.train.steps, self.cfg.optim)
-        for group in self.opt.param_groups:
-            group["lr"] = lr
+        set_lr(self.opt, lr)
         x, y = next(self.loader)
         x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
         with autocast(self.device, self.cfg.train.dtype):

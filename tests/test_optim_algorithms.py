@@ -8,8 +8,6 @@ import copy
 import pytest
 import torch
 from _optim_helpers import flat_params, make_workers, run_workers, tiny_config, token_stream
-from murmur.node.train import lr_at as train_lr_at
-from murmur.node.train import make_optimizer
 from murmur.optim.diloco import split_fragments
 from murmur.optim.inner import lr_at, make_inner_optimizer, set_lr
 
@@ -113,17 +111,6 @@ def test_demo_dct_round_trips_exactly_when_every_coefficient_is_kept():
     x = torch.randn(128, 96)
     y = codec.decode(codec.encode(x, "w"))
     torch.testing.assert_close(y, x, atol=0.02, rtol=0.01)  # bf16 values on the wire
-
-
-def test_inner_optimizer_matches_single_node_training():
-    cfg = tiny_config(10)
-    (w,) = make_workers(cfg, 1)
-    ours, theirs = make_inner_optimizer(w.model, cfg.optim), make_optimizer(w.model, cfg.optim)
-    for a, b in zip(ours.param_groups, theirs.param_groups, strict=True):
-        assert [id(p) for p in a["params"]] == [id(p) for p in b["params"]]
-        assert a["weight_decay"] == b["weight_decay"] and a["betas"] == b["betas"]
-    for s in range(0, 120, 7):
-        assert lr_at(s, 100, cfg.optim) == pytest.approx(train_lr_at(s, 100, cfg.optim))
 
 
 def test_a_failing_worker_releases_the_others():
