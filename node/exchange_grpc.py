@@ -481,6 +481,9 @@ class GrpcExchange(Exchange):
             return await self._read_reply(call, owner, span, rpc, progress)
         except grpc.aio.AioRpcError as err:
             return _Reply(ERROR, reason=f"{err.code().name}: {err.details()}")
+        except asyncio.InvalidStateError:  # the callee ended the call while we were still writing
+            code, details = await rpc.code(), await rpc.details()  # type: ignore[union-attr]
+            return _Reply(ERROR, reason=f"{code.name}: {details}")
         except asyncio.TimeoutError:
             return _Reply(ERROR, reason=f"stalled: a write took more than {s.peer_timeout:g}s")
         except BannedError as err:
