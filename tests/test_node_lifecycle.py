@@ -5,7 +5,9 @@ tests are in test_testnet.py."""
 
 from __future__ import annotations
 
+import re
 import signal
+import urllib.request
 
 import pytest
 from _node_helpers import ledger, log, make_testnet, small_dataset, trained, wait_log, wait_rounds
@@ -30,6 +32,12 @@ def test_sigterm_commits_releases_and_leaves(tmp_path, data):
         net.create_run(token_uses=4)
         node = net.add_node()
         wait_rounds(node, 3)
+        url = wait_log(node, r"metrics on (http://\S+)").group(1)
+        with urllib.request.urlopen(url, timeout=30) as reply:  # the Prometheus endpoint
+            metrics = reply.read().decode()
+        done = re.search(r"^murmur_node_round\{[^}]*\} (\d+)", metrics, re.M)
+        assert done and int(done.group(1)) >= 3, metrics
+        assert "murmur_node_bytes_sent_total" in metrics and "murmur_node_coordinator_up" in metrics
         node.proc.send_signal(signal.SIGTERM)
         assert node.proc.wait(60) == 0, log(node)[-2000:]
         text = log(node)
