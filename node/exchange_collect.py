@@ -68,16 +68,17 @@ class Attempt:
     result: object = None  # reduce: decoded span; gather: None
     result_payload: bytes = b""  # reduce: serialized Payload sent back to callers
     bytes_received: int = 0                      # inputs read from other members
+    finishing: bool = False                      # the result is being computed
 
     def add(self, member: str, value: object, weight: float) -> None:
-        if member in self.failed or self.done.is_set():
+        if member in self.failed or self.done.is_set() or self.finishing:
             return
         self.inputs[member] = value
         self.weights[member] = weight
         self._maybe_finish()
 
     def reject(self, member: str, reason: str) -> None:
-        if self.done.is_set() or member not in self.members:
+        if self.done.is_set() or self.finishing or member not in self.members:
             return
         self.inputs.pop(member, None)
         self.failed.setdefault(member, reason)
@@ -85,7 +86,7 @@ class Attempt:
 
     def disagree(self, reason: str) -> None:
         """Members hold different member lists: end the attempt now; callers merge the lists and retry."""
-        if not self.done.is_set():
+        if not self.done.is_set() and not self.finishing:
             self.failed["*"] = reason
             self.done.set()
 
@@ -97,14 +98,23 @@ class Attempt:
         self._maybe_finish()
 
     def _maybe_finish(self) -> None:
-        if self.done.is_set() or len(self.inputs) + len(self.failed) < len(self.members):
+        if self.done.is_set() or self.finishing or len(self.inputs) + len(self.failed) < len(self.members):
             return
-        if not self.failed:
-            try:
-                self.finalize(self)
-            except Exception as err:  # noqa: BLE001 - an aggregation failure aborts the attempt
-                self.failed["*"] = f"aggregation failed: {err}"
-        self.done.set()
+        if self.failed:
+            self.done.set()
+            return
+        # Aggregating and re-encoding a large span takes a while: do it off the event loop, so
+        # the streams of other calls (and of this one) keep moving meanwhile.
+        self.finishing = True
+        asyncio.get_running_loop().create_task(self._finalize())
+
+    async def _finalize(self) -> None:
+        try:
+            await asyncio.to_thread(self.finalize, self)
+        except Exception as err:  # noqa: BLE001 - an aggregation failure aborts the attempt
+            self.failed["*"] = f"aggregation failed: {err}"
+        finally:
+            self.done.set()
 
 
 @dataclass(slots=True)

@@ -342,9 +342,12 @@ class GrpcExchange(Exchange):
                 failed.update({k: v for k, v in r.failed.items() if k in call.peers})
                 seen |= set(r.members)
                 at = max(at, r.attempt)
-        if not att.done.is_set():
-            att.expire(self.settings.peer_timeout)
-        failed.update({k: v for k, v in att.failed.items() if k in call.peers})
+        if att.done.is_set():
+            failed.update({k: v for k, v in att.failed.items() if k in call.peers})
+        else:
+            # We leave before our own inputs settled: say so to whoever still sends to us, without
+            # blaming members that may simply not have reached us yet.
+            att.disagree("the owner left this attempt early")
         return {k: v for k, v in failed.items() if k in call.peers}, seen, at
 
     async def _make_attempt(self, call: _Call, number: int, members: tuple[str, ...]) -> Attempt:
