@@ -62,8 +62,23 @@ def set_rate(n: int, mbps: int) -> None:
     burst = max(32_000, mbps * 1_000_000 // 8 // 250)  # ~4 ms of traffic
     for i in range(n):
         sh(
-            "ip", "netns", "exec", NS.format(i), "tc", "qdisc", "replace", "dev", f"mxp{i}", "root", "tbf",
-            "rate", f"{mbps}mbit", "burst", str(burst), "latency", "200ms",
+            "ip",
+            "netns",
+            "exec",
+            NS.format(i),
+            "tc",
+            "qdisc",
+            "replace",
+            "dev",
+            f"mxp{i}",
+            "root",
+            "tbf",
+            "rate",
+            f"{mbps}mbit",
+            "burst",
+            str(burst),
+            "latency",
+            "200ms",
         )
 
 
@@ -109,8 +124,19 @@ def peer_main(args: argparse.Namespace) -> int:
             start = time.time()
             res = ex.all_reduce([x[:numel]], round_id=round_id, key=codec).result()
             end = time.time()
-            print(json.dumps({"event": "round", "start": start, "end": end, "sent": res.bytes_sent,
-                              "received": res.bytes_received, "members": len(res.members)}), flush=True)
+            print(
+                json.dumps(
+                    {
+                        "event": "round",
+                        "start": start,
+                        "end": end,
+                        "sent": res.bytes_sent,
+                        "received": res.bytes_received,
+                        "members": len(res.members),
+                    }
+                ),
+                flush=True,
+            )
     finally:
         loop.run(ex.aclose())
         loop.run(server.stop())
@@ -134,9 +160,16 @@ def cpu_rows(numel: int, codecs: list[str]) -> list[dict]:
         t1 = time.perf_counter()
         c.decode(w)
         t2 = time.perf_counter()
-        rows.append({"kind": "cpu", "codec": name, "tensor_mb": round(numel * 4 / 1e6, 1),
-                     "wire_mb": round(w.nbytes / 1e6, 1), "encode_s": round(t1 - t0, 3),
-                     "decode_s": round(t2 - t1, 3)})
+        rows.append(
+            {
+                "kind": "cpu",
+                "codec": name,
+                "tensor_mb": round(numel * 4 / 1e6, 1),
+                "wire_mb": round(w.nbytes / 1e6, 1),
+                "encode_s": round(t1 - t0, 3),
+                "decode_s": round(t2 - t1, 3),
+            }
+        )
     return rows
 
 
@@ -146,9 +179,25 @@ def run_group(n: int, plan: list[tuple[int, str, int]], root: Path, numel: int, 
     rows = []
     try:
         for i in range(n):
-            cmd = ["ip", "netns", "exec", NS.format(i), sys.executable, str(Path(__file__).resolve()),
-                   "--peer", str(i), "--n", str(n), "--dir", str(root), "--numel", str(numel)]
-            procs.append(subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env))
+            cmd = [
+                "ip",
+                "netns",
+                "exec",
+                NS.format(i),
+                sys.executable,
+                str(Path(__file__).resolve()),
+                "--peer",
+                str(i),
+                "--n",
+                str(n),
+                "--dir",
+                str(root),
+                "--numel",
+                str(numel),
+            ]
+            procs.append(
+                subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+            )
         for p in procs:
             assert json.loads(p.stdout.readline())["event"] == "ready"
         round_id = 0
@@ -165,8 +214,12 @@ def run_group(n: int, plan: list[tuple[int, str, int]], root: Path, numel: int, 
             sent = sum(r["sent"] for r in results) / n
             wire_mb = {"fp32": 4, "fp16": 2, "int8": 1 + 4 / 64, "int4": 0.5 + 4 / 64}[codec] * count / 1e6
             row = {
-                "peers": n, "codec": codec, "tensor_mb": round(count * 4 / 1e6, 1), "link_mbps": rate,
-                "seconds": round(seconds, 2), "sent_mb": round(sent / 1e6, 1),
+                "peers": n,
+                "codec": codec,
+                "tensor_mb": round(count * 4 / 1e6, 1),
+                "link_mbps": rate,
+                "seconds": round(seconds, 2),
+                "sent_mb": round(sent / 1e6, 1),
                 "expected_mb": round(2 * (n - 1) / n * wire_mb, 1),
                 "goodput_mbps": round(sent * 8 / seconds / 1e6, 1),
                 "link_utilization": round(sent * 8 / seconds / 1e6 / rate, 3),
@@ -226,10 +279,12 @@ def main() -> int:
         "device": f"{platform.node()} CPU ({os.cpu_count()} cores), loopback veth + tbf per peer",
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "command": " ".join(["benchmarks/exchange.py", *sys.argv[1:]]),
-        "notes": "seconds: last peer's start to last peer's end. sent_mb: payload bytes a peer puts on the wire "
-                 "(its spans to the owners + its reduced span to the others); goodput counts payload only, "
-                 "not TLS/HTTP2/protobuf framing. All peers share this machine's 2 cores, so at 1 Gbit/s "
-                 "the CPU (encode, TLS, copies) bounds the result, not the link.",
+        "notes": (
+            "seconds: last peer's start to last peer's end. sent_mb: payload bytes a peer puts on the "
+            "wire (its spans to the owners + its reduced span to the others); goodput counts payload "
+            "only, not TLS/HTTP2/protobuf framing. All peers share this machine's cores, so at 1 Gbit/s "
+            "the CPU (encode, TLS, copies) bounds the result, not the link."
+        ),
         "rows": rows,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -67,8 +67,8 @@ class Attempt:
     done: asyncio.Event = field(default_factory=asyncio.Event)
     result: object = None  # reduce: decoded span; gather: None
     result_payload: bytes = b""  # reduce: serialized Payload sent back to callers
-    bytes_received: int = 0                      # inputs read from other members
-    finishing: bool = False                      # the result is being computed
+    bytes_received: int = 0  # inputs read from other members
+    finishing: bool = False  # the result is being computed
 
     def add(self, member: str, value: object, weight: float) -> None:
         if member in self.failed or self.done.is_set() or self.finishing:
@@ -171,7 +171,9 @@ class RoundBook:
 # --- validation of one member's input ----------------------------------------------------------
 
 
-def validate_span(codec: Codec, span_len: int, limits: WireLimits) -> Callable[[str, peer_pb2.Payload], object]:
+def validate_span(
+    codec: Codec, span_len: int, limits: WireLimits
+) -> Callable[[str, peer_pb2.Payload], object]:
     """A reduce input: one wire tensor of this codec, decoding to float32 [span_len], finite."""
 
     def check(sender: str, payload: peer_pb2.Payload) -> torch.Tensor:
@@ -265,7 +267,9 @@ class ServeSettings:
 
 
 def status(code: int, **kw: object) -> peer_pb2.ExchangeReply:
-    return peer_pb2.ExchangeReply(status=peer_pb2.ExchangeStatus(code=code, protocol_version=PROTOCOL_VERSION, **kw))
+    return peer_pb2.ExchangeReply(
+        status=peer_pb2.ExchangeStatus(code=code, protocol_version=PROTOCOL_VERSION, **kw)
+    )
 
 
 async def serve_exchange(book: RoundBook, settings: ServeSettings, peer_id: str, context) -> None:
@@ -276,13 +280,19 @@ async def serve_exchange(book: RoundBook, settings: ServeSettings, peer_id: str,
     except asyncio.TimeoutError:
         await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"no header within {s.peer_timeout:g}s")
     if first is grpc.aio.EOF or first.WhichOneof("kind") != "header":
-        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the first frame of an exchange must be its header")
+        await context.abort(
+            grpc.StatusCode.INVALID_ARGUMENT, "the first frame of an exchange must be its header"
+        )
     h = first.header
     if h.protocol_version != PROTOCOL_VERSION:
-        await context.write(status(REFUSED, reason=str(VersionMismatch(PROTOCOL_VERSION, h.protocol_version))))
+        await context.write(
+            status(REFUSED, reason=str(VersionMismatch(PROTOCOL_VERSION, h.protocol_version)))
+        )
         return
     if h.sender != peer_id:
-        await context.write(status(REFUSED, reason=f"header names {h.sender} but the TLS certificate is {peer_id}"))
+        await context.write(
+            status(REFUSED, reason=f"header names {h.sender} but the TLS certificate is {peer_id}")
+        )
         return
     if h.run_id != s.run_id:
         await context.write(status(REFUSED, reason=f"run {h.run_id!r} is not this node's run {s.run_id!r}"))

@@ -63,7 +63,15 @@ from murmur.optim.wire import WireTensor
 from murmur.protocol import peer_pb2, peer_pb2_grpc, tls
 from murmur.protocol.identity import BannedError
 from murmur.protocol.version import PROTOCOL_VERSION, VERSION_METADATA_KEY
-from murmur.protocol.wire import WireError, WireLimits, layout_hash, split, tensors_hash, wire_from_proto, wire_to_proto
+from murmur.protocol.wire import (
+    WireError,
+    WireLimits,
+    layout_hash,
+    split,
+    tensors_hash,
+    wire_from_proto,
+    wire_to_proto,
+)
 
 from murmur.errors import MurmurError
 
@@ -199,7 +207,9 @@ class GrpcExchange(Exchange):
         self, tensors: list[torch.Tensor], *, round_id: int, key: str = "", weight: float = 1.0
     ) -> ReduceResult:
         self._check_weight(weight)
-        flat = torch.cat([t.detach().reshape(-1).float().cpu() for t in tensors]) if tensors else torch.zeros(0)
+        flat = (
+            torch.cat([t.detach().reshape(-1).float().cpu() for t in tensors]) if tensors else torch.zeros(0)
+        )
         x = flat
         residual = self.codec.residuals.get(key) if self.codec.error_feedback else None
         if residual is not None and residual.shape == flat.shape:
@@ -233,7 +243,12 @@ class GrpcExchange(Exchange):
     ) -> tuple[GatherResult, dict[str, float]]:
         self._check_weight(weight)
         parts = [
-            (w.codec, tuple(w.shape), w.dtype, sorted((n, str(t.dtype), tuple(t.shape)) for n, t in w.parts.items()))
+            (
+                w.codec,
+                tuple(w.shape),
+                w.dtype,
+                sorted((n, str(t.dtype), tuple(t.shape)) for n, t in w.parts.items()),
+            )
             for w in wires
         ]
         layout = layout_hash("gather", [], repr(parts))
@@ -253,7 +268,9 @@ class GrpcExchange(Exchange):
             try:
                 updates[m] = check(m, peer_pb2.Payload.FromString(raw.numpy().tobytes()))  # type: ignore[assignment]
             except (WireError, InputRejected, DecodeError) as err:
-                raise ExchangeError(f"round {round_id} {key!r}: the gathered input of {m} is invalid: {err}") from None
+                raise ExchangeError(
+                    f"round {round_id} {key!r}: the gathered input of {m} is invalid: {err}"
+                ) from None
         res = GatherResult(updates, dict(call.dropped), call.sent, call.received, self.codec.name)
         return res, {m: float(w) for m, w in zip(members, weights.tolist(), strict=True)}
 
@@ -287,7 +304,16 @@ class GrpcExchange(Exchange):
         call = _Call(op, round_id, key, weight, layout, dict(sorted(peers.items())), len(peers), deadline)
         call.faults = {
             f
-            for f in ("nan", "wrong_shape", "corrupt", "oversize", "wrong_version", "stall", "lose_result", "exit")
+            for f in (
+                "nan",
+                "wrong_shape",
+                "corrupt",
+                "oversize",
+                "wrong_version",
+                "stall",
+                "lose_result",
+                "exit",
+            )
             if self.faults.take(f, self.peer_id, round_id)
         }
         return call
@@ -331,7 +357,9 @@ class GrpcExchange(Exchange):
         finally:
             self.book.forget(call.round_id, call.key)
 
-    def _failures(self, call: _Call, att: Attempt, replies: dict[str, _Reply]) -> tuple[dict[str, str], set[str], int]:
+    def _failures(
+        self, call: _Call, att: Attempt, replies: dict[str, _Reply]
+    ) -> tuple[dict[str, str], set[str], int]:
         me, failed, seen, at = self.peer_id, {}, set(), att.number
         for o, r in replies.items():
             if r.code == ERROR:
@@ -394,7 +422,9 @@ class GrpcExchange(Exchange):
         sent = [0]
         tasks = {
             o: asyncio.create_task(
-                self._call_owner(call, att, o, sp[att.members.index(o)] if sp else (0, 0), progress, sent, len(others))
+                self._call_owner(
+                    call, att, o, sp[att.members.index(o)] if sp else (0, 0), progress, sent, len(others)
+                )
             )
             for o in others
         }
@@ -469,7 +499,8 @@ class GrpcExchange(Exchange):
             tls.check_dial(owner, self.server.ban_list)
             stub = peer_pb2_grpc.PeerStub(self._channel(owner, call.peers[owner]))
             rpc = stub.Exchange(
-                metadata=((VERSION_METADATA_KEY, str(version)),), timeout=max(call.deadline - loop.time(), 0.001)
+                metadata=((VERSION_METADATA_KEY, str(version)),),
+                timeout=max(call.deadline - loop.time(), 0.001),
             )
             await asyncio.wait_for(rpc.write(peer_pb2.ExchangeFrame(header=header)), s.peer_timeout)
             if "oversize" not in faults:
@@ -504,7 +535,8 @@ class GrpcExchange(Exchange):
         progress[0] = loop.time()
         if st.protocol_version != PROTOCOL_VERSION:
             return _Reply(
-                ERROR, reason=f"answers in protocol v{st.protocol_version}, this node speaks v{PROTOCOL_VERSION}"
+                ERROR,
+                reason=f"answers in protocol v{st.protocol_version}, this node speaks v{PROTOCOL_VERSION}",
             )
         if st.code != OK or call.op != peer_pb2.OP_REDUCE:
             return _Reply(st.code, st.reason, dict(st.failed), list(st.members), st.attempt, st.result_hash)
@@ -556,7 +588,11 @@ class GrpcExchange(Exchange):
                         t.shape.append(1)
                     for part in t.parts:
                         if part.dtype in ("float32", "float16", "bfloat16") and len(part.data) >= 4:
-                            nan = {"float32": b"\x00\x00\xc0\x7f", "float16": b"\x00\x7e", "bfloat16": b"\xc0\x7f"}
+                            nan = {
+                                "float32": b"\x00\x00\xc0\x7f",
+                                "float16": b"\x00\x7e",
+                                "bfloat16": b"\xc0\x7f",
+                            }
                             part.data = nan[part.dtype] + part.data[len(nan[part.dtype]) :]
                 payload = msg.SerializeToString()
         if "corrupt" in faults:
@@ -583,7 +619,9 @@ class GrpcExchange(Exchange):
             for m in att.members:
                 raw = peer_pb2.Payload(tensors=[wire_to_proto(w) for w in att.inputs[m]]).SerializeToString()  # type: ignore[union-attr]
                 named[f"m/{m}"] = (
-                    torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.zeros(0, dtype=torch.uint8)
+                    torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+                    if raw
+                    else torch.zeros(0, dtype=torch.uint8)
                 )
             named["weights"] = torch.tensor([att.weights[m] for m in att.members], dtype=torch.float64)
         self._publish(call, named, list(att.members))
@@ -605,7 +643,8 @@ class GrpcExchange(Exchange):
         """Fetch the result of this round from peers that completed it, or raise ExchangeError."""
         loop = asyncio.get_running_loop()
         fetch_settings = StateFetchSettings(
-            call_timeout=max(self.settings.peer_timeout, 1.0), max_message_bytes=self.settings.max_message_bytes
+            call_timeout=max(self.settings.peer_timeout, 1.0),
+            max_message_bytes=self.settings.max_message_bytes,
         )
         while True:
             if not hints:
@@ -650,7 +689,11 @@ class GrpcExchange(Exchange):
                     return node_id, d.result_hash
             return node_id, b""
 
-        others = [(n, a) for n, a in call.peers.items() if n != self.peer_id and not self.server.ban_list.is_banned(n)]
+        others = [
+            (n, a)
+            for n, a in call.peers.items()
+            if n != self.peer_id and not self.server.ban_list.is_banned(n)
+        ]
         results = await asyncio.gather(*[hello(n, a) for n, a in others], return_exceptions=True)
         return {r[0]: r[1] for r in results if isinstance(r, tuple) and r[1]}
 

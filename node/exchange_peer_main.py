@@ -60,7 +60,10 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     loop = LoopThread()
     dht = MurmurDHT(
-        args.run, ca_cert_pem=identity.ca_cert_pem, identity=identity, initial_peers=args.bootstrap,
+        args.run,
+        ca_cert_pem=identity.ca_cert_pem,
+        identity=identity,
+        initial_peers=args.bootstrap,
         settings=DHTSettings(record_ttl=args.record_ttl),
     )
     server = PeerServer(identity, run_id=args.run)
@@ -80,7 +83,10 @@ def main(argv: list[str] | None = None) -> int:
         rendezvous = RendezvousSettings(deadline=args.rendezvous_deadline)
         group = DHTGroup(dht, address, expected=expected, settings=rendezvous)
         exchange = GrpcExchange(
-            server, loop, group, make_codec(args.codec),
+            server,
+            loop,
+            group,
+            make_codec(args.codec),
             settings=ExchangeSettings(peer_timeout=args.peer_timeout, round_deadline=args.round_deadline),
             faults=FaultInjector.parse(args.fault),
         )
@@ -96,9 +102,14 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             first_round[0] = False
             emit(
-                event="round", round=r, ok=True, members=res.members, dropped=res.dropped,
+                event="round",
+                round=r,
+                ok=True,
+                members=res.members,
+                dropped=res.dropped,
                 fetched=(r, "update") in exchange.caught_up,
-                hash=tensors_hash([("0", res.tensors[0])]).hex(), seconds=round(time.monotonic() - t0, 3),
+                hash=tensors_hash([("0", res.tensors[0])]).hex(),
+                seconds=round(time.monotonic() - t0, 3),
             )
         dht.withdraw()
         return 0

@@ -99,7 +99,9 @@ class PeerServer(peer_pb2_grpc.PeerServicer):
         try:
             peer_id = tls.authenticated_peer(context.auth_context(), self.ban_list)
         except BannedError as err:
-            await self._refuse(context, node_id_from_auth(context), grpc.StatusCode.PERMISSION_DENIED, str(err))
+            await self._refuse(
+                context, node_id_from_auth(context), grpc.StatusCode.PERMISSION_DENIED, str(err)
+            )
         except IdentityError as err:
             await self._refuse(context, "", grpc.StatusCode.UNAUTHENTICATED, str(err))
         metadata = dict(context.invocation_metadata() or ())
@@ -146,8 +148,13 @@ class PeerServer(peer_pb2_grpc.PeerServicer):
         await self._admit(context)
         state = self.states.get(request.name)
         if state is None:
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"no published state {request.name!r} on {self.node_id}")
-        infos = [peer_pb2.TensorInfo(name=n, dtype=dtype_name(t.dtype), shape=list(t.shape)) for n, t in state.tensors]
+            await context.abort(
+                grpc.StatusCode.NOT_FOUND, f"no published state {request.name!r} on {self.node_id}"
+            )
+        infos = [
+            peer_pb2.TensorInfo(name=n, dtype=dtype_name(t.dtype), shape=list(t.shape))
+            for n, t in state.tensors
+        ]
         manifest = peer_pb2.StateManifest(
             name=state.name, state_hash=state.state_hash, tensors=infos, members=state.members
         )

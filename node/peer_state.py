@@ -118,13 +118,16 @@ async def afetch(
         break
     if manifest is None:
         raise StateError(
-            f"no peer could serve {name!r}: " + ("; ".join(f"{k}: {v}" for k, v in errors.items()) or "none known")
+            f"no peer could serve {name!r}: "
+            + ("; ".join(f"{k}: {v}" for k, v in errors.items()) or "none known")
         )
     want_hash = manifest.state_hash
     infos = {t.name: t for t in manifest.tensors}
     total = sum(_nbytes(t) for t in manifest.tensors)
     if total > settings.max_state_bytes:
-        raise StateError(f"state {name!r} is {total} bytes, more than max_state_bytes {settings.max_state_bytes}")
+        raise StateError(
+            f"state {name!r} is {total} bytes, more than max_state_bytes {settings.max_state_bytes}"
+        )
     # 2. The tensors, split among the sources; a failed source's share goes to the next round.
     todo, got = list(infos), {}
     while todo:
@@ -133,7 +136,8 @@ async def afetch(
         ids = list(sources)
         shares = {n: todo[i :: len(ids)] for i, n in enumerate(ids)}
         results = await asyncio.gather(
-            *[_get(identity, n, sources[n], name, shares[n], settings, ban_list) for n in ids], return_exceptions=True
+            *[_get(identity, n, sources[n], name, shares[n], settings, ban_list) for n in ids],
+            return_exceptions=True,
         )
         todo = []
         for n, res in zip(ids, results, strict=True):

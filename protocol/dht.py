@@ -188,7 +188,9 @@ class MurmurDHT:
 
     def start(self) -> MurmurDHT:
         if hivemind is None:
-            raise DHTError("hivemind is not installed on this machine: pip install murmur (it is a dependency)")
+            raise DHTError(
+                "hivemind is not installed on this machine: pip install murmur (it is a dependency)"
+            )
         s = self.settings
         try:
             dht = hivemind.DHT(
@@ -329,7 +331,11 @@ class MurmurDHT:
                 rec = PeerRecord(**{**payload, "node_id": node_id})
             except TypeError:
                 continue
-            if rec.gone or (role is not None and rec.role != role) or (stage is not None and rec.stage != stage):
+            if (
+                rec.gone
+                or (role is not None and rec.role != role)
+                or (stage is not None and rec.stage != stage)
+            ):
                 continue
             records.append(rec)
         return sorted(records, key=lambda r: r.node_id)
@@ -363,7 +369,9 @@ class MurmurDHT:
                 break
             time.sleep(self.settings.poll_interval)
         if len(members) < min_members:
-            raise DHTError(f"round {round_id} rendezvous: {len(members)} peer(s) by the deadline, {min_members} needed")
+            raise DHTError(
+                f"round {round_id} rendezvous: {len(members)} peer(s) by the deadline, {min_members} needed"
+            )
         return dict(sorted(members.items()))
 
     # asyncio variants: the DHT calls block on a pipe, so they run in a worker thread ------------

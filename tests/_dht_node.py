@@ -22,8 +22,13 @@ def main() -> int:
     ident = Identity.load(sys.argv[1])
     run, ttl = sys.argv[2], float(sys.argv[3])
     boot = sys.argv[4:5]
-    dht = MurmurDHT(run, ca_cert_pem=ident.ca_cert_pem, identity=ident, initial_peers=boot,
-                    settings=DHTSettings(record_ttl=ttl)).start()
+    dht = MurmurDHT(
+        run,
+        ca_cert_pem=ident.ca_cert_pem,
+        identity=ident,
+        initial_peers=boot,
+        settings=DHTSettings(record_ttl=ttl),
+    ).start()
     stop = threading.Event()
     record = PeerRecord(node_id=ident.node_id, address=f"127.0.0.1:{1000 + len(ident.node_id)}")
 
@@ -38,8 +43,13 @@ def main() -> int:
         for line in sys.stdin:
             cmd = line.split()
             if cmd and cmd[0] == "rendezvous":
-                members = dht.rendezvous(int(cmd[1]), "k", record.address, expected=int(cmd[2]),
-                                         deadline=time.monotonic() + float(cmd[3]))
+                members = dht.rendezvous(
+                    int(cmd[1]),
+                    "k",
+                    record.address,
+                    expected=int(cmd[2]),
+                    deadline=time.monotonic() + float(cmd[3]),
+                )
                 print(json.dumps(sorted(members)), flush=True)
             elif cmd and cmd[0] == "exit":
                 break

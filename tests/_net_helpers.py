@@ -10,14 +10,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
-from murmur.optim.codecs import make_codec
-from murmur.protocol.identity import BanList, CertificateAuthority, Identity
-
-from murmur.node.exchange_grpc import ExchangeSettings, GrpcExchange
 from murmur.node.exchange_group import StaticGroup
+from murmur.node.exchange_grpc import ExchangeSettings, GrpcExchange
 from murmur.node.peer_faults import FaultInjector
 from murmur.node.peer_loop import LoopThread
 from murmur.node.peer_server import PeerServer
+from murmur.optim.codecs import make_codec
+from murmur.protocol.identity import BanList, CertificateAuthority, Identity
 
 REPO = Path(__file__).resolve().parents[1]
 RUN = "test-run"
@@ -38,7 +37,9 @@ class Peer:
         return self.identity.node_id
 
 
-def start_servers(loop: LoopThread, identities: list[Identity], ban_list: BanList | None = None) -> list[Peer]:
+def start_servers(
+    loop: LoopThread, identities: list[Identity], ban_list: BanList | None = None
+) -> list[Peer]:
     peers = []
     for ident in identities:
         server = PeerServer(ident, run_id=RUN, ban_list=ban_list if ban_list is not None else BanList())
@@ -54,15 +55,19 @@ def attach_exchanges(
     for p in peers:
         p.faults = FaultInjector(stall_seconds=60)
         p.exchange = GrpcExchange(
-            p.server, loop, StaticGroup(group), make_codec(codec),
-            settings=ExchangeSettings(**{**FAST, **settings}), faults=p.faults,
+            p.server,
+            loop,
+            StaticGroup(group),
+            make_codec(codec),
+            settings=ExchangeSettings(**{**FAST, **settings}),
+            faults=p.faults,
         )
 
 
 @contextlib.contextmanager
-def peer_group(n: int, codec: str = "fp32", ca: CertificateAuthority | None = None, **settings) -> Iterator[
-    tuple[LoopThread, list[Peer], CertificateAuthority]
-]:
+def peer_group(
+    n: int, codec: str = "fp32", ca: CertificateAuthority | None = None, **settings
+) -> Iterator[tuple[LoopThread, list[Peer], CertificateAuthority]]:
     ca = ca or CertificateAuthority.create("test")
     loop = LoopThread()
     peers: list[Peer] = []

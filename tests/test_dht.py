@@ -34,7 +34,9 @@ def test_records_are_signed_expire_and_say_goodbye(ca):
             assert [p.node_id for p in da.peers()] == sorted([a.node_id, b.node_id])
             assert [p.address for p in da.peers(role="stage", stage=1)] == ["127.0.0.1:2"]
             # Nobody can announce for another node: b signs a record filed under a's id.
-            forged = D.seal(b, D.peers_key("run"), a.node_id, {"address": "evil", "expires_at": D.get_dht_time() + 60})
+            forged = D.seal(
+                b, D.peers_key("run"), a.node_id, {"address": "evil", "expires_at": D.get_dht_time() + 60}
+            )
             assert not db._dht().store(D.peers_key("run"), forged, D.get_dht_time() + 60, subkey=a.node_id)
             assert {p.address for p in da.peers()} == {"127.0.0.1:1", "127.0.0.1:2"}
             # A record from another run's CA is dropped by readers too.
@@ -49,13 +51,19 @@ def test_records_are_signed_expire_and_say_goodbye(ca):
             while da.peers() and time.monotonic() < deadline:
                 time.sleep(0.2)
             assert da.peers() == []
-    assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in helpers)
+    assert not any(
+        psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in helpers
+    )
     assert p2pd_processes() == []
 
 
 def test_start_errors_are_one_line(ca):
-    bad = D.MurmurDHT("run", ca_cert_pem=ca.cert_pem, initial_peers=["/ip4/127.0.0.1/tcp/1/p2p/notapeer"],
-                      settings=D.DHTSettings(start_timeout=20))
+    bad = D.MurmurDHT(
+        "run",
+        ca_cert_pem=ca.cert_pem,
+        initial_peers=["/ip4/127.0.0.1/tcp/1/p2p/notapeer"],
+        settings=D.DHTSettings(start_timeout=20),
+    )
     with pytest.raises(D.DHTError, match="could not start the DHT"):
         bad.start()
     assert p2pd_processes() == []
@@ -73,7 +81,9 @@ def _living(procs: list[psutil.Process]) -> list[psutil.Process]:
 
 
 def _spawn(ident_dir, ttl, boot=None):
-    args = [PYTHON, str(REPO / "tests" / "_dht_node.py"), str(ident_dir), "run", str(ttl)] + ([boot] if boot else [])
+    args = [PYTHON, str(REPO / "tests" / "_dht_node.py"), str(ident_dir), "run", str(ttl)] + (
+        [boot] if boot else []
+    )
     return subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=python_env())
 
 

@@ -157,7 +157,9 @@ def test_a_stalled_peer_is_dropped_and_its_span_re_owned_within_the_deadline():
         honest = [f.result(timeout=TIMEOUT) for f in futs[:3]]
         assert_identical(honest)
         assert stalled.node_id not in honest[0].members
-        assert "no answer" in honest[0].dropped[stalled.node_id] or "input" in honest[0].dropped[stalled.node_id]
+        assert (
+            "no answer" in honest[0].dropped[stalled.node_id] or "input" in honest[0].dropped[stalled.node_id]
+        )
         futs[3].cancel()
 
 
@@ -197,7 +199,10 @@ def test_a_strangers_certificate_fails_the_handshake_and_the_round_completes():
         results = run_reduce(peers, inputs(3))
         assert_identical(results[:2])
         assert ids[2].node_id not in results[0].members
-        assert "UNAVAILABLE" in results[0].dropped[ids[2].node_id] or "input" in results[0].dropped[ids[2].node_id]
+        assert (
+            "UNAVAILABLE" in results[0].dropped[ids[2].node_id]
+            or "input" in results[0].dropped[ids[2].node_id]
+        )
         assert isinstance(results[2], ExchangeError)
     finally:
         for p in peers:

@@ -30,10 +30,30 @@ def test_sigkilled_peer_mid_round_survivors_agree_and_a_lagging_peer_catches_up(
         for i in range(4):
             ca.issue().save(tmp_path / str(i))
             cmd = [
-                PYTHON, "-m", "murmur.node.exchange_peer_main", "--identity", str(tmp_path / str(i)),
-                "--run", "kill", "--bootstrap", boot.addresses[0], "--peers", "4", "--rounds", "2",
-                "--numel", "50000", "--codec", "int8", "--peer-timeout", "5", "--round-deadline", "60",
-                "--rendezvous-deadline", "150", *faults.get(i, []),
+                PYTHON,
+                "-m",
+                "murmur.node.exchange_peer_main",
+                "--identity",
+                str(tmp_path / str(i)),
+                "--run",
+                "kill",
+                "--bootstrap",
+                boot.addresses[0],
+                "--peers",
+                "4",
+                "--rounds",
+                "2",
+                "--numel",
+                "50000",
+                "--codec",
+                "int8",
+                "--peer-timeout",
+                "5",
+                "--round-deadline",
+                "60",
+                "--rendezvous-deadline",
+                "150",
+                *faults.get(i, []),
             ]
             procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=python_env(), cwd=REPO))
         outputs = [p.communicate(timeout=PROCESS_TIMEOUT)[0] for p in procs]
@@ -45,7 +65,9 @@ def test_sigkilled_peer_mid_round_survivors_agree_and_a_lagging_peer_catches_up(
         boot.shutdown()
     assert procs[3].returncode == -signal.SIGKILL
     assert [p.returncode for p in procs[:3]] == [0, 0, 0]
-    rounds = [{r["round"]: r for r in map(json.loads, out.splitlines()) if r["event"] == "round"} for out in outputs]
+    rounds = [
+        {r["round"]: r for r in map(json.loads, out.splitlines()) if r["event"] == "round"} for out in outputs
+    ]
     ids = [json.loads(out.splitlines()[0])["node_id"] for out in outputs]
     # Round 1: all four inputs, one hash; peer 1 lost a reply and caught up from the others.
     assert all(rounds[i][1]["ok"] and len(rounds[i][1]["members"]) == 4 for i in range(4))

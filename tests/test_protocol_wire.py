@@ -25,7 +25,10 @@ from murmur.protocol.wire import (
 
 def test_committed_stubs_match_the_proto_sources():
     proc = subprocess.run(
-        [sys.executable, "-m", "murmur.protocol.generate", "--check"], capture_output=True, text=True, cwd=REPO
+        [sys.executable, "-m", "murmur.protocol.generate", "--check"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
     )
     assert proc.returncode == 0, proc.stderr
 
@@ -102,7 +105,9 @@ def test_hashes_depend_on_names_shapes_and_bytes():
 
 def test_version_mismatch_names_both_versions():
     check_version(str(PROTOCOL_VERSION))
-    with pytest.raises(VersionMismatch, match=f"speaks v{PROTOCOL_VERSION}, the peer speaks v{PROTOCOL_VERSION + 1}"):
+    with pytest.raises(
+        VersionMismatch, match=f"speaks v{PROTOCOL_VERSION}, the peer speaks v{PROTOCOL_VERSION + 1}"
+    ):
         check_version(PROTOCOL_VERSION + 1)
     with pytest.raises(VersionMismatch, match="no version"):
         check_version(None)
