@@ -41,6 +41,7 @@ from murmur.protocol.wire import tensors_hash
 
 T = TypeVar("T")
 WILDCARDS = ("0.0.0.0", "::", "[::]", "")
+STATE_POLL_S = 0.5  # how often a joiner looks for peers' records
 DHT_RETRY_S = 1.0  # pause between DHT start attempts
 DHT_GOODBYE_TIMEOUT_S = 5.0  # the "gone" record; past this, peers learn of the exit from the TTL
 
@@ -216,14 +217,20 @@ class PeerDataPlane:
         """The newest global state some peers announce, if its round is at least ``min_round``."""
         if self.dht is None:
             return None
-        try:
-            records = await self.dht.apeers()
-        except DHTError as err:
-            self.log(f"cannot list peers ({err}); starting from the local state")
-            return None
-        others = [
-            r for r in records if r.node_id != self.ident.node_id and r.round >= min_round and r.state_hash
-        ]
+        # Right after joining the DHT a lookup may not see anyone yet: look again until some peer
+        # shows up or the rendezvous deadline says this node is the first one.
+        loop = asyncio.get_running_loop()
+        alone_after = loop.time() + self.s.rendezvous_deadline_s
+        while True:
+            try:
+                records = [r for r in await self.dht.apeers() if r.node_id != self.ident.node_id]
+            except DHTError as err:
+                self.log(f"cannot list peers ({err}); starting from the local state")
+                return None
+            if records or loop.time() >= alone_after:
+                break
+            await asyncio.sleep(STATE_POLL_S)
+        others = [r for r in records if r.round >= min_round and r.state_hash]
         if not others:
             return None
         # The newest round; within it, the hash most peers hold (a lone liar is outvoted).
