@@ -316,6 +316,8 @@ class GrpcExchange(Exchange):
             )
             if self.faults.take(f, self.peer_id, round_id)
         }
+        if "stall" in call.faults:  # a machine that hangs: it still sends, but never answers
+            self.book.stalled.set()
         return call
 
     # -- attempts ---------------------------------------------------------------------------------
@@ -600,11 +602,9 @@ class GrpcExchange(Exchange):
         return payload
 
     def _after_send(self, call: _Call) -> None:
-        """Faults that strike once our input is out: die (as a SIGKILL would), or stall."""
+        """The fault that strikes once our input is out: die, as a SIGKILL would."""
         if "exit" in call.faults:
             os.kill(os.getpid(), signal.SIGKILL)
-        if "stall" in call.faults:
-            self.book.stalled.set()
 
     def _complete(self, call: _Call, att: Attempt, replies: dict[str, _Reply]) -> dict[str, torch.Tensor]:
         me = self.peer_id

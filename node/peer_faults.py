@@ -10,7 +10,7 @@ Faults (what this peer does wrong, as an attacker or a broken machine would):
   corrupt        the payload bytes are garbage (not a protobuf)
   oversize       it declares and streams a payload beyond the receivers' size limit
   wrong_version  it speaks another protocol version
-  stall          it stops (sleeps ``stall_seconds``) after sending its inputs, holding its replies
+  stall          it still sends its inputs but never answers another member (a hung machine)
   lose_result    it loses the first reduced chunk it receives (a network cut), so it must catch up
   exit           it dies at once (os._exit) after sending its inputs: a SIGKILL seen from outside
 """

@@ -83,11 +83,20 @@ def peer_group(
         loop.stop()
 
 
+# Other suites run DHTs on this machine at the same time: a p2pd counts as ours only if it
+# inherited this tag (children inherit the environment, so orphans keep it too).
+LEAK_TAG = f"murmur-net-tests-{os.getpid()}"
+os.environ["MURMUR_LEAK_TAG"] = LEAK_TAG
+
+
 def p2pd_processes() -> list[psutil.Process]:
+    """Live p2pd daemons started by this test session (directly or by its child processes)."""
     out = []
-    for proc in psutil.process_iter(["name", "cmdline"]):
+    for proc in psutil.process_iter(["name"]):
         with contextlib.suppress(psutil.Error):
-            if proc.info["name"] == "p2pd" and proc.status() != psutil.STATUS_ZOMBIE:
+            if proc.info["name"] != "p2pd" or proc.status() == psutil.STATUS_ZOMBIE:
+                continue
+            if proc.environ().get("MURMUR_LEAK_TAG") == LEAK_TAG:
                 out.append(proc)
     return out
 

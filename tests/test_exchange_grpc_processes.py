@@ -77,5 +77,11 @@ def test_sigkilled_peer_mid_round_survivors_agree_and_a_lagging_peer_catches_up(
     survivors = [rounds[i][2] for i in range(3)]
     assert all(r["ok"] for r in survivors), survivors
     assert len({r["hash"] for r in survivors}) == 1
-    assert all(ids[3] not in r["members"] and len(r["members"]) == 3 for r in survivors)
+    # Whether the dead peer's input made it depends on when it died: if every owner had it and its
+    # own span's result reached someone before the kill, that average was complete and the others
+    # caught up to it; otherwise its span was re-owned by the three survivors. Either way: one result.
+    assert len({tuple(r["members"]) for r in survivors}) == 1
+    if ids[3] not in survivors[0]["members"]:
+        assert len(survivors[0]["members"]) == 3 and ids[3] in survivors[0]["dropped"]
+    assert all(r["seconds"] < 60 for r in survivors)  # within the round deadline
     assert p2pd_processes() == []
