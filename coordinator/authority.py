@@ -14,15 +14,11 @@ certificate then verifies every node's and every peer's certificate, so there is
 from __future__ import annotations
 
 import datetime as dt
-import ipaddress
 import os
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes
-from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from murmur.protocol import identity
 from murmur.protocol.jointoken import certificate_fingerprint
 
@@ -61,47 +57,9 @@ def paths(db_path: Path) -> tuple[Path, Path, Path]:
     )
 
 
-def _make_ca_cert(key: identity.PrivateKey, extra_names: list[str]) -> x509.Certificate:
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "murmur coordinator CA")])
-    now = dt.datetime.now(dt.timezone.utc)
-    sans: list[x509.GeneralName] = [x509.DNSName(TLS_SERVER_NAME), x509.DNSName("localhost")]
-    for extra in extra_names:
-        try:
-            sans.append(x509.IPAddress(ipaddress.ip_address(extra)))
-        except ValueError:
-            sans.append(x509.DNSName(extra))
-    sans.append(x509.IPAddress(ipaddress.ip_address("127.0.0.1")))
-    return (
-        x509.CertificateBuilder()
-        .subject_name(name)
-        .issuer_name(name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - identity.CLOCK_SKEW)
-        .not_valid_after(now + CA_VALIDITY)
-        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-        .add_extension(
-            x509.KeyUsage(
-                digital_signature=True,
-                content_commitment=False,
-                key_encipherment=False,
-                data_encipherment=False,
-                key_agreement=False,
-                key_cert_sign=True,
-                crl_sign=True,
-                encipher_only=False,
-                decipher_only=False,
-            ),
-            critical=True,
-        )
-        .add_extension(x509.SubjectAlternativeName(sans), critical=False)
-        .add_extension(
-            x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
-            critical=False,
-        )
-        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
-        .sign(key, hashes.SHA256())
-    )
+def _make_ca(key: identity.PrivateKey, extra_names: list[str]) -> identity.CertificateAuthority:
+    names = [TLS_SERVER_NAME, "localhost", *extra_names, "127.0.0.1"]
+    return identity.CertificateAuthority.create("coordinator", validity=CA_VALIDITY, key=key, server_names=names)
 
 
 def _write_private(path: Path, data: bytes) -> None:
@@ -127,8 +85,7 @@ def load_or_create(db_path: Path, host_names: list[str] | None = None) -> Secret
         ca = identity.CertificateAuthority(key, cert_path.read_bytes())
     else:
         key = identity.generate_key()
-        cert = _make_ca_cert(key, host_names or [])
-        ca = identity.CertificateAuthority(key, cert)
+        ca = _make_ca(key, host_names or [])
         _write_private(key_path, identity.key_to_pem(key))
         cert_path.write_bytes(ca.cert_pem)
     if not admin_path.exists():

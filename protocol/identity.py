@@ -20,11 +20,12 @@ from __future__ import annotations
 import base64
 import datetime as dt
 import hashlib
+import ipaddress
 import json
 import os
 import secrets
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -242,12 +243,19 @@ class CertificateAuthority:
 
     @classmethod
     def create(
-        cls, run_name: str = "murmur", *, validity: dt.timedelta = CA_VALIDITY
+        cls,
+        run_name: str = "murmur",
+        *,
+        validity: dt.timedelta = CA_VALIDITY,
+        key: PrivateKey | None = None,
+        server_names: Sequence[str] = (),
     ) -> CertificateAuthority:
-        key = generate_key()
+        """A new self-signed CA. With ``server_names`` (DNS names or IP addresses) the CA certificate
+        also serves as its holder's TLS certificate: the coordinator presents it, so joiners pin one root."""
+        key = key or generate_key()
         name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"murmur CA {run_name}")])
         now = _now()
-        cert = (
+        builder = (
             x509.CertificateBuilder()
             .subject_name(name)
             .issuer_name(name)
@@ -271,9 +279,19 @@ class CertificateAuthority:
                 critical=True,
             )
             .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
-            .sign(key, hashes.SHA256())
         )
-        return cls(key, cert)
+        if server_names:
+            sans: list[x509.GeneralName] = []
+            for host in server_names:
+                try:
+                    sans.append(x509.IPAddress(ipaddress.ip_address(host)))
+                except ValueError:
+                    sans.append(x509.DNSName(host))
+            builder = builder.add_extension(x509.SubjectAlternativeName(sans), critical=False).add_extension(
+                x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
+                critical=False,
+            )
+        return cls(key, builder.sign(key, hashes.SHA256()))
 
     @property
     def cert_pem(self) -> bytes:
