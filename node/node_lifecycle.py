@@ -122,6 +122,7 @@ class Node:
         self._commit_wakeup: asyncio.Event | None = None
         self._run_finished = False
         self._ident: identity.Identity | None = None
+        self._ratio_base_step = 0  # the step this node's byte counter started from
         self._tokens_per_s = 0.0
 
     # -- logging -----------------------------------------------------------------------------------
@@ -411,7 +412,7 @@ class Node:
         sent = t.sync.bytes.total_sent
         peers = getattr(self.dataplane, "last_round_members", lambda: [])()
         k = max(2, len(peers))
-        ddp = t.step * (2 * (k - 1) * 4 * t.n_params // k)
+        ddp = (t.step - self._ratio_base_step) * (2 * (k - 1) * 4 * t.n_params // k)
         return {
             "round": result.round,
             "step": t.step,
@@ -578,6 +579,7 @@ class Node:
         state = await fetch(min_round=self.trainer.round + 1, timeout_s=self.s.state_fetch_timeout_s)
         if state is not None:
             self.trainer.load_shared_tensors(state)
+            self._ratio_base_step = self.trainer.step  # this node's bytes count from here
             self.log(f"took the global state of round {self.trainer.round} from peers")
         self.dataplane.publish(self.trainer.round, self.trainer.shared_tensors())
 

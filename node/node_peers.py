@@ -230,32 +230,37 @@ class PeerDataPlane:
             if records or loop.time() >= alone_after:
                 break
             await asyncio.sleep(STATE_POLL_S)
-        others = [r for r in records if r.round >= min_round and r.state_hash]
-        if not others:
-            return None
-        # The newest round; within it, the hash most peers hold (a lone liar is outvoted).
-        newest = max(r.round for r in others)
-        votes = Counter(r.state_hash for r in others if r.round == newest)
-        digest = votes.most_common(1)[0][0]
-        holders = {r.node_id: r.address for r in others if r.round == newest and r.state_hash == digest}
-        try:
-            tensors, _ = await asyncio.wait_for(
-                afetch(
-                    self.ident,
-                    holders,
-                    state_name(newest),
-                    bytes.fromhex(digest),
-                    settings=StateFetchSettings(call_timeout=timeout_s),
-                ),
-                timeout_s,
-            )
-        except (StateError, asyncio.TimeoutError) as err:
-            self.log(f"could not fetch the state of round {newest} from {len(holders)} peers: {err}")
-            return None
-        self.log(
-            f"fetched the state of round {newest} from {len(holders)} peer(s), hash {digest[:12]} verified"
-        )
-        return tensors
+        deadline = loop.time() + timeout_s
+        while True:
+            others = [r for r in records if r.round >= min_round and r.state_hash]
+            if not others:
+                return None
+            # The newest round; within it, the hash most peers hold (a lone liar is outvoted).
+            newest = max(r.round for r in others)
+            votes = Counter(r.state_hash for r in others if r.round == newest)
+            digest = votes.most_common(1)[0][0]
+            holders = {r.node_id: r.address for r in others if r.round == newest and r.state_hash == digest}
+            try:
+                tensors, _ = await asyncio.wait_for(
+                    afetch(self.ident, holders, state_name(newest), bytes.fromhex(digest),
+                           settings=StateFetchSettings(call_timeout=timeout_s)),
+                    max(1.0, deadline - loop.time()),
+                )
+            except (StateError, asyncio.TimeoutError) as err:
+                # Peers move on and drop old states: look again while time is left, rather than
+                # train alone from a stale state.
+                self.log(f"could not fetch the state of round {newest} from {len(holders)} peers: {err}")
+                if loop.time() >= deadline:
+                    return None
+                await asyncio.sleep(STATE_POLL_S)
+                try:
+                    records = [r for r in await self.dht.apeers() if r.node_id != self.ident.node_id]
+                except DHTError:
+                    return None
+                continue
+            self.log(f"fetched the state of round {newest} from {len(holders)} peer(s), "
+                     f"hash {digest[:12]} verified")
+            return tensors
 
     def last_round_members(self) -> list[str]:
         return self.exchange.members if self.exchange else []

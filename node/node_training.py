@@ -342,7 +342,8 @@ class NodeTrainer:
             for j, entry in sorted(frag["outer"]["state"].items()):
                 buf = entry.get("momentum_buffer")
                 if buf is not None:
-                    out.append((f"outer/{i}/{j}", buf.detach().cpu()))
+                    # A snapshot: the live buffer moves on with the next outer step.
+                    out.append((f"outer/{i}/{j}", buf.detach().cpu().clone()))
         out.append(("counters", torch.tensor(counters, dtype=torch.int64)))
         return out
 
