@@ -135,6 +135,10 @@ class Node:
             self.stop_reason = reason
             self.log(f"stopping ({reason}): finishing the current step, then commit, release, leave")
         self.stop_event.set()
+        if self.trainer is not None:
+            # A step waiting for its exchange would wait up to round_timeout_s: end the wait now.
+            # Nothing partial is applied (the round fails as a whole) and the window is not committed.
+            self.trainer.meter.abort(f"the node is stopping ({reason})")
 
     # -- joining -----------------------------------------------------------------------------------
 
@@ -354,6 +358,8 @@ class Node:
             try:
                 result = trainer.run_window(self._next_lease_blocking, self.stop_event.is_set)
             except ExchangeError as err:
+                if self.stop_event.is_set():
+                    break
                 # Nothing partial was applied. Re-sync from peers; the window's tokens are
                 # trained again (the lease restarts from its committed offset).
                 self.loop.call_soon_threadsafe(

@@ -25,7 +25,7 @@ from murmur.node.data import BatchLoader, Dataset, Position
 from murmur.node.train import autocast, build_model_from_config
 from murmur.optim.demo import DeMo
 from murmur.optim.diloco import StreamingDiLoCo
-from murmur.optim.exchange import Exchange
+from murmur.optim.exchange import Exchange, ExchangeError
 from murmur.optim.factory import build_sync
 from murmur.optim.inner import lr_at, make_inner_optimizer, set_lr
 from murmur.protocol.runconfig import RunConfig
@@ -92,6 +92,15 @@ class WaitMeter(Exchange):
     def __init__(self, inner: Exchange) -> None:
         self.inner = inner
         self.waited_s = 0.0
+        self._pending: set[Future] = set()
+        self._aborted = ""
+
+    def abort(self, reason: str) -> None:
+        """Fail every pending and later call at once (a stop must not sit out a round timeout)."""
+        self._aborted = reason
+        for fut in list(self._pending):
+            if not fut.done():
+                fut.set_exception(ExchangeError(reason))
 
     @property
     def peer_id(self) -> str:
@@ -99,9 +108,16 @@ class WaitMeter(Exchange):
 
     def _wrap(self, fut: Future) -> Future:
         out = _MeteredFuture(self)
+        if self._aborted:
+            out.set_exception(ExchangeError(self._aborted))
+            return out
+        self._pending.add(out)
 
         def done(f: Future) -> None:
-            err = f.exception()
+            self._pending.discard(out)
+            if out.done():  # aborted meanwhile
+                return
+            err = f.exception() if not f.cancelled() else ExchangeError("the exchange call was cancelled")
             if err is not None:
                 out.set_exception(err)
             else:

@@ -29,6 +29,10 @@ from murmur.errors import MurmurError
 
 DEFAULT_CONFIG = "configs/testnet-small.toml"
 REFRESH_S = 1.0  # how often the live rows are redrawn
+# Loopback answers in microseconds: a testnet notices a dead node within seconds, not the
+# internet defaults (docs/failure-model.md explains each).
+LOOPBACK_NODE = ["--peer-timeout", "8", "--rendezvous-deadline", "8", "--dht-record-ttl", "6"]
+LOOPBACK_COORDINATOR = ["--heartbeat-ttl", "3", "--lease-ttl", "6", "--restart-grace", "6"]
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -232,8 +236,9 @@ def _run(args: argparse.Namespace) -> int:
     fresh_folder(out)
     overrides = list(args.set) + ([f'sync.algorithm="{args.algo}"'] if args.algo else [])
     config_path, data = prepare_run(args.config, overrides, out)
-    node_args = ["--solo"] if args.solo else []
-    net = Testnet(root=out, config_path=config_path, data=data, threads=args.threads, node_args=node_args)
+    node_args = ["--solo"] if args.solo else list(LOOPBACK_NODE)
+    net = Testnet(root=out, config_path=config_path, data=data, threads=args.threads, node_args=node_args,
+                  coordinator_args=list(LOOPBACK_COORDINATOR))
     rng = random.Random(args.seed if chaos else 0)
     view = LiveView()
     t0 = time.monotonic()
