@@ -7,8 +7,9 @@ DATA    := data/shakespeare-byte/manifest.json
 
 .PHONY: demo test lint install clean
 
+# The main job: a coordinator and three nodes on loopback train together for three minutes.
 demo: $(STAMP) $(DATA)
-	$(PY) -m murmur.cli train --config configs/small-cpu.toml
+	$(PY) -m murmur.cli testnet up --nodes 3 --config configs/testnet-small.toml --duration 180
 
 test: $(STAMP)
 	$(PY) -m pytest -q
