@@ -118,10 +118,32 @@ async def _worker(args: argparse.Namespace) -> None:
 # --- the driver -------------------------------------------------------------------------------------
 
 
-def _renice(nice: int):
+def _renice(nice: int, cpus: set[int] | None = None):
     # On a shared build machine other jobs compete for the 2 cores; --nice -10 (root) keeps the
-    # measured processes ahead of them. Recorded in the results' notes.
-    return (lambda: os.nice(nice)) if nice else None
+    # measured processes ahead of them. On a bigger machine --coordinator-cpus/--load-cpus pin the
+    # coordinator to 2 cores and the load generators to others, so the clients do not steal the
+    # coordinator's CPU. Both are recorded in the results' notes.
+    if not nice and not cpus:
+        return None
+
+    def setup() -> None:
+        if nice:
+            os.nice(nice)
+        if cpus:
+            os.sched_setaffinity(0, cpus)
+
+    return setup
+
+
+def _cpu_set(spec: str | None) -> set[int] | None:
+    """'0-1' or '0,1,4-7' -> {0, 1, ...}; None stays None."""
+    if not spec:
+        return None
+    cpus: set[int] = set()
+    for part in spec.split(","):
+        lo, _, hi = part.partition("-")
+        cpus.update(range(int(lo), int(hi or lo) + 1))
+    return cpus
 
 
 def _renice_session(nice: int) -> None:
@@ -142,7 +164,8 @@ def _pct(values: list[float], q: float) -> float:
 
 
 def measure(nodes: int, hz: float, seconds: float, workers: int, commit_every: float,
-            nice: int = 0) -> dict[str, object]:
+            nice: int = 0, coord_cpus: set[int] | None = None,
+            load_cpus: set[int] | None = None) -> dict[str, object]:
     import psutil
     from murmur.coordinator.admin_client import AdminClient, resolve
     from murmur.protocol import coordinator_pb2 as pb
@@ -154,7 +177,7 @@ def measure(nodes: int, hz: float, seconds: float, workers: int, commit_every: f
          "--db", str(db), "--listen", "127.0.0.1:0",
          "--node-listen", "127.0.0.1:0", "--metrics-listen", "off", "--no-dht", "--heartbeat-interval", str(1 / hz),
          "--heartbeat-ttl", "60", "--lease-ttl", "120", *os.environ.get("LOAD_COORD_ARGS", "").split()],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, preexec_fn=_renice(nice),
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, preexec_fn=_renice(nice, coord_cpus),
     )
     procs: list[subprocess.Popen[str]] = []
     try:
@@ -173,7 +196,7 @@ def measure(nodes: int, hz: float, seconds: float, workers: int, commit_every: f
                 [sys.executable, __file__, "--worker", "--address", info["address"], "--token", token,
                  "--nodes", str(share), "--hz", str(hz), "--seconds", str(seconds),
                  "--commit-every", str(commit_every), "--index", str(w), "--out", str(out)],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, preexec_fn=_renice(nice)))
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, preexec_fn=_renice(nice, load_cpus)))
         for p in procs:  # every node joined, leased and connected
             if p.stdout.readline().strip() != "ready":  # type: ignore[union-attr]
                 raise RuntimeError("a load worker failed while joining its nodes")
@@ -231,6 +254,9 @@ def main() -> int:
     parser.add_argument("--workers", type=int, default=2, help="load-generator processes")
     parser.add_argument("--commit-every", type=float, default=10.0, help="seconds between a node's commits")
     parser.add_argument("--nice", type=int, default=0, help="niceness of the coordinator and load processes")
+    parser.add_argument("--coordinator-cpus", help="pin the coordinator to these CPUs, e.g. 0-1")
+    parser.add_argument("--load-cpus", help="pin the load generators to these CPUs, e.g. 2-15")
+    parser.add_argument("--results", default=str(RESULTS), help="results file")
     parser.add_argument("--no-write", action="store_true", help="print, do not write the results file")
     # worker mode (internal)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -245,23 +271,30 @@ def main() -> int:
     rows_spec = [(args.nodes, args.hz)] if args.nodes else DEFAULT_ROWS
     rows = []
     for nodes, hz in rows_spec:
-        row = measure(nodes, hz, args.seconds, args.workers, args.commit_every, args.nice)
+        row = measure(nodes, hz, args.seconds, args.workers, args.commit_every, args.nice,
+                      _cpu_set(args.coordinator_cpus), _cpu_set(args.load_cpus))
         print(json.dumps(row), flush=True)
         rows.append(row)
     if not args.no_write:
-        RESULTS.parent.mkdir(parents=True, exist_ok=True)
-        RESULTS.write_text(json.dumps({
+        out = Path(args.results)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        if args.coordinator_cpus:
+            where = (f"the coordinator pinned to CPUs {args.coordinator_cpus}, the load generators to "
+                     f"{args.load_cpus or 'the rest'}: latency is client-side, an upper bound")
+        else:
+            where = ("latency is client-side (includes the load generator's own loop delay, on the same 2 cores "
+                     "as the coordinator: an upper bound); load_avg_1m is the machine's load before the window "
+                     "(other jobs share these 2 cores)")
+        out.write_text(json.dumps({
             "device": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores (CPU only)",
             "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
             "command": "python " + " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
-            "notes": "latency is client-side (includes the load generator's own loop delay, on the same 2 cores "
-                     f"as the coordinator: an upper bound); {args.workers} load processes; each node commits "
-                     f"every {args.commit_every:g} s; cpu_pct is the coordinator process, % of one core; SQLite "
-                     f"WAL synchronous=FULL; niceness {args.nice}; load_avg_1m is the machine's load before "
-                     "the window (other jobs share these 2 cores)",
+            "notes": f"{where}; {args.workers} load processes; each node commits every {args.commit_every:g} s; "
+                     f"cpu_pct is the coordinator process, % of one core; SQLite WAL synchronous=FULL; "
+                     f"niceness {args.nice}",
             "rows": rows,
         }, indent=1) + "\n")
-        print(f"wrote {RESULTS}")
+        print(f"wrote {out}")
     return 0
 
 
