@@ -110,3 +110,14 @@ def next_pow2(n: int) -> int:
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def write_out(vals: torch.Tensor, out: torch.Tensor | None, accumulate: bool) -> torch.Tensor:
+    """The references' shared ending: return ``vals``, or write it into ``out`` (adding when ``accumulate``)."""
+    if out is None:
+        return vals
+    if accumulate:
+        out += vals.to(out.dtype)
+    else:
+        out.copy_(vals)
+    return out

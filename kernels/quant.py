@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
-from murmur.kernels.dispatch import KernelError, cdiv, lazy_jit, next_pow2
+from murmur.kernels.dispatch import KernelError, cdiv, lazy_jit, next_pow2, write_out
 
 if TYPE_CHECKING:  # the kernels get `tl` from lazy_jit at first launch (see dispatch.py)
     import triton.language as tl
@@ -85,13 +85,7 @@ def dequantize_ref(q, scales, bits, block, shape, out=None, accumulate=False):
         q = torch.stack(((q & 15).to(torch.int8) - 8, (q >> 4).to(torch.int8) - 8), dim=1).reshape(-1)[:n]
     idx = torch.arange(n, device=q.device) // block
     vals = (q.float() * scales[idx]).view(shape)
-    if out is None:
-        return vals
-    if accumulate:
-        out += vals.to(out.dtype)
-    else:
-        out.copy_(vals)
-    return out
+    return write_out(vals, out, accumulate)
 
 
 # ---------------------------------------------------------------- Triton

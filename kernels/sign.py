@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
-from murmur.kernels.dispatch import KernelError, cdiv, lazy_jit, next_pow2
+from murmur.kernels.dispatch import KernelError, cdiv, lazy_jit, next_pow2, write_out
 
 if TYPE_CHECKING:  # the kernels get `tl` from lazy_jit at first launch (see dispatch.py)
     import triton.language as tl
@@ -48,13 +48,7 @@ def sign_unpack_ref(bits, scales, block, shape, out=None, accumulate=False):
     pos = torch.arange(n, device=bits.device)
     bit = (bits[pos // 8] >> (pos % 8).to(torch.uint8)) & 1
     vals = torch.where(bit.bool(), scales[pos // block], -scales[pos // block]).view(shape)
-    if out is None:
-        return vals
-    if accumulate:
-        out += vals.to(out.dtype)
-    else:
-        out.copy_(vals)
-    return out
+    return write_out(vals, out, accumulate)
 
 
 @lazy_jit

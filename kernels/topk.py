@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
-from murmur.kernels.dispatch import KernelError, cdiv, lazy_jit, next_pow2
+from murmur.kernels.dispatch import KernelError, cdiv, lazy_jit, next_pow2, write_out
 
 if TYPE_CHECKING:  # the kernels get `tl` from lazy_jit at first launch (see dispatch.py)
     import triton.language as tl
@@ -50,13 +50,7 @@ def scatter_ref(values, indices, chunk, shape, out=None, accumulate=False):
     pos = (torch.arange(rows, device=values.device)[:, None] * chunk + indices.long()).reshape(-1)
     dense[pos] = values.reshape(-1)  # distinct positions; padding picks land beyond n
     vals = dense[:n].view(shape)
-    if out is None:
-        return vals
-    if accumulate:
-        out += vals.to(out.dtype)
-    else:
-        out.copy_(vals)
-    return out
+    return write_out(vals, out, accumulate)
 
 
 @lazy_jit
