@@ -331,7 +331,23 @@ class GrpcExchange(Exchange):
             while loop.time() < call.deadline:
                 if len(members) <= call.start_members * self.settings.quorum:
                     why = f"only {len(members)} of {call.start_members} peers left (no quorum)"
-                    break
+                    # Do not just sit in catch-up until the deadline: that waits for someone else
+                    # to complete, and when every peer lost quorum (e.g. a peer killed mid-round
+                    # left a rendezvous entry at its old address, and then came back under the
+                    # same node id at a new one) nobody ever does: each waits, deaf to the others'
+                    # new attempts, until the round deadline, and the retried round meets the
+                    # same stale attempts again. So: adopt a result if someone has one, else
+                    # meet again (fresh rendezvous, fresh addresses, nobody excluded) and retry.
+                    hints = await self._ask_done(call)
+                    if hints:
+                        why = "other peers completed this round first"
+                        break
+                    if loop.time() + self.settings.catch_up_poll >= call.deadline:
+                        break
+                    await asyncio.sleep(self.settings.catch_up_poll)
+                    members, excluded = await self._regroup(call, members), {}
+                    if len(members) <= call.start_members * self.settings.quorum:
+                        continue
                 att = await self._make_attempt(call, number, tuple(members))
                 await self.book.register(att)
                 replies = await self._attempt(call, att)
@@ -358,6 +374,23 @@ class GrpcExchange(Exchange):
             return named, members_done, True
         finally:
             self.book.forget(call.round_id, call.key)
+
+    async def _regroup(self, call: _Call, members: list[str]) -> list[str]:
+        """The round's members as the group shows them now (``members`` if it cannot tell).
+
+        A peer that was killed and restarted under the same node id is back at a new address:
+        ``call.peers`` takes the new one, so the next attempt dials the live incarnation."""
+        loop = asyncio.get_running_loop()
+        try:
+            peers = await asyncio.wait_for(
+                self.group.members(call.round_id, call.key), max(call.deadline - loop.time(), 0.001)
+            )
+        except Exception:  # noqa: BLE001 - a failed rendezvous read: keep what we have, retry later
+            return members
+        peers = {n: a for n, a in peers.items() if not self.server.ban_list.is_banned(n)}
+        peers[self.peer_id] = self.server.address
+        call.peers.update(peers)
+        return sorted(peers)
 
     def _failures(
         self, call: _Call, att: Attempt, replies: dict[str, _Reply]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from _net_helpers import RUN, attach_exchanges, peer_group, start_servers
@@ -216,6 +218,42 @@ def test_two_peers_need_each_other_no_split_brain():
         loop.run(peers[1].server.stop())
         with pytest.raises(ExchangeError, match="quorum|did not complete"):
             peers[0].exchange.all_reduce(inputs(1)[0], round_id=1, key="k").result(timeout=TIMEOUT)
+
+
+def test_a_peer_restarted_mid_round_under_its_id_completes_the_round_with_the_others():
+    """Regression (`murmur testnet chaos`): B is killed mid-round and restarted under the same node id
+    at a new address. A met the dead incarnation at the rendezvous, so it lost quorum (1 of 2) and
+    used to sit in catch-up until the round deadline, while the new B, meeting A's abandoned
+    attempt, gave up on A too: both failed at the deadline. A now meets again (fresh group,
+    fresh address) and the round completes among the live peers, well before the deadline."""
+    ca = CertificateAuthority.create("test")
+    a_id, b_id = ca.issue(), ca.issue()
+    loop = LoopThread()
+    peers = []
+    try:
+        a, b_old, b_new = peers = start_servers(loop, [a_id, b_id, b_id])
+        old_view = {a.node_id: a.server.address, b_id.node_id: b_old.server.address}
+        attach_exchanges(loop, [a], group=old_view, peer_timeout=1.0, round_deadline=30.0)
+        loop.run(b_old.server.stop())  # killed after the rendezvous: A still sees its old address
+        xs = inputs(2)
+        t0 = time.monotonic()
+        fut_a = a.exchange.all_reduce(xs[0], round_id=1, key="k")
+        time.sleep(1.5)  # A has lost quorum by now
+        new_view = {a.node_id: a.server.address, b_id.node_id: b_new.server.address}
+        a.exchange.group.peers = dict(new_view)  # the restarted B overwrote its rendezvous entry
+        attach_exchanges(loop, [b_new], group=new_view, peer_timeout=1.0, round_deadline=30.0)
+        fut_b = b_new.exchange.all_reduce(xs[1], round_id=1, key="k")
+        results = [fut_a.result(timeout=TIMEOUT), fut_b.result(timeout=TIMEOUT)]
+        assert time.monotonic() - t0 < 20.0  # not the round deadline
+        assert_identical(results)
+        assert results[0].members == sorted([a.node_id, b_id.node_id])
+        for i, got in enumerate(results[0].tensors):
+            assert torch.allclose(got, (xs[0][i] + xs[1][i]) / 2, atol=1e-6)
+    finally:
+        for p in peers:
+            loop.run(p.exchange.aclose()) if p.exchange else None
+            loop.run(p.server.stop())
+        loop.stop()
 
 
 def test_consecutive_rounds_and_keys_are_independent():
