@@ -39,6 +39,10 @@ from murmur.protocol.dht import DHTError, DHTSettings, MurmurDHT, PeerRecord
 from murmur.protocol.runconfig import RunConfig
 from murmur.protocol.wire import tensors_hash
 
+# Peers of a round are trainers; the coordinator also announces itself under the run (role
+# "coordinator") as a bootstrap peer, and must not be counted as a member or asked for state.
+TRAINER = "trainer"
+
 T = TypeVar("T")
 WILDCARDS = ("0.0.0.0", "::", "[::]", "")
 STATE_POLL_S = 0.5  # how often a joiner looks for peers' records
@@ -163,7 +167,7 @@ class PeerDataPlane:
             return
         try:
             stored = await self.dht.aannounce(self.record)
-            peers = await self.dht.apeers()
+            peers = await self.dht.apeers(role=TRAINER)
             self.live_peers = max(1, len(peers))
             if not stored and len(peers) > 1:
                 self.log("DHT announce was not stored; retrying")
@@ -191,7 +195,7 @@ class PeerDataPlane:
         while self.dht is not None:
             # Re-announce each time: a lone first node's store fails until someone joins its DHT.
             await self._announce()
-            peers = await self.dht.apeers()
+            peers = await self.dht.apeers(role=TRAINER)
             self.live_peers = max(1, len(peers))
             if len(peers) >= count or loop.time() >= deadline or stop():
                 return len(peers)
@@ -223,7 +227,7 @@ class PeerDataPlane:
         alone_after = loop.time() + self.s.rendezvous_deadline_s
         while True:
             try:
-                records = [r for r in await self.dht.apeers() if r.node_id != self.ident.node_id]
+                records = [r for r in await self.dht.apeers(role=TRAINER) if r.node_id != self.ident.node_id]
             except DHTError as err:
                 self.log(f"cannot list peers ({err}); starting from the local state")
                 return None
@@ -254,7 +258,7 @@ class PeerDataPlane:
                     return None
                 await asyncio.sleep(STATE_POLL_S)
                 try:
-                    records = [r for r in await self.dht.apeers() if r.node_id != self.ident.node_id]
+                    records = [r for r in await self.dht.apeers(role=TRAINER) if r.node_id != self.ident.node_id]
                 except DHTError:
                     return None
                 continue

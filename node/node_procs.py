@@ -226,12 +226,15 @@ class Testnet:
         those of any running node (its peer.json), waiting for the first node's if need be."""
         if self.info.get("dht"):
             return []  # the coordinator hands them out in the join reply
+        # Every live node's addresses, not just the first one's: one node killed a moment ago must
+        # not leave a restart with nothing but a dead bootstrap address.
+        found: list[str] = []
         for other in self.nodes:
             peer = other.state_dir / "peer.json"
             if other.alive() and peer.is_file():
                 with contextlib.suppress(json.JSONDecodeError, OSError):
-                    return list(json.loads(peer.read_text()).get("dht", []))[:2]
-        return []
+                    found += list(json.loads(peer.read_text()).get("dht", []))[:2]
+        return found
 
     def wait_dht_bootstrap(self, timeout_s: float = COORDINATOR_START_TIMEOUT_S) -> list[str]:
         found: list[list[str]] = []
@@ -247,6 +250,9 @@ class Testnet:
 
     def start_node(self, node: NodeProc, extra: list[str] | None = None) -> None:
         node.state_dir.mkdir(parents=True, exist_ok=True)
+        # The previous incarnation's addresses are dead; until this one writes its own, no other
+        # node may bootstrap from them.
+        (node.state_dir / "peer.json").unlink(missing_ok=True)
         if "--solo" not in self.node_args and not self.info.get("dht"):
             extra = [*(extra or []), *[a for m in self.dht_bootstrap() for a in ("--dht-peer", m)]]
         if node._log is not None:

@@ -32,7 +32,9 @@ REFRESH_S = 1.0  # how often the live rows are redrawn
 # Loopback answers in microseconds: a testnet notices a dead node within seconds, not the
 # internet defaults (docs/failure-model.md explains each).
 LOOPBACK_NODE = ["--peer-timeout", "8", "--rendezvous-deadline", "8", "--dht-record-ttl", "6"]
-LOOPBACK_COORDINATOR = ["--heartbeat-ttl", "3", "--lease-ttl", "6", "--restart-grace", "6"]
+# The coordinator is the DHT bootstrap peer (its join reply hands out its addresses), so a node
+# restarted under chaos never depends on another node that may have just died.
+LOOPBACK_COORDINATOR = ["--dht", "--heartbeat-ttl", "3", "--lease-ttl", "6", "--restart-grace", "6"]
 
 
 def register(sub: argparse._SubParsersAction) -> None:
