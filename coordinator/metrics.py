@@ -1,4 +1,4 @@
-"""A Prometheus endpoint: GET /metrics in the text exposition format, on a tiny asyncio HTTP server.
+"""The coordinator's Prometheus metrics, rendered for protocol.metrics_http's GET /metrics server.
 
 Values are read from the ledger at scrape time (a few aggregate queries), so they are exact and
 survive restarts; per-method call counts are this process's own.
@@ -6,13 +6,14 @@ survive restarts; per-method call counts are this process's own.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable
+
+from murmur.protocol.metrics_http import MetricsServer
 
 from .service import Stats
 from .store import Store
 
-READ_TIMEOUT_S = 5.0  # a scraper that sends no request line within this long is dropped
+__all__ = ["MetricsServer", "render"]  # the server is protocol's, shared with the node
 
 
 def render(store: Store, stats: Stats, pending_heartbeats: Callable[[], int]) -> str:
@@ -84,37 +85,3 @@ def render(store: Store, stats: Stats, pending_heartbeats: Callable[[], int]) ->
         [(f'{{method="{m}"}}', n) for m, n in sorted(stats.errors.items())],
     )
     return "\n".join(lines) + "\n"
-
-
-class MetricsServer:
-    def __init__(self, body: Callable[[], str]) -> None:
-        self.body = body
-        self.server: asyncio.base_events.Server | None = None
-
-    async def start(self, host: str, port: int) -> int:
-        self.server = await asyncio.start_server(self._handle, host, port)
-        return int(self.server.sockets[0].getsockname()[1])
-
-    async def stop(self) -> None:
-        if self.server is not None:
-            self.server.close()
-            await self.server.wait_closed()
-
-    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            request = await asyncio.wait_for(reader.readline(), READ_TIMEOUT_S)
-            parts = request.decode("latin-1").split()
-            if len(parts) >= 2 and parts[0] == "GET" and parts[1].split("?")[0] == "/metrics":
-                status, ctype, payload = "200 OK", "text/plain; version=0.0.4", self.body().encode()
-            else:
-                status, ctype, payload = "404 Not Found", "text/plain", b"try GET /metrics\n"
-            writer.write(
-                f"HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\nContent-Length: {len(payload)}\r\n"
-                "Connection: close\r\n\r\n".encode()
-                + payload
-            )
-            await writer.drain()
-        except (asyncio.TimeoutError, ConnectionError):
-            pass
-        finally:
-            writer.close()

@@ -36,6 +36,7 @@ import grpc
 import torch
 from murmur.node.data import Dataset, eval_batches
 from murmur.node.node_metrics import MetricsServer, NodeMetrics
+from murmur.node.node_metrics import metrics_server as make_metrics_server
 from murmur.node.node_settings import NodeSettings
 from murmur.node.node_state import JoinInfo, PendingCommit, StateDir
 from murmur.node.node_training import LeaseView, NodeTrainer, Segment, WindowResult
@@ -516,7 +517,7 @@ class Node:
             self.metrics.pending_commits = len(self.pending)
             if self.o.metrics_listen != "off":
                 host, _, port = self.o.metrics_listen.rpartition(":")
-                metrics_server = MetricsServer(self.metrics, {"node": info.node_id, "run": info.run_id})
+                metrics_server = make_metrics_server(self.metrics, {"node": info.node_id, "run": info.run_id})
                 bound = await metrics_server.start(host or "127.0.0.1", int(port or 0))
                 self.log(f"metrics on http://{host or '127.0.0.1'}:{bound}/metrics")
             from murmur.node import node_dataplane  # gRPC peer server, DHT, exchange

@@ -1,17 +1,15 @@
 """The node's Prometheus endpoint: a few gauges and counters as text on GET /metrics.
 
-A tiny HTTP/1.0 server on the daemon's asyncio loop (no extra dependency, nothing to configure).
+Served by protocol.metrics_http on the daemon's asyncio loop (shared with the coordinator).
 The training thread updates `NodeMetrics` fields; plain float/int assignments are atomic under the
 GIL, and a scrape reads whatever the last round wrote.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 from dataclasses import dataclass, fields
 
-METRICS_READ_TIMEOUT_S = 5.0  # a scraper that does not send its request within this is dropped
+from murmur.protocol.metrics_http import MetricsServer
 
 _HELP = {
     "round": ("gauge", "outer rounds this node completed"),
@@ -62,38 +60,6 @@ class NodeMetrics:
         return "\n".join(lines) + "\n"
 
 
-class MetricsServer:
-    def __init__(self, metrics: NodeMetrics, labels: dict[str, str]) -> None:
-        self.metrics, self.labels = metrics, labels
-        self._server: asyncio.AbstractServer | None = None
-
-    async def start(self, host: str, port: int) -> int:
-        self._server = await asyncio.start_server(self._handle, host, port)
-        return self._server.sockets[0].getsockname()[1]
-
-    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            line = await asyncio.wait_for(reader.readline(), METRICS_READ_TIMEOUT_S)
-            parts = line.decode("latin-1").split()
-            if len(parts) >= 2 and parts[0] == "GET" and parts[1].split("?")[0] == "/metrics":
-                body, status = self.metrics.render(self.labels).encode(), "200 OK"
-            else:
-                body, status = b"not found: try /metrics\n", "404 Not Found"
-            writer.write(
-                f"HTTP/1.0 {status}\r\nContent-Type: text/plain; version=0.0.4\r\n"
-                f"Content-Length: {len(body)}\r\n\r\n".encode()
-                + body
-            )
-            await writer.drain()
-        except (asyncio.TimeoutError, ConnectionError):
-            pass
-        finally:
-            writer.close()
-            with contextlib.suppress(Exception):
-                await writer.wait_closed()
-
-    async def stop(self) -> None:
-        if self._server is not None:
-            self._server.close()
-            await self._server.wait_closed()
-            self._server = None
+def metrics_server(metrics: NodeMetrics, labels: dict[str, str]) -> MetricsServer:
+    """The daemon's /metrics endpoint, rendering ``metrics`` at each scrape."""
+    return MetricsServer(lambda: metrics.render(labels))
