@@ -9,14 +9,13 @@ The daemon (node_lifecycle.py) sees one small object:
     last_round_members()      who took part in the last completed exchange
     await close()             stop serving, leave the DHT, no child process left
 
-`open_dataplane` builds it from the protocol engineer's parts (node/peer_server.py,
-node/exchange_grpc.py, protocol/dht.py). ``solo`` is a one-member group: a node that trains alone
-against a coordinator (trying a run, or its ledger) with the same sync code and no peers.
+`open_dataplane` builds it from node/node_peers.py (peer server, gRPC exchange, DHT). ``solo`` is a
+one-member group: a node that trains alone against a coordinator (trying a run, or its ledger) with
+the same sync code and no peers.
 """
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
@@ -29,12 +28,6 @@ from murmur.optim.factory import make_aggregator_for, make_codec_for
 from murmur.optim.inprocess import InProcessGroup
 from murmur.protocol import identity
 from murmur.protocol.runconfig import RunConfig
-
-from murmur.errors import MurmurError
-
-
-class DataPlaneError(MurmurError):
-    pass
 
 
 class _MemberTracker(Exchange):
@@ -92,9 +85,6 @@ class SoloDataPlane:
         self.exchange.close()
 
 
-REQUIRED = ("murmur.node.exchange_grpc", "murmur.node.peer_server", "murmur.protocol.dht")
-
-
 async def open_dataplane(
     *,
     ident: identity.Identity,
@@ -111,19 +101,6 @@ async def open_dataplane(
     if solo:
         log("solo mode: a one-member exchange, no peer server, no DHT")
         return SoloDataPlane(info.node_id, cfg)
-    missing = []
-    for name in REQUIRED:
-        try:
-            importlib.import_module(name)
-        except ModuleNotFoundError as err:
-            if err.name != name:
-                raise
-            missing.append(name)
-    if missing:
-        raise DataPlaneError(
-            f"this build has no peer-to-peer data plane ({', '.join(missing)} missing); "
-            "run with --solo to train alone against the coordinator"
-        )
     from murmur.node import node_peers  # noqa: PLC0415 - imports hivemind and the gRPC peer stack
 
     return await node_peers.open_peer_dataplane(
