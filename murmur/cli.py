@@ -35,12 +35,7 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     wanted = next((a for a in argv if a in SUBCOMMANDS), None)
     for noun, (module, help_text) in SUBCOMMANDS.items():
         if noun == wanted:
-            try:
-                importlib.import_module(module).register(sub)
-            except ModuleNotFoundError as err:
-                if err.name != module:
-                    raise
-                sub.add_parser(noun, help=f"{help_text} (not built yet)")
+            importlib.import_module(module).register(sub)
         else:
             sub.add_parser(noun, help=help_text, add_help=False)
     return parser
