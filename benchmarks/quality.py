@@ -207,6 +207,82 @@ def combine(gpu_path: Path, cpu_paths: list[Path], out_dir: Path, notes: list[st
     )
 
 
+# Relative cost of a row's inner step (DDP all-reduces and DeMo all-gathers every step), to
+# spread the rows evenly over lanes.
+ROW_COST = {"ddp": 1.4, "demo": 1.4}
+
+
+def split_rows(names: list[str], lanes: int) -> list[list[str]]:
+    """Greedy: the costliest rows first, each to the lane with the least work so far."""
+    load, out = [0.0] * lanes, [[] for _ in range(lanes)]
+    for name in sorted(names, key=lambda n: -ROW_COST.get(ROWS[n][0]["algorithm"], 1.0)):
+        i = load.index(min(load))
+        out[i].append(name)
+        load[i] += ROW_COST.get(ROWS[name][0]["algorithm"], 1.0)
+    return [lane for lane in out if lane]
+
+
+def _drop_options(argv: list[str], names: set[str]) -> list[str]:
+    """argv without ``--name value`` / ``--name=value`` for the given option names."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a in names:
+            skip = True
+        elif not any(a.startswith(n + "=") for n in names):
+            out.append(a)
+    return out
+
+
+def run_lanes(args: argparse.Namespace, argv: list[str]) -> int:
+    """One child process per lane (its own CUDA device and rows), then one merged JSON and PNG."""
+    import os
+    import subprocess
+
+    if not args.steps:
+        print("error: --lanes needs --steps (each lane cannot fit a shared time budget)", file=sys.stderr)
+        return 2
+    names = args.rows.split(",") if args.rows else list(ROWS)
+    devices = args.lanes.split(",")
+    groups = split_rows(names, len(devices))
+    root = Path(args.partial_dir or args.results_dir) / "lanes"
+    base = _drop_options(argv, {"--lanes", "--rows", "--results-dir", "--partial-dir"})
+    procs = []
+    for i, rows in enumerate(groups):
+        out = root / f"lane{i}"
+        out.mkdir(parents=True, exist_ok=True)
+        env = dict(os.environ, CUDA_VISIBLE_DEVICES=devices[i])
+        cmd = [sys.executable, __file__, *base, "--rows", ",".join(rows), "--results-dir", str(out)]
+        print(f"lane {i} on cuda:{devices[i]}: {', '.join(rows)}", flush=True)
+        log = (out / "log.txt").open("w")
+        procs.append((subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT), log, out))
+    rc = 0
+    for proc, log, out in procs:
+        rc |= proc.wait()
+        log.close()
+        tail = (out / "log.txt").read_text().splitlines()[-3:]
+        print(f"{out.name}: rc {proc.returncode}; " + " | ".join(tail), flush=True)
+    parts = [json.loads((out / "quality.json").read_text()) for _, _, out in procs if (out / "quality.json").exists()]
+    if not parts:
+        return rc or 1
+    merged = merge_sweeps(parts)
+    merged["command"] = "python3 benchmarks/quality.py " + " ".join(argv)
+    merged["lanes"] = {f"cuda:{devices[i]}": rows for i, rows in enumerate(groups)}
+    order = {n: i for i, n in enumerate(names)}
+    merged["rows"].sort(key=lambda r: order.get(r["name"], len(order)))
+    for d in [Path(args.results_dir)] + ([Path(args.partial_dir)] if args.partial_dir else []):
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "quality.json").write_text(json.dumps(merged, indent=1) + "\n")
+        title = (f"{merged['device']}: {merged['workers']} workers, {merged['model']['params'] / 1e6:.0f}M params, "
+                 f"{merged['steps_per_worker']} steps ({merged['rows'][0]['tokens'] / 1e6:.0f}M tokens) per run")
+        plot_panels([(title, {r["name"]: merged["curves"][r["name"]] for r in merged["rows"]})], d / "quality.png")
+    print(json.dumps(merged["summary"], indent=1))
+    for r in merged["rows"]:
+        print(json.dumps(r))
+    return rc
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--data", default="data/quality-gpt2")
@@ -222,7 +298,12 @@ def main(argv: list[str] | None = None) -> int:
                    help="GPU_JSON CPU_JSON [CPU_JSON ...]: merge a GPU run and a CPU sweep (its rows may be "
                    "split over several runs) into --results-dir/quality.json and .png")
     p.add_argument("--note", action="append", default=[], help="a note for the combined JSON (repeatable)")
+    p.add_argument("--engine", default="stacked", help="the simulator's engine: stacked (default) or threads")
+    p.add_argument("--lanes", help="run the rows in parallel processes, one per entry, on these CUDA devices "
+                   "(e.g. 0,0,1,1: two on each of two GPUs); needs --steps; the lanes' JSONs are merged")
     args = p.parse_args(argv)
+    if args.lanes:
+        return run_lanes(args, argv if argv is not None else sys.argv[1:])
     if args.combine:
         if len(args.combine) < 2:
             p.error("--combine needs a GPU JSON and at least one CPU JSON")
@@ -257,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in names:
         cfg = row_config(name, args.data, steps)
         print(f"== {name}", flush=True)
-        r = run_sim(cfg, args.workers, device, dataset, log=lambda s: print(s, flush=True))
+        r = run_sim(cfg, args.workers, device, dataset, engine=args.engine, log=lambda s: print(s, flush=True))
         results.append(r)
         done.append(name)
         rows = rows_of(results, done)

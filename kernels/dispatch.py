@@ -42,10 +42,17 @@ def requested() -> str:
     return choice
 
 
+def under_vmap(*tensors: torch.Tensor) -> bool:
+    """Whether any tensor is a functorch batched tensor (we are inside `torch.func.vmap`). The
+    Triton custom ops have no batching rules, so vmapped callers (the simulator's stacked
+    replicas) take the references, which vmap composes."""
+    return any(torch._C._functorch.is_batchedtensor(t) for t in tensors)
+
+
 def use_triton(*tensors: torch.Tensor) -> bool:
     """True when the Triton path should run for these tensors (all on one device)."""
     choice = requested()
-    if choice == "torch":
+    if choice == "torch" or under_vmap(*tensors):
         return False
     on_cuda = all(t.is_cuda for t in tensors)
     if choice == "triton":

@@ -1,9 +1,14 @@
 """`murmur sim`: K workers of a low-communication run in one process, on one device.
 
-Each worker is a real replica (model, AdamW, data loader on its own shards as the coordinator
-would lease them) driven by the same `optim` sync code a node runs, in its own thread; the
-workers meet in an `InProcessGroup`, which counts every payload byte by codec. Worker 0 reports a
-progress line per outer step (every H inner steps) and evaluates on the validation split.
+Each worker is a real replica (weights, AdamW, data loader on its own shards as the coordinator
+would lease them) driven by the same `optim` sync code a node runs; the workers meet in an
+`InProcessGroup`, which counts every payload byte by codec. Worker 0 reports a progress line per
+outer step (every H inner steps) and evaluates on the validation split.
+
+Two engines run the inner steps. ``stacked`` (the default, node/sim_stacked.py) keeps the K
+replicas' weights in [K, ...] tensors and trains them with one vmapped step; ``threads`` gives
+each replica its own module and thread, as separate nodes would run. They agree to float
+rounding (tests/test_sim_stacked.py); stacked is many times faster on a GPU.
 
     murmur sim --config RUN.toml --workers 8 --algorithm diloco --inner-steps 100 --codec int4 --out runs/x
 
@@ -140,6 +145,7 @@ class SimResult:
     bytes_per_worker: int
     ddp_bytes_per_worker: int
     seconds: float
+    engine: str = "threads"
     bytes_by_codec: dict[str, int] = field(default_factory=dict)
     curve: list[CurvePoint] = field(default_factory=list)
 
@@ -168,63 +174,136 @@ def eval_points(cfg: RunConfig, steps: int) -> set[int]:
     return {s for s in range(every, steps + 1, every)} | {steps}
 
 
+ENGINES = ("stacked", "threads")
+
+
+class Progress:
+    """Worker 0's side of a run: the train-loss window, evaluations, progress lines, the curve."""
+
+    def __init__(
+        self, cfg: RunConfig, k: int, n_params: int, tokens_per_step: int, val: list, device: torch.device,
+        log: Callable[[str], None],
+    ) -> None:
+        self.cfg, self.k, self.n_params, self.tokens_per_step = cfg, k, n_params, tokens_per_step
+        self.val, self.device, self.log = val, device, log
+        self.steps, self.h = cfg.train.steps, cfg.sync.inner_steps
+        self.evals = eval_points(cfg, self.steps)
+        self.window: list[torch.Tensor] = []
+        self.curve: list[CurvePoint] = []
+        self.t0 = time.perf_counter()
+
+    def start(self, model: torch.nn.Module, engine: str) -> None:
+        self.curve.append(CurvePoint(0, 0, 0, evaluate(model, self.val, self.device, self.cfg.train.dtype)))
+        c = self.cfg
+        self.log(
+            f"sim {c.sync.algorithm} codec={c.sync.codec} H={self.h} workers={self.k} steps={self.steps} "
+            f"params={self.n_params / 1e6:.2f}M tokens/step={self.tokens_per_step} device={self.device} "
+            f"engine={engine} | val {self.curve[0].val_loss:.4f}"
+        )
+        self.t0 = time.perf_counter()
+
+    def step_done(self, s: int, loss: torch.Tensor, sync: SyncAlgorithm, model: Callable[[], torch.nn.Module]) -> None:
+        """After inner step ``s`` (0-based) of worker 0; ``model`` gives its module for evaluation."""
+        self.window.append(loss)
+        if (s + 1) % self.h and s + 1 != self.steps:
+            return
+        train = torch.stack(self.window).float().mean().item()
+        self.window.clear()
+        point = None
+        if s + 1 in self.evals:
+            val = evaluate(model(), self.val, self.device, self.cfg.train.dtype)
+            point = CurvePoint(s + 1, (s + 1) * self.tokens_per_step, sync.bytes.total_sent, val, train)
+            self.curve.append(point)
+        dt = time.perf_counter() - self.t0
+        sent = sync.bytes.total_sent
+        ratio = f"{ddp_bytes(self.n_params, self.k, s + 1) / sent:,.0f}x less than ddp" if sent else "none yet"
+        self.log(
+            f"round {math.ceil((s + 1) / self.h):4d} | step {s + 1:6d} | loss {train:.4f}"
+            + (f" | val {point.val_loss:.4f}" if point else "")
+            + f" | {(s + 1) * self.tokens_per_step / dt:,.0f} tok/s | sent {sent / 1e6:.2f} MB ({ratio})"
+        )
+
+    def result(self, sync: SyncAlgorithm, engine: str) -> SimResult:
+        c, k, steps = self.cfg, self.k, self.steps
+        return SimResult(
+            algorithm=c.sync.algorithm,
+            codec="demo_dct" if c.sync.algorithm == "demo" else c.sync.codec,
+            inner_steps=self.h,
+            workers=k,
+            steps=steps,
+            tokens=steps * self.tokens_per_step,
+            n_params=self.n_params,
+            val_loss=self.curve[-1].val_loss,
+            bytes_per_worker=sync.bytes.total_sent,
+            ddp_bytes_per_worker=ddp_bytes(self.n_params, k, steps),
+            seconds=time.perf_counter() - self.t0,
+            engine=engine,
+            bytes_by_codec=dict(sync.bytes.sent),
+            curve=self.curve,
+        )
+
+
 def run_sim(
     cfg: RunConfig,
     k: int,
     device: torch.device,
     dataset: Dataset,
     *,
+    engine: str = "stacked",
     log: Callable[[str], None] = print,
 ) -> SimResult:
-    steps = cfg.train.steps
+    """Train K replicas for ``cfg.train.steps`` inner steps each. ``engine``: ``stacked`` (one
+    vmapped step for all replicas, node/sim_stacked.py; fast on a GPU) or ``threads`` (a thread
+    and a module per replica, as separate nodes would run). Both run the same optim code."""
+    if engine not in ENGINES:
+        raise SimError(f"engine must be one of {', '.join(ENGINES)}, got {engine!r}")
     probe = build_model_from_config(cfg, dataset.vocab_size, "cpu")
     seq_len, batch = probe.cfg.seq_len, cfg.train.batch_size
     n_params = sum(p.numel() for p in probe.parameters())
     del probe
-    workers, group = build_workers(cfg, k, device, worker_loaders(dataset, batch, seq_len), dataset.vocab_size)
     val = eval_batches(dataset, batch, seq_len, cfg.train.eval_batches)
-    tokens_per_step = k * batch * seq_len
-    h = cfg.sync.inner_steps
-    evals = eval_points(cfg, steps)
+    progress = Progress(cfg, k, n_params, k * batch * seq_len, val, device, log)
+    loaders = worker_loaders(dataset, batch, seq_len)
+    if engine == "stacked":
+        return _run_stacked(cfg, k, device, loaders, dataset.vocab_size, progress)
+    return _run_threads(cfg, k, device, loaders, dataset.vocab_size, progress)
+
+
+def _run_stacked(cfg, k, device, loaders, vocab_size, progress: Progress) -> SimResult:
+    from murmur.node.sim_stacked import StackedReplicas
+
+    peers = [f"w{i:03d}" for i in range(k)]
+    reps = StackedReplicas(cfg, k, device, loaders, vocab_size, peers)
+    try:
+        progress.start(reps.lead_model(), "stacked")
+        steps = cfg.train.steps
+        for s in range(steps):
+            losses = reps.step(s, steps)
+            if s + 1 == steps:
+                reps.finish()
+            progress.step_done(s, losses[0], reps.lead_sync, reps.lead_model)
+    except ExchangeError as err:
+        raise SimError(f"a replica's exchange failed: {err}") from err
+    finally:
+        reps.close()
+    return progress.result(reps.lead_sync, "stacked")
+
+
+def _run_threads(cfg, k, device, loaders, vocab_size, progress: Progress) -> SimResult:
+    workers, group = build_workers(cfg, k, device, loaders, vocab_size)
+    steps = cfg.train.steps
     lead = workers[0]
-    curve = [CurvePoint(0, 0, 0, evaluate(lead.model, val, device, cfg.train.dtype))]
-    log(
-        f"sim {cfg.sync.algorithm} codec={cfg.sync.codec} H={h} workers={k} steps={steps} "
-        f"params={n_params / 1e6:.2f}M tokens/step={tokens_per_step} device={device} "
-        f"| val {curve[0].val_loss:.4f}"
-    )
+    progress.start(lead.model, "threads")
     errors: list[BaseException] = []
-    t0 = time.perf_counter()
 
     def run(w: Worker) -> None:
-        window: list[torch.Tensor] = []
         try:
             for s in range(steps):
-                window.append(w.step(s, steps))
-                if w is not lead:
-                    continue
+                loss = w.step(s, steps)
                 if s + 1 == steps:
                     w.sync.finish()
-                if (s + 1) % h == 0 or s + 1 == steps:
-                    train = torch.stack(window).float().mean().item()
-                    window.clear()
-                    point = None
-                    if s + 1 in evals:
-                        point = CurvePoint(
-                            s + 1, (s + 1) * tokens_per_step, w.sync.bytes.total_sent,
-                            evaluate(w.model, val, device, cfg.train.dtype), train,
-                        )
-                        curve.append(point)
-                    dt = time.perf_counter() - t0
-                    sent = w.sync.bytes.total_sent
-                    ratio = f"{ddp_bytes(n_params, k, s + 1) / sent:,.0f}x less than ddp" if sent else "none yet"
-                    log(
-                        f"round {math.ceil((s + 1) / h):4d} | step {s + 1:6d} | loss {train:.4f}"
-                        + (f" | val {point.val_loss:.4f}" if point else "")
-                        + f" | {(s + 1) * tokens_per_step / dt:,.0f} tok/s | sent {sent / 1e6:.2f} MB ({ratio})"
-                    )
-            if w is not lead:
-                w.sync.finish()
+                if w is lead:
+                    progress.step_done(s, loss, w.sync, lambda: w.model)
         except BaseException as err:  # noqa: BLE001 - any failure must release the other workers
             errors.append(err)
             group.abort(f"{w.peer} failed: {err}")
@@ -246,23 +325,7 @@ def run_sim(
         if isinstance(first, MurmurError):
             raise first
         raise SimError(f"a worker failed: {type(first).__name__}: {first}") from first
-    seconds = time.perf_counter() - t0
-    counter = lead.sync.bytes
-    return SimResult(
-        algorithm=cfg.sync.algorithm,
-        codec="demo_dct" if cfg.sync.algorithm == "demo" else cfg.sync.codec,
-        inner_steps=h,
-        workers=k,
-        steps=steps,
-        tokens=steps * tokens_per_step,
-        n_params=n_params,
-        val_loss=curve[-1].val_loss,
-        bytes_per_worker=counter.total_sent,
-        ddp_bytes_per_worker=ddp_bytes(n_params, k, steps),
-        seconds=seconds,
-        bytes_by_codec=dict(counter.sent),
-        curve=curve,
-    )
+    return progress.result(lead.sync, "threads")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -338,6 +401,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--data", help="data.path")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override any config key")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    p.add_argument("--engine", choices=ENGINES, default="stacked",
+                   help="stacked: one vmapped step for all replicas (default); threads: a thread per replica")
     p.add_argument("--out", help="folder for sim.json and sim.png")
     p.set_defaults(func=_run)
 
@@ -376,7 +441,7 @@ def _run(args: argparse.Namespace) -> int:
         raise SimError(
             f"data.tokenizer is {cfg.data.tokenizer!r} but {cfg.data.path} was prepared with {dataset.tokenizer!r}"
         )
-    result = run_sim(cfg, args.workers, device, dataset)
+    result = run_sim(cfg, args.workers, device, dataset, engine=args.engine)
     print(format_table([result]))
     if args.out:
         write_outputs(Path(args.out), cfg, [result])

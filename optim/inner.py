@@ -18,8 +18,15 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
 
 def make_inner_optimizer(model: nn.Module, optim_cfg) -> torch.optim.AdamW:  # protocol OptimSection
+    groups = param_groups(model, optim_cfg.weight_decay)
+    return adamw(groups[0]["params"], groups[1]["params"], optim_cfg)
+
+
+def adamw(decay: list[torch.Tensor], no_decay: list[torch.Tensor], optim_cfg) -> torch.optim.AdamW:
+    """AdamW from the config over tensors with and without weight decay (the simulator's stacked
+    replicas pass [K, ...] tensors here, whose matrices are not 2-D any more)."""
     return torch.optim.AdamW(
-        param_groups(model, optim_cfg.weight_decay),
+        [{"params": decay, "weight_decay": optim_cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
         lr=optim_cfg.lr,
         betas=(optim_cfg.beta1, optim_cfg.beta2),
         eps=optim_cfg.eps,
