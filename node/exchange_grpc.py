@@ -1,24 +1,27 @@
 """`GrpcExchange`: optim's `Exchange` between nodes, over gRPC streams with mutual TLS.
 
 All-reduce (dense codecs): the update is flattened; the sorted member list cuts it into one span
-per member (aligned to ``span_align``); each peer encodes span i and streams it to member i;
-member i checks and decodes every input, aggregates (the run's rule: mean, trimmed mean,
-CenteredClip), re-encodes once and streams the same bytes back to everyone. Each peer thus sends
-about (N-1)/N of its payload and (N-1)/N of the result: the butterfly's 2(N-1)/N.
+per member, and each span into pipeline chunks (node/exchange_settings.py). Each peer streams
+span i, chunk by chunk, to member i (node/exchange_send.py); member i checks and decodes every
+chunk as it arrives, and as soon as it holds every member's chunk j it aggregates it (the run's
+rule: mean, trimmed mean, CenteredClip), re-encodes it once and streams it back to everyone while
+later chunks are still arriving (node/exchange_attempt.py, node/exchange_collect.py). Codec work
+runs in worker threads, off the event loop. Each peer sends about (N-1)/N of its payload and
+(N-1)/N of the result: the butterfly's 2(N-1)/N.
 Sparse codecs (top-k) and all-gather: every peer streams its payload to every other member;
 a sparse all-reduce then aggregates every payload locally, in sorted order.
 
 Rounds, attempts and failures. A call is one round (round_id, key). It runs in attempts: an
-attempt has a fixed member list and succeeds only if every member's input reached every owner
-and every owner answered. Anything else (a peer died, stalled, was refused, disagreed on the
-member list) aborts the attempt everywhere; the callers learn who failed and why from the
-owners' answers and retry without them, so a dead peer's span is re-owned by the survivors and
-a result is never a partial average. A peer that completed a round answers later attempts with
-ALREADY_DONE and publishes the result (``result/<round>/<key>``): a peer whose round did not
-complete (it lost a reply, was refused, came late) fetches it from the peers that completed and
-checks it against their published hash, instead of drifting away. A round needs more than
-``quorum`` of the peers it started with, so a cut-off minority can never finish on its own.
-Every wait is bounded by ``peer_timeout`` (per peer) and ``round_deadline`` (per call).
+attempt has a fixed member list and succeeds only if every member's whole input reached every
+owner and every owner answered OK after its last chunk. Anything else (a peer died, stalled, was
+refused, disagreed on the member list) aborts the attempt everywhere; the callers learn who
+failed and why from the owners' answers and retry without them, so a dead peer's span is
+re-owned by the survivors and a result is never a partial average (chunks of an aborted attempt
+are overwritten by the attempt that completes). A peer that completed a round answers later
+attempts with ALREADY_DONE and publishes the result; a peer whose round did not complete catches
+up from the peers that did (node/exchange_catchup.py). A round needs more than ``quorum`` of the
+peers it started with, so a cut-off minority can never finish on its own. Every wait is bounded
+by ``peer_timeout`` (per peer) and ``round_deadline`` (per call).
 """
 
 from __future__ import annotations
@@ -29,119 +32,39 @@ import os
 import signal
 from collections.abc import Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 
 import grpc
 import torch
 from google.protobuf.message import DecodeError
-from murmur.node.exchange_collect import (
-    ABORT,
-    DONE,
-    OK,
-    REFUSED,
-    Attempt,
-    DoneRecord,
-    InputRejected,
-    RoundBook,
-    ServeSettings,
-    decode_checked,
-    reduce_finalizer,
-    serve_exchange,
-    validate_gather,
-    validate_span,
-)
+from murmur.node.exchange_attempt import Attempt, GatherAttempt, ReduceAttempt, RoundBook, chunk_reducer
+from murmur.node.exchange_catchup import ask_done, catch_up, publish
+from murmur.node.exchange_collect import ABORT, DONE, OK, REFUSED, ServeSettings, serve_exchange
 from murmur.node.exchange_group import GroupProvider
-from murmur.node.peer_faults import FaultInjector
+from murmur.node.exchange_send import ERROR, Call, Reply, call_owner
+from murmur.node.exchange_settings import (
+    ExchangeSettings,
+    ExchangeSettingsError,
+    alignment,
+    chunk_ranges,
+    spans,
+)
+from murmur.node.exchange_stats import PhaseTimes
+from murmur.node.exchange_validate import InputRejected, validate_gather
+from murmur.node.peer_faults import FAULTS, FaultInjector
 from murmur.node.peer_loop import LoopThread
-from murmur.node.peer_server import PeerServer, PublishedState
-from murmur.node.peer_state import StateError, StateFetchSettings, afetch, result_name
+from murmur.node.peer_server import STREAM_WINDOW_OPTION, PeerServer
 from murmur.optim.aggregate import Aggregator
 from murmur.optim.codecs import Codec
 from murmur.optim.exchange import Exchange, ExchangeError, GatherResult, ReduceResult
 from murmur.optim.reduce import reduce_payloads
 from murmur.optim.wire import WireTensor
-from murmur.protocol import peer_pb2, peer_pb2_grpc, tls
-from murmur.protocol.identity import BannedError
-from murmur.protocol.version import PROTOCOL_VERSION, VERSION_METADATA_KEY
-from murmur.protocol.wire import (
-    WireError,
-    WireLimits,
-    layout_hash,
-    split,
-    tensors_hash,
-    wire_from_proto,
-    wire_to_proto,
-)
+from murmur.protocol import peer_pb2, tls
+from murmur.protocol.wire import WireError, WireLimits, layout_hash, wire_to_proto
 
-from murmur.errors import MurmurError
+OWN_LEAD_CHUNKS = 4  # how far our own input to our span may run ahead of the slowest member
 
-ERROR = -1  # a call that produced no status at all (unreachable, refused at the door, stalled)
+__all__ = ["ExchangeSettings", "ExchangeSettingsError", "GrpcExchange", "spans"]
 
-
-class ExchangeSettingsError(MurmurError):
-    pass
-
-
-@dataclass(kw_only=True, slots=True)
-class ExchangeSettings:
-    peer_timeout: float = 30.0  # a member silent this long (no input, no reply) is dropped
-    round_deadline: float = 300.0  # one call, every attempt and the catch-up included
-    max_payload_bytes: int = 1 << 30  # one member's payload for one call; more is refused unread
-    chunk_bytes: int = 1 << 20  # frame size of a streamed payload
-    max_message_bytes: int = tls.DEFAULT_MAX_MESSAGE_BYTES  # gRPC's own cap on one frame
-    span_align: int = 4096  # span boundaries fall on multiples of this many elements
-    quorum: float = 0.5  # a round needs more than this fraction of its starting group
-    catch_up_poll: float = 0.2  # how often a lagging peer asks whether someone completed
-    keep_results: int = 2  # results kept (and served) per key for peers catching up
-
-    def __post_init__(self) -> None:
-        for name in ("peer_timeout", "round_deadline", "catch_up_poll"):
-            if getattr(self, name) <= 0:
-                raise ExchangeSettingsError(f"exchange setting {name} must be positive")
-        if self.chunk_bytes + 4096 > self.max_message_bytes:
-            raise ExchangeSettingsError("chunk_bytes must leave room under max_message_bytes")
-        if not 0 <= self.quorum < 1:
-            raise ExchangeSettingsError("quorum is a fraction in [0, 1)")
-
-
-@dataclass(slots=True)
-class _Reply:
-    code: int
-    reason: str = ""
-    failed: dict[str, str] = field(default_factory=dict)
-    members: list[str] = field(default_factory=list)
-    attempt: int = 0
-    result_hash: bytes = b""
-    value: object = None
-
-
-@dataclass(slots=True)
-class _Call:
-    """What one call needs across its attempts."""
-
-    op: int
-    round_id: int
-    key: str
-    weight: float
-    layout: bytes
-    peers: dict[str, str]
-    start_members: int
-    deadline: float
-    numel: int = 0  # reduce: elements of the flat update
-    x: torch.Tensor | None = None  # reduce: the flat update (error feedback added)
-    gather_payload: bytes = b""  # gather: our payload, the same for everyone
-    gather_wires: list[WireTensor] = field(default_factory=list)
-    sent: int = 0
-    received: int = 0
-    dropped: dict[str, str] = field(default_factory=dict)
-    decoded_own: dict[int, torch.Tensor] = field(default_factory=dict)  # span start -> what we sent
-    faults: set[str] = field(default_factory=set)  # injected faults that strike this call
-
-
-def spans(numel: int, members: int, align: int) -> list[tuple[int, int]]:
-    """Contiguous [start, end) ranges, one per member, boundaries on multiples of ``align``."""
-    per = math.ceil(numel / members / align) * align if numel else 0
-    return [(min(i * per, numel), min((i + 1) * per, numel)) for i in range(members)]
 
 
 class GrpcExchange(Exchange):
@@ -164,6 +87,7 @@ class GrpcExchange(Exchange):
         self.settings = settings or ExchangeSettings()
         self.faults = faults or FaultInjector()
         self.book = RoundBook()
+        self.times = PhaseTimes()  # worker-thread CPU seconds by phase (node/exchange_stats.py)
         self.caught_up: list[tuple[int, str]] = []  # calls whose result came from peers (observability)
         self.limits = WireLimits(max_numel=self.settings.max_payload_bytes)
         self._channels: dict[str, grpc.aio.Channel] = {}
@@ -171,11 +95,13 @@ class GrpcExchange(Exchange):
             peer_timeout=self.settings.peer_timeout,
             round_deadline=self.settings.round_deadline,
             max_payload_bytes=self.settings.max_payload_bytes,
-            chunk_bytes=self.settings.chunk_bytes,
             run_id=server.run_id,
             node_id=server.node_id,
+            times=self.times,
         )
-        server.exchange_handler = lambda peer, ctx: serve_exchange(self.book, self._serve, peer, ctx)
+        server.exchange_handler = lambda peer, ctx: serve_exchange(
+            self.book, self._serve, peer, ctx, lambda: self.codec, self.limits
+        )
         server.hello_rounds = self._done_list
         server.on_refusal = self._drop_everywhere
 
@@ -207,25 +133,33 @@ class GrpcExchange(Exchange):
         self, tensors: list[torch.Tensor], *, round_id: int, key: str = "", weight: float = 1.0
     ) -> ReduceResult:
         self._check_weight(weight)
-        flat = (
-            torch.cat([t.detach().reshape(-1).float().cpu() for t in tensors]) if tensors else torch.zeros(0)
-        )
+        # One flat fp32 copy of the update: the caller may change its tensors while this runs.
+        flat = await asyncio.to_thread(_flatten, tensors)
+        if not self.codec.dense:  # codec.encode adds (and keeps) the key's error feedback itself
+            return await self._sparse_reduce(tensors, flat, round_id, key, weight)
         x = flat
         residual = self.codec.residuals.get(key) if self.codec.error_feedback else None
         if residual is not None and residual.shape == flat.shape:
-            x = flat + residual
-        if not self.codec.dense:
-            return await self._sparse_reduce(tensors, x, round_id, key, weight)
-        layout = layout_hash(self.codec.name, [(t.shape, t.dtype) for t in tensors], "reduce")
+            x = flat.add_(residual)
+        align = alignment(self.settings.span_align, self.codec)
+        chunk = self.settings.chunk_elements(align)
+        layout = layout_hash(
+            self.codec.name,
+            [(t.shape, t.dtype) for t in tensors],
+            f"reduce|align={align}|chunk={chunk}",
+        )
         call = await self._new_call(peer_pb2.OP_REDUCE, round_id, key, weight, layout)
-        call.x, call.numel = x, x.numel()
+        call.x, call.numel, call.align, call.chunk = x, x.numel(), align, chunk
+        call.result = torch.empty(call.numel)
+        if self.codec.error_feedback:
+            call.own = torch.empty(call.numel)
         named, members, fetched = await self._run(call)
         result = named.get("0")
         if result is None or result.dtype != torch.float32 or tuple(result.shape) != (call.numel,):
             raise ExchangeError(f"round {round_id} {key!r}: the fetched result does not fit this update")
         if self.codec.error_feedback and not fetched:
-            own = torch.cat([call.decoded_own[s] for s in sorted(call.decoded_own)]) if call.numel else x
-            self.codec.residuals[key] = x - own
+            assert call.own is not None
+            self.codec.residuals[key] = x.sub_(call.own)  # x is ours: the residual reuses its memory
         out, pos = [], 0
         for t in tensors:
             out.append(result[pos : pos + t.numel()].reshape(t.shape))
@@ -292,7 +226,7 @@ class GrpcExchange(Exchange):
         if not math.isfinite(weight) or weight < 0:
             raise ExchangeError(f"weight must be a finite non-negative number, got {weight}")
 
-    async def _new_call(self, op: int, round_id: int, key: str, weight: float, layout: bytes) -> _Call:
+    async def _new_call(self, op: int, round_id: int, key: str, weight: float, layout: bytes) -> Call:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.settings.round_deadline
         try:
@@ -301,28 +235,15 @@ class GrpcExchange(Exchange):
             raise ExchangeError(f"round {round_id} {key!r}: rendezvous failed: {err}") from None
         peers = {n: a for n, a in peers.items() if not self.server.ban_list.is_banned(n)}
         peers[self.peer_id] = self.server.address
-        call = _Call(op, round_id, key, weight, layout, dict(sorted(peers.items())), len(peers), deadline)
-        call.faults = {
-            f
-            for f in (
-                "nan",
-                "wrong_shape",
-                "corrupt",
-                "oversize",
-                "wrong_version",
-                "stall",
-                "lose_result",
-                "exit",
-            )
-            if self.faults.take(f, self.peer_id, round_id)
-        }
+        call = Call(op, round_id, key, weight, layout, dict(sorted(peers.items())), len(peers), deadline)
+        call.faults = {f for f in FAULTS if self.faults.take(f, self.peer_id, round_id)}
         if "stall" in call.faults:  # a machine that hangs: it still sends, but never answers
             self.book.stalled.set()
         return call
 
     # -- attempts ---------------------------------------------------------------------------------
 
-    async def _run(self, call: _Call) -> tuple[dict[str, torch.Tensor], list[str], bool]:
+    async def _run(self, call: Call) -> tuple[dict[str, torch.Tensor], list[str], bool]:
         """(named result tensors, members, fetched from a peer?) of a call, or ExchangeError."""
         me, loop = self.peer_id, asyncio.get_running_loop()
         members, excluded = sorted(call.peers), dict[str, str]()
@@ -338,7 +259,7 @@ class GrpcExchange(Exchange):
                     # new attempts, until the round deadline, and the retried round meets the
                     # same stale attempts again. So: adopt a result if someone has one, else
                     # meet again (fresh rendezvous, fresh addresses, nobody excluded) and retry.
-                    hints = await self._ask_done(call)
+                    hints = await ask_done(self, call)
                     if hints:
                         why = "other peers completed this round first"
                         break
@@ -358,9 +279,11 @@ class GrpcExchange(Exchange):
                 call.received += att.bytes_received  # the inputs this peer took in as an owner
                 if att.done.is_set() and not att.failed and all(r.code == OK for r in replies.values()):
                     # As an owner it sends its re-encoded span to every other member.
-                    call.sent += len(att.result_payload) * (len(att.members) - 1)
-                    return self._complete(call, att, replies), list(att.members), False
+                    if isinstance(att, ReduceAttempt):
+                        call.sent += att.result_bytes * (len(att.members) - 1)
+                    return await self._complete(call, att, replies), list(att.members), False
                 failed, seen, at = self._failures(call, att, replies)
+                att.close()
                 if me in failed:
                     why = f"this peer's input was refused: {failed[me]}"
                     call.dropped[me] = failed[me]
@@ -369,13 +292,13 @@ class GrpcExchange(Exchange):
                 excluded.update(failed)
                 members = sorted((set(members) | (seen & set(call.peers))) - set(excluded))
                 number = max(number + 1, at)
-            named, members_done = await self._catch_up(call, hints, why)
+            named, members_done = await catch_up(self, call, hints, why)
             self.caught_up.append((call.round_id, call.key))
             return named, members_done, True
         finally:
             self.book.forget(call.round_id, call.key)
 
-    async def _regroup(self, call: _Call, members: list[str]) -> list[str]:
+    async def _regroup(self, call: Call, members: list[str]) -> list[str]:
         """The round's members as the group shows them now (``members`` if it cannot tell).
 
         A peer that was killed and restarted under the same node id is back at a new address:
@@ -393,7 +316,7 @@ class GrpcExchange(Exchange):
         return sorted(peers)
 
     def _failures(
-        self, call: _Call, att: Attempt, replies: dict[str, _Reply]
+        self, call: Call, att: Attempt, replies: dict[str, Reply]
     ) -> tuple[dict[str, str], set[str], int]:
         me, failed, seen, at = self.peer_id, {}, set(), att.number
         for o, r in replies.items():
@@ -413,52 +336,79 @@ class GrpcExchange(Exchange):
             att.disagree("the owner left this attempt early")
         return {k: v for k, v in failed.items() if k in call.peers}, seen, at
 
-    async def _make_attempt(self, call: _Call, number: int, members: tuple[str, ...]) -> Attempt:
+    async def _make_attempt(self, call: Call, number: int, members: tuple[str, ...]) -> Attempt:
         me = self.peer_id
-        if call.op == peer_pb2.OP_REDUCE:
-            start, end = spans(call.numel, len(members), self.settings.span_align)[members.index(me)]
-            att = Attempt(
-                peer_pb2.OP_REDUCE,
-                call.round_id,
-                call.key,
-                number,
-                members,
-                call.layout,
-                (start, end),
-                validate_span(self.codec, end - start, self.limits),
-                reduce_finalizer(self.codec, self.aggregator),
+        if call.op != peer_pb2.OP_REDUCE:
+            gather = GatherAttempt(
+                op=peer_pb2.OP_GATHER,
+                round_id=call.round_id,
+                key=call.key,
+                number=number,
+                members=members,
+                layout=call.layout,
+                validate=validate_gather(call.gather_wires, self.codec, self.limits),
             )
-            assert call.x is not None
-            wire = await asyncio.to_thread(self.codec.encode_stateless, call.x[start:end], f"{call.key}/span")
-            own = await asyncio.to_thread(self.codec.decode, wire)
-            call.decoded_own[start] = own
-            att.add(me, own, call.weight)
-        else:
-            att = Attempt(
-                peer_pb2.OP_GATHER,
-                call.round_id,
-                call.key,
-                number,
-                members,
-                call.layout,
-                (0, 0),
-                validate_gather(call.gather_wires, self.codec, self.limits),
-                lambda a: None,
-            )
-            att.add(me, call.gather_wires, call.weight)
+            gather.started.add(me)
+            gather.add(me, call.gather_wires, call.weight)
+            return gather
+        start, end = spans(call.numel, len(members), call.align)[members.index(me)]
+        ranges = chunk_ranges(end - start, call.chunk)
+        result = call.result
+        assert result is not None
+
+        def sink(j: int, value: torch.Tensor) -> None:
+            a, b = ranges[j]
+            result[start + a : start + b] = value
+
+        att = ReduceAttempt(
+            op=peer_pb2.OP_REDUCE,
+            round_id=call.round_id,
+            key=call.key,
+            number=number,
+            members=members,
+            layout=call.layout,
+            span=(start, end),
+            chunks=ranges,
+            reduce_chunk=self.times.wrap("reduce", chunk_reducer(self.codec, self.aggregator, call.key)),
+            sink=sink,
+        )
+        att.started.add(me)
+        att.weights[me] = call.weight
+        att.start()
+        att.tasks.append(asyncio.get_running_loop().create_task(self._feed_own(call, att)))
         return att
 
-    async def _attempt(self, call: _Call, att: Attempt) -> dict[str, _Reply]:
+    async def _feed_own(self, call: Call, att: ReduceAttempt) -> None:
+        """Our own input to the span we own, chunk by chunk, encoded and decoded like everyone's."""
+        codec, start = self.codec, att.span[0]
+        round_trip = self.times.wrap("own", _round_trip)
+        assert call.x is not None
+        others = [m for m in att.members if m != self.peer_id]
+        for j, (a, b) in enumerate(att.chunks):
+            # Stay a few chunks ahead of the slowest member, not a whole span: each chunk waiting
+            # for the others is held decoded, in fp32.
+            while others and j - min(att.received.get(m, 0) for m in others) > OWN_LEAD_CHUNKS:
+                ev = att.changed
+                if att.done.is_set():
+                    return
+                await ev.wait()
+            piece = call.x[start + a : start + b]
+            own = await asyncio.to_thread(round_trip, codec, piece, call.key)
+            if call.own is not None:
+                call.own[start + a : start + b] = own
+            att.add_chunk(self.peer_id, j, own)
+
+    async def _attempt(self, call: Call, att: Attempt) -> dict[str, Reply]:
         """Send our input to every other member and collect their answers, all bounded in time."""
         loop, s = asyncio.get_running_loop(), self.settings
         others = [m for m in att.members if m != self.peer_id]
-        sp = spans(call.numel, len(att.members), s.span_align) if call.op == peer_pb2.OP_REDUCE else []
+        sp = spans(call.numel, len(att.members), call.align) if call.op == peer_pb2.OP_REDUCE else []
         progress = [loop.time()]
         sent = [0]
         tasks = {
             o: asyncio.create_task(
-                self._call_owner(
-                    call, att, o, sp[att.members.index(o)] if sp else (0, 0), progress, sent, len(others)
+                call_owner(
+                    self, call, att, o, sp[att.members.index(o)] if sp else (0, 0), progress, sent, len(others)
                 )
             )
             for o in others
@@ -495,254 +445,48 @@ class GrpcExchange(Exchange):
         replies = {}
         for o, t in tasks.items():
             if t.cancelled() or not t.done():
-                replies[o] = _Reply(ERROR, reason=f"no answer within {s.peer_timeout:g}s (stalled or gone)")
+                replies[o] = Reply(ERROR, reason=f"no answer within {s.peer_timeout:g}s (stalled or gone)")
             else:
                 replies[o] = t.result()
         return replies
 
-    async def _call_owner(
-        self,
-        call: _Call,
-        att: Attempt,
-        owner: str,
-        span: tuple[int, int],
-        progress: list[float],
-        sent: list[int],
-        n_others: int,
-    ) -> _Reply:
-        s, loop, faults = self.settings, asyncio.get_running_loop(), call.faults
-        payload = await self._payload_for(call, span)
-        declared = s.max_payload_bytes + 1 if "oversize" in faults else len(payload)
-        version = PROTOCOL_VERSION + 1 if "wrong_version" in faults else PROTOCOL_VERSION
-        header = peer_pb2.ExchangeHeader(
-            protocol_version=version,
-            run_id=self.server.run_id,
-            op=call.op,
-            round=call.round_id,
-            key=call.key,
-            attempt=att.number,
-            members=list(att.members),
-            sender=self.peer_id,
-            weight=call.weight,
-            layout_hash=call.layout,
-            span_start=span[0],
-            span_end=span[1],
-            payload_bytes=declared,
-        )
-        rpc = None
-        try:
-            tls.check_dial(owner, self.server.ban_list)
-            stub = peer_pb2_grpc.PeerStub(self._channel(owner, call.peers[owner]))
-            rpc = stub.Exchange(
-                metadata=((VERSION_METADATA_KEY, str(version)),),
-                timeout=max(call.deadline - loop.time(), 0.001),
-            )
-            await asyncio.wait_for(rpc.write(peer_pb2.ExchangeFrame(header=header)), s.peer_timeout)
-            if "oversize" not in faults:
-                for piece in split(payload, s.chunk_bytes):
-                    await asyncio.wait_for(rpc.write(peer_pb2.ExchangeFrame(data=piece)), s.peer_timeout)
-                    progress[0] = loop.time()
-                call.sent += len(payload)
-            await rpc.done_writing()
-            sent[0] += 1
-            if sent[0] == n_others:
-                self._after_send(call)
-            return await self._read_reply(call, owner, span, rpc, progress)
-        except grpc.aio.AioRpcError as err:
-            return _Reply(ERROR, reason=f"{err.code().name}: {err.details()}")
-        except asyncio.InvalidStateError:  # the callee ended the call while we were still writing
-            code, details = await rpc.code(), await rpc.details()  # type: ignore[union-attr]
-            return _Reply(ERROR, reason=f"{code.name}: {details}")
-        except asyncio.TimeoutError:
-            return _Reply(ERROR, reason=f"stalled: a write took more than {s.peer_timeout:g}s")
-        except BannedError as err:
-            return _Reply(ERROR, reason=str(err))
-        finally:
-            if rpc is not None and not rpc.done():
-                rpc.cancel()
-
-    async def _read_reply(self, call: _Call, owner: str, span: tuple[int, int], rpc, progress) -> _Reply:
-        loop = asyncio.get_running_loop()
-        reply = await rpc.read()
-        if reply is grpc.aio.EOF or reply.WhichOneof("kind") != "status":
-            return _Reply(ERROR, reason="closed the stream without a status")
-        st = reply.status
-        progress[0] = loop.time()
-        if st.protocol_version != PROTOCOL_VERSION:
-            return _Reply(
-                ERROR,
-                reason=f"answers in protocol v{st.protocol_version}, this node speaks v{PROTOCOL_VERSION}",
-            )
-        if st.code != OK or call.op != peer_pb2.OP_REDUCE:
-            return _Reply(st.code, st.reason, dict(st.failed), list(st.members), st.attempt, st.result_hash)
-        if st.payload_bytes > self.settings.max_payload_bytes:
-            return _Reply(ERROR, reason=f"its result of {st.payload_bytes} bytes is over the limit")
-        buf = bytearray()
-        while len(buf) < st.payload_bytes:
-            frame = await rpc.read()
-            if frame is grpc.aio.EOF or frame.WhichOneof("kind") != "data":
-                return _Reply(ERROR, reason=f"its result ended after {len(buf)} of {st.payload_bytes} bytes")
-            buf += frame.data
-            progress[0] = loop.time()
-        if len(buf) != st.payload_bytes:
-            return _Reply(ERROR, reason="its result is longer than it declared")
-        if "lose_result" in call.faults:
-            call.faults.discard("lose_result")
-            return _Reply(ERROR, reason="its result was lost (injected fault)")
-        call.received += len(buf)
-        try:
-            payload = peer_pb2.Payload.FromString(bytes(buf))
-            if len(payload.tensors) != 1:
-                raise InputRejected("the result must hold exactly one tensor")
-            wire = wire_from_proto(payload.tensors[0], self.limits)
-            value = await asyncio.to_thread(decode_checked, self.codec, wire, (span[1] - span[0],))
-        except (WireError, InputRejected, DecodeError) as err:
-            return _Reply(ERROR, reason=f"its result was refused: {err}")
-        return _Reply(OK, members=list(st.contributors), value=value)
-
-    async def _payload_for(self, call: _Call, span: tuple[int, int]) -> bytes:
-        faults = call.faults
-        if call.op == peer_pb2.OP_REDUCE:
-            assert call.x is not None
-            piece = call.x[span[0] : span[1]]
-            if "nan" in faults and piece.numel():
-                piece = piece.clone()
-                piece[0] = float("nan")
-            wire = await asyncio.to_thread(self.codec.encode_stateless, piece, f"{call.key}/span")
-            if self.codec.error_feedback and "nan" not in faults:
-                call.decoded_own[span[0]] = await asyncio.to_thread(self.codec.decode, wire)
-            if "wrong_shape" in faults:
-                wire.shape = (piece.numel() + 1,)
-            payload = peer_pb2.Payload(tensors=[wire_to_proto(wire)]).SerializeToString()
-        else:
-            payload = call.gather_payload
-            if "nan" in faults or "wrong_shape" in faults:
-                msg = peer_pb2.Payload.FromString(payload)
-                for t in msg.tensors:
-                    if "wrong_shape" in faults:
-                        t.shape.append(1)
-                    for part in t.parts:
-                        if part.dtype in ("float32", "float16", "bfloat16") and len(part.data) >= 4:
-                            nan = {
-                                "float32": b"\x00\x00\xc0\x7f",
-                                "float16": b"\x00\x7e",
-                                "bfloat16": b"\xc0\x7f",
-                            }
-                            part.data = nan[part.dtype] + part.data[len(nan[part.dtype]) :]
-                payload = msg.SerializeToString()
-        if "corrupt" in faults:
-            payload = b"\xff" * max(len(payload), 1)  # field 31 with wire type 7: never a valid message
-        return payload
-
-    def _after_send(self, call: _Call) -> None:
-        """The fault that strikes once our input is out: die, as a SIGKILL would."""
-        if "exit" in call.faults:
+    def die(self, when: str) -> None:
+        """The injected ``exit`` faults: die as a SIGKILL would (or as the injector's stand-in does)."""
+        if self.faults.die is None:
             os.kill(os.getpid(), signal.SIGKILL)
+        self.faults.die()
+        raise ExchangeError(f"killed {when} (injected fault)")
 
-    def _complete(self, call: _Call, att: Attempt, replies: dict[str, _Reply]) -> dict[str, torch.Tensor]:
-        me = self.peer_id
-        if call.op == peer_pb2.OP_REDUCE:
-            sp = spans(call.numel, len(att.members), self.settings.span_align)
-            pieces = [att.result if m == me else replies[m].value for m in att.members]
-            flat = torch.cat([p.reshape(-1) for p in pieces]) if call.numel else torch.zeros(0)  # type: ignore[union-attr]
-            assert flat.numel() == call.numel and len(sp) == len(pieces)
-            named = {"0": flat}
+    async def _complete(self, call: Call, att: Attempt, replies: dict[str, Reply]) -> dict[str, torch.Tensor]:
+        if isinstance(att, ReduceAttempt):
+            assert call.result is not None
+            named = {"0": call.result}  # every chunk of every span landed: every owner answered OK
         else:
+            assert isinstance(att, GatherAttempt)
             named = {}
             for m in att.members:
-                raw = peer_pb2.Payload(tensors=[wire_to_proto(w) for w in att.inputs[m]]).SerializeToString()  # type: ignore[union-attr]
+                raw = peer_pb2.Payload(tensors=[wire_to_proto(w) for w in att.inputs[m]]).SerializeToString()
                 named[f"m/{m}"] = (
                     torch.frombuffer(bytearray(raw), dtype=torch.uint8)
                     if raw
                     else torch.zeros(0, dtype=torch.uint8)
                 )
             named["weights"] = torch.tensor([att.weights[m] for m in att.members], dtype=torch.float64)
-        self._publish(call, named, list(att.members))
+        await publish(self, call, named, list(att.members))
         return named
-
-    def _publish(self, call: _Call, named: dict[str, torch.Tensor], members: list[str]) -> None:
-        digest = tensors_hash(named.items())
-        self.book.mark_done(call.round_id, call.key, DoneRecord(digest, members))
-        self.server.publish_state(
-            PublishedState(result_name(call.round_id, call.key), list(named.items()), digest, members)
-        )
-        self.server.unpublish_state(result_name(call.round_id - self.settings.keep_results, call.key))
-
-    # -- catching up ------------------------------------------------------------------------------
-
-    async def _catch_up(
-        self, call: _Call, hints: dict[str, bytes], why: str
-    ) -> tuple[dict[str, torch.Tensor], list[str]]:
-        """Fetch the result of this round from peers that completed it, or raise ExchangeError."""
-        loop = asyncio.get_running_loop()
-        fetch_settings = StateFetchSettings(
-            call_timeout=max(self.settings.peer_timeout, 1.0),
-            max_message_bytes=self.settings.max_message_bytes,
-        )
-        while True:
-            if not hints:
-                hints = await self._ask_done(call)
-            if hints:
-                counts: dict[bytes, int] = {}
-                for h in hints.values():
-                    counts[h] = counts.get(h, 0) + 1
-                digest = max(counts, key=lambda h: (counts[h], h))
-                sources = {o: call.peers[o] for o, h in hints.items() if h == digest}
-                try:
-                    named, members = await afetch(
-                        self.server.identity,
-                        sources,
-                        result_name(call.round_id, call.key),
-                        digest,
-                        settings=fetch_settings,
-                        ban_list=self.server.ban_list,
-                    )
-                except StateError as err:
-                    why = f"catching up failed: {err}"
-                else:
-                    self._publish(call, named, members)
-                    return named, members
-                hints = {}
-            if loop.time() + self.settings.catch_up_poll >= call.deadline:
-                raise ExchangeError(f"round {call.round_id} {call.key!r} did not complete: {why}")
-            await asyncio.sleep(self.settings.catch_up_poll)
-
-    async def _ask_done(self, call: _Call) -> dict[str, bytes]:
-        """peer -> result hash, for the peers that say they completed this call."""
-
-        async def hello(node_id: str, address: str) -> tuple[str, bytes]:
-            stub = peer_pb2_grpc.PeerStub(self._channel(node_id, address))
-            reply = await stub.Hello(
-                peer_pb2.HelloRequest(protocol_version=PROTOCOL_VERSION, run_id=self.server.run_id),
-                metadata=((VERSION_METADATA_KEY, str(PROTOCOL_VERSION)),),
-                timeout=self.settings.peer_timeout,
-            )
-            for d in reply.done:
-                if d.round == call.round_id and d.key == call.key:
-                    return node_id, d.result_hash
-            return node_id, b""
-
-        others = [
-            (n, a)
-            for n, a in call.peers.items()
-            if n != self.peer_id and not self.server.ban_list.is_banned(n)
-        ]
-        results = await asyncio.gather(*[hello(n, a) for n, a in others], return_exceptions=True)
-        return {r[0]: r[1] for r in results if isinstance(r, tuple) and r[1]}
 
     # -- plumbing ---------------------------------------------------------------------------------
 
-    def _channel(self, node_id: str, address: str) -> grpc.aio.Channel:
+    def channel(self, node_id: str, address: str) -> grpc.aio.Channel:
         cached = self._channels.get(node_id)
         if cached is not None and getattr(cached, "_murmur_address", None) == address:
             return cached
-        channel = tls.secure_channel(
-            self.server.identity,
-            address,
-            node_id,
-            ban_list=self.server.ban_list,
-            max_message_bytes=self.settings.max_message_bytes,
-        )
+        tls.check_dial(node_id, self.server.ban_list)
+        options = [
+            *tls.channel_options(node_id, self.settings.max_message_bytes),
+            (STREAM_WINDOW_OPTION, self.settings.stream_window_bytes),  # results stream back to us
+        ]
+        channel = grpc.aio.secure_channel(address, tls.channel_credentials(self.server.identity), options=options)
         channel._murmur_address = address  # type: ignore[attr-defined]
         self._channels[node_id] = channel
         return channel
@@ -758,3 +502,11 @@ class GrpcExchange(Exchange):
         for atts in self.book.attempts.values():
             for att in atts.values():
                 att.reject(peer_id, reason)
+
+
+def _flatten(tensors: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([t.detach().reshape(-1).float().cpu() for t in tensors]) if tensors else torch.zeros(0)
+
+
+def _round_trip(codec: Codec, piece: torch.Tensor, key: str) -> torch.Tensor:
+    return codec.decode(codec.encode_stateless(piece, f"{key}/span"))

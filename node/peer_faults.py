@@ -12,15 +12,29 @@ Faults (what this peer does wrong, as an attacker or a broken machine would):
   wrong_version  it speaks another protocol version
   stall          it still sends its inputs but never answers another member (a hung machine)
   lose_result    it loses the first reduced chunk it receives (a network cut), so it must catch up
-  exit           it dies at once (os._exit) after sending its inputs: a SIGKILL seen from outside
+  exit           it dies at once (SIGKILL) after sending its inputs: a SIGKILL seen from outside
+  exit_midstream it dies (SIGKILL) halfway through streaming its input to the owners: a machine
+                 lost mid-transfer. Peers that share one test process set ``die`` to a stand-in
+                 (stop the server, close the channels): the call then ends with ExchangeError.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
-FAULTS = ("nan", "wrong_shape", "corrupt", "oversize", "wrong_version", "stall", "lose_result", "exit")
+FAULTS = (
+    "nan",
+    "wrong_shape",
+    "corrupt",
+    "oversize",
+    "wrong_version",
+    "stall",
+    "lose_result",
+    "exit",
+    "exit_midstream",
+)
 ANY = "*"
 
 
@@ -42,6 +56,7 @@ class FaultInjector:
         self._armed: list[_Armed] = []
         self._lock = threading.Lock()
         self.fired: list[tuple[str, str, int]] = []
+        self.die: Callable[[], None] | None = None  # the exit faults: None is a real SIGKILL
 
     def arm(self, fault: str, *, peer: str = ANY, round: int | str = ANY, times: int = 1) -> None:
         if fault not in FAULTS:

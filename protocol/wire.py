@@ -175,8 +175,17 @@ def tensors_hash(named: Iterable[tuple[str, torch.Tensor]]) -> bytes:
     h = hashlib.sha256()
     for name, t in named:
         h.update(f"{name}|{dtype_name(t.dtype)}|{list(t.shape)}|".encode())
-        h.update(tensor_bytes(t))
+        h.update(_byte_view(t))
     return h.digest()
+
+
+def _byte_view(t: torch.Tensor):
+    """The bytes ``tensor_bytes`` would return, without copying a contiguous CPU tensor (a round's
+    result is hashed whole: a copy would be one more update-sized buffer)."""
+    t = t.detach().cpu().contiguous()
+    if t.dtype == torch.bool:
+        t = t.to(torch.uint8)
+    return t.reshape(-1).view(torch.uint8).numpy() if t.numel() else b""
 
 
 def layout_hash(

@@ -22,7 +22,15 @@ REPO = Path(__file__).resolve().parents[1]
 RUN = "test-run"
 
 # Short timeouts: every failure test is bounded by a few of these.
-FAST = dict(peer_timeout=5.0, round_deadline=40.0, chunk_bytes=64 << 10, span_align=64, catch_up_poll=0.05)
+# chunk_mb: 64 elements per pipeline chunk, so the tests' spans travel as several chunks.
+FAST = dict(
+    peer_timeout=5.0,
+    round_deadline=40.0,
+    frame_bytes=64 << 10,
+    span_align=64,
+    chunk_mb=64 * 4 / 1e6,
+    catch_up_poll=0.05,
+)
 
 
 @dataclass

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
+import math
 import time
 
 import pytest
 import torch
 from _net_helpers import RUN, attach_exchanges, peer_group, start_servers
 from murmur.node.exchange_grpc import ExchangeSettings, ExchangeSettingsError, spans
+from murmur.node.exchange_settings import alignment, chunk_ranges
 from murmur.node.peer_loop import LoopThread
 from murmur.node.peer_server import PublishedState
 from murmur.node.peer_state import StateError, fetch_state, state_name
@@ -300,8 +303,8 @@ def test_spans_cover_the_update_with_aligned_boundaries():
 def test_settings_are_validated():
     with pytest.raises(ExchangeSettingsError, match="peer_timeout"):
         ExchangeSettings(peer_timeout=0)
-    with pytest.raises(ExchangeSettingsError, match="chunk_bytes"):
-        ExchangeSettings(chunk_bytes=64 << 20)
+    with pytest.raises(ExchangeSettingsError, match="frame_bytes"):
+        ExchangeSettings(frame_bytes=64 << 20)
 
 
 @pytest.mark.parametrize("codec", ["int4", "fp16"])
@@ -313,3 +316,70 @@ def test_more_peers_than_spans_leaves_empty_spans_that_still_complete(codec):
         scale = max(x[0].abs().max().item() for x in xs)
         bound = {"int4": BOUNDS["int4"], "fp16": BOUNDS["fp16"]}[codec]
         assert (results[0].tensors[0] - sum(x[0] for x in xs) / 5).abs().max().item() <= bound * scale
+
+
+# --- the pipeline: spans travel as several chunks -------------------------------------------------
+
+
+@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("codec", ["fp32", "int8"])
+def test_pipelined_all_reduce_over_many_chunks_per_span_is_the_mean(n, codec):
+    shapes = ((3000,), (17, 40))
+    numel = sum(math.prod(s) for s in shapes)
+    with peer_group(n, codec=codec) as (_, peers, _):
+        settings = peers[0].exchange.settings
+        align = alignment(settings.span_align, peers[0].exchange.codec)
+        sp = spans(numel, n, align)
+        assert all(len(chunk_ranges(b - a, settings.chunk_elements(align))) >= 5 for a, b in sp)
+        xs = inputs(n, shapes=shapes, seed=7)
+        chunked = run_reduce(peers, xs)
+        assert all(not isinstance(r, Exception) for r in chunked), chunked
+        assert_identical(chunked)
+        scale = max(t.abs().max().item() for x in xs for t in x)
+        for i, got in enumerate(chunked[0].tensors):
+            mean = sum(x[i] for x in xs) / n
+            assert (got - mean).abs().max().item() <= BOUNDS[codec] * scale + 1e-6
+    # Chunk boundaries fall on codec blocks: one chunk per span gives the same result, up to the
+    # float rounding of the mean (a vectorized sum may associate differently over another length)
+    # and the one quantization step that a last-bit difference can flip.
+    with peer_group(n, codec=codec, chunk_mb=1.0) as (_, peers, _):
+        whole = run_reduce(peers, xs)
+        step = 1e-6 if codec == "fp32" else scale / 127
+        for a, b in zip(chunked[0].tensors, whole[0].tensors, strict=True):
+            assert (a - b).abs().max().item() <= step
+
+
+@pytest.mark.parametrize("fault", ["exit_midstream", "exit"])
+def test_a_peer_killed_mid_stream_leaves_the_survivors_with_one_state(fault):
+    """The victim dies halfway through streaming its chunks (or right after its last one): its server
+    and its connections vanish, as on SIGKILL. The survivors re-own its span and agree bit for bit."""
+    with peer_group(4, codec="int8", peer_timeout=2.0) as (loop, peers, _):
+        victim = peers[3]
+        victim.server.settings.stop_grace = 0.0
+
+        def die() -> None:
+            asyncio.ensure_future(victim.server.stop())
+            asyncio.ensure_future(victim.exchange.aclose())
+
+        victim.faults.die = die
+        victim.faults.arm(fault, peer=victim.node_id, round=1)
+        xs = inputs(4, shapes=((2000,),), seed=3)
+        results = run_reduce(peers, xs)
+        assert isinstance(results[3], ExchangeError) and "killed" in str(results[3])
+        survivors = results[:3]
+        assert all(not isinstance(r, Exception) for r in survivors), survivors
+        assert_identical(survivors)
+        hashes = {p.exchange.book.done[(1, "k")].result_hash for p in peers[:3]}
+        assert len(hashes) == 1
+        members = survivors[0].members
+        assert members == sorted(p.node_id for p in peers[:3]) and victim.node_id in survivors[0].dropped
+        scale = max(x[0].abs().max().item() for x in xs)
+        mean = sum(x[0] for x in xs[:3]) / 3
+        assert (survivors[0].tensors[0] - mean).abs().max().item() <= BOUNDS["int8"] * scale
+
+
+def test_chunk_that_cannot_fit_one_frame_is_refused():
+    with pytest.raises(ExchangeSettingsError, match="chunk_mb"):
+        ExchangeSettings(chunk_mb=9.0)
+    assert ExchangeSettings(chunk_mb=1.0, span_align=4096).chunk_elements(4096) == 61 * 4096
+    assert chunk_ranges(0, 64) == [(0, 0)] and chunk_ranges(130, 64) == [(0, 64), (64, 128), (128, 130)]

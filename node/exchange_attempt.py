@@ -1,0 +1,268 @@
+"""One attempt of one call, as its owner sees it: whose input is in, who failed, the result.
+
+For every attempt of every call (round, key) this peer takes part in, an attempt collects the
+members' inputs: for a reduce, the span of the flat update this peer owns, chunk by chunk; for a
+gather, each member's whole payload. The handlers of node/exchange_collect.py feed it checked
+inputs; the caller side (node/exchange_grpc.py) feeds it this peer's own input.
+
+A reduce attempt is a pipeline: as soon as every member's chunk j is in, chunk j is aggregated in
+sorted member order (the run's rule), re-encoded once and decoded (in a worker thread, off the
+event loop), and its bytes are ready for the handlers to stream back while later chunks still
+arrive. Every member (the owner included) decodes the same bytes, so all hold bit-identical
+results. A member that fails (refused, stalled, gone) ends the attempt at once: callers hear ABORT
+and retry without it, and whatever chunks were already streamed back are thrown away by them.
+A gather attempt finishes when every member is in or failed. Members that never started sending
+within ``peer_timeout`` are failed. Only an attempt with every member's whole input produces a
+result: no result is ever a partial average.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from murmur.node.exchange_validate import InputRejected
+from murmur.optim.aggregate import Aggregator, AggregatorError
+from murmur.optim.codecs import Codec
+from murmur.optim.wire import WireTensor
+from murmur.protocol import peer_pb2
+from murmur.protocol.wire import wire_to_proto
+
+# (inputs in sorted member order, their weights) -> (decoded result, its payload, index -> why dropped)
+ChunkReducer = Callable[[list[torch.Tensor], list[float]], tuple[torch.Tensor | None, bytes, dict[int, str]]]
+
+
+@dataclass(kw_only=True, slots=True)
+class Attempt:
+    op: int
+    round_id: int
+    key: str
+    number: int
+    members: tuple[str, ...]
+    layout: bytes
+    span: tuple[int, int] = (0, 0)  # reduce: the span this peer owns; gather: (0, 0)
+    weights: dict[str, float] = field(default_factory=dict)
+    failed: dict[str, str] = field(default_factory=dict)
+    started: set[str] = field(default_factory=set)
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+    bytes_received: int = 0  # inputs read from other members
+    changed: asyncio.Event = field(default_factory=asyncio.Event)  # set (and replaced) on every change
+
+    def poke(self) -> None:
+        """Wake whoever waits for a change (capture ``changed`` before checking, then wait on it)."""
+        ev, self.changed = self.changed, asyncio.Event()
+        ev.set()
+
+    def complete(self, member: str) -> bool:
+        """Whether ``member``'s whole input is in."""
+        raise NotImplementedError
+
+    def reject(self, member: str, reason: str) -> None:
+        if self.done.is_set() or member not in self.members or self.complete(member):
+            return
+        self.failed.setdefault(member, reason)
+        self._changed()
+
+    def disagree(self, reason: str) -> None:
+        """Members hold different member lists: end the attempt now; callers merge the lists and retry."""
+        if not self.done.is_set():
+            self.failed["*"] = reason
+            self._end()
+
+    def expire(self, timeout: float) -> None:
+        """Members that never started sending by now are failed (those mid-stream keep going)."""
+        for m in self.members:
+            if not self.complete(m) and m not in self.failed and m not in self.started:
+                self.failed[m] = f"sent no input within {timeout:g}s"
+        self._changed()
+
+    def close(self) -> None:
+        """The caller side is done with this attempt: stop its own work (the handlers may still
+        be streaming a completed result to other members)."""
+        if not self.done.is_set():
+            self.failed["*"] = "the owner left this attempt"
+            self._end()
+
+    def _end(self) -> None:
+        self.done.set()
+        self.poke()
+
+    def _changed(self) -> None:
+        self.poke()
+
+
+@dataclass(kw_only=True, slots=True)
+class GatherAttempt(Attempt):
+    validate: Callable[[str, peer_pb2.Payload], list[WireTensor]]  # -> the checked input, or raises
+    inputs: dict[str, list[WireTensor]] = field(default_factory=dict)
+
+    def complete(self, member: str) -> bool:
+        return member in self.inputs
+
+    def add(self, member: str, value: list[WireTensor], weight: float) -> None:
+        if member in self.failed or self.done.is_set():
+            return
+        self.inputs[member] = value
+        self.weights[member] = weight
+        self._changed()
+
+    def _changed(self) -> None:
+        if not self.done.is_set() and len(self.inputs) + len(self.failed) >= len(self.members):
+            self.done.set()
+        self.poke()
+
+
+@dataclass(kw_only=True, slots=True)
+class ReduceAttempt(Attempt):
+    chunks: list[tuple[int, int]]  # [a, b) of each chunk, relative to the span's start
+    reduce_chunk: ChunkReducer  # runs in a worker thread
+    sink: Callable[[int, torch.Tensor], None]  # (chunk, decoded result): the owner keeps its own copy
+    pending: list[dict[str, torch.Tensor]] = field(default_factory=list)  # chunk -> member -> input
+    received: dict[str, int] = field(default_factory=dict)  # member -> chunks in
+    results: list[bytes] = field(default_factory=list)  # the reduced chunks' payloads, in order
+    tasks: list[asyncio.Task] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.pending = [{} for _ in self.chunks]
+
+    def start(self) -> None:
+        self.tasks.append(asyncio.get_running_loop().create_task(self._reduce_all()))
+
+    @property
+    def result_bytes(self) -> int:
+        return sum(len(p) for p in self.results)
+
+    def complete(self, member: str) -> bool:
+        return self.received.get(member, 0) == len(self.chunks)
+
+    def add_chunk(self, member: str, index: int, value: torch.Tensor) -> None:
+        if member in self.failed or self.done.is_set() or index != self.received.get(member, 0):
+            return
+        self.pending[index][member] = value
+        self.received[member] = index + 1
+        self.poke()
+
+    def close(self) -> None:
+        if not self.done.is_set():  # the handlers still waiting on it answer ABORT, not silence
+            self.failed["*"] = "the owner left this attempt"
+            self._end()
+        for t in self.tasks:
+            t.cancel()
+        self.pending = [{} for _ in self.chunks]  # inputs of an aborted attempt are not needed
+
+    def _changed(self) -> None:
+        if self.failed and not self.done.is_set():
+            self._end()  # the attempt is doomed: tell every caller now, not after the full transfer
+        else:
+            self.poke()
+
+    async def _reduce_all(self) -> None:
+        n = len(self.members)
+        try:
+            for j in range(len(self.chunks)):
+                while True:
+                    ev = self.changed
+                    if self.done.is_set():
+                        return
+                    if len(self.pending[j]) == n:
+                        break
+                    await ev.wait()
+                inputs, self.pending[j] = self.pending[j], {}
+                order = sorted(inputs)
+                result, payload, dropped = await asyncio.to_thread(
+                    self.reduce_chunk, [inputs[m] for m in order], [self.weights[m] for m in order]
+                )
+                if self.done.is_set():
+                    return
+                if dropped:  # the aggregator's pre-filter left members out: retry without them
+                    for i, why in dropped.items():
+                        self.failed[order[i]] = why
+                    self._end()
+                    return
+                assert result is not None
+                self.sink(j, result)
+                self.results.append(payload)
+                self.poke()
+            self._end()
+        except asyncio.CancelledError:
+            raise
+        except Exception as err:  # noqa: BLE001 - an aggregation failure aborts the attempt
+            if not self.done.is_set():
+                self.failed["*"] = f"aggregation failed: {err}"
+                self._end()
+
+
+def chunk_reducer(codec: Codec, aggregator: Aggregator, key: str) -> ChunkReducer:
+    """Aggregate one chunk in the given (sorted member) order, re-encode once, decode those bytes."""
+
+    def reduce(inputs: list[torch.Tensor], weights: list[float]):
+        if sum(weights) <= 0:
+            agg = torch.zeros_like(inputs[0])  # only weight-0 joiners: no movement
+        else:
+            try:
+                out, dropped = aggregator([[t] for t in inputs], weights)
+            except AggregatorError as err:
+                raise InputRejected(str(err)) from None
+            if dropped:
+                return None, b"", dropped
+            agg = out[0]
+        wire = codec.encode_stateless(agg, f"{key}/span")
+        payload = peer_pb2.Payload(tensors=[wire_to_proto(wire)]).SerializeToString()
+        return codec.decode(wire), payload, {}
+
+    return reduce
+
+
+@dataclass(slots=True)
+class DoneRecord:
+    result_hash: bytes
+    members: list[str]
+
+
+class RoundBook:
+    """Every attempt this peer has registered, and the calls it completed (for ALREADY_DONE)."""
+
+    def __init__(self, keep_done: int = 64) -> None:
+        self.attempts: dict[tuple[int, str], dict[int, Attempt]] = {}
+        self.current: dict[tuple[int, str], int] = {}
+        self.done: OrderedDict[tuple[int, str], DoneRecord] = OrderedDict()
+        self.keep_done = keep_done
+        self._changed = asyncio.Condition()
+        self.stalled = asyncio.Event()  # fault injection: hold every reply (a stalled machine)
+
+    async def register(self, att: Attempt) -> None:
+        rk = (att.round_id, att.key)
+        self.attempts.setdefault(rk, {})[att.number] = att
+        self.current[rk] = max(self.current.get(rk, -1), att.number)
+        async with self._changed:
+            self._changed.notify_all()
+
+    def forget(self, round_id: int, key: str) -> None:
+        for att in self.attempts.pop((round_id, key), {}).values():
+            att.close()
+        self.current.pop((round_id, key), None)
+
+    def mark_done(self, round_id: int, key: str, record: DoneRecord) -> None:
+        self.done[(round_id, key)] = record
+        self.done.move_to_end((round_id, key))
+        while len(self.done) > self.keep_done:
+            self.done.popitem(last=False)
+
+    async def wait_attempt(self, rk: tuple[int, str], number: int, timeout: float) -> Attempt | None:
+        """The attempt ``number`` of ``rk`` (or the newer one this peer moved on to), once registered."""
+
+        def ready() -> bool:
+            return rk in self.done or self.current.get(rk, -1) >= number
+
+        try:
+            async with self._changed:
+                await asyncio.wait_for(self._changed.wait_for(ready), timeout)
+        except asyncio.TimeoutError:
+            return None
+        if rk in self.done:
+            return None
+        atts = self.attempts.get(rk, {})
+        return atts.get(number) or atts.get(self.current[rk])
