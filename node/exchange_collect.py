@@ -182,6 +182,8 @@ async def _serve_reduce(
     finally:
         if not reader.done():
             reader.cancel()
+        elif not reader.cancelled():
+            reader.exception()  # retrieved: the attempt already knows why, if it matters
 
 
 async def _hold_if_stalled(book: RoundBook, s: ServeSettings) -> None:

@@ -442,6 +442,9 @@ class GrpcExchange(Exchange):
             for t in pending:
                 t.cancel()
             await asyncio.gather(*pending, return_exceptions=True)
+            for t in tasks.values():  # retrieved, so an ending call does not log them as lost
+                if t.done() and not t.cancelled():
+                    t.exception()
         replies = {}
         for o, t in tasks.items():
             if t.cancelled() or not t.done():

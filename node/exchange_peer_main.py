@@ -1,7 +1,8 @@
 """One exchange peer as a process: the tests' SIGKILL and multi-process runs, and a manual check.
 
     python -m murmur.node.exchange_peer_main --identity DIR --run RUN --bootstrap MADDR \
-        --peers 4 --rounds 3 --numel 65536 --codec int8 [--fault exit@2] [--fault lose_result@2]
+        --peers 4 --rounds 3 --numel 65536 --codec int8 [--chunk-mb 4] [--fault exit@2] \
+        [--fault exit_midstream@2] [--fault lose_result@2]
 
 It joins the run's DHT, starts its TLS peer server, announces itself, and for each round meets
 the others at the DHT rendezvous and all-reduces a deterministic update (seeded by node id and
@@ -50,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--numel", type=int, default=1 << 16)
     ap.add_argument("--codec", default="int8")
     ap.add_argument("--fault", action="append", default=[], help="fault[@round], see node/peer_faults.py")
+    ap.add_argument("--chunk-mb", type=float, default=4.0, help="ExchangeSettings.chunk_mb")
     ap.add_argument("--peer-timeout", type=float, default=3.0)
     ap.add_argument("--round-deadline", type=float, default=30.0)
     ap.add_argument("--rendezvous-deadline", type=float, default=60.0)
@@ -87,7 +89,9 @@ def main(argv: list[str] | None = None) -> int:
             loop,
             group,
             make_codec(args.codec),
-            settings=ExchangeSettings(peer_timeout=args.peer_timeout, round_deadline=args.round_deadline),
+            settings=ExchangeSettings(
+                peer_timeout=args.peer_timeout, round_deadline=args.round_deadline, chunk_mb=args.chunk_mb
+            ),
             faults=FaultInjector.parse(args.fault),
         )
         emit(event="ready", node_id=identity.node_id, address=address)

@@ -22,7 +22,7 @@ import grpc
 import torch
 from murmur.node.exchange_attempt import Attempt
 from murmur.node.exchange_collect import OK
-from murmur.node.exchange_settings import chunk_ranges, payload_bound
+from murmur.node.exchange_settings import CHUNK_OVERHEAD, chunk_ranges
 from murmur.node.exchange_validate import InputRejected, decode_chunk
 from murmur.optim.codecs import Codec
 from murmur.optim.exchange import ExchangeError
@@ -89,7 +89,7 @@ async def call_owner(
     reduce = call.op == peer_pb2.OP_REDUCE
     ranges = chunk_ranges(span[1] - span[0], call.chunk) if reduce else []
     payload = b"" if reduce else _gather_payload(call)
-    declared = payload_bound(ranges) if reduce else len(payload)
+    declared = await asyncio.to_thread(declared_bytes, ex.codec, ranges) if reduce else len(payload)
     if "oversize" in faults:
         declared = s.max_payload_bytes + 1
     version = PROTOCOL_VERSION + 1 if "wrong_version" in faults else PROTOCOL_VERSION
@@ -165,6 +165,18 @@ async def call_owner(
             await asyncio.gather(*tasks, return_exceptions=True)
         if rpc is not None and not rpc.done():
             rpc.cancel()
+
+
+def declared_bytes(codec: Codec, ranges: list[tuple[int, int]]) -> int:
+    """What a reduce header declares before the first chunk is encoded: the codec's size for each
+    chunk length (measured on zeros: a dense codec's size depends on the length only) plus
+    CHUNK_OVERHEAD of slack per chunk."""
+    sizes: dict[int, int] = {}
+    for a, b in ranges:
+        if b - a not in sizes:
+            wire = codec.encode_stateless(torch.zeros(b - a), "")
+            sizes[b - a] = peer_pb2.Payload(tensors=[wire_to_proto(wire)]).ByteSize()
+    return sum(sizes[b - a] + CHUNK_OVERHEAD for a, b in ranges)
 
 
 def _sent_all(ex: GrpcExchange, call: Call, sent: list[int], n_others: int) -> None:

@@ -17,8 +17,8 @@ from murmur.protocol import tls
 
 from murmur.errors import MurmurError
 
-# What one chunk's serialized Payload may carry beyond 4 bytes per element (names, dtypes, shapes,
-# length prefixes, meta): a sender declares at most this; a dense codec never expands fp32.
+# Slack per chunk in what a sender declares beyond its codec's size for the chunk's length, and
+# what a frame may carry beyond 4 bytes per element (names, dtypes, shapes, length prefixes, meta).
 CHUNK_OVERHEAD = 1024
 FRAME_OVERHEAD = 4096  # room for the ExchangeFrame around one frame's bytes
 
@@ -83,8 +83,3 @@ def chunk_ranges(length: int, chunk: int) -> list[tuple[int, int]]:
     if length <= 0:
         return [(0, 0)]
     return [(a, min(a + chunk, length)) for a in range(0, length, chunk)]
-
-
-def payload_bound(ranges: list[tuple[int, int]]) -> int:
-    """The most a member may send for these chunks: what its header declares."""
-    return sum(4 * (b - a) + CHUNK_OVERHEAD for a, b in ranges)

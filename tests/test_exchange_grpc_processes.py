@@ -1,9 +1,10 @@
 """Peers as separate processes meeting through the DHT: a SIGKILLed peer, a peer that catches up.
 
 Each peer is ``python -m murmur.node.exchange_peer_main`` with its own TLS identity; the test
-process runs the bootstrap DHT. Peer 3 is armed with the ``exit`` fault for round 2: once its
-input is out it SIGKILLs itself, mid-round. Peer 1 loses a reduced chunk in round 1 (a cut
-connection) and must catch up from the peers that completed.
+process runs the bootstrap DHT. Spans travel as three pipeline chunks. Peer 3 is armed with the
+``exit_midstream`` fault for round 2: halfway through streaming its chunks it SIGKILLs itself.
+Peer 1 loses a reduced chunk in round 1 (a cut connection) and must catch up from the peers that
+completed.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ PROCESS_TIMEOUT = 280  # child start-up (torch, hivemind) on a busy 2-core machi
 def test_sigkilled_peer_mid_round_survivors_agree_and_a_lagging_peer_catches_up(tmp_path):
     ca = CertificateAuthority.create("kill-test")
     boot = MurmurDHT("kill", ca_cert_pem=ca.cert_pem).start()
-    faults = {1: ["--fault", "lose_result@1"], 3: ["--fault", "exit@2"]}
+    faults = {1: ["--fault", "lose_result@1"], 3: ["--fault", "exit_midstream@2"]}
     procs = []
     try:
         for i in range(4):
@@ -47,6 +48,8 @@ def test_sigkilled_peer_mid_round_survivors_agree_and_a_lagging_peer_catches_up(
                 "50000",
                 "--codec",
                 "int8",
+                "--chunk-mb",
+                "0.016",  # 4096 elements: spans of 12288 travel as 3 chunks
                 "--peer-timeout",
                 "5",
                 "--round-deadline",
