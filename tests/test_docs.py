@@ -32,3 +32,16 @@ def test_every_environment_variable_is_documented():
     # A name that only stands as the prefix of documented ones (a filter in a test) is fine.
     missing = sorted(v for v in used if v not in documented and not any(d.startswith(v) for d in documented))
     assert not missing, f"docs/configuration.md lacks {missing}"
+
+
+def test_every_exchange_setting_is_documented():
+    from murmur.node.exchange_group import RendezvousSettings
+    from murmur.node.exchange_settings import ExchangeSettings
+    from murmur.node.peer_server import PeerServerSettings
+    from murmur.node.peer_state import StateFetchSettings
+
+    doc = (ROOT / "docs" / "protocol.md").read_text()
+    classes = (ExchangeSettings, PeerServerSettings, RendezvousSettings, StateFetchSettings)
+    names = [f"{c.__name__}.{f.name}" for c in classes for f in dataclasses.fields(c)]
+    missing = [n for n in names if f"`{n}`" not in doc]
+    assert not missing, f"docs/protocol.md lacks {missing}"
