@@ -1,6 +1,7 @@
 """Benchmark: the gRPC all-reduce over shaped links, and the CPU cost of encode/decode.
 
-    sudo .venv/bin/python benchmarks/exchange.py [--peers 2,4,8] [--numel 100000000] [--rates 100,1000]
+    sudo .venv/bin/python benchmarks/exchange.py [--peers 2,4,8] [--numel 100000000] [--rates 100,1000] \
+        [--codecs int8,fp32] [--chunk-mb 4] [--threads 1]
 
 Each peer is its own process in its own network namespace (veth into a bridge), with mutual TLS,
 and its upload shaped by ``tc tbf`` to the link rate (NOTES.md: tbf works here, netem does not).
@@ -11,9 +12,13 @@ last member joined). Rows:
 
   peers, codec, tensor_mb (the update, fp32), link_mbps, seconds,
   sent_mb (payload bytes one peer sends, mean), goodput_mbps (sent bits / seconds),
-  link_utilization (goodput / link), expected_mb (the butterfly's 2(N-1)/N of the encoded update)
+  link_utilization (goodput / link), expected_mb (the butterfly's 2(N-1)/N of the encoded update),
+  cpu_s (CPU seconds of all peers together during the round), cpu_busy (cpu_s / (cores x seconds):
+  near 1 means the machine's cores, not the link, bound the round), phase_cpu_s (per peer, mean:
+  worker-thread CPU seconds by phase, node/exchange_stats.py; the rest of a peer's CPU time is
+  TLS, HTTP/2, protobuf and copies), peak_rss_mb (largest peer's peak resident memory)
 
-and cpu rows: encode/decode seconds of the update by codec on this machine.
+and cpu rows: encode/decode seconds of the update by codec on this machine (one thread).
 Writes benchmarks/results/exchange.json. Needs root (namespaces); cleans up after itself.
 """
 
@@ -57,6 +62,9 @@ def net_up(n: int) -> None:
         sh("ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up")
 
 
+TBF_LATENCY = "200ms"  # the most a packet may wait in a peer's upload queue (--tbf-latency)
+
+
 def set_rate(n: int, mbps: int) -> None:
     """Shape each peer's upload (egress of its namespace end) with a token bucket."""
     burst = max(32_000, mbps * 1_000_000 // 8 // 250)  # ~4 ms of traffic
@@ -78,7 +86,7 @@ def set_rate(n: int, mbps: int) -> None:
             "burst",
             str(burst),
             "latency",
-            "200ms",
+            TBF_LATENCY,
         )
 
 
@@ -92,8 +100,17 @@ def net_down(n: int) -> None:
 # --- one peer (runs inside its namespace) ---------------------------------------------------------
 
 
+def load() -> str:
+    """The machine's load averages over 1, 5 and 15 minutes (other jobs share these cores)."""
+    return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+
+
 def peer_main(args: argparse.Namespace) -> int:
+    import resource
+
     import torch
+
+    torch.set_num_threads(args.threads)
     from murmur.node.exchange_group import StaticGroup
     from murmur.node.exchange_grpc import ExchangeSettings, GrpcExchange
     from murmur.node.peer_loop import LoopThread
@@ -110,7 +127,13 @@ def peer_main(args: argparse.Namespace) -> int:
         ident, run_id="bench", settings=PeerServerSettings(host=SUBNET.format(args.peer + 1), port=PORT)
     )
     loop.run(server.start())
-    settings = ExchangeSettings(peer_timeout=120, round_deadline=1200, max_payload_bytes=2 << 30)
+    settings = ExchangeSettings(
+        peer_timeout=120,
+        round_deadline=1200,
+        max_payload_bytes=2 << 30,
+        chunk_mb=args.chunk_mb,
+        keep_results=1,  # publish only the newest result: each is a copy of the update's size
+    )
     ex = GrpcExchange(server, loop, group, make_codec("fp32"), settings=settings)
     x = torch.randn(args.numel, generator=torch.Generator().manual_seed(args.peer))
     print(json.dumps({"event": "ready"}), flush=True)
@@ -121,9 +144,14 @@ def peer_main(args: argparse.Namespace) -> int:
                 break
             round_id, codec, numel = int(cmd[1]), cmd[2], int(cmd[3])
             ex.codec = make_codec(codec)  # rounds run one after another: every peer switches first
+            phases0, cpu0 = ex.times.snapshot(), time.process_time()
             start = time.time()
-            res = ex.all_reduce([x[:numel]], round_id=round_id, key=codec).result()
+            res = ex.all_reduce([x[:numel]], round_id=round_id, key="bench").result()
             end = time.time()
+            cpu = time.process_time() - cpu0
+            phases = {k: round(v - phases0.get(k, 0.0), 3) for k, v in ex.times.snapshot().items()}
+            del res.tensors[:]  # every peer completed: the result (and its published copy for peers
+            server.states.clear()  # catching up) need not live into the next round
             print(
                 json.dumps(
                     {
@@ -133,6 +161,9 @@ def peer_main(args: argparse.Namespace) -> int:
                         "sent": res.bytes_sent,
                         "received": res.bytes_received,
                         "members": len(res.members),
+                        "cpu": cpu,
+                        "phases": phases,
+                        "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
                     }
                 ),
                 flush=True,
@@ -151,6 +182,7 @@ def cpu_rows(numel: int, codecs: list[str]) -> list[dict]:
     import torch
     from murmur.optim.codecs import make_codec
 
+    torch.set_num_threads(1)
     x = torch.randn(numel)
     rows = []
     for name in codecs:
@@ -173,7 +205,9 @@ def cpu_rows(numel: int, codecs: list[str]) -> list[dict]:
     return rows
 
 
-def run_group(n: int, plan: list[tuple[int, str, int]], root: Path, numel: int, env: dict) -> list[dict]:
+def run_group(
+    n: int, plan: list[tuple[int, str, int]], root: Path, numel: int, env: dict, args: argparse.Namespace
+) -> list[dict]:
     net_up(n)
     procs = []
     rows = []
@@ -194,6 +228,10 @@ def run_group(n: int, plan: list[tuple[int, str, int]], root: Path, numel: int, 
                 str(root),
                 "--numel",
                 str(numel),
+                "--chunk-mb",
+                str(args.chunk_mb),
+                "--threads",
+                str(args.threads),
             ]
             procs.append(
                 subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
@@ -223,6 +261,14 @@ def run_group(n: int, plan: list[tuple[int, str, int]], root: Path, numel: int, 
                 "expected_mb": round(2 * (n - 1) / n * wire_mb, 1),
                 "goodput_mbps": round(sent * 8 / seconds / 1e6, 1),
                 "link_utilization": round(sent * 8 / seconds / 1e6 / rate, 3),
+                "cpu_s": round(sum(r["cpu"] for r in results), 1),
+                "cpu_busy": round(sum(r["cpu"] for r in results) / ((os.cpu_count() or 1) * seconds), 2),
+                "phase_cpu_s": {
+                    k: round(sum(r["phases"].get(k, 0.0) for r in results) / n, 2)
+                    for k in sorted({k for r in results for k in r["phases"]})
+                },
+                "peak_rss_mb": round(max(r["rss_mb"] for r in results)),
+                "load": load(),
             }
             print(json.dumps(row), flush=True)
             rows.append(row)
@@ -241,6 +287,7 @@ def run_group(n: int, plan: list[tuple[int, str, int]], root: Path, numel: int, 
 
 
 def main() -> int:
+    global TBF_LATENCY
     ap = argparse.ArgumentParser()
     ap.add_argument("--peer", type=int, default=-1, help=argparse.SUPPRESS)
     ap.add_argument("--n", type=int, default=0, help=argparse.SUPPRESS)
@@ -248,12 +295,17 @@ def main() -> int:
     ap.add_argument("--peers", default="2,4,8")
     ap.add_argument("--numel", type=int, default=100_000_000, help="parameters of the update")
     ap.add_argument("--rates", default="100,1000", help="link rates, Mbit/s")
-    ap.add_argument("--codecs", default="int8", help="codecs for every group size")
-    ap.add_argument("--fp32-peers", default="2", help="group sizes that also run fp32")
+    ap.add_argument("--codecs", default="int8,fp32", help="codecs for every group size")
+    ap.add_argument("--fp32-peers", default="", help="group sizes that also run fp32")
+    ap.add_argument("--chunk-mb", type=float, default=4.0, help="ExchangeSettings.chunk_mb")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per peer process")
+    ap.add_argument("--tbf-latency", default="200ms", help="tc tbf queue limit of each upload, e.g. 200ms")
+    ap.add_argument("--notes", default="", help="appended to the JSON's notes")
     ap.add_argument("--out", default=str(HERE / "results" / "exchange.json"))
     args = ap.parse_args()
     if args.peer >= 0:
         return peer_main(args)
+    TBF_LATENCY = args.tbf_latency
     if os.geteuid() != 0:
         print("error: the benchmark needs root for network namespaces (tc tbf)", file=sys.stderr)
         return 1
@@ -264,6 +316,7 @@ def main() -> int:
     codecs = args.codecs.split(",")
     fp32_peers = {int(p) for p in args.fp32_peers.split(",") if p}
     rows: list[dict] = []
+    loads: list[str] = []
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     with tempfile.TemporaryDirectory(prefix="murmur-bench-") as tmp:
         ca = CertificateAuthority.create("bench")
@@ -273,17 +326,23 @@ def main() -> int:
             plan = [(r, c, args.numel) for r in rates for c in codecs]
             if n in fp32_peers:
                 plan += [(r, "fp32", args.numel) for r in rates]
-            rows += run_group(n, plan, Path(tmp), args.numel, env)
+            loads.append(f"{n} peers: load {load()} before")
+            rows += run_group(n, plan, Path(tmp), args.numel, env, args)
     rows += cpu_rows(args.numel, sorted(set(codecs) | {"fp32"}))
     out = {
-        "device": f"{platform.node()} CPU ({os.cpu_count()} cores), loopback veth + tbf per peer",
+        "device": (
+            f"{platform.node()} CPU ({os.cpu_count()} cores, "
+            f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB), every peer a "
+            f"process in its own network namespace (veth + bridge), upload shaped by tc tbf; "
+            f"load averages (1, 5, 15 min): {'; '.join(loads)}; {load()} at the end"
+        ),
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "command": " ".join(["benchmarks/exchange.py", *sys.argv[1:]]),
         "notes": (
             "seconds: last peer's start to last peer's end. sent_mb: payload bytes a peer puts on the "
             "wire (its spans to the owners + its reduced span to the others); goodput counts payload "
             "only, not TLS/HTTP2/protobuf framing. All peers share this machine's cores, so at 1 Gbit/s "
-            "the CPU (encode, TLS, copies) bounds the result, not the link."
+            "the CPU (encode, TLS, copies) bounds the result, not the link. " + args.notes
         ),
         "rows": rows,
     }
