@@ -1,19 +1,20 @@
 """Quality benchmark: validation loss against bytes sent, every algorithm at one token budget.
 
-8 workers of a ~30M-parameter Llama-style model (GPT-2 BPE) in `murmur sim`'s engine, on
+8 workers of a ~30M-parameter Llama-style model (GPT-2 BPE) in `murmur sim`'s stacked engine, on
 Shakespeare + the Python 3.11 docs + the Linux 6.1 docs. Rows: DDP (fp32 gradients every step),
-DiLoCo at H in {50, 100, 250} with fp32 / int8 / int4, Streaming DiLoCo, DeMo, and DiLoCo with
-top-k + 2-bit values and error feedback (SparseLoCo-style).
+DiLoCo at H in {50, 100, 250} with fp32 / int8 / int4, Streaming DiLoCo, DeMo, DiLoCo with
+top-k + 2-bit values and error feedback (SparseLoCo-style), and plain model averaging.
 
-    # prepare the corpus (see benchmarks/README or the report): data/quality-gpt2
-    source benchmarks/gpu_env.sh && python3 benchmarks/quality.py --data data/quality-gpt2 \\
-        --time-budget-s 420 --partial-dir $OUT
+    # the committed run: two calls on 2 H200s, 4 lanes (processes) each, rows split between them
+    source benchmarks/gpu_env.sh && python3 benchmarks/quality.py --data data/quality-gpt2 \
+        --steps 2000 --lanes 0,0,1,1 --rows ddp,diloco-fp32-H50,... --partial-dir $OUT
+    # then, here: merge the calls' JSONs (and the small CPU sweep) into results/quality.json
+    python3 benchmarks/quality.py --combine A.json,B.json cpu.json --note "..."
 
 With ``--time-budget-s`` and no ``--steps``, a short probe times one step of each kind and the
 largest step count (a multiple of 500, so every H divides it) that fits the budget is used for every
 row. The JSON (and the PNG) are rewritten after each row, so a run cut short still leaves data.
 """
-
 from __future__ import annotations
 
 import argparse
@@ -55,6 +56,15 @@ ROWS["streaming-int4-H100"] = (
      "codec": "int4"},
     {},
 )
+ROWS["streaming-int4-H250"] = (
+    {"algorithm": "streaming", "inner_steps": 250, "fragments": 4, "overlap_steps": 5, "mix_alpha": 0.0,
+     "codec": "int4"},
+    {},
+)
+# Plain model averaging every 50 steps (outer lr 1, no momentum): local SGD, the check on what
+# DiLoCo's outer Nesterov step adds.
+ROWS["avg-fp32-H50"] = ({"algorithm": "diloco", "inner_steps": 50, "codec": "fp32", "outer_lr": 1.0,
+                         "outer_momentum": 0.0}, {})
 # DeMo's sign update moves every weight by lr each step: it wants a smaller lr than AdamW.
 ROWS["demo"] = ({"algorithm": "demo", "inner_steps": 50, "demo_topk": 32, "demo_chunk": 64}, {"lr": 3e-4})
 # SparseLoCo: top-k 1.56% of each 4096-chunk, 2-bit values, error feedback with decay 0.95, outer
@@ -184,9 +194,14 @@ def merge_sweeps(parts: list[dict]) -> dict:
     return merged
 
 
-def combine(gpu_path: Path, cpu_paths: list[Path], out_dir: Path, notes: list[str]) -> None:
-    """The committed result: the GPU run's rows at top level, the complete small CPU sweep beside."""
-    gpu = json.loads(gpu_path.read_text())
+def combine(gpu_paths: list[Path], cpu_paths: list[Path], out_dir: Path, notes: list[str]) -> None:
+    """The committed result: the GPU run's rows at top level (merged when its rows ran in several
+    calls), the complete small CPU sweep beside."""
+    gpu = merge_sweeps([json.loads(p.read_text()) for p in gpu_paths])
+    order = {n: i for i, n in enumerate(ROWS)}
+    gpu["rows"].sort(key=lambda r: order.get(r["name"], len(order)))
+    gpu["curves"] = {r["name"]: gpu["curves"][r["name"]] for r in gpu["rows"]}
+    gpu.pop("lanes", None)  # per call; the commands say how the rows were split
     cpu = merge_sweeps([json.loads(p.read_text()) for p in cpu_paths])
     merged = dict(gpu)
     keys = ("device", "date", "command", "model", "train", "optim", "workers", "steps_per_worker", "corpus",
@@ -246,7 +261,8 @@ def run_lanes(args: argparse.Namespace, argv: list[str]) -> int:
     names = args.rows.split(",") if args.rows else list(ROWS)
     devices = args.lanes.split(",")
     groups = split_rows(names, len(devices))
-    root = Path(args.partial_dir or args.results_dir) / "lanes"
+    # Flat (OUT/lane0, ...): the GPU machine's tool brings back files only a few folders deep.
+    root = Path(args.partial_dir or args.results_dir)
     base = _drop_options(argv, {"--lanes", "--rows", "--results-dir", "--partial-dir"})
     procs = []
     for i, rows in enumerate(groups):
@@ -268,7 +284,7 @@ def run_lanes(args: argparse.Namespace, argv: list[str]) -> int:
         return rc or 1
     merged = merge_sweeps(parts)
     merged["command"] = "python3 benchmarks/quality.py " + " ".join(argv)
-    merged["lanes"] = {f"cuda:{devices[i]}": rows for i, rows in enumerate(groups)}
+    merged["lanes"] = {f"lane{i} (cuda:{devices[i]})": rows for i, rows in enumerate(groups)}
     order = {n: i for i, n in enumerate(names)}
     merged["rows"].sort(key=lambda r: order.get(r["name"], len(order)))
     for d in [Path(args.results_dir)] + ([Path(args.partial_dir)] if args.partial_dir else []):
@@ -295,8 +311,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--partial-dir", help="also write the JSON/PNG here after each row (e.g. $OUT)")
     p.add_argument("--results-dir", default=str(RESULTS))
     p.add_argument("--combine", nargs="+", metavar="JSON",
-                   help="GPU_JSON CPU_JSON [CPU_JSON ...]: merge a GPU run and a CPU sweep (its rows may be "
-                   "split over several runs) into --results-dir/quality.json and .png")
+                   help="GPU_JSON[,GPU_JSON...] CPU_JSON [CPU_JSON ...]: merge a GPU run and a CPU sweep (either "
+                   "may be split over several runs) into --results-dir/quality.json and .png")
     p.add_argument("--note", action="append", default=[], help="a note for the combined JSON (repeatable)")
     p.add_argument("--engine", default="stacked", help="the simulator's engine: stacked (default) or threads")
     p.add_argument("--lanes", help="run the rows in parallel processes, one per entry, on these CUDA devices "
@@ -307,7 +323,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.combine:
         if len(args.combine) < 2:
             p.error("--combine needs a GPU JSON and at least one CPU JSON")
-        combine(Path(args.combine[0]), [Path(x) for x in args.combine[1:]], Path(args.results_dir), args.note)
+        gpu_parts = [Path(x) for x in args.combine[0].split(",")]
+        combine(gpu_parts, [Path(x) for x in args.combine[1:]], Path(args.results_dir), args.note)
         return 0
     t_start = time.perf_counter()
     for item in args.set:

@@ -16,6 +16,7 @@ K independent AdamWs; gradient clipping is done per replica, by each replica's o
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections.abc import Callable
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
@@ -28,6 +29,7 @@ from murmur.optim.inprocess import InProcessGroup
 from murmur.optim.sync import SyncAlgorithm
 from murmur.protocol.runconfig import RunConfig
 from torch.func import functional_call, vmap
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 # SDPA has no batching rule on the CPU, so vmap loops over the replicas for that one op; the
 # result is exact, and the warning would only repeat on every step.
@@ -88,7 +90,7 @@ class StackedReplicas:
         set_lr(self.opt, lr)
         xs, ys = zip(*(next(b) for b in self.batches), strict=True)
         x, y = self._to_device(torch.stack(xs)), self._to_device(torch.stack(ys))
-        with autocast(self.device, self.cfg.train.dtype):
+        with autocast(self.device, self.cfg.train.dtype), self._attention_backends():
             losses = vmap(self._loss, randomness="error")(self.stacked, x, y)
         losses.sum().backward()  # replicas share no weights: each gets its own gradient
         if self._lend_grads:
@@ -107,6 +109,14 @@ class StackedReplicas:
         self.opt.zero_grad(set_to_none=True)
         self._each(lambda s: s.after_optimizer_step(step))
         return losses.detach()
+
+    def _attention_backends(self) -> contextlib.AbstractContextManager:
+        # Under vmap on an H200 (torch 2.11) the cuDNN attention's batching rule gave NaN
+        # gradients and memory-efficient attention refused the batched strides; flash attention
+        # matched the unbatched model. Math is the fallback for shapes flash does not take.
+        if self.device.type == "cuda":
+            return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.MATH])
+        return contextlib.nullcontext()
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
         # From pageable memory a copy to the GPU waits for the queue to drain; from pinned memory
