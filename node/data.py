@@ -51,6 +51,24 @@ def _sha256(data: bytes) -> str:
 # ---------------------------------------------------------------------------------------------
 # Preparing
 
+VAL_BLOCK_TOKENS = 2048  # the validation split is cut in blocks of at least this many tokens
+VAL_MAX_BLOCKS = 100
+
+
+def split_validation(tokens: np.ndarray, n_val: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """(train, val, blocks): ``n_val`` tokens held out as equal blocks spread evenly over the
+    stream, the end of each of ``blocks`` equal segments. Taking the tail instead would hold out
+    only the last source of a multi-source corpus (the Linux docs of Shakespeare + Python docs +
+    Linux docs), and the validation loss would measure that source alone."""
+    blocks = max(1, min(VAL_MAX_BLOCKS, n_val // VAL_BLOCK_TOKENS))
+    size = n_val // blocks
+    bounds = np.linspace(0, len(tokens), blocks + 1).astype(np.int64)
+    train, val = [], []
+    for a, b in zip(bounds[:-1], bounds[1:], strict=True):
+        train.append(tokens[a : b - size])
+        val.append(tokens[b - size : b])
+    return np.concatenate(train), np.concatenate(val), blocks
+
 
 def prepare(
     out: str | Path,
@@ -82,7 +100,7 @@ def prepare(
     n_val = max(int(len(tokens) * val_fraction), 1024)
     if len(tokens) < n_val + shard_tokens // 4:
         raise DataError(f"only {len(tokens)} tokens: too little text for a dataset (add more sources)")
-    train, val = tokens[:-n_val], tokens[-n_val:]
+    train, val, val_blocks = split_validation(tokens, n_val)
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -108,7 +126,7 @@ def prepare(
         "shard_tokens": shard_tokens,
         "total_train_tokens": int(len(train)),
         "shards": shards,
-        "val": {"file": "val.bin", "tokens": int(len(val)), "sha256": _sha256(val_bytes)},
+        "val": {"file": "val.bin", "tokens": int(len(val)), "blocks": val_blocks, "sha256": _sha256(val_bytes)},
     }
     (out / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
     return manifest
@@ -243,19 +261,23 @@ class BatchLoader:
 
 
 def eval_batches(dataset: Dataset, batch_size: int, seq_len: int, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The first ``n`` batches of the validation split (fewer if it is short; the same every time)."""
+    """``n`` batches of the validation split (fewer if it is short; the same every time), their
+    rows spread evenly over the whole split, so a few batches still cover every part of it."""
     val = dataset.val()
-    span = batch_size * seq_len
-    out = []
-    for i in range(n):
-        start = i * span
-        if start + span + 1 > len(val):
-            break
-        buf = torch.from_numpy(val[start : start + span + 1].astype(np.int64))
-        out.append((buf[:-1].view(batch_size, seq_len), buf[1:].view(batch_size, seq_len)))
-    if not out:
+    fit = (len(val) - 1) // seq_len  # whole rows the split holds
+    n = min(n, fit // batch_size)
+    if n < 1:
         # A validation split shorter than one batch: use shorter rows of the whole split.
-        rows = max(1, (len(val) - 1) // seq_len)
+        rows = max(1, fit)
         buf = torch.from_numpy(val[: rows * seq_len + 1].astype(np.int64))
-        out.append((buf[:-1].view(rows, seq_len), buf[1:].view(rows, seq_len)))
-    return out
+        return [(buf[:-1].view(rows, seq_len), buf[1:].view(rows, seq_len))]
+    total = n * batch_size
+    # total <= fit, so the stride is at least seq_len: rows never overlap.
+    stride = (len(val) - 1 - seq_len) // max(total - 1, 1)
+    idx = torch.arange(seq_len + 1)
+    data = torch.from_numpy(val.astype(np.int64))
+    rows = torch.stack([data[i * stride + idx] for i in range(total)])
+    return [
+        (rows[b * batch_size : (b + 1) * batch_size, :-1], rows[b * batch_size : (b + 1) * batch_size, 1:])
+        for b in range(n)
+    ]

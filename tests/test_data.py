@@ -96,3 +96,24 @@ def test_missing_or_malformed_dataset_errors(tmp_path):
         Dataset.open(tmp_path / "empty")
     with pytest.raises(DataError, match="no .txt"):
         prepare(tmp_path / "out", sources=[tmp_path / "empty"])
+
+
+def test_validation_split_covers_every_source(tmp_path):
+    """Held out from the whole stream, not its tail: with two sources, both are in the split,
+    and a few evaluation batches already read from both."""
+    first, last = tmp_path / "first", tmp_path / "last"
+    first.mkdir()
+    last.mkdir()
+    (first / "a.txt").write_text("a" * 300_000)
+    (last / "b.txt").write_text("b" * 300_000)
+    m = prepare(tmp_path / "ds", sources=[first, last], tokenizer="byte", shard_tokens=1 << 16)
+    ds = Dataset.open(tmp_path / "ds")
+    val = ds.val()
+    assert m["val"]["blocks"] == 2 and len(val) == m["val"]["tokens"] == 6000
+    assert set(np.unique(val)) >= {ord("a"), ord("b")}
+    train = np.concatenate([ds.shard(i) for i in range(ds.num_shards)])
+    assert len(train) + len(val) == 600_002  # two documents, each ended by the end-of-text token
+    batches = eval_batches(ds, 2, 64, 2)
+    assert len(batches) == 2
+    assert (batches[0][0] == ord("a")).all() and (batches[-1][0] == ord("b")).all()
+    assert torch.equal(batches[0][0][:, 1:], batches[0][1][:, :-1])  # targets are the inputs shifted
