@@ -154,7 +154,9 @@ class PeerDataPlane:
             make_codec_for(self.cfg.sync),
             aggregator=make_aggregator_for(self.cfg.sync),
             settings=ExchangeSettings(
-                peer_timeout=self.s.peer_timeout_s, round_deadline=self.s.round_timeout_s
+                peer_timeout=self.s.peer_timeout_s,
+                round_deadline=self.s.round_timeout_s,
+                chunk_mb=self.cfg.sync.exchange_chunk_mb,
             ),
         )
         self.exchange = _MemberTracker(self.grpc)

@@ -95,6 +95,9 @@ class SyncSection:
     aggregator: Literal["mean", "trimmed_mean", "centered_clip"] = "mean"
     trim: int = 1
     clip_tau: float = 1.0
+    # The peer exchange: MB of the fp32 update per pipeline chunk. Part of the stream layout, so
+    # every node of a run must use the same value (the run config is how they agree).
+    exchange_chunk_mb: float = 4.0
 
 
 @dataclass(kw_only=True, slots=True)
@@ -200,10 +203,16 @@ def _validate(cfg: RunConfig) -> None:
         "sync.demo_chunk": cfg.sync.demo_chunk,
         "sync.codec_block": cfg.sync.codec_block,
         "sync.powersgd_rank": cfg.sync.powersgd_rank,
+        "sync.exchange_chunk_mb": cfg.sync.exchange_chunk_mb,
     }
     for key, value in positive.items():
         if value <= 0:
             raise ConfigError(f"{key} must be positive, got {value}")
+    if cfg.sync.exchange_chunk_mb > 8:
+        raise ConfigError(
+            f"sync.exchange_chunk_mb must be at most 8 (a chunk travels as one gRPC message of at most 8 MiB), "
+            f"got {cfg.sync.exchange_chunk_mb:g}"
+        )
     for key in ("optim.lr", "sync.outer_lr", "optim.grad_clip"):
         section, name = key.split(".")
         if getattr(getattr(cfg, section), name) < 0:

@@ -21,6 +21,8 @@ def test_defaults_round_trip_through_toml():
         ("[model]\npreset = 'huge'", "model.preset = 'huge' is not one of"),
         ("[sync]\nalgorithm = 'gossip'", "sync.algorithm = 'gossip' is not one of"),
         ("[train]\nsteps = 0", "train.steps must be positive"),
+        ("[sync]\nexchange_chunk_mb = 0", "sync.exchange_chunk_mb must be positive"),
+        ("[sync]\nexchange_chunk_mb = 64", "sync.exchange_chunk_mb must be at most 8"),
         ("model = 3", "[model] must be a table"),
         ("[train\nsteps = 1", "is not valid TOML"),
     ],
