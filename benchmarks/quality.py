@@ -5,6 +5,8 @@ Shakespeare + the Python 3.11 docs + the Linux 6.1 docs. Rows: DDP (fp32 gradien
 DiLoCo at H in {50, 100, 250} with fp32 / int8 / int4, Streaming DiLoCo, DeMo, DiLoCo with
 top-k + 2-bit values and error feedback (SparseLoCo-style), and plain model averaging.
 
+    # the corpus, here (apt + network): data/quality-gpt2, 13.4M train tokens; carry it to the GPU
+    bash benchmarks/quality_corpus.sh
     # the committed run: two calls on 2 H200s, 4 lanes (processes) each, rows split between them
     source benchmarks/gpu_env.sh && python3 benchmarks/quality.py --data data/quality-gpt2 \
         --steps 2000 --lanes 0,0,1,1 --rows ddp,diloco-fp32-H50,... --partial-dir $OUT
