@@ -186,6 +186,8 @@ def merge_sweeps(parts: list[dict]) -> dict:
     merged = dict(parts[0])
     seen: set[str] = set()
     merged["rows"] = [r for part in parts for r in part["rows"] if not (r["name"] in seen or seen.add(r["name"]))]
+    order = {n: i for i, n in enumerate(ROWS)}  # the table's row order, whichever part ran a row
+    merged["rows"].sort(key=lambda r: order.get(r["name"], len(order)))
     merged["curves"] = {k: v for part in parts for k, v in part["curves"].items()}
     merged["command"] = " ; ".join(part["command"] for part in parts)
     ddp = next((r for r in merged["rows"] if r["algo"] == "ddp"), None)
@@ -200,8 +202,6 @@ def combine(gpu_paths: list[Path], cpu_paths: list[Path], out_dir: Path, notes: 
     """The committed result: the GPU run's rows at top level (merged when its rows ran in several
     calls), the complete small CPU sweep beside."""
     gpu = merge_sweeps([json.loads(p.read_text()) for p in gpu_paths])
-    order = {n: i for i, n in enumerate(ROWS)}
-    gpu["rows"].sort(key=lambda r: order.get(r["name"], len(order)))
     gpu["curves"] = {r["name"]: gpu["curves"][r["name"]] for r in gpu["rows"]}
     gpu.pop("lanes", None)  # per call; the commands say how the rows were split
     cpu = merge_sweeps([json.loads(p.read_text()) for p in cpu_paths])
@@ -287,8 +287,6 @@ def run_lanes(args: argparse.Namespace, argv: list[str]) -> int:
     merged = merge_sweeps(parts)
     merged["command"] = "python3 benchmarks/quality.py " + " ".join(argv)
     merged["lanes"] = {f"lane{i} (cuda:{devices[i]})": rows for i, rows in enumerate(groups)}
-    order = {n: i for i, n in enumerate(names)}
-    merged["rows"].sort(key=lambda r: order.get(r["name"], len(order)))
     for d in [Path(args.results_dir)] + ([Path(args.partial_dir)] if args.partial_dir else []):
         d.mkdir(parents=True, exist_ok=True)
         (d / "quality.json").write_text(json.dumps(merged, indent=1) + "\n")

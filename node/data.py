@@ -277,7 +277,4 @@ def eval_batches(dataset: Dataset, batch_size: int, seq_len: int, n: int) -> lis
     idx = torch.arange(seq_len + 1)
     data = torch.from_numpy(val.astype(np.int64))
     rows = torch.stack([data[i * stride + idx] for i in range(total)])
-    return [
-        (rows[b * batch_size : (b + 1) * batch_size, :-1], rows[b * batch_size : (b + 1) * batch_size, 1:])
-        for b in range(n)
-    ]
+    return [(batch[:, :-1], batch[:, 1:]) for batch in rows.split(batch_size)]

@@ -79,6 +79,16 @@ class Worker:
         return loss.detach()
 
 
+def peer_names(k: int) -> list[str]:
+    return [f"w{i:03d}" for i in range(k)]
+
+
+def make_group(cfg: RunConfig, peers: list[str]) -> InProcessGroup:
+    """The in-process exchange the K replicas meet in: a codec per peer, the run's aggregator."""
+    check_sync_config(cfg.sync)
+    return InProcessGroup(peers, lambda: make_codec_for(cfg.sync), make_aggregator_for(cfg.sync))
+
+
 def build_workers(
     cfg: RunConfig,
     k: int,
@@ -87,9 +97,8 @@ def build_workers(
     vocab_size: int,
 ) -> tuple[list[Worker], InProcessGroup]:
     """K replicas with the same initial weights (the run seed), each with its own data."""
-    check_sync_config(cfg.sync)
-    peers = [f"w{i:03d}" for i in range(k)]
-    group = InProcessGroup(peers, lambda: make_codec_for(cfg.sync), make_aggregator_for(cfg.sync))
+    peers = peer_names(k)
+    group = make_group(cfg, peers)
     workers = []
     for i, peer in enumerate(peers):
         model = build_model_from_config(cfg, vocab_size, device)
@@ -272,8 +281,7 @@ def run_sim(
 def _run_stacked(cfg, k, device, loaders, vocab_size, progress: Progress) -> SimResult:
     from murmur.node.sim_stacked import StackedReplicas
 
-    peers = [f"w{i:03d}" for i in range(k)]
-    reps = StackedReplicas(cfg, k, device, loaders, vocab_size, peers)
+    reps = StackedReplicas(cfg, k, device, loaders, vocab_size, peer_names(k))
     try:
         progress.start(reps.lead_model(), "stacked")
         steps = cfg.train.steps

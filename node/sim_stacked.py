@@ -22,10 +22,10 @@ from collections.abc import Callable
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 
 import torch
+from murmur.node.sim import make_group
 from murmur.node.train import autocast, build_model_from_config
-from murmur.optim.factory import build_sync, check_sync_config, make_aggregator_for, make_codec_for
+from murmur.optim.factory import build_sync
 from murmur.optim.inner import adamw, lr_at, set_lr
-from murmur.optim.inprocess import InProcessGroup
 from murmur.optim.sync import SyncAlgorithm
 from murmur.protocol.runconfig import RunConfig
 from torch.func import functional_call, vmap
@@ -48,7 +48,6 @@ class StackedReplicas:
         vocab_size: int,
         peers: list[str],
     ) -> None:
-        check_sync_config(cfg.sync)
         self.cfg, self.k, self.device = cfg, k, device
         # The module supplies the code and the buffers; its own weights are only the place where
         # replica 0 is copied for evaluation.
@@ -61,7 +60,7 @@ class StackedReplicas:
         matrices = [self.stacked[n] for n, p in named if p.dim() >= 2]
         vectors = [self.stacked[n] for n, p in named if p.dim() < 2]
         self.opt = adamw(matrices, vectors, cfg.optim)
-        self.group = InProcessGroup(peers, lambda: make_codec_for(cfg.sync), make_aggregator_for(cfg.sync))
+        self.group = make_group(cfg, peers)
         # Replica i's parameters: views of slice i, which the sync reads and writes in place.
         self.views = [[(n, self.stacked[n].detach()[i]) for n in self.names] for i in range(k)]
         self.syncs: list[SyncAlgorithm] = [

@@ -11,15 +11,9 @@ import torch
 from torch import nn
 
 
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-
-
 def make_inner_optimizer(model: nn.Module, optim_cfg) -> torch.optim.AdamW:  # protocol OptimSection
-    groups = param_groups(model, optim_cfg.weight_decay)
-    return adamw(groups[0]["params"], groups[1]["params"], optim_cfg)
+    params = [p for p in model.parameters() if p.requires_grad]
+    return adamw([p for p in params if p.dim() >= 2], [p for p in params if p.dim() < 2], optim_cfg)
 
 
 def adamw(decay: list[torch.Tensor], no_decay: list[torch.Tensor], optim_cfg) -> torch.optim.AdamW:
