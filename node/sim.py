@@ -83,6 +83,40 @@ def peer_names(k: int) -> list[str]:
     return [f"w{i:03d}" for i in range(k)]
 
 
+def read_init_weights(path: str | Path) -> dict[str, torch.Tensor]:
+    """The model weights of a `murmur train` checkpoint (or of a bare state dict) to start every
+    replica from: the warm start of the DiLoCo paper, which trains a while before it splits."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as err:  # noqa: BLE001 - any unreadable file is the same user error
+        raise SimError(f"--init-from {path} cannot be read ({err.__class__.__name__})") from None
+    weights = state.get("model", state) if isinstance(state, dict) else None
+    if not isinstance(weights, dict) or not all(isinstance(v, torch.Tensor) for v in weights.values()):
+        raise SimError(f"--init-from {path} holds no model weights (a murmur train checkpoint or a state dict)")
+    bad = [n for n, v in weights.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
+    if bad:
+        raise SimError(f"--init-from {path} has non-finite values in {len(bad)} tensors (e.g. {bad[0]!r})")
+    return weights
+
+
+def build_replica_model(
+    cfg: RunConfig, vocab_size: int, device: torch.device | str, init: dict[str, torch.Tensor] | None = None
+) -> torch.nn.Module:
+    """A replica's module: the run seed's initial weights, or ``init``'s when given."""
+    model = build_model_from_config(cfg, vocab_size, device)
+    if init is not None:
+        want = model.state_dict()
+        missing = [n for n in want if n not in init]
+        extra = [n for n in init if n not in want]
+        reshaped = [n for n in want if n in init and init[n].shape != want[n].shape]
+        if missing or extra or reshaped:
+            problems = [f"{len(names)} {what} (e.g. {names[0]!r})" for what, names in
+                        (("missing", missing), ("unexpected", extra), ("of another shape", reshaped)) if names]
+            raise SimError(f"the initial weights do not fit the configured model: {', '.join(problems)}")
+        model.load_state_dict(init)
+    return model
+
+
 def make_group(cfg: RunConfig, peers: list[str]) -> InProcessGroup:
     """The in-process exchange the K replicas meet in: a codec per peer, the run's aggregator."""
     check_sync_config(cfg.sync)
@@ -95,13 +129,14 @@ def build_workers(
     device: torch.device,
     batches_for: Callable[[int, int], Batches],
     vocab_size: int,
+    init: dict[str, torch.Tensor] | None = None,
 ) -> tuple[list[Worker], InProcessGroup]:
-    """K replicas with the same initial weights (the run seed), each with its own data."""
+    """K replicas with the same initial weights (the run seed's, or ``init``), each with its own data."""
     peers = peer_names(k)
     group = make_group(cfg, peers)
     workers = []
     for i, peer in enumerate(peers):
-        model = build_model_from_config(cfg, vocab_size, device)
+        model = build_replica_model(cfg, vocab_size, device, init)
         opt = make_inner_optimizer(model, cfg.optim)
         sync = build_sync(
             cfg.sync, list(model.named_parameters()), group.exchange(peer), weight_decay=cfg.optim.weight_decay
@@ -259,14 +294,16 @@ def run_sim(
     dataset: Dataset,
     *,
     engine: str = "stacked",
+    init: dict[str, torch.Tensor] | None = None,
     log: Callable[[str], None] = print,
 ) -> SimResult:
     """Train K replicas for ``cfg.train.steps`` inner steps each. ``engine``: ``stacked`` (one
     vmapped step for all replicas, node/sim_stacked.py; fast on a GPU) or ``threads`` (a thread
-    and a module per replica, as separate nodes would run). Both run the same optim code."""
+    and a module per replica, as separate nodes would run). Both run the same optim code.
+    ``init``: model weights every replica starts from (`read_init_weights`) instead of the seed's."""
     if engine not in ENGINES:
         raise SimError(f"engine must be one of {', '.join(ENGINES)}, got {engine!r}")
-    probe = build_model_from_config(cfg, dataset.vocab_size, "cpu")
+    probe = build_replica_model(cfg, dataset.vocab_size, "cpu", init)  # a mismatch fails before any work
     seq_len, batch = probe.cfg.seq_len, cfg.train.batch_size
     n_params = sum(p.numel() for p in probe.parameters())
     del probe
@@ -274,14 +311,14 @@ def run_sim(
     progress = Progress(cfg, k, n_params, k * batch * seq_len, val, device, log)
     loaders = worker_loaders(dataset, batch, seq_len)
     if engine == "stacked":
-        return _run_stacked(cfg, k, device, loaders, dataset.vocab_size, progress)
-    return _run_threads(cfg, k, device, loaders, dataset.vocab_size, progress)
+        return _run_stacked(cfg, k, device, loaders, dataset.vocab_size, progress, init)
+    return _run_threads(cfg, k, device, loaders, dataset.vocab_size, progress, init)
 
 
-def _run_stacked(cfg, k, device, loaders, vocab_size, progress: Progress) -> SimResult:
+def _run_stacked(cfg, k, device, loaders, vocab_size, progress: Progress, init) -> SimResult:
     from murmur.node.sim_stacked import StackedReplicas
 
-    reps = StackedReplicas(cfg, k, device, loaders, vocab_size, peer_names(k))
+    reps = StackedReplicas(cfg, k, device, loaders, vocab_size, peer_names(k), init)
     try:
         progress.start(reps.lead_model(), "stacked")
         steps = cfg.train.steps
@@ -297,8 +334,8 @@ def _run_stacked(cfg, k, device, loaders, vocab_size, progress: Progress) -> Sim
     return progress.result(reps.lead_sync, "stacked")
 
 
-def _run_threads(cfg, k, device, loaders, vocab_size, progress: Progress) -> SimResult:
-    workers, group = build_workers(cfg, k, device, loaders, vocab_size)
+def _run_threads(cfg, k, device, loaders, vocab_size, progress: Progress, init) -> SimResult:
+    workers, group = build_workers(cfg, k, device, loaders, vocab_size, init)
     steps = cfg.train.steps
     lead = workers[0]
     progress.start(lead.model, "threads")
@@ -411,6 +448,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", default="auto", help="auto, cpu or cuda")
     p.add_argument("--engine", choices=ENGINES, default="stacked",
                    help="stacked: one vmapped step for all replicas (default); threads: a thread per replica")
+    p.add_argument("--init-from", metavar="CKPT",
+                   help="start every replica from these weights (a murmur train checkpoint): a warm start")
     p.add_argument("--out", help="folder for sim.json and sim.png")
     p.set_defaults(func=_run)
 
@@ -449,7 +488,8 @@ def _run(args: argparse.Namespace) -> int:
         raise SimError(
             f"data.tokenizer is {cfg.data.tokenizer!r} but {cfg.data.path} was prepared with {dataset.tokenizer!r}"
         )
-    result = run_sim(cfg, args.workers, device, dataset, engine=args.engine)
+    init = read_init_weights(args.init_from) if args.init_from else None
+    result = run_sim(cfg, args.workers, device, dataset, engine=args.engine, init=init)
     print(format_table([result]))
     if args.out:
         write_outputs(Path(args.out), cfg, [result])

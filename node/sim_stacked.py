@@ -22,8 +22,8 @@ from collections.abc import Callable
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 
 import torch
-from murmur.node.sim import make_group
-from murmur.node.train import autocast, build_model_from_config
+from murmur.node.sim import build_replica_model, make_group
+from murmur.node.train import autocast
 from murmur.optim.factory import build_sync
 from murmur.optim.inner import adamw, lr_at, set_lr
 from murmur.optim.sync import SyncAlgorithm
@@ -47,11 +47,12 @@ class StackedReplicas:
         batches_for: Callable[[int, int], object],
         vocab_size: int,
         peers: list[str],
+        init: dict[str, torch.Tensor] | None = None,
     ) -> None:
         self.cfg, self.k, self.device = cfg, k, device
         # The module supplies the code and the buffers; its own weights are only the place where
         # replica 0 is copied for evaluation.
-        self.model = build_model_from_config(cfg, vocab_size, device)
+        self.model = build_replica_model(cfg, vocab_size, device, init)
         named = list(self.model.named_parameters())
         self.names = [n for n, _ in named]
         self.stacked = {

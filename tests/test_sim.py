@@ -59,3 +59,39 @@ def test_bad_input_is_one_line(byte_dataset, capsys, args, message):
     rc = main([*base, *args])
     err = capsys.readouterr().err.strip()
     assert rc == 1 and err.startswith("error: ") and message in err and "\n" not in err
+
+
+@pytest.mark.parametrize("engine", ["stacked", "threads"])
+def test_sim_warm_starts_from_a_train_checkpoint(byte_dataset, tmp_path, engine):
+    """`--init-from`: every replica starts from the checkpoint's weights (the DiLoCo paper's warm
+    start), so the first evaluation is the trained model's loss, not the seed's."""
+    run = tmp_path / "pre"
+    model_keys = [a for a in SMALL if a.startswith("model.")]
+    train_args = [x for k in model_keys for x in ("--set", k)]
+    assert main(["train", "--data", str(byte_dataset.root), "--steps", "30", "--out", str(run), "--device", "cpu",
+                 "--set", "train.batch_size=4", "--set", "optim.lr=2e-3", *train_args]) == 0
+    cold, warm = tmp_path / "cold", tmp_path / "warm"
+    base = ["sim", "--workers", "2", "-H", "5", "--steps", "5", "--data", str(byte_dataset.root), "--engine", engine,
+            *SMALL]
+    assert main([*base, "--out", str(cold)]) == 0
+    assert main([*base, "--out", str(warm), "--init-from", str(run / "checkpoint.pt")]) == 0
+    start = {name: json.loads((d / "sim.json").read_text())["runs"][0]["curve"][0]["val_loss"]
+             for name, d in (("cold", cold), ("warm", warm))}
+    assert start["warm"] < start["cold"] - 1.0
+
+
+def test_init_from_a_mismatched_or_missing_checkpoint_is_one_line(byte_dataset, tmp_path, capsys):
+    import torch
+    from murmur.node.train import build_model_from_config
+    from murmur.protocol.runconfig import config_from_dict
+
+    other = build_model_from_config(config_from_dict({"model": {"preset": "tiny", "n_layers": 1}}), 256)
+    torch.save({"model": other.state_dict()}, tmp_path / "other.pt")
+    torch.save({"model": {k: torch.full_like(v, float("nan")) for k, v in other.state_dict().items()}},
+               tmp_path / "nan.pt")
+    base = ["sim", "--data", str(byte_dataset.root), "--steps", "2", *SMALL]
+    for path, message in ((tmp_path / "other.pt", "do not fit the configured model"),
+                          (tmp_path / "none.pt", "cannot be read"), (tmp_path / "nan.pt", "non-finite values")):
+        rc = main([*base, "--init-from", str(path)])
+        err = capsys.readouterr().err.strip()
+        assert rc == 1 and err.startswith("error: ") and message in err and "\n" not in err, err
