@@ -117,9 +117,14 @@ class DCTTopKCodec(Codec):
         out = torch.zeros(idx.shape[0], cr * cc, device=idx.device)
         return out.scatter_(1, idx, wire.parts["values"].float())
 
-    def _decode(self, wire: WireTensor) -> torch.Tensor:
+    def _decode(self, wire: WireTensor, checked: bool = False) -> torch.Tensor:
         cr, cc = int(wire.meta["chunk_rows"]), int(wire.meta["chunk_cols"])
-        return idct_chunked(self.coefficients(wire), tuple(wire.shape), cr, cc)
+        return idct_chunked(self.coefficients(wire, checked), tuple(wire.shape), cr, cc)
+
+    def decode_own(self, wire: WireTensor) -> torch.Tensor:
+        """Decode a payload this codec just encoded: its positions need no check, and skipping
+        it spares a device synchronization per tensor (DeMo decodes its own payload every step)."""
+        return self._decode(wire, checked=True).reshape(wire.shape)
 
 
 class DeMo(SyncAlgorithm):
@@ -148,15 +153,25 @@ class DeMo(SyncAlgorithm):
             if p.grad is not None:
                 m.mul_(self.beta).add_(p.grad.float(), alpha=lr)
             wire = self.codec.encode(m, name)
-            m.sub_(self.codec.decode(wire))  # error feedback: keep what was not sent
+            m.sub_(self.codec.decode_own(wire))  # error feedback: keep what was not sent
             wires.append(wire)
         result: GatherResult = self._wait(self.exchange.all_gather(wires, round_id=step, key="demo"))
+        directions = result.memo.get("demo_sign", lambda: self._mean_directions(result, wires))
+        for p, direction in zip(self.params, directions, strict=True):
+            if self.weight_decay and p.dim() >= 2:
+                p.mul_(1 - lr * self.weight_decay)
+            p.add_(direction.to(p.dtype), alpha=-lr)
+        self.outer_steps += 1
+
+    def _mean_directions(self, result: GatherResult, wires: list[WireTensor]) -> list[torch.Tensor]:
+        """sign(IDCT(mean of every member's coefficients)) per parameter: the step direction."""
         peers = sorted(result.updates)
         # Untrusted positions would crash the scatter: check every payload, one sync for all.
         if any(len(result.updates[peer]) != len(wires) for peer in peers) or (
             wires and bool(torch.stack([self.codec.out_of_range(w) for q in peers for w in result.updates[q]]).any())
         ):
             raise CodecError("a DeMo payload has the wrong number of tensors or positions outside its chunks")
+        out = []
         for i, (p, wire) in enumerate(zip(self.params, wires, strict=True)):
             cr, cc = int(wire.meta["chunk_rows"]), int(wire.meta["chunk_cols"])
             got = [result.updates[q][i] for q in peers]  # sorted peers: a fixed order
@@ -168,8 +183,5 @@ class DeMo(SyncAlgorithm):
             val = torch.stack([w.parts["values"] for w in got]).float()
             dense = torch.zeros(len(got), idx.shape[1], cr * cc, device=idx.device)
             total = dense.scatter_(2, idx, val).sum(0)
-            update = idct_chunked(total / len(peers), tuple(p.shape), cr, cc)
-            if self.weight_decay and p.dim() >= 2:
-                p.mul_(1 - lr * self.weight_decay)
-            p.add_(update.sign().to(p.dtype), alpha=-lr)
-        self.outer_steps += 1
+            out.append(idct_chunked(total / len(peers), tuple(p.shape), cr, cc).sign())
+        return out

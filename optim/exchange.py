@@ -15,7 +15,8 @@ sends) live in `murmur.optim.reduce`, so the gRPC exchange only has to move the 
 from __future__ import annotations
 
 import abc
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -33,6 +34,22 @@ class ReduceResult:
     codec: str = ""
 
 
+class SharedMemo:
+    """Values derived from a gather's updates, computed once for every member that received the
+    same updates. Over the wire each peer has its own; in one process (the simulator) the K
+    members share one, so K replicas do not decode the same payloads K times."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._values: dict[str, object] = {}
+
+    def get(self, key: str, compute: Callable[[], object]) -> object:
+        with self._lock:  # the other members wait for the first one's result instead of redoing it
+            if key not in self._values:
+                self._values[key] = compute()
+            return self._values[key]
+
+
 @dataclass(slots=True)
 class GatherResult:
     updates: dict[str, list[WireTensor]]     # peer -> that peer's wire tensors, every member
@@ -40,6 +57,7 @@ class GatherResult:
     bytes_sent: int = 0
     bytes_received: int = 0
     codec: str = ""
+    memo: SharedMemo = field(default_factory=SharedMemo)  # read-only derived values (see SharedMemo)
 
 
 class ExchangeError(RuntimeError):

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 from murmur.optim.aggregate import Aggregator
 from murmur.optim.codecs import Codec
-from murmur.optim.exchange import Exchange, ExchangeError, GatherResult, ReduceResult
+from murmur.optim.exchange import Exchange, ExchangeError, GatherResult, ReduceResult, SharedMemo
 from murmur.optim.reduce import allreduce_bytes, gather_bytes, reduce_payloads, wire_bytes
 from murmur.optim.wire import WireTensor
 
@@ -97,12 +97,13 @@ class InProcessGroup:
         slot.codec = self._handles[self.peers[0]].codec
         if kind == "gather":
             codec_name = next((w[0].codec for w in slot.payloads.values() if w), slot.codec.name)
+            memo = SharedMemo()  # the same updates for every member: decode them once
             for p in self.peers:
                 own = wire_bytes(slot.payloads[p])
                 received = sum(wire_bytes(slot.payloads[q]) for q in self.peers if q != p)
                 updates = {q: slot.payloads[q] for q in self.peers}
                 slot.futures[p].set_result(
-                    GatherResult(updates, {}, gather_bytes(k, own), received, codec_name)
+                    GatherResult(updates, {}, gather_bytes(k, own), received, codec_name, memo)
                 )
             return
         tensors, members, dropped, back = reduce_payloads(

@@ -151,3 +151,44 @@ def run_workers_with_abort(workers, steps):
     assert not any(t.is_alive() for t in threads)
     assert len(errors) == 2  # the broken worker and the one it left waiting
     raise errors[0]
+
+
+def test_demo_replicas_in_one_process_decode_the_gathered_payloads_once(monkeypatch):
+    """In memory every member gets the same payloads, so the K replicas share one decode of their
+    mean (GatherResult.memo) instead of K; the replicas still move identically."""
+    from murmur.optim.demo import DeMo
+
+    calls = []
+    original = DeMo._mean_directions
+
+    def counted(self, result, wires):
+        calls.append(result)
+        return original(self, result, wires)
+
+    monkeypatch.setattr(DeMo, "_mean_directions", counted)
+    steps, k = 3, 3
+    workers = make_workers(tiny_config(steps, algorithm="demo", demo_topk=8), k, same_data=True)
+    run_workers(workers, steps)
+    assert len(calls) == steps  # one decode per step, not one per replica
+    for a, b in zip(workers[0].model.parameters(), workers[-1].model.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_shared_memo_computes_once_under_concurrent_callers():
+    import threading
+
+    from murmur.optim.exchange import SharedMemo
+
+    memo, computed, got = SharedMemo(), [], []
+    barrier = threading.Barrier(4)
+
+    def call():
+        barrier.wait()
+        got.append(memo.get("x", lambda: computed.append(1) or object()))
+
+    threads = [threading.Thread(target=call) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(computed) == 1 and len({id(g) for g in got}) == 1
