@@ -7,11 +7,13 @@ top-k + 2-bit values and error feedback (SparseLoCo-style), and plain model aver
 
     # the corpus, here (apt + network): data/quality-gpt2, 13.4M train tokens; carry it to the GPU
     bash benchmarks/quality_corpus.sh
-    # the committed run: two calls on 2 H200s, 4 lanes (processes) each, rows split between them
+    # the committed run (2 H200s, 6 lanes): one model trained 1000 steps at DDP's global batch (the
+    # warm start), then every row 1000 steps from it, DiLoCo's outer step set to plain averaging
     source benchmarks/gpu_env.sh && python3 benchmarks/quality.py --data data/quality-gpt2 \
-        --steps 2000 --lanes 0,0,1,1 --rows ddp,diloco-fp32-H50,... --partial-dir $OUT
-    # then, here: merge the calls' JSONs (and the small CPU sweep) into results/quality.json
-    python3 benchmarks/quality.py --combine A.json,B.json cpu.json --note "..."
+        --steps 1000 --warm-start-steps 1000 --set sync.outer_lr=1.0 --set sync.outer_momentum=0.0 \
+        --lanes 0,0,0,1,1,1 --lane-deadline-s 450 --lane-dir /tmp/lanes --rows ddp,... --partial-dir $OUT
+    # then, here: merge the calls' JSONs, keeping earlier sweeps beside under their own names
+    python3 benchmarks/quality.py --combine A.json,B.json --section cpu_sweep=cpu.json --note "..."
 
 With ``--time-budget-s`` and no ``--steps``, a short probe times one step of each kind and the
 largest step count (a multiple of 500, so every H divides it) that fits the budget is used for every
@@ -29,8 +31,8 @@ from pathlib import Path
 
 import torch
 from murmur.node.data import Dataset
-from murmur.node.sim import SimResult, plot_loss_vs_bytes, run_sim
-from murmur.node.train import resolve_device
+from murmur.node.sim import SimResult, plot_loss_vs_bytes, read_init_weights, run_sim
+from murmur.node.train import Trainer, resolve_device
 from murmur.protocol.runconfig import RunConfig, config_from_dict
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -63,10 +65,15 @@ ROWS["streaming-int4-H250"] = (
      "codec": "int4"},
     {},
 )
-# Plain model averaging every 50 steps (outer lr 1, no momentum): local SGD, the check on what
-# DiLoCo's outer Nesterov step adds.
-ROWS["avg-fp32-H50"] = ({"algorithm": "diloco", "inner_steps": 50, "codec": "fp32", "outer_lr": 1.0,
-                         "outer_momentum": 0.0}, {})
+# Plain model averaging (outer lr 1, no momentum): local SGD, the check on what DiLoCo's outer
+# Nesterov step adds, every 50 steps in fp32 and every 250 in int4 (1778x less than DDP).
+for _name, _h, _c in (("avg-fp32-H50", 50, "fp32"), ("avg-int4-H250", 250, "int4")):
+    ROWS[_name] = ({"algorithm": "diloco", "inner_steps": _h, "codec": _c, "outer_lr": 1.0, "outer_momentum": 0.0}, {})
+# DiLoCo's published outer step (SGD lr 0.7, Nesterov momentum 0.9), named for comparison when the
+# table's outer optimizer is set otherwise (--set sync.outer_lr=1 --set sync.outer_momentum=0).
+for _name, _h, _c in (("nesterov-fp32-H50", 50, "fp32"), ("nesterov-int4-H250", 250, "int4")):
+    ROWS[_name] = ({"algorithm": "diloco", "inner_steps": _h, "codec": _c, "outer_lr": 0.7, "outer_momentum": 0.9,
+                    "nesterov": True}, {})
 # DeMo's sign update moves every weight by lr each step: it wants a smaller lr than AdamW.
 ROWS["demo"] = ({"algorithm": "demo", "inner_steps": 50, "demo_topk": 32, "demo_chunk": 64}, {"lr": 3e-4})
 # SparseLoCo: top-k 1.56% of each 4096-chunk, 2-bit values, error feedback with decay 0.95, outer
@@ -86,6 +93,33 @@ def row_config(name: str, data: str, steps: int) -> RunConfig:
     d["sync"].update(sync)
     d["optim"].update(optim)
     return config_from_dict(d)
+
+
+def warm_start(data: str, steps: int, batch: int, device: torch.device, path: Path) -> dict:
+    """Train one model for ``steps`` steps of ``batch`` sequences (DDP's global batch: the same
+    update DDP would make) and save its weights to ``path``: the DiLoCo paper's warm start, which
+    every row then continues from. The learning rate stays at its peak after warm-up (min_lr_ratio
+    1), so the rows' own schedules continue one schedule instead of restarting a decayed one."""
+    d = copy.deepcopy(BASE)
+    d["data"]["path"] = data
+    d["train"].update(steps=steps, batch_size=batch)
+    d["optim"]["min_lr_ratio"] = 1.0
+    cfg = config_from_dict(d)
+    torch.manual_seed(cfg.seed)
+    dataset = Dataset.open(data)
+    t0 = time.perf_counter()
+    trainer = Trainer(cfg, dataset, device)
+    before = trainer.validate()
+    for _ in range(steps):
+        trainer.step()
+    val = trainer.validate()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({"model": trainer.model.state_dict()}, path)
+    info = {"steps": steps, "batch_size": batch, "tokens": steps * batch * trainer.model.cfg.seq_len,
+            "lr_after_warmup": "constant", "val_loss_before": round(before, 4), "val_loss": round(val, 4),
+            "seconds": round(time.perf_counter() - t0, 1)}
+    print(f"warm start: {json.dumps(info)}", flush=True)
+    return info
 
 
 def probe_seconds_per_step(names: list[str], data: str, workers: int, device, dataset: Dataset) -> float:
@@ -144,7 +178,9 @@ def summarize(rows: list[dict]) -> dict:
 def write(out_paths: list[Path], payload: dict, results: list[SimResult], names: list[str]) -> None:
     for d in out_paths:
         d.mkdir(parents=True, exist_ok=True)
-        (d / "quality.json").write_text(json.dumps(payload, indent=1) + "\n")
+        tmp = d / "quality.json.tmp"
+        tmp.write_text(json.dumps(payload, indent=1) + "\n")
+        tmp.replace(d / "quality.json")  # atomic: a lane stopped at its deadline leaves a whole JSON
         if results:
             plot_loss_vs_bytes(
                 results, d / "quality.png",
@@ -198,35 +234,39 @@ def merge_sweeps(parts: list[dict]) -> dict:
     return merged
 
 
-def combine(gpu_paths: list[Path], cpu_paths: list[Path], out_dir: Path, notes: list[str]) -> None:
-    """The committed result: the GPU run's rows at top level (merged when its rows ran in several
-    calls), the complete small CPU sweep beside."""
-    gpu = merge_sweeps([json.loads(p.read_text()) for p in gpu_paths])
-    gpu["curves"] = {r["name"]: gpu["curves"][r["name"]] for r in gpu["rows"]}
-    gpu.pop("lanes", None)  # per call; the commands say how the rows were split
-    cpu = merge_sweeps([json.loads(p.read_text()) for p in cpu_paths])
-    merged = dict(gpu)
-    keys = ("device", "date", "command", "model", "train", "optim", "workers", "steps_per_worker", "corpus",
-            "rows", "summary", "curves")
-    merged["cpu_sweep"] = {k: cpu[k] for k in keys if k in cpu}
+SWEEP_KEYS = ("device", "date", "command", "model", "train", "optim", "workers", "steps_per_worker", "corpus",
+              "warm_start", "rows", "summary", "curves", "notes")
+
+
+def panel_title(sweep: dict) -> str:
+    m = sweep["model"]
+    warm = sweep.get("warm_start")
+    start = f"after a {warm['steps']}-step warm start" if warm else "from scratch"
+    return (f"{sweep['device']}: {sweep['workers']} workers, {m['params'] / 1e6:.2f}M params, "
+            f"{sweep['steps_per_worker']} steps ({sweep['rows'][0]['tokens'] / 1e6:.1f}M tokens) {start}")
+
+
+def combine(main_paths: list[Path], sections: dict[str, list[Path]], out_dir: Path, notes: list[str]) -> None:
+    """The committed result: the main sweep's rows at top level (merged when its rows ran in
+    several calls), each other sweep (an earlier regime, the small CPU sweep) under its name."""
+    main = merge_sweeps([json.loads(p.read_text()) for p in main_paths])
+    main["curves"] = {r["name"]: main["curves"][r["name"]] for r in main["rows"]}
+    main.pop("lanes", None)  # per call; the commands say how the rows were split
+    merged = dict(main)
+    panels = [(panel_title(main), main["curves"])]
+    for name, paths in sections.items():
+        sweep = merge_sweeps([json.loads(p.read_text()) for p in paths])
+        merged[name] = {k: sweep[k] for k in SWEEP_KEYS if k in sweep}
+        panels.append((f"{name}: {panel_title(sweep)}", sweep["curves"]))
     merged["notes"] = notes
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "quality.json").write_text(json.dumps(merged, indent=1) + "\n")
-    g_m, c_m = gpu["model"], cpu["model"]
-    plot_panels(
-        [
-            (f"{gpu['device']}: {gpu['workers']} workers, {g_m['params'] / 1e6:.0f}M params, "
-             f"{gpu['steps_per_worker']} steps ({gpu['rows'][0]['tokens'] / 1e6:.1f}M tokens)", gpu["curves"]),
-            (f"{cpu['device']}: {cpu['workers']} workers, {c_m['params'] / 1e6:.2f}M params (bytes), "
-             f"{cpu['steps_per_worker']} steps ({cpu['rows'][0]['tokens'] / 1e6:.1f}M tokens)", cpu["curves"]),
-        ],
-        out_dir / "quality.png",
-    )
+    plot_panels(panels, out_dir / "quality.png")
 
 
 # Relative cost of a row's inner step (DDP all-reduces and DeMo all-gathers every step), to
 # spread the rows evenly over lanes.
-ROW_COST = {"ddp": 1.4, "demo": 1.4}
+ROW_COST = {"ddp": 1.4, "demo": 3.0}
 
 
 def split_rows(names: list[str], lanes: int) -> list[list[str]]:
@@ -263,9 +303,17 @@ def run_lanes(args: argparse.Namespace, argv: list[str]) -> int:
     names = args.rows.split(",") if args.rows else list(ROWS)
     devices = args.lanes.split(",")
     groups = split_rows(names, len(devices))
-    # Flat (OUT/lane0, ...): the GPU machine's tool brings back files only a few folders deep.
-    root = Path(args.partial_dir or args.results_dir)
-    base = _drop_options(argv, {"--lanes", "--rows", "--results-dir", "--partial-dir"})
+    # The lanes' own JSONs and logs; only the merged JSON and PNG go to the results folders.
+    root = Path(args.lane_dir or args.partial_dir or args.results_dir)
+    base = _drop_options(argv, {"--lanes", "--rows", "--results-dir", "--partial-dir", "--warm-start-steps",
+                                "--lane-dir", "--lane-deadline-s"})
+    warm = None
+    if args.warm_start_steps:
+        # Once, before the lanes, which all continue from it (outside OUT: it is large).
+        ckpt = Path(args.warm_dir) / "warm.pt"
+        warm = warm_start(args.data, args.warm_start_steps, args.workers * BASE["train"]["batch_size"],
+                          torch.device(f"cuda:{devices[0]}" if torch.cuda.is_available() else "cpu"), ckpt)
+        base += ["--init-from", str(ckpt), "--warm-info", json.dumps(warm)]
     procs = []
     for i, rows in enumerate(groups):
         out = root / f"lane{i}"
@@ -276,8 +324,20 @@ def run_lanes(args: argparse.Namespace, argv: list[str]) -> int:
         log = (out / "log.txt").open("w")
         procs.append((subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT), log, out))
     rc = 0
+    deadline = time.monotonic() + args.lane_deadline_s if args.lane_deadline_s else None
     for proc, log, out in procs:
-        rc |= proc.wait()
+        try:
+            rc |= proc.wait(timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            # Past the deadline: stop the lane; its finished rows are in its JSON already.
+            proc.terminate()
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            rc |= 1
+            print(f"{out.name}: stopped at the deadline ({args.lane_deadline_s:.0f}s)", flush=True)
         log.close()
         tail = (out / "log.txt").read_text().splitlines()[-3:]
         print(f"{out.name}: rc {proc.returncode}; " + " | ".join(tail), flush=True)
@@ -310,22 +370,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--set", action="append", default=[], help="override a base key, e.g. model.n_layers=2")
     p.add_argument("--partial-dir", help="also write the JSON/PNG here after each row (e.g. $OUT)")
     p.add_argument("--results-dir", default=str(RESULTS))
-    p.add_argument("--combine", nargs="+", metavar="JSON",
-                   help="GPU_JSON[,GPU_JSON...] CPU_JSON [CPU_JSON ...]: merge a GPU run and a CPU sweep (either "
-                   "may be split over several runs) into --results-dir/quality.json and .png")
+    p.add_argument("--combine", metavar="JSON[,JSON...]",
+                   help="merge the JSONs of one sweep (rows split over calls) into --results-dir/quality.json and .png")
+    p.add_argument("--section", action="append", default=[], metavar="NAME=JSON[,JSON...]",
+                   help="with --combine: another sweep (e.g. cpu_sweep), kept under NAME, with its own plot panel")
     p.add_argument("--note", action="append", default=[], help="a note for the combined JSON (repeatable)")
     p.add_argument("--engine", default="stacked", help="the simulator's engine: stacked (default) or threads")
+    p.add_argument("--lane-dir", help="where the lanes write their JSONs and logs (default: the partial/results dir)")
+    p.add_argument("--lane-deadline-s", type=float,
+                   help="stop lanes still running this long after they started, and merge the rows they finished")
+    p.add_argument("--warm-start-steps", type=int, default=0,
+                   help="first train one model for N steps at DDP's global batch; every row continues from it")
+    p.add_argument("--warm-dir", default="/tmp/murmur-quality", help="where the warm start's weights go")
+    p.add_argument("--init-from", help="start every row from these weights (a warm start made earlier)")
+    p.add_argument("--warm-info", help=argparse.SUPPRESS)  # the lanes' parent tells them how it warmed up
     p.add_argument("--lanes", help="run the rows in parallel processes, one per entry, on these CUDA devices "
                    "(e.g. 0,0,1,1: two on each of two GPUs); needs --steps; the lanes' JSONs are merged")
     args = p.parse_args(argv)
-    if args.lanes:
-        return run_lanes(args, argv if argv is not None else sys.argv[1:])
-    if args.combine:
-        if len(args.combine) < 2:
-            p.error("--combine needs a GPU JSON and at least one CPU JSON")
-        gpu_parts = [Path(x) for x in args.combine[0].split(",")]
-        combine(gpu_parts, [Path(x) for x in args.combine[1:]], Path(args.results_dir), args.note)
-        return 0
     t_start = time.perf_counter()
     for item in args.set:
         key, raw = item.split("=", 1)
@@ -334,6 +395,17 @@ def main(argv: list[str] | None = None) -> int:
             BASE[section][name] = json.loads(raw)
         except json.JSONDecodeError:
             BASE[section][name] = raw  # a bare word is a string
+    if args.lanes:
+        return run_lanes(args, argv if argv is not None else sys.argv[1:])
+    if args.combine:
+        sections = {}
+        for item in args.section:
+            name, sep, paths = item.partition("=")
+            if not sep or not paths:
+                p.error(f"--section wants NAME=JSON[,JSON...], got {item!r}")
+            sections[name] = [Path(x) for x in paths.split(",")]
+        combine([Path(x) for x in args.combine.split(",")], sections, Path(args.results_dir), args.note)
+        return 0
     names = args.rows.split(",") if args.rows else list(ROWS)
     unknown = [n for n in names if n not in ROWS]
     if unknown:
@@ -341,6 +413,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     device = resolve_device(args.device)
     dataset = Dataset.open(args.data)
+    warm = json.loads(args.warm_info) if args.warm_info else None
+    init_path = args.init_from
+    if args.warm_start_steps and not init_path:
+        init_path = Path(args.warm_dir) / "warm.pt"
+        warm = warm_start(args.data, args.warm_start_steps, args.workers * BASE["train"]["batch_size"], device,
+                          init_path)
+    init = read_init_weights(init_path) if init_path else None
     steps = args.steps
     if steps is None:
         per_step = probe_seconds_per_step(names, args.data, args.workers, device, dataset)
@@ -355,7 +434,8 @@ def main(argv: list[str] | None = None) -> int:
     for name in names:
         cfg = row_config(name, args.data, steps)
         print(f"== {name}", flush=True)
-        r = run_sim(cfg, args.workers, device, dataset, engine=args.engine, log=lambda s: print(s, flush=True))
+        r = run_sim(cfg, args.workers, device, dataset, engine=args.engine, init=init,
+                    log=lambda s: print(s, flush=True))
         results.append(r)
         done.append(name)
         rows = rows_of(results, done)
@@ -375,6 +455,8 @@ def main(argv: list[str] | None = None) -> int:
                        for n, x in zip(done, results, strict=True)},
             "curve_columns": ["step", "tokens", "bytes_sent_per_worker", "val_loss"],
         }
+        if warm:
+            payload["warm_start"] = warm
         write(out_paths, payload, results, done)
         print(json.dumps(rows[-1]), flush=True)
     print(json.dumps(payload.get("summary"), indent=1))
