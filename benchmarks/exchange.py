@@ -135,6 +135,7 @@ def peer_main(args: argparse.Namespace) -> int:
         keep_results=1,  # publish only the newest result: each is a copy of the update's size
     )
     ex = GrpcExchange(server, loop, group, make_codec("fp32"), settings=settings)
+    ex.timeline.enabled = bool(args.trace)
     x = torch.randn(args.numel, generator=torch.Generator().manual_seed(args.peer))
     print(json.dumps({"event": "ready"}), flush=True)
     try:
@@ -150,6 +151,15 @@ def peer_main(args: argparse.Namespace) -> int:
             end = time.time()
             cpu = time.process_time() - cpu0
             phases = {k: round(v - phases0.get(k, 0.0), 3) for k, v in ex.times.snapshot().items()}
+            if args.trace:
+                events = ex.timeline.take()
+                names = {nid: i for i, nid in enumerate(ids)}
+                for _, _, f in events:
+                    if "peer" in f:
+                        f["peer"] = names.get(f["peer"], f["peer"])
+                Path(args.trace, f"peer{args.peer}_round{round_id}.json").write_text(
+                    json.dumps({"start": start, "end": end, "events": events})
+                )
             del res.tensors[:]  # every peer completed: the result (and its published copy for peers
             server.states.clear()  # catching up) need not live into the next round
             print(
@@ -173,6 +183,111 @@ def peer_main(args: argparse.Namespace) -> int:
         loop.run(server.stop())
         loop.stop()
     return 0
+
+
+class LinkSampler:
+    """(time, [bytes each peer's upload carried so far]) every ``period`` s (--trace): the host end
+    of each veth receives exactly what the peer's shaped upload sent, headers included."""
+
+    def __init__(self, n: int, period: float = 0.02) -> None:
+        import threading
+
+        self.paths = [Path(f"/sys/class/net/mxh{i}/statistics/rx_bytes") for i in range(n)]
+        self.samples: list[tuple[float, list[int]]] = []
+        self.ss: list = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(period,), daemon=True)
+        self._thread.start()
+
+    def _run(self, period: float) -> None:
+        k = 0
+        while not self._stop.is_set():
+            self.samples.append((time.time(), [int(p.read_text()) for p in self.paths]))
+            if os.environ.get("MX_SS") and k % 25 == 0:
+                for i in range(len(self.paths)):
+                    out = subprocess.run(["ip", "netns", "exec", NS.format(i), "ss", "-tinm", "state", "established"],
+                                         capture_output=True, text=True).stdout
+                    self.ss.append((time.time(), i, out))
+            k += 1
+            self._stop.wait(period)
+
+    def stop(self) -> list:
+        self._stop.set()
+        self._thread.join()
+        return self.samples
+
+
+# --- the link's own ceiling: plain TCP through the same namespaces and shaping ---------------------
+
+_SINK = """
+import socket, sys, time
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind((sys.argv[1], int(sys.argv[2]))); s.listen(1); c, _ = s.accept(); n = 0
+while True:
+    b = c.recv(1 << 20)
+    if not b: break
+    n += len(b)
+print(n, time.time(), flush=True)
+"""
+_SOURCE = """
+import socket, sys
+c = socket.create_connection((sys.argv[1], int(sys.argv[2]))); buf = b"x" * (1 << 20)
+for _ in range(int(sys.argv[3])): c.sendall(buf)
+c.close()
+"""
+
+
+def tcp_ceiling(rate: int, mb: int) -> list[dict]:
+    """Payload goodput of one plain TCP connection through a shaped upload, one way and in both
+    directions at once (as the butterfly's traffic is): the most any exchange can show here."""
+    net_up(2)
+    rows = []
+    try:
+        set_rate(2, rate)
+        cc = subprocess.run(
+            ["ip", "netns", "exec", NS.format(0), "cat", "/proc/sys/net/ipv4/tcp_congestion_control"],
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
+        for senders in ([0], [0, 1]):
+            sinks = {
+                i: subprocess.Popen(
+                    ["ip", "netns", "exec", NS.format(1 - i), sys.executable, "-c", _SINK]
+                    + [SUBNET.format(2 - i), "6001"],
+                    stdout=subprocess.PIPE,
+                    text=True,
+                )
+                for i in senders
+            }
+            time.sleep(1.0)  # the sinks listen
+            t0 = time.time()
+            sources = [
+                subprocess.Popen(
+                    ["ip", "netns", "exec", NS.format(i), sys.executable, "-c", _SOURCE]
+                    + [SUBNET.format(2 - i), "6001", str(mb)]
+                )
+                for i in senders
+            ]
+            for p in sources:
+                p.wait(600)
+            ends = [float(p.communicate(timeout=600)[0].split()[1]) for p in sinks.values()]
+            seconds = max(ends) - t0
+            rows.append(
+                {
+                    "kind": "tcp_ceiling",
+                    "direction": "one way" if len(senders) == 1 else "both ways at once",
+                    "link_mbps": rate,
+                    "payload_mb": mb * 1.048576,
+                    "seconds": round(seconds, 2),
+                    "link_utilization": round(mb * (1 << 20) * 8 / seconds / 1e6 / rate, 3),
+                    "congestion_control": cc,
+                    "load": load(),
+                }
+            )
+            print(json.dumps(rows[-1]), flush=True)
+    finally:
+        net_down(2)
+    return rows
 
 
 # --- the driver ------------------------------------------------------------------------------------
@@ -232,6 +347,7 @@ def run_group(
                 str(args.chunk_mb),
                 "--threads",
                 str(args.threads),
+                *(["--trace", args.trace] if args.trace else []),
             ]
             procs.append(
                 subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
@@ -242,10 +358,14 @@ def run_group(
         for rate, codec, count in [(1000, "fp32", 4096)] + plan:  # the first round opens the TLS channels
             set_rate(n, rate)
             round_id += 1
+            sampler = LinkSampler(n) if args.trace and round_id > 1 else None
             for p in procs:
                 p.stdin.write(f"round {round_id} {codec} {count}\n")
                 p.stdin.flush()
             results = [json.loads(p.stdout.readline()) for p in procs]
+            if sampler is not None:
+                Path(args.trace, f"link_round{round_id}.json").write_text(json.dumps(sampler.stop()))
+                Path(args.trace, f"ss_round{round_id}.json").write_text(json.dumps(sampler.ss))
             if round_id == 1:
                 continue
             seconds = max(r["end"] for r in results) - max(r["start"] for r in results)
@@ -300,6 +420,13 @@ def main() -> int:
     ap.add_argument("--chunk-mb", type=float, default=4.0, help="ExchangeSettings.chunk_mb")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per peer process")
     ap.add_argument("--tbf-latency", default="200ms", help="tc tbf queue limit of each upload, e.g. 200ms")
+    ap.add_argument(
+        "--ceiling",
+        type=int,
+        default=0,
+        help="MiB: first measure plain TCP through the same shaping (--peers '' for only that)",
+    )
+    ap.add_argument("--trace", default="", help="directory: per-chunk timelines and upload byte counts")
     ap.add_argument("--notes", default="", help="appended to the JSON's notes")
     ap.add_argument("--out", default=str(HERE / "results" / "exchange.json"))
     args = ap.parse_args()
@@ -311,12 +438,18 @@ def main() -> int:
         return 1
     from murmur.protocol.identity import CertificateAuthority
 
-    peers = [int(p) for p in args.peers.split(",")]
+    peers = [int(p) for p in args.peers.split(",") if p]
     rates = [int(r) for r in args.rates.split(",")]
     codecs = args.codecs.split(",")
     fp32_peers = {int(p) for p in args.fp32_peers.split(",") if p}
     rows: list[dict] = []
     loads: list[str] = []
+    if args.ceiling:
+        for rate in rates:
+            rows += tcp_ceiling(rate, args.ceiling)
+        if not args.peers:
+            print(json.dumps(rows))
+            return 0
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     with tempfile.TemporaryDirectory(prefix="murmur-bench-") as tmp:
         ca = CertificateAuthority.create("bench")

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import grpc
 from google.protobuf.message import DecodeError
 from murmur.node.exchange_attempt import Attempt, GatherAttempt, ReduceAttempt, RoundBook
-from murmur.node.exchange_stats import PhaseTimes
+from murmur.node.exchange_stats import PhaseTimes, Timeline
 from murmur.node.exchange_validate import InputRejected, decode_chunk
 from murmur.protocol import peer_pb2
 from murmur.protocol.version import PROTOCOL_VERSION, VersionMismatch
@@ -47,6 +47,7 @@ class ServeSettings:
     run_id: str
     node_id: str
     times: PhaseTimes
+    timeline: Timeline
 
 
 def status(code: int, **kw: object) -> peer_pb2.ExchangeReply:
@@ -167,7 +168,9 @@ async def _serve_reduce(
                 return
             if sent < len(att.results):
                 await _hold_if_stalled(book, s)
+                s.timeline.mark("out_w0", j=sent, peer=peer_id)
                 await context.write(peer_pb2.ExchangeReply(data=att.results[sent]))
+                s.timeline.mark("out_w1", j=sent, peer=peer_id)
                 sent += 1
                 continue
             if att.done.is_set() and sent == len(att.chunks):
@@ -205,6 +208,7 @@ async def _read_chunks(att: ReduceAttempt, h, peer_id: str, context, s: ServeSet
                 raise InputRejected(f"stream ended after {j} of {len(att.chunks)} chunks")
             if frame.WhichOneof("kind") != "data":
                 raise InputRejected("a second header in one stream")
+            s.timeline.mark("rx", j=j, peer=peer_id)
             total += len(frame.data)
             att.bytes_received += len(frame.data)
             if total > h.payload_bytes:

@@ -48,7 +48,7 @@ from murmur.node.exchange_settings import (
     chunk_ranges,
     spans,
 )
-from murmur.node.exchange_stats import PhaseTimes
+from murmur.node.exchange_stats import PhaseTimes, Timeline
 from murmur.node.exchange_validate import InputRejected, validate_gather
 from murmur.node.peer_faults import FAULTS, FaultInjector
 from murmur.node.peer_loop import LoopThread
@@ -88,6 +88,7 @@ class GrpcExchange(Exchange):
         self.faults = faults or FaultInjector()
         self.book = RoundBook()
         self.times = PhaseTimes()  # worker-thread CPU seconds by phase (node/exchange_stats.py)
+        self.timeline = Timeline()  # wall-clock events by chunk, off unless enabled (diagnosis)
         self.caught_up: list[tuple[int, str]] = []  # calls whose result came from peers (observability)
         self.limits = WireLimits(max_numel=self.settings.max_payload_bytes)
         self._channels: dict[str, grpc.aio.Channel] = {}
@@ -98,6 +99,7 @@ class GrpcExchange(Exchange):
             run_id=server.run_id,
             node_id=server.node_id,
             times=self.times,
+            timeline=self.timeline,
         )
         server.exchange_handler = lambda peer, ctx: serve_exchange(
             self.book, self._serve, peer, ctx, lambda: self.codec, self.limits
@@ -133,8 +135,10 @@ class GrpcExchange(Exchange):
         self, tensors: list[torch.Tensor], *, round_id: int, key: str = "", weight: float = 1.0
     ) -> ReduceResult:
         self._check_weight(weight)
+        self.timeline.mark("call", round=round_id)
         # One flat fp32 copy of the update: the caller may change its tensors while this runs.
         flat = await asyncio.to_thread(_flatten, tensors)
+        self.timeline.mark("flat")
         if not self.codec.dense:  # codec.encode adds (and keeps) the key's error feedback itself
             return await self._sparse_reduce(tensors, flat, round_id, key, weight)
         x = flat
@@ -270,6 +274,7 @@ class GrpcExchange(Exchange):
                     if len(members) <= call.start_members * self.settings.quorum:
                         continue
                 att = await self._make_attempt(call, number, tuple(members))
+                self.timeline.mark("attempt", number=number, members=len(members))
                 await self.book.register(att)
                 replies = await self._attempt(call, att)
                 hints = {o: r.result_hash for o, r in replies.items() if r.code == DONE}
@@ -281,6 +286,7 @@ class GrpcExchange(Exchange):
                     # As an owner it sends its re-encoded span to every other member.
                     if isinstance(att, ReduceAttempt):
                         call.sent += att.result_bytes * (len(att.members) - 1)
+                    self.timeline.mark("complete")
                     return await self._complete(call, att, replies), list(att.members), False
                 failed, seen, at = self._failures(call, att, replies)
                 att.close()
@@ -357,6 +363,7 @@ class GrpcExchange(Exchange):
         assert result is not None
 
         def sink(j: int, value: torch.Tensor) -> None:
+            self.timeline.mark("red", j=j)
             a, b = ranges[j]
             result[start + a : start + b] = value
 
@@ -476,6 +483,7 @@ class GrpcExchange(Exchange):
                 )
             named["weights"] = torch.tensor([att.weights[m] for m in att.members], dtype=torch.float64)
         await publish(self, call, named, list(att.members))
+        self.timeline.mark("hashed")
         return named
 
     # -- plumbing ---------------------------------------------------------------------------------

@@ -127,10 +127,10 @@ async def call_owner(
             await rpc.done_writing()
             _sent_all(ex, call, sent, n_others)
             if reduce:
-                return await _read_reduce_reply(ex, call, span, ranges, rpc, progress)
+                return await _read_reduce_reply(ex, call, owner, span, ranges, rpc, progress)
             return await _read_status(rpc, progress)
-        reader = loop.create_task(_read_reduce_reply(ex, call, span, ranges, rpc, progress))
-        writer = loop.create_task(_write_chunks(ex, call, span, ranges, rpc, progress))
+        reader = loop.create_task(_read_reduce_reply(ex, call, owner, span, ranges, rpc, progress))
+        writer = loop.create_task(_write_chunks(ex, call, owner, span, ranges, rpc, progress))
         tasks = [reader, writer]
         await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
         if reader.done():
@@ -207,7 +207,13 @@ def encode_chunk(
 
 
 async def _write_chunks(
-    ex: GrpcExchange, call: Call, span: tuple[int, int], ranges: list[tuple[int, int]], rpc, progress
+    ex: GrpcExchange,
+    call: Call,
+    owner: str,
+    span: tuple[int, int],
+    ranges: list[tuple[int, int]],
+    rpc,
+    progress,
 ) -> None:
     s, loop, n = ex.settings, asyncio.get_running_loop(), len(ranges)
     codec, want_own, encode_one = ex.codec, call.own is not None, ex.times.wrap("encode", encode_chunk)
@@ -227,7 +233,9 @@ async def _write_chunks(
             nxt = encode(j + 1) if j + 1 < n else None
             if own is not None and call.own is not None:
                 call.own[span[0] + a : span[0] + b] = own
+            ex.timeline.mark("in_w0", j=j, peer=owner)
             await asyncio.wait_for(rpc.write(peer_pb2.ExchangeFrame(data=payload)), s.peer_timeout)
+            ex.timeline.mark("in_w1", j=j, peer=owner)
             progress[0] = loop.time()
             call.sent += len(payload)
             if "exit_midstream" in call.faults and j + 1 == max(1, n // 2):
@@ -239,7 +247,13 @@ async def _write_chunks(
 
 
 async def _read_reduce_reply(
-    ex: GrpcExchange, call: Call, span: tuple[int, int], ranges: list[tuple[int, int]], rpc, progress
+    ex: GrpcExchange,
+    call: Call,
+    owner: str,
+    span: tuple[int, int],
+    ranges: list[tuple[int, int]],
+    rpc,
+    progress,
 ) -> Reply:
     """The owner's reduced chunks, decoded into the call's result as they come, then its status."""
     s, loop = ex.settings, asyncio.get_running_loop()
@@ -263,6 +277,7 @@ async def _read_reduce_reply(
                 return Reply(ERROR, reason="closed the stream without a status")
             kind = frame.WhichOneof("kind")
             if kind == "data":
+                ex.timeline.mark("res_rx", j=got, peer=owner)
                 progress[0] = loop.time()
                 if got >= len(ranges):
                     return Reply(ERROR, reason=f"sent more than the {len(ranges)} result chunks of its span")

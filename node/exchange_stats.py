@@ -41,3 +41,26 @@ class PhaseTimes:
     def snapshot(self) -> dict[str, float]:
         with self._lock:
             return dict(self._cpu)
+
+
+class Timeline:
+    """Wall-clock events of the exchange (diagnosis, benchmarks): ``(time.time(), event, fields)``.
+
+    Off by default (``mark`` is then one attribute test). Events: ``call``/``flat``/``attempt``/
+    ``complete``/``hashed`` of a reduce; per chunk j, with the peer on the other side:
+    ``in_w0``/``in_w1`` (our input chunk handed to gRPC / accepted by it, to owner ``peer``),
+    ``res_rx`` (a reduced chunk arrived from owner ``peer``), ``rx`` (member ``peer``'s input chunk
+    arrived at this owner), ``red`` (this owner reduced chunk j), ``out_w0``/``out_w1`` (the reduced
+    chunk handed to / accepted by gRPC for member ``peer``)."""
+
+    def __init__(self, enabled: bool = False) -> None:
+        self.enabled = enabled
+        self.events: list[tuple[float, str, dict]] = []
+
+    def mark(self, event: str, **fields: object) -> None:
+        if self.enabled:
+            self.events.append((time.time(), event, fields))
+
+    def take(self) -> list[tuple[float, str, dict]]:
+        out, self.events = self.events, []
+        return out
