@@ -412,6 +412,7 @@ class GrpcExchange(Exchange):
         sp = spans(call.numel, len(att.members), call.align) if call.op == peer_pb2.OP_REDUCE else []
         progress = [loop.time()]
         sent = [0]
+        call.delivered = set()
         tasks = {
             o: asyncio.create_task(
                 call_owner(
@@ -443,7 +444,17 @@ class GrpcExchange(Exchange):
                 if any(r.code == DONE for r in finished):
                     break  # someone completed the round: catch up from it, nothing else matters
                 if len(finished) == len(tasks) and any(r.code != OK for r in finished):
-                    break  # doomed, and every other member has told us why
+                    local = all(
+                        t.result().code == OK or (t.result().code == ERROR and o in call.delivered)
+                        for o, t in tasks.items()
+                    )
+                    if own.done() or not local:
+                        break  # doomed, and every other member has told us why
+                    # Every owner has our whole input, and what failed was only our side of some
+                    # answers (a result chunk lost or cut off): the others may still complete this
+                    # attempt, and they need our span. Keep owning it until every input is in and
+                    # reduced, or the attempt fails here (a member gone or silent is failed within
+                    # peer_timeout); then retry without those owners and catch up from them.
         finally:
             expire.cancel()
             for t in pending:

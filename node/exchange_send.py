@@ -72,6 +72,7 @@ class Call:
     sent: int = 0
     received: int = 0
     dropped: dict[str, str] = field(default_factory=dict)
+    delivered: set[str] = field(default_factory=set)  # owners our whole input reached, this attempt
     faults: set[str] = field(default_factory=set)  # injected faults that strike this call
 
 
@@ -125,7 +126,7 @@ async def call_owner(
                     progress[0] = loop.time()
                 call.sent += len(payload)
             await rpc.done_writing()
-            _sent_all(ex, call, sent, n_others)
+            _sent_all(ex, call, owner, sent, n_others)
             if reduce:
                 return await _read_reduce_reply(ex, call, owner, span, ranges, rpc, progress)
             return await _read_status(rpc, progress)
@@ -137,7 +138,7 @@ async def call_owner(
             return reader.result()  # an answer before our input was all out can only be a refusal
         err = writer.exception()
         if err is None:
-            _sent_all(ex, call, sent, n_others)
+            _sent_all(ex, call, owner, sent, n_others)
             return await reader
         if isinstance(err, asyncio.TimeoutError):
             return Reply(ERROR, reason=f"stalled: a write took more than {s.peer_timeout:g}s")
@@ -179,7 +180,8 @@ def declared_bytes(codec: Codec, ranges: list[tuple[int, int]]) -> int:
     return sum(sizes[b - a] + CHUNK_OVERHEAD for a, b in ranges)
 
 
-def _sent_all(ex: GrpcExchange, call: Call, sent: list[int], n_others: int) -> None:
+def _sent_all(ex: GrpcExchange, call: Call, owner: str, sent: list[int], n_others: int) -> None:
+    call.delivered.add(owner)
     sent[0] += 1
     if sent[0] == n_others and "exit" in call.faults:
         ex.die("after sending its input")

@@ -155,6 +155,35 @@ def test_a_peer_that_lost_its_result_catches_up_from_those_that_completed():
         assert len(hashes) == 1
 
 
+def test_a_peer_that_lost_a_result_still_owns_its_span_until_every_input_is_in(monkeypatch):
+    """The lagging peer hears every other owner (one answer lost) before its own span has every
+    member's input (one member's stream to it is late, as on an overloaded machine). It must keep
+    owning its span until that input is in and its reduced chunks are out, not walk away from the
+    attempt: the others complete it with all four inputs, and the lagging peer catches up."""
+    from murmur.node import exchange_send
+
+    late_ms = 1500
+    write_chunks = exchange_send._write_chunks
+
+    with peer_group(4, codec="int8") as (_, peers, _):
+        lagging, slow = peers[2], peers[0]
+
+        async def late_to_lagging(ex, call, owner, *args):
+            if ex is slow.exchange and owner == lagging.node_id:
+                await asyncio.sleep(late_ms / 1000)
+            return await write_chunks(ex, call, owner, *args)
+
+        monkeypatch.setattr(exchange_send, "_write_chunks", late_to_lagging)
+        lagging.faults.arm("lose_result", peer=lagging.node_id, round=1)
+        results = run_reduce(peers, inputs(4))
+        assert all(not isinstance(r, Exception) for r in results), results
+        assert_identical(results)
+        assert all(len(r.members) == 4 and not r.dropped for r in results[:2] + results[3:]), results
+        assert (1, "k") in lagging.exchange.caught_up
+        assert not any((1, "k") in p.exchange.caught_up for p in peers if p is not lagging)
+        assert len({p.exchange.book.done[(1, "k")].result_hash for p in peers}) == 1
+
+
 def test_a_stalled_peer_is_dropped_and_its_span_re_owned_within_the_deadline():
     with peer_group(4, codec="fp32", peer_timeout=2.0) as (_, peers, _):
         stalled = peers[3]
