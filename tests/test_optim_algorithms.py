@@ -192,3 +192,21 @@ def test_shared_memo_computes_once_under_concurrent_callers():
     for t in threads:
         t.join()
     assert len(computed) == 1 and len({id(g) for g in got}) == 1
+
+
+@pytest.mark.parametrize("shape", [(48, 32), (24, 8, 4), (40,)])
+def test_demo_group_dct_is_each_tiles_dct_and_inverts(shape):
+    """DeMo transforms parameters of one shape together: slice g, tile t of the coefficients is
+    D_r @ tile @ D_c^T of that tensor's t-th tile (row-major), and the inverse gives x back."""
+    from murmur.optim.demo import chunk_shape, dct_matrix, group_dct, group_idct
+
+    x = torch.randn(3, *shape, generator=torch.Generator().manual_seed(0))
+    cr, cc = chunk_shape(shape, 16)
+    coef = group_dct(x, shape, cr, cc)
+    dr, dc = dct_matrix(cr, x.device), dct_matrix(cc, x.device)
+    for g in range(3):
+        m = x[g].reshape(1, -1) if len(shape) == 1 else x[g].reshape(shape[0], -1)
+        tiles = [m[i:i + cr, j:j + cc] for i in range(0, m.shape[0], cr) for j in range(0, m.shape[1], cc)]
+        want = torch.stack([(dr @ t @ dc.T).reshape(-1) for t in tiles])
+        torch.testing.assert_close(coef[g], want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(group_idct(coef, shape, cr, cc), x, rtol=1e-4, atol=1e-4)
