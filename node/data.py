@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import random
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +30,7 @@ FORMAT_VERSION = 1
 TOKEN_DTYPE = np.dtype("<u2")  # both tokenizers fit in 16 bits
 DEFAULT_SHARD_TOKENS = 1 << 18
 DEFAULT_VAL_FRACTION = 0.01
+DEFAULT_PIECE_CHARS = 16384  # --shuffle-seed cuts files into pieces of about this many characters
 
 
 class DataError(MurmurError):
@@ -70,14 +72,34 @@ def split_validation(tokens: np.ndarray, n_val: int) -> tuple[np.ndarray, np.nda
     return np.concatenate(train), np.concatenate(val), blocks
 
 
+def cut_pieces(text: str, size: int) -> list[str]:
+    """``text`` cut at paragraph breaks (blank lines) into pieces of about ``size`` characters or
+    more; a text without a break after ``size`` characters stays whole from there on."""
+    pieces, start = [], 0
+    while len(text) - start > size:
+        cut = text.find("\n\n", start + size)
+        if cut < 0:
+            break
+        pieces.append(text[start : cut + 2])
+        start = cut + 2
+    pieces.append(text[start:])
+    return [p for p in pieces if p]
+
+
 def prepare(
     out: str | Path,
     sources: list[str | Path] | None = None,
     tokenizer: str = "byte",
     shard_tokens: int = DEFAULT_SHARD_TOKENS,
     val_fraction: float = DEFAULT_VAL_FRACTION,
+    shuffle_seed: int | None = None,
+    piece_chars: int = DEFAULT_PIECE_CHARS,
 ) -> dict:
-    """Tokenize the sources (the bundled Shakespeare when none) into ``out``; returns the manifest."""
+    """Tokenize the sources (the bundled Shakespeare when none) into ``out``; returns the manifest.
+
+    ``shuffle_seed``: cut every file into pieces of about ``piece_chars`` at paragraph breaks and
+    shuffle the pieces with this seed, so every shard (and every worker's stream) mixes the
+    sources instead of reading one source after another; ``None`` keeps the files in order."""
     if shard_tokens < 1024:
         raise DataError(f"--shard-tokens {shard_tokens} is too small (at least 1024)")
     if not 0.0 < val_fraction < 0.5:
@@ -91,7 +113,13 @@ def prepare(
     if not files:
         raise DataError(f"no .txt, .md or .rst files under {', '.join(map(str, paths))}")
     texts = [f.read_text(encoding="utf-8", errors="replace") for f in files]
-    encoded = tok.encode_batch(texts) if hasattr(tok, "encode_batch") else [tok.encode(t) for t in texts]
+    docs = texts
+    if shuffle_seed is not None:
+        if piece_chars < 256:
+            raise DataError(f"--piece-chars {piece_chars} is too small (at least 256)")
+        docs = [piece for t in texts for piece in cut_pieces(t, piece_chars)]
+        random.Random(shuffle_seed).shuffle(docs)
+    encoded = tok.encode_batch(docs) if hasattr(tok, "encode_batch") else [tok.encode(t) for t in docs]
     stream: list[int] = []
     for ids in encoded:
         stream.extend(ids)
@@ -120,6 +148,8 @@ def prepare(
         "source": source_label,
         "source_files": len(files),
         "source_sha256": _sha256("\0".join(texts).encode("utf-8")),
+        "order": "files" if shuffle_seed is None else {"shuffle_seed": shuffle_seed, "pieces": len(docs),
+                                                        "piece_chars": piece_chars},
         "tokenizer": tok.name,
         "vocab_size": tok.vocab_size,
         "dtype": "uint16",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from murmur.node.data import DEFAULT_SHARD_TOKENS, DEFAULT_VAL_FRACTION, Dataset, prepare
+from murmur.node.data import DEFAULT_PIECE_CHARS, DEFAULT_SHARD_TOKENS, DEFAULT_VAL_FRACTION, Dataset, prepare
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -21,6 +21,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     prep.add_argument("--tokenizer", choices=["byte", "gpt2"], default="byte")
     prep.add_argument("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS)
     prep.add_argument("--val-fraction", type=float, default=DEFAULT_VAL_FRACTION)
+    prep.add_argument("--shuffle-seed", type=int, default=None,
+                      help="cut the files into pieces at paragraph breaks and shuffle them with this seed, so "
+                      "every shard mixes the sources (default: the files in order)")
+    prep.add_argument("--piece-chars", type=int, default=DEFAULT_PIECE_CHARS,
+                      help="with --shuffle-seed: about how many characters a piece has (default %(default)s)")
     prep.set_defaults(func=_prepare)
 
     info = verbs.add_parser("info", help="show a dataset's manifest and verify its hashes")
@@ -30,7 +35,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def _prepare(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
-    m = prepare(args.out, args.source, args.tokenizer, args.shard_tokens, args.val_fraction)
+    m = prepare(args.out, args.source, args.tokenizer, args.shard_tokens, args.val_fraction, args.shuffle_seed,
+                args.piece_chars)
     print(
         f"prepared {args.out}: {m['total_train_tokens']:,} train tokens in {len(m['shards'])} shards, "
         f"{m['val']['tokens']:,} validation tokens, tokenizer {m['tokenizer']} "

@@ -117,3 +117,35 @@ def test_validation_split_covers_every_source(tmp_path):
     assert len(batches) == 2
     assert (batches[0][0] == ord("a")).all() and (batches[-1][0] == ord("b")).all()
     assert torch.equal(batches[0][0][:, 1:], batches[0][1][:, :-1])  # targets are the inputs shifted
+
+
+def test_shuffled_prepare_mixes_the_sources_into_every_shard(tmp_path):
+    """--shuffle-seed: files cut at paragraph breaks and shuffled, so shards (and the workers that
+    read them) no longer see one source after the other; the same seed gives the same dataset."""
+    first, last = tmp_path / "first", tmp_path / "last"
+    first.mkdir()
+    last.mkdir()
+    (first / "a.txt").write_text("\n\n".join(["a" * 500] * 600))  # ~300k characters, paragraphs of 500
+    (last / "b.txt").write_text("\n\n".join(["b" * 500] * 600))
+    args = dict(sources=[first, last], tokenizer="byte", shard_tokens=1 << 16)
+    plain = prepare(tmp_path / "plain", **args)
+    mixed = prepare(tmp_path / "mixed", **args, shuffle_seed=0, piece_chars=2048)
+    again = prepare(tmp_path / "again", **args, shuffle_seed=0, piece_chars=2048)
+    assert plain["order"] == "files" and mixed["order"]["shuffle_seed"] == 0 and mixed["order"]["pieces"] > 100
+    assert [s["sha256"] for s in mixed["shards"]] == [s["sha256"] for s in again["shards"]]
+    assert mixed["total_train_tokens"] + mixed["val"]["tokens"] > plain["total_train_tokens"] + plain["val"]["tokens"]
+    ds_plain, ds_mixed = Dataset.open(tmp_path / "plain"), Dataset.open(tmp_path / "mixed")
+    assert set(np.unique(ds_plain.shard(0))) == {ord("a"), ord("\n")}  # in order: the first source only
+    for i in range(ds_mixed.num_shards):
+        assert {ord("a"), ord("b")} <= set(np.unique(ds_mixed.shard(i)))
+    text = "".join(map(chr, ds_mixed.shard(0)[:20000].tolist()))
+    assert "ab" not in text and "ba" not in text  # cut only at paragraph breaks
+
+
+def test_cut_pieces_keeps_every_character():
+    from murmur.node.data import cut_pieces
+
+    text = "one\n\ntwo two\n\nthree three three\n\n" * 50 + "tail without a break " * 40
+    pieces = cut_pieces(text, 64)
+    assert "".join(pieces) == text and len(pieces) > 10
+    assert all(p.endswith("\n\n") for p in pieces[:-1])
