@@ -277,7 +277,7 @@ def tcp_ceiling(rate: int, mb: int) -> list[dict]:
                     "kind": "tcp_ceiling",
                     "direction": "one way" if len(senders) == 1 else "both ways at once",
                     "link_mbps": rate,
-                    "payload_mb": mb * 1.048576,
+                    "payload_mb": round(mb * 1.048576, 1),
                     "seconds": round(seconds, 2),
                     "link_utilization": round(mb * (1 << 20) * 8 / seconds / 1e6 / rate, 3),
                     "congestion_control": cc,

@@ -48,6 +48,7 @@ from murmur.node.exchange_settings import (
     chunk_ranges,
     spans,
 )
+from murmur.node.exchange_snapshot import Snapshot
 from murmur.node.exchange_stats import PhaseTimes, Timeline
 from murmur.node.exchange_validate import InputRejected, validate_gather
 from murmur.node.peer_faults import FAULTS, FaultInjector
@@ -136,34 +137,38 @@ class GrpcExchange(Exchange):
     ) -> ReduceResult:
         self._check_weight(weight)
         self.timeline.mark("call", round=round_id)
-        # One flat fp32 copy of the update: the caller may change its tensors while this runs.
-        flat = await asyncio.to_thread(_flatten, tensors)
-        self.timeline.mark("flat")
         if not self.codec.dense:  # codec.encode adds (and keeps) the key's error feedback itself
+            flat = await asyncio.to_thread(_flatten, tensors)  # one fp32 copy: the caller may go on
             return await self._sparse_reduce(tensors, flat, round_id, key, weight)
-        x = flat
-        residual = self.codec.residuals.get(key) if self.codec.error_feedback else None
-        if residual is not None and residual.shape == flat.shape:
-            x = flat.add_(residual)
         align = alignment(self.settings.span_align, self.codec)
         chunk = self.settings.chunk_elements(align)
-        layout = layout_hash(
-            self.codec.name,
-            [(t.shape, t.dtype) for t in tensors],
-            f"reduce|align={align}|chunk={chunk}",
-        )
-        call = await self._new_call(peer_pb2.OP_REDUCE, round_id, key, weight, layout)
-        call.x, call.numel, call.align, call.chunk = x, x.numel(), align, chunk
-        call.result = torch.empty(call.numel)
-        if self.codec.error_feedback:
-            call.own = torch.empty(call.numel)
-        named, members, fetched = await self._run(call)
-        result = named.get("0")
-        if result is None or result.dtype != torch.float32 or tuple(result.shape) != (call.numel,):
-            raise ExchangeError(f"round {round_id} {key!r}: the fetched result does not fit this update")
-        if self.codec.error_feedback and not fetched:
-            assert call.own is not None
-            self.codec.residuals[key] = x.sub_(call.own)  # x is ours: the residual reuses its memory
+        # One flat fp32 copy of the update (plus the key's error feedback), made chunk by chunk in a
+        # worker thread from now on: the chunks that go first are copied first (exchange_snapshot).
+        residual = self.codec.residuals.get(key) if self.codec.error_feedback else None
+        snap = Snapshot(tensors, residual, chunk)
+        snap.start()
+        try:
+            layout = layout_hash(
+                self.codec.name,
+                [(t.shape, t.dtype) for t in tensors],
+                f"reduce|align={align}|chunk={chunk}",
+            )
+            call = await self._new_call(peer_pb2.OP_REDUCE, round_id, key, weight, layout)
+            x = snap.flat
+            call.x, call.snapshot, call.numel, call.align, call.chunk = x, snap, x.numel(), align, chunk
+            call.result = torch.empty(call.numel)
+            if self.codec.error_feedback:
+                call.own = torch.empty(call.numel)
+            named, members, fetched = await self._run(call)
+            result = named.get("0")
+            if result is None or result.dtype != torch.float32 or tuple(result.shape) != (call.numel,):
+                raise ExchangeError(f"round {round_id} {key!r}: the fetched result does not fit this update")
+            if self.codec.error_feedback and not fetched:
+                assert call.own is not None
+                await snap.wait()  # every chunk went out, so every piece is in; to be sure
+                self.codec.residuals[key] = x.sub_(call.own)  # x is ours: the residual reuses its memory
+        finally:
+            snap.cancel()
         out, pos = [], 0
         for t in tensors:
             out.append(result[pos : pos + t.numel()].reshape(t.shape))
@@ -399,6 +404,8 @@ class GrpcExchange(Exchange):
                 if att.done.is_set():
                     return
                 await ev.wait()
+            if call.snapshot is not None:
+                await call.snapshot.ready(start + a, start + b)
             piece = call.x[start + a : start + b]
             own = await asyncio.to_thread(round_trip, codec, piece, call.key)
             if call.own is not None:

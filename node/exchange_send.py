@@ -23,6 +23,7 @@ import torch
 from murmur.node.exchange_attempt import Attempt
 from murmur.node.exchange_collect import OK
 from murmur.node.exchange_settings import CHUNK_OVERHEAD, chunk_ranges
+from murmur.node.exchange_snapshot import Snapshot
 from murmur.node.exchange_validate import InputRejected, decode_chunk
 from murmur.optim.codecs import Codec
 from murmur.optim.exchange import ExchangeError
@@ -63,6 +64,7 @@ class Call:
     deadline: float
     numel: int = 0  # reduce: elements of the flat update
     x: torch.Tensor | None = None  # reduce: the flat update (error feedback added)
+    snapshot: Snapshot | None = None  # reduce: copies ``x`` piece by piece; ask it before reading x
     result: torch.Tensor | None = None  # reduce: the flat result, filled chunk by chunk
     own: torch.Tensor | None = None  # reduce with error feedback: what our encoded input decodes to
     align: int = 1  # reduce: span and chunk boundaries
@@ -222,11 +224,16 @@ async def _write_chunks(
     first_faults = frozenset(call.faults & {"nan", "wrong_shape", "corrupt"})
     assert call.x is not None
 
-    def encode(j: int) -> asyncio.Future:
+    async def encode_when_copied(j: int):
         a, b = ranges[j]
+        if call.snapshot is not None:  # the update is copied piece by piece (node/exchange_snapshot.py)
+            await call.snapshot.ready(span[0] + a, span[0] + b)
         piece = call.x[span[0] + a : span[0] + b]  # type: ignore[index]
         faults = first_faults if j == 0 else frozenset()
-        return asyncio.ensure_future(asyncio.to_thread(encode_one, codec, piece, call.key, faults, want_own))
+        return await asyncio.to_thread(encode_one, codec, piece, call.key, faults, want_own)
+
+    def encode(j: int) -> asyncio.Future:
+        return asyncio.ensure_future(encode_when_copied(j))
 
     nxt = encode(0)
     try:

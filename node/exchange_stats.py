@@ -46,7 +46,7 @@ class PhaseTimes:
 class Timeline:
     """Wall-clock events of the exchange (diagnosis, benchmarks): ``(time.time(), event, fields)``.
 
-    Off by default (``mark`` is then one attribute test). Events: ``call``/``flat``/``attempt``/
+    Off by default (``mark`` is then one attribute test). Events: ``call``/``attempt``/
     ``complete``/``hashed`` of a reduce; per chunk j, with the peer on the other side:
     ``in_w0``/``in_w1`` (our input chunk handed to gRPC / accepted by it, to owner ``peer``),
     ``res_rx`` (a reduced chunk arrived from owner ``peer``), ``rx`` (member ``peer``'s input chunk

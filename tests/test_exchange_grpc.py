@@ -409,6 +409,42 @@ def test_a_peer_killed_mid_stream_leaves_the_survivors_with_one_state(fault):
         assert (survivors[0].tensors[0] - mean).abs().max().item() <= BOUNDS["int8"] * scale
 
 
+def test_the_snapshot_is_the_flat_update_plus_residual_and_copies_what_is_asked_first(monkeypatch):
+    from murmur.node import exchange_snapshot
+    from murmur.node.exchange_grpc import _flatten
+
+    g = torch.Generator().manual_seed(5)
+    tensors = [
+        torch.randn(300, 7, generator=g).t(),  # not contiguous
+        torch.randn(1000, generator=g).half(),
+        torch.randn(3, 333, generator=g),
+    ]
+    numel = sum(t.numel() for t in tensors)
+    residual = torch.randn(numel, generator=g)
+    copy = exchange_snapshot.Snapshot._copy
+    order = []
+
+    def slow_copy(self, i):
+        order.append(i)
+        time.sleep(0.01)
+        copy(self, i)
+
+    monkeypatch.setattr(exchange_snapshot.Snapshot, "_copy", slow_copy)
+
+    async def main():
+        snap = exchange_snapshot.Snapshot(tensors, residual, 100)
+        snap.start()
+        await snap.ready(numel - 50, numel)  # the last piece, asked for at once
+        assert not snap.complete.is_set()
+        assert torch.equal(snap.flat[numel - 50 :], (_flatten(tensors) + residual)[numel - 50 :])
+        return await snap.wait()
+
+    flat = asyncio.run(main())
+    assert torch.equal(flat, _flatten(tensors) + residual)
+    pieces = math.ceil(numel / 100)
+    assert sorted(order) == list(range(pieces)) and order.index(pieces - 1) <= 1
+
+
 def test_chunk_that_cannot_fit_one_frame_is_refused():
     with pytest.raises(ExchangeSettingsError, match="chunk_mb"):
         ExchangeSettings(chunk_mb=9.0)

@@ -1,0 +1,100 @@
+"""The snapshot of a reduce's update: one flat fp32 copy, made piece by piece while chunks already go.
+
+Copying a large update (plus its error-feedback residual) into a fresh flat buffer costs the
+kernel's first touch of every page and a pass over memory: 0.3 s for 400 MB on an idle core, over
+a second with four peers on two cores (benchmarks/exchange.py --trace). Made whole before the
+first chunk, that time is a link left idle at the start of every round. So the copy runs in a
+worker thread piece by piece (pieces of one pipeline chunk), in order, and a sender that needs a
+range (the first chunk of every span, at the start) asks for it: its pieces are copied next, ahead
+of the rest. The copy starts when the call starts, as the whole copy did.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections import deque
+
+import torch
+
+
+class Snapshot:
+    def __init__(self, tensors: list[torch.Tensor], residual: torch.Tensor | None, piece: int) -> None:
+        self.numel = sum(t.numel() for t in tensors)
+        self.flat = torch.empty(self.numel)
+        self.complete = asyncio.Event()
+        self._tensors = tensors
+        self._views: dict[int, torch.Tensor] = {}  # tensor index -> its flat view (worker thread only)
+        self._residual = residual if residual is not None and residual.shape == (self.numel,) else None
+        self._piece = max(1, piece)
+        self._copied = [False] * math.ceil(self.numel / self._piece)
+        self._urgent: deque[int] = deque()
+        self._changed = asyncio.Event()
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run())
+        if not self._copied:
+            self.complete.set()
+
+    async def ready(self, lo: int, hi: int) -> None:
+        """Wait until [lo, hi) is copied; its pieces go next if they are not."""
+        want = range(lo // self._piece, math.ceil(hi / self._piece)) if hi > lo else range(0)
+        missing = [i for i in want if not self._copied[i]]
+        self._urgent.extend(missing)
+        while any(not self._copied[i] for i in missing):
+            if self._task is not None and self._task.done():
+                self._task.result()  # the copy failed: raise it here
+                raise RuntimeError("the snapshot of the update stopped before it was complete")
+            ev = self._changed
+            await ev.wait()
+
+    async def wait(self) -> torch.Tensor:
+        """The whole flat update, once copied."""
+        await self.complete.wait()
+        return self.flat
+
+    def cancel(self) -> None:
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+
+    async def _run(self) -> None:
+        nxt = 0
+        try:
+            while True:
+                while self._urgent and self._copied[self._urgent[0]]:
+                    self._urgent.popleft()
+                if self._urgent:
+                    i = self._urgent.popleft()
+                else:
+                    while nxt < len(self._copied) and self._copied[nxt]:
+                        nxt += 1
+                    if nxt == len(self._copied):
+                        break
+                    i = nxt
+                await asyncio.to_thread(self._copy, i)
+                self._copied[i] = True
+                self._poke()
+            self.complete.set()
+        finally:
+            self._poke()
+
+    def _poke(self) -> None:
+        ev, self._changed = self._changed, asyncio.Event()
+        ev.set()
+
+    def _copy(self, i: int) -> None:
+        lo, hi = i * self._piece, min((i + 1) * self._piece, self.numel)
+        pos = 0
+        for k, t in enumerate(self._tensors):
+            a, b = max(lo, pos), min(hi, pos + t.numel())
+            if a < b:
+                view = self._views.get(k)
+                if view is None:
+                    view = self._views[k] = t.detach().reshape(-1)
+                self.flat[a:b].copy_(view[a - pos : b - pos])
+            pos += t.numel()
+            if pos >= hi:
+                break
+        if self._residual is not None:
+            self.flat[lo:hi].add_(self._residual[lo:hi])
