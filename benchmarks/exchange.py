@@ -19,6 +19,12 @@ last member joined). Rows:
   TLS, HTTP/2, protobuf and copies), peak_rss_mb (largest peer's peak resident memory)
 
 and cpu rows: encode/decode seconds of the update by codec on this machine (one thread).
+
+Diagnosis: ``--trace DIR`` writes every peer's per-chunk timeline (node/exchange_stats.py Timeline)
+and the bytes each peer's upload carried, sampled every 20 ms, per round (``--trace-tcp`` adds
+``ss -tinm`` of every peer's connections each 0.5 s); ``benchmarks/exchange_trace.py DIR`` reads
+them. ``--ceiling MIB`` first measures plain TCP through the same namespaces and shaping, one way
+and both ways at once (``--peers ''``: only that).
 Writes benchmarks/results/exchange.json. Needs root (namespaces); cleans up after itself.
 """
 
@@ -189,12 +195,13 @@ class LinkSampler:
     """(time, [bytes each peer's upload carried so far]) every ``period`` s (--trace): the host end
     of each veth receives exactly what the peer's shaped upload sent, headers included."""
 
-    def __init__(self, n: int, period: float = 0.02) -> None:
+    def __init__(self, n: int, period: float = 0.02, tcp_info: bool = False) -> None:
         import threading
 
         self.paths = [Path(f"/sys/class/net/mxh{i}/statistics/rx_bytes") for i in range(n)]
         self.samples: list[tuple[float, list[int]]] = []
-        self.ss: list = []
+        self.ss: list = []  # (time, peer, `ss -tinm` of its connections) every 0.5 s if tcp_info
+        self.tcp_info = tcp_info
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(period,), daemon=True)
         self._thread.start()
@@ -203,7 +210,7 @@ class LinkSampler:
         k = 0
         while not self._stop.is_set():
             self.samples.append((time.time(), [int(p.read_text()) for p in self.paths]))
-            if os.environ.get("MX_SS") and k % 25 == 0:
+            if self.tcp_info and k % 25 == 0:
                 for i in range(len(self.paths)):
                     out = subprocess.run(["ip", "netns", "exec", NS.format(i), "ss", "-tinm", "state", "established"],
                                          capture_output=True, text=True).stdout
@@ -358,7 +365,7 @@ def run_group(
         for rate, codec, count in [(1000, "fp32", 4096)] + plan:  # the first round opens the TLS channels
             set_rate(n, rate)
             round_id += 1
-            sampler = LinkSampler(n) if args.trace and round_id > 1 else None
+            sampler = LinkSampler(n, tcp_info=args.trace_tcp) if args.trace and round_id > 1 else None
             for p in procs:
                 p.stdin.write(f"round {round_id} {codec} {count}\n")
                 p.stdin.flush()
@@ -427,6 +434,7 @@ def main() -> int:
         help="MiB: first measure plain TCP through the same shaping (--peers '' for only that)",
     )
     ap.add_argument("--trace", default="", help="directory: per-chunk timelines and upload byte counts")
+    ap.add_argument("--trace-tcp", action="store_true", help="with --trace: `ss -tinm` of every peer each 0.5 s")
     ap.add_argument("--notes", default="", help="appended to the JSON's notes")
     ap.add_argument("--out", default=str(HERE / "results" / "exchange.json"))
     args = ap.parse_args()
