@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 from murmur.node.data import Dataset
-from murmur.node.sim import SimResult, plot_loss_vs_bytes, read_init_weights, run_sim
+from murmur.node.sim import SimResult, plot_loss_vs_bytes, read_warm_start, run_sim
 from murmur.node.train import Trainer, resolve_device
 from murmur.protocol.runconfig import RunConfig, config_from_dict
 
@@ -97,9 +97,10 @@ def row_config(name: str, data: str, steps: int) -> RunConfig:
 
 def warm_start(data: str, steps: int, batch: int, device: torch.device, path: Path) -> dict:
     """Train one model for ``steps`` steps of ``batch`` sequences (DDP's global batch: the same
-    update DDP would make) and save its weights to ``path``: the DiLoCo paper's warm start, which
-    every row then continues from. The learning rate stays at its peak after warm-up (min_lr_ratio
-    1), so the rows' own schedules continue one schedule instead of restarting a decayed one."""
+    update DDP would make) and save its weights and AdamW state to ``path``: the DiLoCo paper's
+    warm start, which every row then continues from. The learning rate stays at its peak after
+    warm-up (min_lr_ratio 1), so the rows' own schedules continue one schedule instead of restarting
+    a decayed one."""
     d = copy.deepcopy(BASE)
     d["data"]["path"] = data
     d["train"].update(steps=steps, batch_size=batch)
@@ -114,7 +115,7 @@ def warm_start(data: str, steps: int, batch: int, device: torch.device, path: Pa
         trainer.step()
     val = trainer.validate()
     path.parent.mkdir(parents=True, exist_ok=True)
-    torch.save({"model": trainer.model.state_dict()}, path)
+    torch.save({"model": trainer.model.state_dict(), "optimizer": trainer.opt.state_dict()}, path)
     info = {"steps": steps, "batch_size": batch, "tokens": steps * batch * trainer.model.cfg.seq_len,
             "lr_after_warmup": "constant", "val_loss_before": round(before, 4), "val_loss": round(val, 4),
             "seconds": round(time.perf_counter() - t0, 1)}
@@ -419,7 +420,7 @@ def main(argv: list[str] | None = None) -> int:
         init_path = Path(args.warm_dir) / "warm.pt"
         warm = warm_start(args.data, args.warm_start_steps, args.workers * BASE["train"]["batch_size"], device,
                           init_path)
-    init = read_init_weights(init_path) if init_path else None
+    init = read_warm_start(init_path) if init_path else None
     steps = args.steps
     if steps is None:
         per_step = probe_seconds_per_step(names, args.data, args.workers, device, dataset)

@@ -32,7 +32,7 @@ from murmur.node.data import BatchLoader, Dataset, Position, eval_batches
 from murmur.node.train import autocast, build_model_from_config, evaluate, resolve_device
 from murmur.optim.exchange import ExchangeError
 from murmur.optim.factory import build_sync, check_sync_config, make_aggregator_for, make_codec_for
-from murmur.optim.inner import lr_at, make_inner_optimizer, set_lr
+from murmur.optim.inner import adamw_state_in_order, lr_at, make_inner_optimizer, set_lr
 from murmur.optim.inprocess import InProcessGroup
 from murmur.optim.sync import SyncAlgorithm
 from murmur.protocol.runconfig import RunConfig, apply_override, config_from_dict, load_config
@@ -83,9 +83,17 @@ def peer_names(k: int) -> list[str]:
     return [f"w{i:03d}" for i in range(k)]
 
 
-def read_init_weights(path: str | Path) -> dict[str, torch.Tensor]:
-    """The model weights of a `murmur train` checkpoint (or of a bare state dict) to start every
-    replica from: the warm start of the DiLoCo paper, which trains a while before it splits."""
+@dataclass(slots=True)
+class WarmStart:
+    """What every replica starts from instead of the seed: a checkpoint's weights and, when the
+    checkpoint has it, its AdamW state (so the replicas continue the run rather than restart it)."""
+
+    weights: dict[str, torch.Tensor]
+    optimizer: dict | None = None  # a make_inner_optimizer state_dict over the same model
+
+
+def read_warm_start(path: str | Path) -> WarmStart:
+    """A `murmur train` checkpoint (weights and AdamW state) or a bare state dict (weights)."""
     try:
         state = torch.load(path, map_location="cpu", weights_only=False)
     except Exception as err:  # noqa: BLE001 - any unreadable file is the same user error
@@ -96,7 +104,18 @@ def read_init_weights(path: str | Path) -> dict[str, torch.Tensor]:
     bad = [n for n, v in weights.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
     if bad:
         raise SimError(f"--init-from {path} has non-finite values in {len(bad)} tensors (e.g. {bad[0]!r})")
-    return weights
+    optimizer = state.get("optimizer") if "model" in state else None
+    return WarmStart(weights, optimizer if isinstance(optimizer, dict) else None)
+
+
+def inner_state_for(init: WarmStart | None, params: list[torch.Tensor]) -> list[dict[str, torch.Tensor]] | None:
+    """The warm start's AdamW state per parameter (checked against ``params``), or None."""
+    if init is None or init.optimizer is None:
+        return None
+    try:
+        return adamw_state_in_order(init.optimizer, [p.shape for p in params])
+    except ValueError as err:
+        raise SimError(f"the initial optimizer state does not fit the configured model: {err}") from None
 
 
 def build_replica_model(
@@ -129,15 +148,21 @@ def build_workers(
     device: torch.device,
     batches_for: Callable[[int, int], Batches],
     vocab_size: int,
-    init: dict[str, torch.Tensor] | None = None,
+    init: WarmStart | None = None,
 ) -> tuple[list[Worker], InProcessGroup]:
-    """K replicas with the same initial weights (the run seed's, or ``init``), each with its own data."""
+    """K replicas with the same initial weights (the run seed's, or ``init``'s, with its AdamW
+    state when it has one), each with its own data."""
     peers = peer_names(k)
     group = make_group(cfg, peers)
     workers = []
     for i, peer in enumerate(peers):
-        model = build_replica_model(cfg, vocab_size, device, init)
+        model = build_replica_model(cfg, vocab_size, device, init and init.weights)
         opt = make_inner_optimizer(model, cfg.optim)
+        saved = inner_state_for(init, [p for g in opt.param_groups for p in g["params"]])
+        if saved:
+            for p, st in zip((p for g in opt.param_groups for p in g["params"]), saved, strict=True):
+                if st:  # each replica its own copy: AdamW updates its state in place
+                    opt.state[p] = {k: v.to(p.device if k != "step" else v.device).clone() for k, v in st.items()}
         sync = build_sync(
             cfg.sync, list(model.named_parameters()), group.exchange(peer), weight_decay=cfg.optim.weight_decay
         )
@@ -294,16 +319,16 @@ def run_sim(
     dataset: Dataset,
     *,
     engine: str = "stacked",
-    init: dict[str, torch.Tensor] | None = None,
+    init: WarmStart | None = None,
     log: Callable[[str], None] = print,
 ) -> SimResult:
     """Train K replicas for ``cfg.train.steps`` inner steps each. ``engine``: ``stacked`` (one
     vmapped step for all replicas, node/sim_stacked.py; fast on a GPU) or ``threads`` (a thread
     and a module per replica, as separate nodes would run). Both run the same optim code.
-    ``init``: model weights every replica starts from (`read_init_weights`) instead of the seed's."""
+    ``init``: what every replica starts from (`read_warm_start`) instead of the seed's weights."""
     if engine not in ENGINES:
         raise SimError(f"engine must be one of {', '.join(ENGINES)}, got {engine!r}")
-    probe = build_replica_model(cfg, dataset.vocab_size, "cpu", init)  # a mismatch fails before any work
+    probe = build_replica_model(cfg, dataset.vocab_size, "cpu", init and init.weights)  # fail before any work
     seq_len, batch = probe.cfg.seq_len, cfg.train.batch_size
     n_params = sum(p.numel() for p in probe.parameters())
     del probe
@@ -449,7 +474,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--engine", choices=ENGINES, default="stacked",
                    help="stacked: one vmapped step for all replicas (default); threads: a thread per replica")
     p.add_argument("--init-from", metavar="CKPT",
-                   help="start every replica from these weights (a murmur train checkpoint): a warm start")
+                   help="start every replica from a murmur train checkpoint (weights and AdamW state): a warm start")
     p.add_argument("--out", help="folder for sim.json and sim.png")
     p.set_defaults(func=_run)
 
@@ -488,7 +513,7 @@ def _run(args: argparse.Namespace) -> int:
         raise SimError(
             f"data.tokenizer is {cfg.data.tokenizer!r} but {cfg.data.path} was prepared with {dataset.tokenizer!r}"
         )
-    init = read_init_weights(args.init_from) if args.init_from else None
+    init = read_warm_start(args.init_from) if args.init_from else None
     result = run_sim(cfg, args.workers, device, dataset, engine=args.engine, init=init)
     print(format_table([result]))
     if args.out:

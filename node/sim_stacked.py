@@ -22,7 +22,7 @@ from collections.abc import Callable
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 
 import torch
-from murmur.node.sim import build_replica_model, make_group
+from murmur.node.sim import WarmStart, build_replica_model, inner_state_for, make_group
 from murmur.node.train import autocast
 from murmur.optim.factory import build_sync
 from murmur.optim.inner import adamw, lr_at, set_lr
@@ -47,12 +47,12 @@ class StackedReplicas:
         batches_for: Callable[[int, int], object],
         vocab_size: int,
         peers: list[str],
-        init: dict[str, torch.Tensor] | None = None,
+        init: WarmStart | None = None,
     ) -> None:
         self.cfg, self.k, self.device = cfg, k, device
         # The module supplies the code and the buffers; its own weights are only the place where
         # replica 0 is copied for evaluation.
-        self.model = build_replica_model(cfg, vocab_size, device, init)
+        self.model = build_replica_model(cfg, vocab_size, device, init and init.weights)
         named = list(self.model.named_parameters())
         self.names = [n for n, _ in named]
         self.stacked = {
@@ -61,6 +61,13 @@ class StackedReplicas:
         matrices = [self.stacked[n] for n, p in named if p.dim() >= 2]
         vectors = [self.stacked[n] for n, p in named if p.dim() < 2]
         self.opt = adamw(matrices, vectors, cfg.optim)
+        saved = inner_state_for(init, [p for _, p in named if p.dim() >= 2] + [p for _, p in named if p.dim() < 2])
+        for t, st in zip(matrices + vectors, saved or [], strict=False):
+            if st:  # the one saved state, repeated for each of the K replicas
+                self.opt.state[t] = {
+                    n: v.clone() if n == "step" else v.to(device).unsqueeze(0).expand(k, *v.shape).clone()
+                    for n, v in st.items()
+                }
         self.group = make_group(cfg, peers)
         # Replica i's parameters: views of slice i, which the sync reads and writes in place.
         self.views = [[(n, self.stacked[n].detach()[i]) for n in self.names] for i in range(k)]

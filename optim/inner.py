@@ -28,6 +28,24 @@ def adamw(decay: list[torch.Tensor], no_decay: list[torch.Tensor], optim_cfg) ->
     )
 
 
+def adamw_state_in_order(state_dict: dict, shapes: list[torch.Size]) -> list[dict[str, torch.Tensor]]:
+    """The per-tensor state of a saved `make_inner_optimizer` AdamW, in parameter order, checked
+    against the ``shapes`` of the tensors it is meant for (empty dicts where nothing was saved).
+    Raises ValueError naming the first mismatch."""
+    order = [i for group in state_dict.get("param_groups", []) for i in group["params"]]
+    if len(order) != len(shapes):
+        raise ValueError(f"the saved optimizer has {len(order)} tensors, the model {len(shapes)}")
+    out = []
+    for pos, (i, shape) in enumerate(zip(order, shapes, strict=True)):
+        st = state_dict.get("state", {}).get(i, {})
+        for key in ("exp_avg", "exp_avg_sq"):
+            if key in st and st[key].shape != shape:
+                raise ValueError(f"the saved optimizer's tensor {pos} has {key} of shape {list(st[key].shape)}, "
+                                 f"the model's is {list(shape)}")
+        out.append(st)
+    return out
+
+
 def lr_at(step: int, total_steps: int, optim_cfg) -> float:
     """Linear warm-up over ``warmup_steps``, then cosine from lr down to lr * min_lr_ratio."""
     lr, warm = optim_cfg.lr, optim_cfg.warmup_steps

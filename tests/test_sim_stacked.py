@@ -76,3 +76,50 @@ def test_unknown_engine_is_one_line(byte_dataset):
     cfg = tiny_cfg(byte_dataset.root, "diloco")
     with pytest.raises(SimError, match="engine must be one of stacked, threads"):
         run_sim(cfg, 2, CPU, Dataset.open(byte_dataset.root), engine="gpu", log=lambda s: None)
+
+
+def test_both_engines_continue_from_a_checkpoints_weights_and_adamw_state(byte_dataset, tmp_path):
+    """`--init-from` a `murmur train` checkpoint: every replica of either engine holds its weights
+    and its AdamW moments, each replica its own copy, and the two engines then agree."""
+    from murmur.node.sim import build_workers, read_warm_start
+    from murmur.node.train import Trainer
+
+    cfg = tiny_cfg(byte_dataset.root, "diloco", codec="fp32")
+    ds = Dataset.open(byte_dataset.root)
+    trainer = Trainer(cfg, ds, CPU)
+    for _ in range(3):
+        trainer.step()
+    trainer.save(tmp_path / "ckpt.pt")
+    init = read_warm_start(tmp_path / "ckpt.pt")
+    assert init.optimizer is not None
+    want = trainer.opt.state[trainer.model.embed.weight]["exp_avg_sq"]
+
+    reps = StackedReplicas(cfg, 2, CPU, worker_loaders(ds, 2, 32), ds.vocab_size, ["a", "b"], init)
+    try:
+        got = reps.opt.state[reps.stacked["embed.weight"]]["exp_avg_sq"]
+        assert got.shape == (2, *want.shape) and torch.equal(got[0], want) and torch.equal(got[1], want)
+        assert torch.equal(reps.stacked["embed.weight"][1].detach(), trainer.model.embed.weight.detach())
+    finally:
+        reps.close()
+    workers, _ = build_workers(cfg, 2, CPU, worker_loaders(ds, 2, 32), ds.vocab_size, init)
+    states = [w.opt.state[w.model.embed.weight]["exp_avg_sq"] for w in workers]
+    assert torch.equal(states[0], want) and states[0].data_ptr() != states[1].data_ptr()
+
+    a = run_sim(cfg, 2, CPU, ds, engine="threads", init=init, log=lambda s: None)
+    b = run_sim(cfg, 2, CPU, ds, engine="stacked", init=init, log=lambda s: None)
+    assert a.curve[0].val_loss == pytest.approx(trainer.validate(), abs=1e-4)  # starts where training stopped
+    for pa, pb in zip(a.curve, b.curve, strict=True):
+        assert pb.val_loss == pytest.approx(pa.val_loss, abs=2e-5), (pa, pb)
+
+
+def test_a_warm_start_optimizer_of_another_model_is_one_error(byte_dataset, tmp_path):
+    from murmur.node.sim import WarmStart
+
+    cfg = tiny_cfg(byte_dataset.root, "diloco", codec="fp32")
+    ds = Dataset.open(byte_dataset.root)
+    probe = StackedReplicas(cfg, 1, CPU, worker_loaders(ds, 1, 32), ds.vocab_size, ["a"])
+    weights = {n: p.detach()[0].clone() for n, p in probe.stacked.items()}
+    probe.close()
+    bad = WarmStart(weights, {"state": {}, "param_groups": [{"params": [0, 1]}]})
+    with pytest.raises(SimError, match="optimizer state does not fit the configured model: the saved optimizer has 2"):
+        run_sim(cfg, 2, CPU, ds, init=bad, log=lambda s: None)
