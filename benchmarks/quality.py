@@ -382,8 +382,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="stop lanes still running this long after they started, and merge the rows they finished")
     p.add_argument("--warm-start-steps", type=int, default=0,
                    help="first train one model for N steps at DDP's global batch; every row continues from it")
-    p.add_argument("--warm-dir", default="/tmp/murmur-quality", help="where the warm start's weights go")
-    p.add_argument("--init-from", help="start every row from these weights (a warm start made earlier)")
+    p.add_argument("--warm-dir", default="/tmp/murmur-quality",
+                   help="where the warm start (weights and AdamW state) is saved")
+    p.add_argument("--init-from", help="start every row from this checkpoint (a warm start made earlier)")
     p.add_argument("--warm-info", help=argparse.SUPPRESS)  # the lanes' parent tells them how it warmed up
     p.add_argument("--lanes", help="run the rows in parallel processes, one per entry, on these CUDA devices "
                    "(e.g. 0,0,1,1: two on each of two GPUs); needs --steps; the lanes' JSONs are merged")
