@@ -403,9 +403,17 @@ def test_a_peer_killed_mid_stream_leaves_the_survivors_with_one_state(fault):
         hashes = {p.exchange.book.done[(1, "k")].result_hash for p in peers[:3]}
         assert len(hashes) == 1
         members = survivors[0].members
-        assert members == sorted(p.node_id for p in peers[:3]) and victim.node_id in survivors[0].dropped
+        live = 3
+        if fault == "exit" and victim.node_id in members:
+            # A race the test cannot exclude, SIGKILL or not: the victim dies after its last input
+            # chunk, and its own span may already have answered OK to everyone by then. Every owner
+            # then had every input: a complete round of all four, not a partial average.
+            assert members == sorted(p.node_id for p in peers)
+            live = 4
+        else:
+            assert members == sorted(p.node_id for p in peers[:3]) and victim.node_id in survivors[0].dropped
         scale = max(x[0].abs().max().item() for x in xs)
-        mean = sum(x[0] for x in xs[:3]) / 3
+        mean = sum(x[0] for x in xs[:live]) / live
         assert (survivors[0].tensors[0] - mean).abs().max().item() <= BOUNDS["int8"] * scale
 
 
