@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 from murmur.node.data import Dataset
+from murmur.node.node_procs import stop_process
 from murmur.node.sim import SimResult, plot_loss_vs_bytes, read_warm_start, run_sim
 from murmur.node.train import Trainer, resolve_device
 from murmur.protocol.runconfig import RunConfig, config_from_dict
@@ -331,12 +332,7 @@ def run_lanes(args: argparse.Namespace, argv: list[str]) -> int:
             rc |= proc.wait(timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             # Past the deadline: stop the lane; its finished rows are in its JSON already.
-            proc.terminate()
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            stop_process(proc, timeout_s=10)
             rc |= 1
             print(f"{out.name}: stopped at the deadline ({args.lane_deadline_s:.0f}s)", flush=True)
         log.close()
