@@ -158,9 +158,10 @@ def build_workers(
     for i, peer in enumerate(peers):
         model = build_replica_model(cfg, vocab_size, device, init and init.weights)
         opt = make_inner_optimizer(model, cfg.optim)
-        saved = inner_state_for(init, [p for g in opt.param_groups for p in g["params"]])
+        in_order = [p for g in opt.param_groups for p in g["params"]]
+        saved = inner_state_for(init, in_order)
         if saved:
-            for p, st in zip((p for g in opt.param_groups for p in g["params"]), saved, strict=True):
+            for p, st in zip(in_order, saved, strict=True):
                 if st:  # each replica its own copy: AdamW updates its state in place
                     opt.state[p] = {k: v.to(p.device if k != "step" else v.device).clone() for k, v in st.items()}
         sync = build_sync(

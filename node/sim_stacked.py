@@ -61,7 +61,7 @@ class StackedReplicas:
         matrices = [self.stacked[n] for n, p in named if p.dim() >= 2]
         vectors = [self.stacked[n] for n, p in named if p.dim() < 2]
         self.opt = adamw(matrices, vectors, cfg.optim)
-        saved = inner_state_for(init, [p for _, p in named if p.dim() >= 2] + [p for _, p in named if p.dim() < 2])
+        saved = inner_state_for(init, [t[0] for t in matrices + vectors])  # one replica's shapes
         for t, st in zip(matrices + vectors, saved or [], strict=False):
             if st:  # the one saved state, repeated for each of the K replicas
                 self.opt.state[t] = {

@@ -83,7 +83,10 @@ class Exchange(abc.ABC):
         """Weighted mean (or the configured robust aggregate) of every member's ``tensors``.
 
         The implementation compresses with the run's codec and aggregates with the run's rule.
-        ``weight`` 0 lets a late joiner take part without moving the result.
+        ``weight`` 0 lets a late joiner take part without moving the result. It may read
+        ``tensors`` until the future completes (the gRPC exchange copies them chunk by chunk while
+        the first chunks are already on the wire): pass tensors nobody changes meanwhile, as
+        DiLoCo's fresh pseudo-gradients are.
         """
 
     @abc.abstractmethod
