@@ -431,15 +431,18 @@ def plot_loss_vs_bytes(
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    # A lone worker sends nothing: its curve is drawn against tokens instead of an empty plot.
+    by_bytes = any(p.bytes_sent > 0 for r in results for p in r.curve)
     fig, ax = plt.subplots(figsize=(8, 5), dpi=120)
     for i, r in enumerate(results):
-        pts = [(p.bytes_sent, p.val_loss) for p in r.curve if p.bytes_sent > 0]
+        pts = [(p.bytes_sent if by_bytes else p.tokens, p.val_loss) for p in r.curve]
+        pts = [(x, y) for x, y in pts if x > 0]
         if not pts:
             continue
         xs, ys = zip(*pts, strict=True)
         ax.plot(xs, ys, marker="o", markersize=3, label=labels[i] if labels else label(r))
     ax.set_xscale("log")
-    ax.set_xlabel("bytes sent per worker (log scale)")
+    ax.set_xlabel("bytes sent per worker (log scale)" if by_bytes else "tokens trained (log scale; nothing was sent)")
     ax.set_ylabel("validation loss")
     ax.set_title(title or "validation loss against communication")
     ax.grid(True, which="both", alpha=0.3)
