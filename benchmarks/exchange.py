@@ -70,6 +70,15 @@ def set_congestion(ns: str, cc: str) -> None:
         sh("ip", "netns", "exec", ns, "sysctl", "-qw", f"{key}={cc}")
 
 
+def congestion_of(ns: str) -> str:
+    """The TCP congestion control a namespace's connections use (what a row records)."""
+    return subprocess.run(
+        ["ip", "netns", "exec", ns, "cat", "/proc/sys/net/ipv4/tcp_congestion_control"],
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+
+
 def net_up(n: int, cc: str) -> None:
     """n namespaces on one bridge, each with TCP congestion control ``cc`` ('': the host's)."""
     net_down(n)
@@ -271,11 +280,7 @@ def tcp_ceiling(rate: int, mb: int, cc: str) -> list[dict]:
     rows = []
     try:
         set_rate(2, rate)
-        cc = subprocess.run(
-            ["ip", "netns", "exec", NS.format(0), "cat", "/proc/sys/net/ipv4/tcp_congestion_control"],
-            capture_output=True,
-            text=True,
-        ).stdout.strip()
+        cc = congestion_of(NS.format(0))
         for senders in ([0], [0, 1]):
             sinks = {
                 i: subprocess.Popen(
@@ -351,6 +356,7 @@ def run_group(
     n: int, plan: list[tuple[int, str, int]], root: Path, numel: int, env: dict, args: argparse.Namespace, cc: str
 ) -> list[dict]:
     net_up(n, cc)
+    cc = congestion_of(NS.format(0))  # what the peers really use ('' asked for the host's)
     procs = []
     rows = []
     try:
@@ -415,7 +421,7 @@ def run_group(
                     for k in sorted({k for r in results for k in r["phases"]})
                 },
                 "peak_rss_mb": round(max(r["rss_mb"] for r in results)),
-                "congestion_control": cc or "host default",
+                "congestion_control": cc,
                 "load": load(),
             }
             print(json.dumps(row), flush=True)
