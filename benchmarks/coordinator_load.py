@@ -40,6 +40,7 @@ JOIN_CONCURRENCY = 32
 
 async def _worker(args: argparse.Namespace) -> None:
     import grpc
+
     from murmur.protocol import coordinator_pb2 as pb
     from murmur.protocol import coordinator_pb2_grpc as pb_grpc
     from murmur.protocol import identity
@@ -167,6 +168,7 @@ def measure(nodes: int, hz: float, seconds: float, workers: int, commit_every: f
             nice: int = 0, coord_cpus: set[int] | None = None,
             load_cpus: set[int] | None = None) -> dict[str, object]:
     import psutil
+
     from murmur.coordinator.admin_client import AdminClient, resolve
     from murmur.protocol import coordinator_pb2 as pb
 
@@ -287,7 +289,7 @@ def main() -> int:
                      "(other jobs share these 2 cores)")
         out.write_text(json.dumps({
             "device": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores (CPU only)",
-            "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+            "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
             "command": "python " + " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
             "notes": f"{where}; {args.workers} load processes; each node commits every {args.commit_every:g} s; "
                      f"cpu_pct is the coordinator process, % of one core; SQLite WAL synchronous=FULL; "

@@ -18,12 +18,12 @@ last member joined). Rows:
   link_utilization (goodput / link), expected_mb (the butterfly's 2(N-1)/N of the encoded update),
   cpu_s (CPU seconds of all peers together during the round), cpu_busy (cpu_s / (cores x seconds):
   near 1 means the machine's cores, not the link, bound the round), phase_cpu_s (per peer, mean:
-  worker-thread CPU seconds by phase, node/exchange_stats.py; the rest of a peer's CPU time is
+  worker-thread CPU seconds by phase, node/exchange/stats.py; the rest of a peer's CPU time is
   TLS, HTTP/2, protobuf and copies), peak_rss_mb (largest peer's peak resident memory)
 
 and cpu rows: encode/decode seconds of the update by codec on this machine (one thread).
 
-Diagnosis: ``--trace DIR`` writes every peer's per-chunk timeline (node/exchange_stats.py Timeline)
+Diagnosis: ``--trace DIR`` writes every peer's per-chunk timeline (node/exchange/stats.py Timeline)
 and the bytes each peer's upload carried, sampled every 20 ms, per round (``--trace-tcp`` adds
 ``ss -tinm`` of every peer's connections each 0.5 s); ``benchmarks/exchange_trace.py DIR`` reads
 them. ``--ceiling MIB`` first measures plain TCP through the same namespaces and shaping, one way
@@ -146,10 +146,10 @@ def peer_main(args: argparse.Namespace) -> int:
     import torch
 
     torch.set_num_threads(args.threads)
-    from murmur.node.exchange_group import StaticGroup
-    from murmur.node.exchange_grpc import ExchangeSettings, GrpcExchange
-    from murmur.node.peer_loop import LoopThread
-    from murmur.node.peer_server import PeerServer, PeerServerSettings
+    from murmur.node.exchange.group import StaticGroup
+    from murmur.node.exchange.grpc_exchange import ExchangeSettings, GrpcExchange
+    from murmur.node.net.loop import LoopThread
+    from murmur.node.net.server import PeerServer, PeerServerSettings
     from murmur.optim.codecs import make_codec
     from murmur.protocol.identity import Identity
 
@@ -327,6 +327,7 @@ def tcp_ceiling(rate: int, mb: int, cc: str) -> list[dict]:
 
 def cpu_rows(numel: int, codecs: list[str]) -> list[dict]:
     import torch
+
     from murmur.optim.codecs import make_codec
 
     torch.set_num_threads(1)
@@ -516,7 +517,7 @@ def main() -> int:
             f"process in its own network namespace (veth + bridge), upload shaped by tc tbf; "
             f"load averages (1, 5, 15 min): {'; '.join(loads)}; {load()} at the end"
         ),
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "command": " ".join(["benchmarks/exchange.py", *sys.argv[1:]]),
         "notes": (
             "seconds: last peer's start to last peer's end. sent_mb: payload bytes a peer puts on the "

@@ -256,14 +256,14 @@ def summarize(rows: list[dict]) -> dict:
 
 def loss_curves(device: torch.device, preset: str, steps: int, batch: int, data: str | None) -> dict:
     """Same seed, same batches, same optimizer: the model with the reference ops, then fused."""
-    from murmur.node.model import build_model, model_config
-    from murmur.node.train import autocast
+    from murmur.node.model.transformer import build_model, model_config
+    from murmur.node.train.trainer import autocast
     from murmur.optim.inner import make_inner_optimizer as make_optimizer
     from murmur.protocol.runconfig import OptimSection
 
     cfg = model_config(preset)
     if data and Path(data).exists():
-        from murmur.node.data import BatchLoader, Dataset
+        from murmur.node.model.data import BatchLoader, Dataset
 
         ds = Dataset.open(data)
         loader = BatchLoader(ds, list(range(ds.num_shards)), batch, cfg.seq_len)

@@ -33,10 +33,11 @@ import time
 from pathlib import Path
 
 import torch
-from murmur.node.data import Dataset
-from murmur.node.node_procs import stop_process
-from murmur.node.sim import SimResult, plot_loss_vs_bytes, read_warm_start, run_sim
-from murmur.node.train import Trainer, resolve_device
+
+from murmur.node.model.data import Dataset
+from murmur.node.sim.runner import SimResult, plot_loss_vs_bytes, read_warm_start, run_sim
+from murmur.node.testnet.procs import stop_process
+from murmur.node.train.trainer import Trainer, resolve_device
 from murmur.protocol.runconfig import RunConfig, config_from_dict
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -472,7 +473,7 @@ def main(argv: list[str] | None = None) -> int:
         rows = rows_of(results, done)
         payload = {
             "device": device_name(device),
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             "command": "python3 benchmarks/quality.py " + " ".join(sys.argv[1:] if argv is None else argv),
             "model": {"params": r.n_params, **BASE["model"]},
             "train": {k: BASE["train"][k] for k in ("batch_size", "eval_every", "eval_batches")},

@@ -29,8 +29,9 @@ PEAK_TFLOPS = {"NVIDIA H200": 989.0}
 
 def measure(preset: str, impl: str, batch: int, steps: int, warmup: int, data: str | None) -> dict:
     import torch
-    from murmur.node.model import Transformer, model_config
-    from murmur.node.train import autocast
+
+    from murmur.node.model.transformer import Transformer, model_config
+    from murmur.node.train.trainer import autocast
     from murmur.optim.inner import make_inner_optimizer as make_optimizer
     from murmur.protocol.runconfig import OptimSection
 
@@ -40,7 +41,7 @@ def measure(preset: str, impl: str, batch: int, steps: int, warmup: int, data: s
     opt = make_optimizer(model, OptimSection())
     fwd = torch.compile(model) if "compile" in impl else model
     if data:
-        from murmur.node.data import BatchLoader, Dataset
+        from murmur.node.model.data import BatchLoader, Dataset
 
         loader = BatchLoader(Dataset.open(data), list(range(Dataset.open(data).num_shards)), batch, cfg.seq_len)
         batches = [next(loader) for _ in range(8)]

@@ -33,8 +33,9 @@ from concurrent.futures import Future
 from pathlib import Path
 
 import torch
-from murmur.node.data import Dataset, prepare
-from murmur.node.node_training import LeaseView, NodeTrainer
+
+from murmur.node.daemon.training import LeaseView, NodeTrainer
+from murmur.node.model.data import Dataset, prepare
 from murmur.optim.exchange import Exchange
 from murmur.optim.factory import make_aggregator_for, make_codec_for
 from murmur.optim.inprocess import InProcessGroup
@@ -222,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
         "device": f"cpu: {platform.processor() or platform.machine()}, "
         f"{torch.get_num_threads()} torch threads "
         f"available, {args.nodes} nodes as threads with 1 torch thread each",
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "command": " ".join(
             [Path(sys.executable).name, "benchmarks/utilization.py", *(argv or sys.argv[1:])]
         ),

@@ -10,11 +10,10 @@ import datetime as dt
 import json
 import sys
 import time
+import tomllib
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
-
-import tomllib
 
 from murmur.errors import MurmurError
 

@@ -14,10 +14,10 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-from murmur.protocol import coordinator_pb2_grpc as pb_grpc
-from murmur.protocol.version import version_metadata
 
 from murmur.errors import MurmurError
+from murmur.protocol import coordinator_pb2_grpc as pb_grpc
+from murmur.protocol.version import version_metadata
 
 from .settings import ADMIN_METADATA_KEY, TLS_SERVER_NAME
 

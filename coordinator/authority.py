@@ -19,10 +19,9 @@ import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
+from murmur.errors import MurmurError
 from murmur.protocol import identity
 from murmur.protocol.jointoken import certificate_fingerprint
-
-from murmur.errors import MurmurError
 
 from .settings import TLS_SERVER_NAME
 

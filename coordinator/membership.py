@@ -16,10 +16,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from murmur.errors import MurmurError
 from murmur.protocol import identity
 from murmur.protocol.jointoken import JoinToken, JoinTokenError, secret_hash
-
-from murmur.errors import MurmurError
 
 from .leases import Leases
 from .settings import CoordinatorSettings

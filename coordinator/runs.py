@@ -10,10 +10,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from murmur.errors import MurmurError
 from murmur.protocol.jointoken import JoinToken, secret_hash
 from murmur.protocol.runconfig import ConfigError, parse_config
-
-from murmur.errors import MurmurError
 
 from .settings import CoordinatorSettings
 from .store import Store

@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
-from murmur.protocol import coordinator_pb2_grpc as pb_grpc
 
 from murmur.errors import MurmurError
+from murmur.protocol import coordinator_pb2_grpc as pb_grpc
 
 from . import authority
 from .discovery import Discovery

@@ -17,11 +17,11 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import grpc
+
+from murmur.errors import MurmurError
 from murmur.protocol import coordinator_pb2 as pb
 from murmur.protocol import coordinator_pb2_grpc as pb_grpc
 from murmur.protocol.version import VERSION_METADATA_KEY, VersionMismatch, check_version
-
-from murmur.errors import MurmurError
 
 from .leases import Progress
 from .membership import Membership

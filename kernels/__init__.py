@@ -11,6 +11,7 @@ registrations, so the fused path also runs under `torch.compile`.
 from __future__ import annotations
 
 import torch
+
 from murmur.kernels import dct as _dct
 from murmur.kernels import glu as _swiglu
 from murmur.kernels import linear_xent as _xent

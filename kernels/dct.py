@@ -19,6 +19,7 @@ import math
 from typing import TYPE_CHECKING
 
 import torch
+
 from murmur.kernels.dispatch import KernelError, cdiv, lazy_jit
 
 if TYPE_CHECKING:  # the kernels get `tl` from lazy_jit at first launch (see dispatch.py)

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+
 from murmur.kernels.dispatch import cdiv, lazy_jit, next_pow2
 
 if TYPE_CHECKING:  # the kernels get `tl` from lazy_jit at first launch (see dispatch.py)

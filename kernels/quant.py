@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
+
 from murmur.kernels.dispatch import KernelError, cdiv, lazy_jit, next_pow2, write_out
 
 if TYPE_CHECKING:  # the kernels get `tl` from lazy_jit at first launch (see dispatch.py)

@@ -16,11 +16,11 @@ from murmur.errors import MurmurError
 
 # noun -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "data": ("murmur.node.data_cli", "prepare and inspect token datasets"),
-    "train": ("murmur.node.train", "train one model on this machine"),
-    "sim": ("murmur.node.sim", "simulate K workers of a low-communication run in one process"),
-    "node": ("murmur.node.daemon", "run a volunteer node"),
-    "testnet": ("murmur.node.testnet", "a local network: coordinator and nodes on loopback"),
+    "data": ("murmur.node.model.data_cli", "prepare and inspect token datasets"),
+    "train": ("murmur.node.train.trainer", "train one model on this machine"),
+    "sim": ("murmur.node.sim.runner", "simulate K workers of a low-communication run in one process"),
+    "node": ("murmur.node.daemon.cli", "run a volunteer node"),
+    "testnet": ("murmur.node.testnet.cli", "a local network: coordinator and nodes on loopback"),
     "coordinator": ("murmur.coordinator.cli", "serve a run's coordinator"),
     "admin": ("murmur.coordinator.admin", "operate a coordinator: runs, tokens, nodes, status"),
 }

@@ -22,10 +22,10 @@ import hashlib
 import math
 
 import torch
-from murmur.optim.wire import WireTensor
 
 from murmur import kernels
 from murmur.errors import MurmurError
+from murmur.optim.wire import WireTensor
 
 
 class CodecError(MurmurError):

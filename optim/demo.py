@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
+
 from murmur.optim.codecs import Codec, CodecError
 from murmur.optim.exchange import Exchange, GatherResult
 from murmur.optim.sync import ROUND_TIMEOUT_S, NamedParams, SyncAlgorithm

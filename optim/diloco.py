@@ -18,6 +18,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
+
 from murmur.optim.exchange import Exchange
 from murmur.optim.sync import ROUND_TIMEOUT_S, NamedParams, SyncAlgorithm
 

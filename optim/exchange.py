@@ -21,6 +21,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
+
 from murmur.optim.wire import WireTensor
 
 

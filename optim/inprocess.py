@@ -18,6 +18,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
+
 from murmur.optim.aggregate import Aggregator
 from murmur.optim.codecs import Codec
 from murmur.optim.exchange import Exchange, ExchangeError, GatherResult, ReduceResult, SharedMemo

@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 import torch
+
 from murmur.optim.aggregate import Aggregator
 from murmur.optim.codecs import Codec
 from murmur.optim.wire import WireTensor

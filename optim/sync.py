@@ -24,9 +24,10 @@ from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 
 import torch
+from torch import nn
+
 from murmur.optim.accounting import ByteCounter
 from murmur.optim.exchange import Exchange, ExchangeError, GatherResult, ReduceResult
-from torch import nn
 
 ROUND_TIMEOUT_S = 600.0  # longest wait for one round's result before the round counts as failed
 

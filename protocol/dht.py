@@ -30,6 +30,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
+from murmur.errors import MurmurError
 from murmur.protocol import dht_reaper
 from murmur.protocol.identity import (
     BanList,
@@ -40,8 +41,6 @@ from murmur.protocol.identity import (
     verify_certificate,
     verify_signature,
 )
-
-from murmur.errors import MurmurError
 
 # hivemind sets torch's tensor-sharing strategy for the whole process when imported, and its
 # default ("file_system") starts a torch_shm_manager helper that outlives the DHT. The DHT only

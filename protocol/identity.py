@@ -11,7 +11,7 @@ type for TLS, record signatures and the CA keeps the code small.
   refuses a request that claims any other id.
 * CA: the coordinator is the run's certificate authority. It signs CSRs and verifies
   certificates (issuer signature, validity window, id bound to key, not banned).
-* ban list: ids refused at every handshake and every lookup (see node/peer_server.py for where
+* ban list: ids refused at every handshake and every lookup (see node/net/server.py for where
   the TLS connection checks it).
 """
 
@@ -393,7 +393,7 @@ def verify_certificate(
 
 
 def _now() -> dt.datetime:
-    return dt.datetime.now(dt.timezone.utc)
+    return dt.datetime.now(dt.UTC)
 
 
 # --- ban list ----------------------------------------------------------------------------------

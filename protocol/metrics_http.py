@@ -46,7 +46,7 @@ class MetricsServer:
                 + payload
             )
             await writer.drain()
-        except (asyncio.TimeoutError, ConnectionError):
+        except (TimeoutError, ConnectionError):
             pass
         finally:
             writer.close()

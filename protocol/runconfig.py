@@ -9,13 +9,12 @@ from deep inside the trainer.
 from __future__ import annotations
 
 import dataclasses
+import tomllib
 import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
-
-import tomllib
 
 from murmur.errors import MurmurError
 
@@ -183,7 +182,7 @@ def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
     return cls(**kwargs)
 
 
-# The model presets of node/model.py, by name (the coordinator validates without importing node/;
+# The model presets of node/model/transformer.py, by name (the coordinator validates without importing node/;
 # a test checks that the two lists agree).
 MODEL_PRESETS = ("tiny", "small", "medium", "base", "large")
 

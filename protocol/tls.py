@@ -7,7 +7,7 @@ SAN: a peer is verified as exactly the node it claims to be, whatever its IP add
 
 The ban list: gRPC Python cannot hook into the TLS handshake itself, and a grpc.aio server
 interceptor does not see the peer's certificate. So the server runs ``authenticated_peer`` as the
-first thing of every handler (node/peer_server.py wraps each one): it reads the verified
+first thing of every handler (node/net/server.py wraps each one): it reads the verified
 certificate from ``context.auth_context()``, derives the node id and refuses a banned id with
 PERMISSION_DENIED naming the reason, before any payload is read. Clients refuse to dial a banned
 id at all (``check_dial``). A certificate from another CA never gets that far: the TLS handshake
@@ -17,6 +17,7 @@ fails, so the stranger's call ends UNAVAILABLE and the server never sees a reque
 from __future__ import annotations
 
 import grpc
+
 from murmur.protocol.identity import BanList, Identity, IdentityError, node_id_of_certificate
 
 DEFAULT_MAX_MESSAGE_BYTES = 8 << 20  # one gRPC message; payloads travel in frames below this

@@ -18,10 +18,10 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
-from murmur.optim.wire import WireTensor
-from murmur.protocol import tensor_pb2
 
 from murmur.errors import MurmurError
+from murmur.optim.wire import WireTensor
+from murmur.protocol import tensor_pb2
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,

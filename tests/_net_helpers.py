@@ -10,11 +10,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
-from murmur.node.exchange_group import StaticGroup
-from murmur.node.exchange_grpc import ExchangeSettings, GrpcExchange
-from murmur.node.peer_faults import FaultInjector
-from murmur.node.peer_loop import LoopThread
-from murmur.node.peer_server import PeerServer
+
+from murmur.node.exchange.group import StaticGroup
+from murmur.node.exchange.grpc_exchange import ExchangeSettings, GrpcExchange
+from murmur.node.net.faults import FaultInjector
+from murmur.node.net.loop import LoopThread
+from murmur.node.net.server import PeerServer
 from murmur.optim.codecs import make_codec
 from murmur.protocol.identity import BanList, CertificateAuthority, Identity
 

@@ -6,8 +6,8 @@ import re
 import shutil
 from pathlib import Path
 
-from murmur.node.node_procs import Testnet, wait_for
-from murmur.node.node_state import read_rounds
+from murmur.node.daemon.state_dir import read_rounds
+from murmur.node.testnet.procs import Testnet, wait_for
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "configs" / "testnet-tiny.toml"
@@ -16,7 +16,7 @@ ROUND_WAIT_S = 90.0  # a few rounds of the tiny model, on a loaded 2-core machin
 
 def small_dataset(root: Path) -> Path:
     """The bundled Shakespeare in 8K-token shards: a node moves to a new shard every few rounds."""
-    from murmur.node.data import prepare
+    from murmur.node.model.data import prepare
 
     path = root / "data"
     if not (path / "manifest.json").is_file():

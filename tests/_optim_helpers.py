@@ -8,7 +8,8 @@ import threading
 from collections.abc import Iterator
 
 import torch
-from murmur.node.sim import Worker, build_workers
+
+from murmur.node.sim.runner import Worker, build_workers
 from murmur.protocol.runconfig import config_from_dict
 
 VOCAB = 256

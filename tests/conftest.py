@@ -44,7 +44,7 @@ def _name(p: psutil.Process) -> str:
 @pytest.fixture(scope="session")
 def byte_dataset(tmp_path_factory):
     """The bundled Shakespeare, byte-tokenized into 64K-token shards (about 0.3 s)."""
-    from murmur.node.data import Dataset, prepare
+    from murmur.node.model.data import Dataset, prepare
 
     root = tmp_path_factory.mktemp("data") / "shakespeare-byte"
     prepare(root, tokenizer="byte", shard_tokens=1 << 16)

@@ -2,6 +2,7 @@ import subprocess
 import sys
 
 import pytest
+
 from murmur.protocol.runconfig import ConfigError, RunConfig, load_config, parse_config
 
 

@@ -7,6 +7,7 @@ import threading
 
 import pytest
 from _coordinator_helpers import admin, admin_json, join, new_token, start_coordinator, write_run_files
+
 from murmur.coordinator.store import Store
 from murmur.protocol.coordinator_client import CoordinatorError
 

@@ -10,6 +10,7 @@ import sys
 import grpc
 import pytest
 from _coordinator_helpers import FAST, admin, admin_json, join, new_token, start_coordinator, write_run_files
+
 from murmur.protocol import coordinator_pb2 as pb
 from murmur.protocol import coordinator_pb2_grpc as pb_grpc
 from murmur.protocol import identity

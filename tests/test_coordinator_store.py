@@ -6,6 +6,7 @@ import json
 import sqlite3
 
 import pytest
+
 from murmur.coordinator import store as store_mod
 from murmur.coordinator.leases import BadCommit, LeaseLost, Progress
 from murmur.coordinator.membership import JoinRefused, Membership, MembershipError

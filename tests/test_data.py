@@ -4,7 +4,8 @@ import json
 import numpy as np
 import pytest
 import torch
-from murmur.node.data import BatchLoader, DataError, Dataset, Position, eval_batches, prepare
+
+from murmur.node.model.data import BatchLoader, DataError, Dataset, Position, eval_batches, prepare
 
 
 def _files(root):
@@ -143,7 +144,7 @@ def test_shuffled_prepare_mixes_the_sources_into_every_shard(tmp_path):
 
 
 def test_cut_pieces_keeps_every_character():
-    from murmur.node.data import cut_pieces
+    from murmur.node.model.data import cut_pieces
 
     text = "one\n\ntwo two\n\nthree three three\n\n" * 50 + "tail without a break " * 40
     pieces = cut_pieces(text, 64)

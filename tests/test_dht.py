@@ -11,6 +11,7 @@ import time
 import psutil
 import pytest
 from _net_helpers import PYTHON, REPO, p2pd_processes, python_env
+
 from murmur.protocol import dht as D
 from murmur.protocol.identity import CertificateAuthority
 

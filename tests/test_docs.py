@@ -35,10 +35,10 @@ def test_every_environment_variable_is_documented():
 
 
 def test_every_exchange_setting_is_documented():
-    from murmur.node.exchange_group import RendezvousSettings
-    from murmur.node.exchange_settings import ExchangeSettings
-    from murmur.node.peer_server import PeerServerSettings
-    from murmur.node.peer_state import StateFetchSettings
+    from murmur.node.exchange.group import RendezvousSettings
+    from murmur.node.exchange.settings import ExchangeSettings
+    from murmur.node.net.server import PeerServerSettings
+    from murmur.node.net.state_transfer import StateFetchSettings
 
     doc = (ROOT / "docs" / "protocol.md").read_text()
     classes = (ExchangeSettings, PeerServerSettings, RendezvousSettings, StateFetchSettings)

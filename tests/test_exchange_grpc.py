@@ -10,11 +10,12 @@ from concurrent.futures import CancelledError
 import pytest
 import torch
 from _net_helpers import RUN, attach_exchanges, peer_group, start_servers
-from murmur.node.exchange_grpc import ExchangeSettings, ExchangeSettingsError, spans
-from murmur.node.exchange_settings import alignment, chunk_ranges
-from murmur.node.peer_loop import LoopThread
-from murmur.node.peer_server import PublishedState
-from murmur.node.peer_state import StateError, fetch_state, state_name
+
+from murmur.node.exchange.grpc_exchange import ExchangeSettings, ExchangeSettingsError, spans
+from murmur.node.exchange.settings import alignment, chunk_ranges
+from murmur.node.net.loop import LoopThread
+from murmur.node.net.server import PublishedState
+from murmur.node.net.state_transfer import StateError, fetch_state, state_name
 from murmur.optim.codecs import make_codec
 from murmur.optim.exchange import ExchangeError
 from murmur.protocol import peer_pb2
@@ -160,7 +161,7 @@ def test_a_peer_that_lost_a_result_still_owns_its_span_until_every_input_is_in(m
     member's input (one member's stream to it is late, as on an overloaded machine). It must keep
     owning its span until that input is in and its reduced chunks are out, not walk away from the
     attempt: the others complete it with all four inputs, and the lagging peer catches up."""
-    from murmur.node import exchange_send
+    from murmur.node.exchange import send as exchange_send
 
     late_ms = 1500
     write_chunks = exchange_send._write_chunks
@@ -418,8 +419,8 @@ def test_a_peer_killed_mid_stream_leaves_the_survivors_with_one_state(fault):
 
 
 def test_the_snapshot_is_the_flat_update_plus_residual_and_copies_what_is_asked_first(monkeypatch):
-    from murmur.node import exchange_snapshot
-    from murmur.node.exchange_grpc import _flatten
+    from murmur.node.exchange import snapshot as exchange_snapshot
+    from murmur.node.exchange.grpc_exchange import _flatten
 
     g = torch.Generator().manual_seed(5)
     tensors = [

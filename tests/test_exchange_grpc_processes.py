@@ -1,6 +1,6 @@
 """Peers as separate processes meeting through the DHT: a SIGKILLed peer, a peer that catches up.
 
-Each peer is ``python -m murmur.node.exchange_peer_main`` with its own TLS identity; the test
+Each peer is ``python -m murmur.node.testnet.exchange_peer`` with its own TLS identity; the test
 process runs the bootstrap DHT. Spans travel as three pipeline chunks. Peer 3 is armed with the
 ``exit_midstream`` fault for round 2: halfway through streaming its chunks it SIGKILLs itself.
 Peer 1 loses a reduced chunk in round 1 (a cut connection) and must catch up from the peers that
@@ -15,6 +15,7 @@ import subprocess
 
 import pytest
 from _net_helpers import PYTHON, REPO, p2pd_processes, python_env
+
 from murmur.protocol.dht import MurmurDHT
 from murmur.protocol.identity import CertificateAuthority
 
@@ -33,7 +34,7 @@ def test_sigkilled_peer_mid_round_survivors_agree_and_a_lagging_peer_catches_up(
             cmd = [
                 PYTHON,
                 "-m",
-                "murmur.node.exchange_peer_main",
+                "murmur.node.testnet.exchange_peer",
                 "--identity",
                 str(tmp_path / str(i)),
                 "--run",

@@ -8,6 +8,7 @@ import pytest
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes
 from cryptography.x509.oid import NameOID
+
 from murmur.protocol import identity as I  # noqa: N812
 
 
@@ -59,7 +60,7 @@ def test_a_certificate_from_another_ca_is_refused(ca):
 
 def test_an_expired_certificate_is_refused(ca):
     ident = ca.issue(validity=dt.timedelta(seconds=1))
-    later = dt.datetime.now(dt.timezone.utc) + dt.timedelta(minutes=1)
+    later = dt.datetime.now(dt.UTC) + dt.timedelta(minutes=1)
     with pytest.raises(I.IdentityError, match="not valid now"):
         I.verify_certificate(ident.cert_pem, ca.cert_pem, now=later)
 

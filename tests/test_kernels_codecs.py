@@ -13,10 +13,10 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 from _kernels_helpers import assert_close, interpreter_subprocess  # noqa: E402
-from murmur.kernels import dct, quant, sign, topk  # noqa: E402
-from murmur.kernels.dispatch import KernelError, interpreter_ready  # noqa: E402
 
 from murmur import kernels  # noqa: E402
+from murmur.kernels import dct, quant, sign, topk  # noqa: E402
+from murmur.kernels.dispatch import KernelError, interpreter_ready  # noqa: E402
 
 READY = interpreter_ready()
 

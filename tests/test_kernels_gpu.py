@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 from _kernels_helpers import assert_close
-from murmur.kernels import dct, glu, linear_xent, quant, rmsnorm, rope, sign, topk
 
 from murmur import kernels
+from murmur.kernels import dct, glu, linear_xent, quant, rmsnorm, rope, sign, topk
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -120,7 +120,7 @@ def test_topk_dct_sign():
 
 def test_fused_model_under_compile_matches_reference(monkeypatch):
     """The custom ops' fake and autograd registrations hold up under torch.compile with autocast."""
-    from murmur.node.model import build_model, model_config
+    from murmur.node.model.transformer import build_model, model_config
 
     cfg = model_config("small", n_layers=2)
     idx = torch.randint(0, cfg.vocab_size, (4, cfg.seq_len + 1), device="cuda")

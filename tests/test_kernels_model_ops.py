@@ -12,10 +12,10 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 from _kernels_helpers import assert_close, interpreter_subprocess  # noqa: E402
-from murmur.kernels import glu, linear_xent, rmsnorm, rope  # noqa: E402
-from murmur.kernels.dispatch import KernelError, interpreter_ready, use_triton  # noqa: E402
 
 from murmur import kernels  # noqa: E402
+from murmur.kernels import glu, linear_xent, rmsnorm, rope  # noqa: E402
+from murmur.kernels.dispatch import KernelError, interpreter_ready, use_triton  # noqa: E402
 
 # If another test module imported triton first without the interpreter, this file's interpreter
 # tests run (all of them, for real) in a subprocess instead of being skipped.
@@ -126,7 +126,7 @@ def test_custom_ops_pass_opcheck(interp):
 
 def test_model_trains_same_with_triton_and_torch(interp, monkeypatch):
     """The tiny model's loss and every parameter gradient agree between the two paths."""
-    from murmur.node.model import build_model, model_config
+    from murmur.node.model.transformer import build_model, model_config
 
     cfg = model_config("tiny", n_layers=1, dim=32, n_heads=2, n_kv_heads=2, hidden_dim=40, seq_len=16)
     idx = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))

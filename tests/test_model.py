@@ -1,6 +1,7 @@
 import pytest
 import torch
-from murmur.node.model import PRESETS, Transformer, model_config
+
+from murmur.node.model.transformer import PRESETS, Transformer, model_config
 from murmur.protocol.runconfig import MODEL_PRESETS
 
 

@@ -40,7 +40,7 @@ def test_bad_input_is_one_line(tmp_path, args, needle):
 
 
 def test_second_daemon_on_one_state_dir_is_refused(tmp_path):
-    from murmur.node.node_state import StateDir, StateError
+    from murmur.node.daemon.state_dir import StateDir, StateError
 
     first = StateDir(tmp_path / "s")
     first.lock()

@@ -8,8 +8,9 @@ import threading
 import pytest
 import torch
 from _node_helpers import TINY, small_dataset
-from murmur.node.data import Dataset
-from murmur.node.node_training import LeaseView, NodeTrainer
+
+from murmur.node.daemon.training import LeaseView, NodeTrainer
+from murmur.node.model.data import Dataset
 from murmur.optim.factory import make_aggregator_for, make_codec_for
 from murmur.optim.inprocess import InProcessGroup
 from murmur.protocol.runconfig import load_config

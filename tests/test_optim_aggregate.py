@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from murmur.optim.aggregate import Aggregator, AggregatorError, centered_clip, mean, prefilter, trimmed_mean
 
 

@@ -8,6 +8,7 @@ import copy
 import pytest
 import torch
 from _optim_helpers import flat_params, make_workers, run_workers, tiny_config, token_stream
+
 from murmur.optim.diloco import split_fragments
 from murmur.optim.inner import lr_at, make_inner_optimizer, set_lr
 

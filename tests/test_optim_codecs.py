@@ -8,6 +8,7 @@ import math
 import numpy as np
 import pytest
 import torch
+
 from murmur.optim.codecs import CODECS, CodecError, make_codec
 from murmur.optim.wire import WireTensor
 

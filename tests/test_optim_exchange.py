@@ -6,6 +6,7 @@ import threading
 
 import pytest
 import torch
+
 from murmur.optim.aggregate import Aggregator
 from murmur.optim.codecs import make_codec
 from murmur.optim.exchange import ExchangeError

@@ -9,6 +9,7 @@ import sys
 import pytest
 import torch
 from _net_helpers import REPO
+
 from murmur.optim.codecs import make_codec
 from murmur.protocol import generate, tensor_pb2
 from murmur.protocol.version import PROTOCOL_VERSION, VersionMismatch, check_version

@@ -82,7 +82,8 @@ def test_sim_warm_starts_from_a_train_checkpoint(byte_dataset, tmp_path, engine)
 
 def test_init_from_a_mismatched_or_missing_checkpoint_is_one_line(byte_dataset, tmp_path, capsys):
     import torch
-    from murmur.node.train import build_model_from_config
+
+    from murmur.node.train.trainer import build_model_from_config
     from murmur.protocol.runconfig import config_from_dict
 
     other = build_model_from_config(config_from_dict({"model": {"preset": "tiny", "n_layers": 1}}), 256)

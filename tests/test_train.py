@@ -2,7 +2,8 @@ import subprocess
 import sys
 
 import torch
-from murmur.node.train import Trainer
+
+from murmur.node.train.trainer import Trainer
 from murmur.optim.inner import lr_at
 from murmur.protocol.runconfig import OptimSection, config_from_dict
 

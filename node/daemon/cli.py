@@ -19,9 +19,8 @@ import os
 import sys
 from pathlib import Path
 
-from murmur.node.node_settings import NodeSettings
-
 from murmur.errors import MurmurError
+from murmur.node.daemon.settings import NodeSettings
 
 DEFAULT_STATE_DIR = "~/.murmur/node"
 
@@ -110,7 +109,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from murmur.node.node_lifecycle import NodeOptions, run_node  # grpc, torch: only when running
+    from murmur.node.daemon.node import NodeOptions, run_node  # grpc, torch: only when running
 
     if not args.coordinator:
         raise MurmurError("--coordinator HOST:PORT is required (or set MURMUR_COORDINATOR)")

@@ -1,7 +1,7 @@
 """The node's training side: one replica, its inner optimizer and its sync algorithm.
 
 It runs in the daemon's training thread (node_lifecycle.py owns the asyncio loop). The loop is the
-simulator's (node/sim.py, `Worker.step`), with the node's extras: the data comes from the shard
+simulator's (node/sim/runner.py, `Worker.step`), with the node's extras: the data comes from the shard
 the coordinator leased, compute time is measured apart from time spent waiting for the exchange,
 and the whole state (model, AdamW, global copy, outer momentum, round counters) can be saved,
 restored, hashed and handed to a joiner.
@@ -21,8 +21,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from murmur.node.data import BatchLoader, Dataset, Position
-from murmur.node.train import autocast, build_model_from_config
+
+from murmur.errors import MurmurError
+from murmur.node.model.data import BatchLoader, Dataset, Position
+from murmur.node.train.trainer import autocast, build_model_from_config
 from murmur.optim.demo import DeMo
 from murmur.optim.diloco import StreamingDiLoCo
 from murmur.optim.exchange import Exchange, ExchangeError
@@ -30,8 +32,6 @@ from murmur.optim.factory import build_sync
 from murmur.optim.inner import lr_at, make_inner_optimizer, set_lr
 from murmur.protocol.runconfig import RunConfig
 from murmur.protocol.wire import tensors_hash
-
-from murmur.errors import MurmurError
 
 
 class TrainingError(MurmurError):
@@ -154,7 +154,7 @@ class NodeTrainer:
     ) -> None:
         self.cfg, self.dataset, self.device = cfg, dataset, device
         torch.manual_seed(cfg.seed)
-        # Same seed, same initial weights on every node (node/model.py draws them on the CPU).
+        # Same seed, same initial weights on every node (node/model/transformer.py draws them on the CPU).
         self.model = build_model_from_config(cfg, dataset.vocab_size, device)
         self.opt = make_inner_optimizer(self.model, cfg.optim)
         self.meter = WaitMeter(exchange)

@@ -20,10 +20,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from murmur.node.corpus import bundled_corpus, iter_text_files
-from murmur.node.tokenizer import get_tokenizer
 
 from murmur.errors import MurmurError
+from murmur.node.model.corpus import bundled_corpus, iter_text_files
+from murmur.node.model.tokenizer import get_tokenizer
 
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1

@@ -4,7 +4,7 @@
 ``DHTGroup`` meets the other peers through the DHT rendezvous of protocol/dht.py: each peer
 puts itself under the round's key and reads it back until ``expected`` peers are there or the
 rendezvous deadline passes. Peers that saw different member lists converge inside the exchange
-(an attempt's owners answer with their lists; see node/exchange_grpc.py).
+(an attempt's owners answer with their lists; see node/exchange/grpc_exchange.py).
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ into the call's result buffer, and ends with the owner's status. What landed in 
 only if that status is OK and every chunk came: an aborted attempt's chunks are overwritten by the
 attempt that completes. Gather: the whole payload in frames, then the owner's status.
 
-Faults (node/peer_faults.py) strike here: a NaN, a wrong shape or garbage in the first chunk, a
+Faults (node/net/faults.py) strike here: a NaN, a wrong shape or garbage in the first chunk, a
 declared size over the limit, another protocol version, a lost result, death after (or halfway
 through) sending the input.
 """
@@ -20,11 +20,12 @@ from typing import TYPE_CHECKING
 
 import grpc
 import torch
-from murmur.node.exchange_attempt import Attempt
-from murmur.node.exchange_collect import OK
-from murmur.node.exchange_settings import CHUNK_OVERHEAD, chunk_ranges
-from murmur.node.exchange_snapshot import Snapshot
-from murmur.node.exchange_validate import InputRejected, decode_chunk
+
+from murmur.node.exchange.attempt import Attempt
+from murmur.node.exchange.collect import OK
+from murmur.node.exchange.settings import CHUNK_OVERHEAD, chunk_ranges
+from murmur.node.exchange.snapshot import Snapshot
+from murmur.node.exchange.validate import InputRejected, decode_chunk
 from murmur.optim.codecs import Codec
 from murmur.optim.exchange import ExchangeError
 from murmur.optim.wire import WireTensor
@@ -34,7 +35,7 @@ from murmur.protocol.version import PROTOCOL_VERSION, VERSION_METADATA_KEY
 from murmur.protocol.wire import split, wire_to_proto
 
 if TYPE_CHECKING:
-    from murmur.node.exchange_grpc import GrpcExchange
+    from murmur.node.exchange.grpc_exchange import GrpcExchange
 
 ERROR = -1  # a call that produced no status at all (unreachable, refused at the door, stalled)
 NAN = {"float32": b"\x00\x00\xc0\x7f", "float16": b"\x00\x7e", "bfloat16": b"\xc0\x7f"}
@@ -150,14 +151,14 @@ async def call_owner(
         # dropped. Its status, if it sent one, says which.
         try:
             return await asyncio.wait_for(asyncio.shield(reader), s.peer_timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise err from None
     except grpc.aio.AioRpcError as err:
         return Reply(ERROR, reason=f"{err.code().name}: {err.details()}")
     except asyncio.InvalidStateError:  # the callee ended the call while we were still writing
         code, details = await rpc.code(), await rpc.details()  # type: ignore[union-attr]
         return Reply(ERROR, reason=f"{code.name}: {details}")
-    except asyncio.TimeoutError:
+    except TimeoutError:
         return Reply(ERROR, reason=f"stalled: a write took more than {s.peer_timeout:g}s")
     except BannedError as err:
         return Reply(ERROR, reason=str(err))
@@ -226,7 +227,7 @@ async def _write_chunks(
 
     async def encode_when_copied(j: int):
         a, b = ranges[j]
-        if call.snapshot is not None:  # the update is copied piece by piece (node/exchange_snapshot.py)
+        if call.snapshot is not None:  # the update is copied piece by piece (node/exchange/snapshot.py)
             await call.snapshot.ready(span[0] + a, span[0] + b)
         piece = call.x[span[0] + a : span[0] + b]  # type: ignore[index]
         faults = first_faults if j == 0 else frozenset()

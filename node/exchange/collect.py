@@ -4,8 +4,8 @@ One stream per (member, owner) and attempt. The header is checked against the at
 (membership, member list, operation, layout, span, weight, declared size); then the payload.
 
 Reduce (a span, pipelined): the member sends its span as chunks, one serialized Payload per frame;
-each is checked and decoded as it arrives (node/exchange_validate.py, in a worker thread) and
-handed to the attempt (node/exchange_attempt.py), which reduces chunk j once every member's chunk j
+each is checked and decoded as it arrives (node/exchange/validate.py, in a worker thread) and
+handed to the attempt (node/exchange/attempt.py), which reduces chunk j once every member's chunk j
 is in. Meanwhile this handler streams the reduced chunks back in order, and ends with one status:
 OK once every chunk is reduced, ABORT (with member -> reason) as soon as the attempt is doomed,
 REFUSED if this member's own input was refused. A caller uses the streamed chunks only after OK.
@@ -22,9 +22,10 @@ from dataclasses import dataclass
 
 import grpc
 from google.protobuf.message import DecodeError
-from murmur.node.exchange_attempt import Attempt, GatherAttempt, ReduceAttempt, RoundBook
-from murmur.node.exchange_stats import PhaseTimes, Timeline
-from murmur.node.exchange_validate import InputRejected, decode_chunk
+
+from murmur.node.exchange.attempt import Attempt, GatherAttempt, ReduceAttempt, RoundBook
+from murmur.node.exchange.stats import PhaseTimes, Timeline
+from murmur.node.exchange.validate import InputRejected, decode_chunk
 from murmur.protocol import peer_pb2
 from murmur.protocol.version import PROTOCOL_VERSION, VersionMismatch
 from murmur.protocol.wire import WireError, WireLimits
@@ -64,7 +65,7 @@ async def serve_exchange(
     s = settings
     try:
         first = await asyncio.wait_for(context.read(), s.peer_timeout)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"no header within {s.peer_timeout:g}s")
     if first is grpc.aio.EOF or first.WhichOneof("kind") != "header":
         await context.abort(
@@ -202,7 +203,7 @@ async def _read_chunks(att: ReduceAttempt, h, peer_id: str, context, s: ServeSet
         for j, (a, b) in enumerate(att.chunks):
             try:
                 frame = await asyncio.wait_for(context.read(), s.peer_timeout)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 raise InputRejected(f"stalled: no data for {s.peer_timeout:g}s") from None
             if frame is grpc.aio.EOF:
                 raise InputRejected(f"stream ended after {j} of {len(att.chunks)} chunks")
@@ -259,7 +260,7 @@ async def _read_payload(att: GatherAttempt, h: peer_pb2.ExchangeHeader, context,
     while len(buf) < h.payload_bytes or (h.payload_bytes == 0 and not buf):
         try:
             frame = await asyncio.wait_for(context.read(), s.peer_timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise InputRejected(f"stalled: no data for {s.peer_timeout:g}s") from None
         if frame is grpc.aio.EOF:
             if h.payload_bytes == 0:

@@ -8,7 +8,7 @@ PERMISSION_DENIED with the reason). Why a per-handler check rather than an inter
 protocol/tls.py. Only then is a byte of the request read.
 
 ``publish_state`` makes named tensors available to GetState (a round's result for peers that
-missed it, the global state for joiners); node/peer_state.py fetches them.
+missed it, the global state for joiners); node/net/state_transfer.py fetches them.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import grpc
 import torch
+
 from murmur.protocol import peer_pb2, peer_pb2_grpc, tls
 from murmur.protocol.identity import BanList, BannedError, Identity, IdentityError
 from murmur.protocol.version import PROTOCOL_VERSION, VERSION_METADATA_KEY, VersionMismatch, check_version

@@ -1,11 +1,11 @@
 """The node's peer-to-peer data plane, assembled from the protocol parts.
 
-* the peer gRPC server (node/peer_server.py: mutual TLS, version and ban checks, state serving),
+* the peer gRPC server (node/net/server.py: mutual TLS, version and ban checks, state serving),
 * the DHT (protocol/dht.py): this node's signed record (address, last round, state hash),
   re-announced before it expires and withdrawn on leave; the round rendezvous,
-* the gRPC exchange (node/exchange_grpc.py) with the run's codec and aggregator, its members
+* the gRPC exchange (node/exchange/grpc_exchange.py) with the run's codec and aggregator, its members
   found by DHT rendezvous,
-* state transfer (node/peer_state.py): the newest global state, fetched from several peers in
+* state transfer (node/net/state_transfer.py): the newest global state, fetched from several peers in
   parallel and checked against the hash their records announce.
 
 Everything runs on the daemon's one asyncio loop (the exchange gets a handle on it); the DHT's
@@ -26,13 +26,14 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
-from murmur.node.exchange_group import DHTGroup, RendezvousSettings
-from murmur.node.exchange_grpc import ExchangeSettings, GrpcExchange
-from murmur.node.node_dataplane import _MemberTracker
-from murmur.node.node_settings import NodeSettings
-from murmur.node.node_state import JoinInfo
-from murmur.node.peer_server import PeerServer, PeerServerSettings, PublishedState
-from murmur.node.peer_state import StateError, StateFetchSettings, afetch, state_name
+
+from murmur.node.daemon.dataplane import _MemberTracker
+from murmur.node.daemon.settings import NodeSettings
+from murmur.node.daemon.state_dir import JoinInfo
+from murmur.node.exchange.group import DHTGroup, RendezvousSettings
+from murmur.node.exchange.grpc_exchange import ExchangeSettings, GrpcExchange
+from murmur.node.net.server import PeerServer, PeerServerSettings, PublishedState
+from murmur.node.net.state_transfer import StateError, StateFetchSettings, afetch, state_name
 from murmur.optim.factory import make_aggregator_for, make_codec_for
 from murmur.protocol import identity
 from murmur.protocol.dht import DHTError, DHTSettings, MurmurDHT, PeerRecord
@@ -252,7 +253,7 @@ class PeerDataPlane:
                            settings=StateFetchSettings(call_timeout=timeout_s)),
                     max(1.0, deadline - loop.time()),
                 )
-            except (StateError, asyncio.TimeoutError) as err:
+            except (TimeoutError, StateError) as err:
                 # Peers move on and drop old states: look again while time is left, rather than
                 # train alone from a stale state.
                 self.log(f"could not fetch the state of round {newest} from {len(holders)} peers: {err}")

@@ -22,14 +22,15 @@ from collections.abc import Callable
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 
 import torch
-from murmur.node.sim import WarmStart, build_replica_model, inner_state_for, make_group
-from murmur.node.train import autocast
+from torch.func import functional_call, vmap
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from murmur.node.sim.runner import WarmStart, build_replica_model, inner_state_for, make_group
+from murmur.node.train.trainer import autocast
 from murmur.optim.factory import build_sync
 from murmur.optim.inner import adamw, lr_at, set_lr
 from murmur.optim.sync import SyncAlgorithm
 from murmur.protocol.runconfig import RunConfig
-from torch.func import functional_call, vmap
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 # SDPA has no batching rule on the CPU, so vmap loops over the replicas for that one op; the
 # result is exact, and the warning would only repeat on every step.

@@ -2,8 +2,8 @@
 
 For every attempt of every call (round, key) this peer takes part in, an attempt collects the
 members' inputs: for a reduce, the span of the flat update this peer owns, chunk by chunk; for a
-gather, each member's whole payload. The handlers of node/exchange_collect.py feed it checked
-inputs; the caller side (node/exchange_grpc.py) feeds it this peer's own input.
+gather, each member's whole payload. The handlers of node/exchange/collect.py feed it checked
+inputs; the caller side (node/exchange/grpc_exchange.py) feeds it this peer's own input.
 
 A reduce attempt is a pipeline: as soon as every member's chunk j is in, chunk j is aggregated in
 sorted member order (the run's rule), re-encoded once and decoded (in a worker thread, off the
@@ -24,7 +24,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-from murmur.node.exchange_validate import InputRejected
+
+from murmur.node.exchange.validate import InputRejected
 from murmur.optim.aggregate import Aggregator, AggregatorError
 from murmur.optim.codecs import Codec
 from murmur.optim.wire import WireTensor
@@ -260,7 +261,7 @@ class RoundBook:
         try:
             async with self._changed:
                 await asyncio.wait_for(self._changed.wait_for(ready), timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return None
         if rk in self.done:
             return None

@@ -9,7 +9,7 @@ The daemon (node_lifecycle.py) sees one small object:
     last_round_members()      who took part in the last completed exchange
     await close()             stop serving, leave the DHT, no child process left
 
-`open_dataplane` builds it from node/node_peers.py (peer server, gRPC exchange, DHT). ``solo`` is a
+`open_dataplane` builds it from node/daemon/peer_dataplane.py (peer server, gRPC exchange, DHT). ``solo`` is a
 one-member group: a node that trains alone against a coordinator (trying a run, or its ledger) with
 the same sync code and no peers.
 """
@@ -21,8 +21,8 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
-from murmur.node.node_settings import NodeSettings
-from murmur.node.node_state import JoinInfo
+from murmur.node.daemon.settings import NodeSettings
+from murmur.node.daemon.state_dir import JoinInfo
 from murmur.optim.exchange import Exchange
 from murmur.optim.factory import make_aggregator_for, make_codec_for
 from murmur.optim.inprocess import InProcessGroup
@@ -101,9 +101,9 @@ async def open_dataplane(
     if solo:
         log("solo mode: a one-member exchange, no peer server, no DHT")
         return SoloDataPlane(info.node_id, cfg)
-    from murmur.node import node_peers  # noqa: PLC0415 - imports hivemind and the gRPC peer stack
+    from murmur.node.daemon import peer_dataplane  # noqa: PLC0415 - imports hivemind and the gRPC peer stack
 
-    return await node_peers.open_peer_dataplane(
+    return await peer_dataplane.open_peer_dataplane(
         ident=ident,
         info=info,
         cfg=cfg,

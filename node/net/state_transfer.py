@@ -17,13 +17,13 @@ from dataclasses import dataclass
 
 import grpc
 import torch
-from murmur.node.peer_loop import LoopThread
+
+from murmur.errors import MurmurError
+from murmur.node.net.loop import LoopThread
 from murmur.protocol import peer_pb2, peer_pb2_grpc, tls
 from murmur.protocol.identity import BanList, BannedError, Identity
 from murmur.protocol.version import PROTOCOL_VERSION, version_metadata
 from murmur.protocol.wire import WireError, WireLimits, bytes_to_tensor, tensors_hash
-
-from murmur.errors import MurmurError
 
 
 class StateError(MurmurError):

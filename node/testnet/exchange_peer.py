@@ -1,13 +1,13 @@
 """One exchange peer as a process: the tests' SIGKILL and multi-process runs, and a manual check.
 
-    python -m murmur.node.exchange_peer_main --identity DIR --run RUN --bootstrap MADDR \
+    python -m murmur.node.testnet.exchange_peer --identity DIR --run RUN --bootstrap MADDR \
         --peers 4 --rounds 3 --numel 65536 --codec int8 [--chunk-mb 4] [--fault exit@2] \
         [--fault exit_midstream@2] [--fault lose_result@2]
 
 It joins the run's DHT, starts its TLS peer server, announces itself, and for each round meets
 the others at the DHT rendezvous and all-reduces a deterministic update (seeded by node id and
 round), printing one JSON line per round: the members, who was dropped and why, whether the
-result was fetched from peers (caught up), and the result's hash. Faults (node/peer_faults.py)
+result was fetched from peers (caught up), and the result's hash. Faults (node/net/faults.py)
 make it misbehave on purpose. It exits cleanly on SIGTERM/SIGINT, leaving no p2pd behind.
 """
 
@@ -21,11 +21,12 @@ import sys
 import time
 
 import torch
-from murmur.node.exchange_group import DHTGroup, RendezvousSettings
-from murmur.node.exchange_grpc import ExchangeSettings, GrpcExchange
-from murmur.node.peer_faults import FaultInjector
-from murmur.node.peer_loop import LoopThread
-from murmur.node.peer_server import PeerServer
+
+from murmur.node.exchange.group import DHTGroup, RendezvousSettings
+from murmur.node.exchange.grpc_exchange import ExchangeSettings, GrpcExchange
+from murmur.node.net.faults import FaultInjector
+from murmur.node.net.loop import LoopThread
+from murmur.node.net.server import PeerServer
 from murmur.optim.codecs import make_codec
 from murmur.protocol.dht import DHTSettings, MurmurDHT, PeerRecord
 from murmur.protocol.identity import Identity
@@ -42,7 +43,7 @@ def emit(**record: object) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m murmur.node.exchange_peer_main")
+    ap = argparse.ArgumentParser(prog="python -m murmur.node.testnet.exchange_peer")
     ap.add_argument("--identity", required=True, help="folder with node.key, node.crt, ca.crt")
     ap.add_argument("--run", default="murmur-run")
     ap.add_argument("--bootstrap", action="append", default=[], help="DHT multiaddr to join (repeatable)")
@@ -50,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--numel", type=int, default=1 << 16)
     ap.add_argument("--codec", default="int8")
-    ap.add_argument("--fault", action="append", default=[], help="fault[@round], see node/peer_faults.py")
+    ap.add_argument("--fault", action="append", default=[], help="fault[@round], see node/net/faults.py")
     ap.add_argument("--chunk-mb", type=float, default=4.0, help="ExchangeSettings.chunk_mb")
     ap.add_argument("--peer-timeout", type=float, default=3.0)
     ap.add_argument("--round-deadline", type=float, default=30.0)

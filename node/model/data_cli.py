@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from murmur.node.data import DEFAULT_PIECE_CHARS, DEFAULT_SHARD_TOKENS, DEFAULT_VAL_FRACTION, Dataset, prepare
+from murmur.node.model.data import DEFAULT_PIECE_CHARS, DEFAULT_SHARD_TOKENS, DEFAULT_VAL_FRACTION, Dataset, prepare
 
 
 def register(sub: argparse._SubParsersAction) -> None:

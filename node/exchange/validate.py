@@ -1,6 +1,6 @@
 """Checks of one member's input (or one owner's result) before a byte of it is used.
 
-The header was checked already (node/exchange_collect.py); here the payload: protobuf, dtypes,
+The header was checked already (node/exchange/collect.py); here the payload: protobuf, dtypes,
 shapes and part sizes (protocol/wire.py), the codec, NaN/Inf in the parts and in the decoded
 values. A refusal is an ``InputRejected`` whose message is the reason.
 """
@@ -11,12 +11,12 @@ from collections.abc import Callable
 
 import torch
 from google.protobuf.message import DecodeError
+
+from murmur.errors import MurmurError
 from murmur.optim.codecs import Codec
 from murmur.optim.wire import WireTensor
 from murmur.protocol import peer_pb2
 from murmur.protocol.wire import WireError, WireLimits, check_finite, wire_from_proto
-
-from murmur.errors import MurmurError
 
 
 class InputRejected(MurmurError):

@@ -34,20 +34,20 @@ from typing import Any
 
 import grpc
 import torch
-from murmur.node.data import Dataset, eval_batches
-from murmur.node.node_metrics import MetricsServer, NodeMetrics
-from murmur.node.node_metrics import metrics_server as make_metrics_server
-from murmur.node.node_settings import NodeSettings
-from murmur.node.node_state import JoinInfo, PendingCommit, StateDir
-from murmur.node.node_training import LeaseView, NodeTrainer, Segment, WindowResult
-from murmur.node.train import evaluate, resolve_device
+
+from murmur.errors import MurmurError
+from murmur.node.daemon.metrics import MetricsServer, NodeMetrics
+from murmur.node.daemon.metrics import metrics_server as make_metrics_server
+from murmur.node.daemon.settings import NodeSettings
+from murmur.node.daemon.state_dir import JoinInfo, PendingCommit, StateDir
+from murmur.node.daemon.training import LeaseView, NodeTrainer, Segment, WindowResult
+from murmur.node.model.data import Dataset, eval_batches
+from murmur.node.train.trainer import evaluate, resolve_device
 from murmur.optim.exchange import ExchangeError
 from murmur.protocol import coordinator_pb2 as pb
 from murmur.protocol import identity
 from murmur.protocol.coordinator_client import CoordinatorError, MemberClient, join_run
 from murmur.protocol.runconfig import RunConfig, parse_config
-
-from murmur.errors import MurmurError
 
 
 class NodeError(MurmurError):
@@ -520,9 +520,9 @@ class Node:
                 metrics_server = make_metrics_server(self.metrics, {"node": info.node_id, "run": info.run_id})
                 bound = await metrics_server.start(host or "127.0.0.1", int(port or 0))
                 self.log(f"metrics on http://{host or '127.0.0.1'}:{bound}/metrics")
-            from murmur.node import node_dataplane  # gRPC peer server, DHT, exchange
+            from murmur.node.daemon import dataplane  # gRPC peer server, DHT, exchange
 
-            self.dataplane = await node_dataplane.open_dataplane(
+            self.dataplane = await dataplane.open_dataplane(
                 ident=ident,
                 info=info,
                 cfg=cfg,
@@ -619,7 +619,7 @@ class Node:
                     await asyncio.wait_for(self.client.leave(self.stop_reason[:200]), left())
                     self.state.forget_join()  # a left node joins afresh next time
                     self.log("left the run")
-                except (asyncio.TimeoutError, CoordinatorError) as err:
+                except (TimeoutError, CoordinatorError) as err:
                     self.log(
                         f"could not say goodbye to the coordinator ({err}); its lease expires on its own"
                     )

@@ -16,12 +16,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from murmur.node.data import BatchLoader, Dataset, Position, eval_batches
-from murmur.node.model import ModelConfig, Transformer, model_config
-from murmur.optim.inner import lr_at, make_inner_optimizer, set_lr
-from murmur.protocol.runconfig import RunConfig, load_config
 
 from murmur.errors import MurmurError
+from murmur.node.model.data import BatchLoader, Dataset, Position, eval_batches
+from murmur.node.model.transformer import ModelConfig, Transformer, model_config
+from murmur.optim.inner import lr_at, make_inner_optimizer, set_lr
+from murmur.protocol.runconfig import RunConfig, load_config
 
 
 def resolve_device(name: str = "auto") -> torch.device:

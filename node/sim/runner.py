@@ -5,7 +5,7 @@ would lease them) driven by the same `optim` sync code a node runs; the workers 
 `InProcessGroup`, which counts every payload byte by codec. Worker 0 reports a progress line per
 outer step (every H inner steps) and evaluates on the validation split.
 
-Two engines run the inner steps. ``stacked`` (the default, node/sim_stacked.py) keeps the K
+Two engines run the inner steps. ``stacked`` (the default, node/sim/stacked.py) keeps the K
 replicas' weights in [K, ...] tensors and trains them with one vmapped step; ``threads`` gives
 each replica its own module and thread, as separate nodes would run. They agree to float
 rounding (tests/test_sim_stacked.py); stacked is many times faster on a GPU.
@@ -28,16 +28,16 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-from murmur.node.data import BatchLoader, Dataset, Position, eval_batches
-from murmur.node.train import autocast, build_model_from_config, evaluate, resolve_device
+
+from murmur.errors import MurmurError
+from murmur.node.model.data import BatchLoader, Dataset, Position, eval_batches
+from murmur.node.train.trainer import autocast, build_model_from_config, evaluate, resolve_device
 from murmur.optim.exchange import ExchangeError
 from murmur.optim.factory import build_sync, check_sync_config, make_aggregator_for, make_codec_for
 from murmur.optim.inner import adamw_state_in_order, lr_at, make_inner_optimizer, set_lr
 from murmur.optim.inprocess import InProcessGroup
 from murmur.optim.sync import SyncAlgorithm
 from murmur.protocol.runconfig import RunConfig, apply_override, config_from_dict, load_config
-
-from murmur.errors import MurmurError
 
 JOIN_POLL_S = 0.5  # how often the main thread looks up from joining workers (lets Ctrl+C through)
 
@@ -324,7 +324,7 @@ def run_sim(
     log: Callable[[str], None] = print,
 ) -> SimResult:
     """Train K replicas for ``cfg.train.steps`` inner steps each. ``engine``: ``stacked`` (one
-    vmapped step for all replicas, node/sim_stacked.py; fast on a GPU) or ``threads`` (a thread
+    vmapped step for all replicas, node/sim/stacked.py; fast on a GPU) or ``threads`` (a thread
     and a module per replica, as separate nodes would run). Both run the same optim code.
     ``init``: what every replica starts from (`read_warm_start`) instead of the seed's weights."""
     if engine not in ENGINES:
@@ -342,7 +342,7 @@ def run_sim(
 
 
 def _run_stacked(cfg, k, device, loaders, vocab_size, progress: Progress, init) -> SimResult:
-    from murmur.node.sim_stacked import StackedReplicas
+    from murmur.node.sim.stacked import StackedReplicas
 
     reps = StackedReplicas(cfg, k, device, loaders, vocab_size, peer_names(k), init)
     try:

@@ -6,7 +6,7 @@ import base64
 import functools
 from typing import Protocol
 
-from murmur.node.corpus import assets_dir
+from murmur.node.model.corpus import assets_dir
 
 # GPT-2's pre-tokenization pattern (r50k_base), as tiktoken writes it.
 R50K_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""

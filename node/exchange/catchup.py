@@ -14,17 +14,18 @@ import asyncio
 from typing import TYPE_CHECKING
 
 import torch
-from murmur.node.exchange_attempt import DoneRecord
-from murmur.node.exchange_send import Call
-from murmur.node.peer_server import PublishedState
-from murmur.node.peer_state import StateError, StateFetchSettings, afetch, result_name
+
+from murmur.node.exchange.attempt import DoneRecord
+from murmur.node.exchange.send import Call
+from murmur.node.net.server import PublishedState
+from murmur.node.net.state_transfer import StateError, StateFetchSettings, afetch, result_name
 from murmur.optim.exchange import ExchangeError
 from murmur.protocol import peer_pb2, peer_pb2_grpc
 from murmur.protocol.version import PROTOCOL_VERSION, VERSION_METADATA_KEY
 from murmur.protocol.wire import tensors_hash
 
 if TYPE_CHECKING:
-    from murmur.node.exchange_grpc import GrpcExchange
+    from murmur.node.exchange.grpc_exchange import GrpcExchange
 
 
 async def publish(ex: GrpcExchange, call: Call, named: dict[str, torch.Tensor], members: list[str]) -> None:

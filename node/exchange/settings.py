@@ -13,9 +13,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from murmur.protocol import tls
-
 from murmur.errors import MurmurError
+from murmur.protocol import tls
 
 # Slack per chunk in what a sender declares beyond its codec's size for the chunk's length, and
 # what a frame may carry beyond 4 bytes per element (names, dtypes, shapes, length prefixes, meta).

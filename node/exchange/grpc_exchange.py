@@ -1,11 +1,11 @@
 """`GrpcExchange`: optim's `Exchange` between nodes, over gRPC streams with mutual TLS.
 
 All-reduce (dense codecs): the update is flattened; the sorted member list cuts it into one span
-per member, and each span into pipeline chunks (node/exchange_settings.py). Each peer streams
-span i, chunk by chunk, to member i (node/exchange_send.py); member i checks and decodes every
+per member, and each span into pipeline chunks (node/exchange/settings.py). Each peer streams
+span i, chunk by chunk, to member i (node/exchange/send.py); member i checks and decodes every
 chunk as it arrives, and as soon as it holds every member's chunk j it aggregates it (the run's
 rule: mean, trimmed mean, CenteredClip), re-encodes it once and streams it back to everyone while
-later chunks are still arriving (node/exchange_attempt.py, node/exchange_collect.py). Codec work
+later chunks are still arriving (node/exchange/attempt.py, node/exchange/collect.py). Codec work
 runs in worker threads, off the event loop. Each peer sends about (N-1)/N of its payload and
 (N-1)/N of the result: the butterfly's 2(N-1)/N.
 Sparse codecs (top-k) and all-gather: every peer streams its payload to every other member;
@@ -19,7 +19,7 @@ failed and why from the owners' answers and retry without them, so a dead peer's
 re-owned by the survivors and a result is never a partial average (chunks of an aborted attempt
 are overwritten by the attempt that completes). A peer that completed a round answers later
 attempts with ALREADY_DONE and publishes the result; a peer whose round did not complete catches
-up from the peers that did (node/exchange_catchup.py). A round needs more than ``quorum`` of the
+up from the peers that did (node/exchange/catchup.py). A round needs more than ``quorum`` of the
 peers it started with, so a cut-off minority can never finish on its own. Every wait is bounded
 by ``peer_timeout`` (per peer) and ``round_deadline`` (per call).
 """
@@ -36,24 +36,25 @@ from concurrent.futures import Future
 import grpc
 import torch
 from google.protobuf.message import DecodeError
-from murmur.node.exchange_attempt import Attempt, GatherAttempt, ReduceAttempt, RoundBook, chunk_reducer
-from murmur.node.exchange_catchup import ask_done, catch_up, publish
-from murmur.node.exchange_collect import ABORT, DONE, OK, REFUSED, ServeSettings, serve_exchange
-from murmur.node.exchange_group import GroupProvider
-from murmur.node.exchange_send import ERROR, Call, Reply, call_owner
-from murmur.node.exchange_settings import (
+
+from murmur.node.exchange.attempt import Attempt, GatherAttempt, ReduceAttempt, RoundBook, chunk_reducer
+from murmur.node.exchange.catchup import ask_done, catch_up, publish
+from murmur.node.exchange.collect import ABORT, DONE, OK, REFUSED, ServeSettings, serve_exchange
+from murmur.node.exchange.group import GroupProvider
+from murmur.node.exchange.send import ERROR, Call, Reply, call_owner
+from murmur.node.exchange.settings import (
     ExchangeSettings,
     ExchangeSettingsError,
     alignment,
     chunk_ranges,
     spans,
 )
-from murmur.node.exchange_snapshot import Snapshot
-from murmur.node.exchange_stats import PhaseTimes, Timeline
-from murmur.node.exchange_validate import InputRejected, validate_gather
-from murmur.node.peer_faults import FAULTS, FaultInjector
-from murmur.node.peer_loop import LoopThread
-from murmur.node.peer_server import STREAM_WINDOW_OPTION, PeerServer
+from murmur.node.exchange.snapshot import Snapshot
+from murmur.node.exchange.stats import PhaseTimes, Timeline
+from murmur.node.exchange.validate import InputRejected, validate_gather
+from murmur.node.net.faults import FAULTS, FaultInjector
+from murmur.node.net.loop import LoopThread
+from murmur.node.net.server import STREAM_WINDOW_OPTION, PeerServer
 from murmur.optim.aggregate import Aggregator
 from murmur.optim.codecs import Codec
 from murmur.optim.exchange import Exchange, ExchangeError, GatherResult, ReduceResult
@@ -88,7 +89,7 @@ class GrpcExchange(Exchange):
         self.settings = settings or ExchangeSettings()
         self.faults = faults or FaultInjector()
         self.book = RoundBook()
-        self.times = PhaseTimes()  # worker-thread CPU seconds by phase (node/exchange_stats.py)
+        self.times = PhaseTimes()  # worker-thread CPU seconds by phase (node/exchange/stats.py)
         self.timeline = Timeline()  # wall-clock events by chunk, off unless enabled (diagnosis)
         self.caught_up: list[tuple[int, str]] = []  # calls whose result came from peers (observability)
         self.limits = WireLimits(max_numel=self.settings.max_payload_bytes)

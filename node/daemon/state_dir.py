@@ -25,9 +25,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from murmur.protocol import identity
 
 from murmur.errors import MurmurError
+from murmur.protocol import identity
 
 
 class StateError(MurmurError):

@@ -22,10 +22,9 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from murmur.node.node_procs import NodeProc, Testnet, TestnetError
-from murmur.node.node_state import read_rounds
-
 from murmur.errors import MurmurError
+from murmur.node.daemon.state_dir import read_rounds
+from murmur.node.testnet.procs import NodeProc, Testnet, TestnetError
 
 DEFAULT_CONFIG = "configs/testnet-small.toml"
 REFRESH_S = 1.0  # how often the live rows are redrawn
@@ -68,7 +67,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def prepare_run(config: str, overrides: list[str], out: Path) -> tuple[Path, Path]:
     """Write OUT/run.toml (with overrides and an absolute data path); prepare the data if missing."""
-    from murmur.node.data import prepare
+    from murmur.node.model.data import prepare
     from murmur.protocol.runconfig import load_config
 
     cfg = load_config(config, overrides)
