@@ -5,6 +5,10 @@ coordinator's address in the DHT under each active run's peers key (role "coordi
 that restarts can find it again even if it only remembers a peer. Records must be signed by a
 certificate of the run CA (protocol/dht.py); the coordinator issues itself one at start.
 
+A restart is invisible to nodes: the libp2p key lives next to the ledger (``DB.dht-key``, so the
+peer id stays the same) and so does the port the DHT got (``DB.dht-port``, reused when
+``--dht-listen`` asks for port 0), so the bootstrap addresses nodes saved still lead here.
+
 hivemind is imported only through protocol/dht.py, and only when ``--dht`` is on.
 """
 
@@ -14,17 +18,31 @@ import asyncio
 import contextlib
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 from murmur.protocol import identity
 
 from .settings import CoordinatorSettings
 
 
+def state_paths(db_path: Path) -> tuple[Path, Path]:
+    """Where the DHT's key and port are kept, next to the ledger."""
+    return db_path.with_name(db_path.name + ".dht-key"), db_path.with_name(db_path.name + ".dht-port")
+
+
+def _saved_port(path: Path) -> int:
+    with contextlib.suppress(OSError, ValueError):
+        port = int(path.read_text().strip())
+        if 0 < port < 65536:
+            return port
+    return 0
+
+
 class Discovery:
     def __init__(
         self,
         ca: identity.CertificateAuthority,
-        address: str,
+        db_path: Path,
         settings: CoordinatorSettings,
         host: str,
         port: int,
@@ -33,20 +51,48 @@ class Discovery:
         from murmur.protocol import dht as dht_adapter  # hivemind only when asked for
 
         self._dht_mod = dht_adapter
-        self.address = address
+        self.address = ""  # our public gRPC address; known once the gRPC server is bound
         self.settings = settings
         self.active_runs = active_runs
-        self.identity = ca.issue()  # a fresh key per start: records carry its certificate
-        self.handle = dht_adapter.MurmurDHT(
-            "coordinator",
-            ca_cert_pem=ca.cert_pem,
-            identity=self.identity,
-            settings=dht_adapter.DHTSettings(host=host, port=port, start_timeout=settings.dht_start_timeout_s),
+        self.identity = ca.issue()  # a fresh signing key per start: records carry its certificate
+        self._key_path, self._port_path = state_paths(db_path)
+        self._asked_port = port
+        self._settings = dht_adapter.DHTSettings(
+            host=host,
+            port=port or _saved_port(self._port_path),
+            start_timeout=settings.dht_start_timeout_s,
+            identity_path=str(self._key_path),
         )
+        self.handle = self._handle(self._settings)
         self._task: asyncio.Task[None] | None = None
 
+    def _handle(self, settings):  # -> dht_adapter.MurmurDHT
+        return self._dht_mod.MurmurDHT(
+            "coordinator", ca_cert_pem=self.identity.ca_cert_pem, identity=self.identity, settings=settings
+        )
+
     async def start(self) -> list[str]:
-        await asyncio.to_thread(self.handle.start)
+        try:
+            await asyncio.to_thread(self.handle.start)
+        except self._dht_mod.DHTError as err:
+            if self._asked_port or not self._settings.port:
+                raise
+            # The saved port is taken by something else now: take any port (nodes will re-read the
+            # bootstrap addresses from the join reply or the coordinator).
+            print(f"warning: the DHT's previous port {self._settings.port} is not free ({err}); taking another",
+                  file=sys.stderr)
+            self._settings.port = 0
+            self.handle = self._handle(self._settings)
+            await asyncio.to_thread(self.handle.start)
+        port = self._dht_mod.port_of(self.handle.addresses)
+        if port:
+            self._port_path.write_text(f"{port}\n")
+        return self.handle.addresses
+
+    def announce_from(self, address: str) -> list[str]:
+        """Start announcing ``address`` (our gRPC address) under every active run; the bootstrap
+        addresses for the join reply."""
+        self.address = address
         self._task = asyncio.create_task(self._announce_loop())
         return self.handle.addresses
 

@@ -69,6 +69,9 @@ class Membership:
         # The node's run, status and ban state, cached for the hot path; rebuilt on every change.
         self._nodes: dict[str, tuple[str, str]] = {r["node_id"]: (r["run_id"], r["status"]) for r in store.nodes()}
         self.leases = Leases(store, settings, last_seen=self.last_seen, clock=clock)
+        # After a restart nobody could heartbeat while we were down: until this time (set by
+        # ``hold`` when the coordinator serves again) no node is declared lost and no lease expires.
+        self._hold_until = 0.0
 
     # --- joining -------------------------------------------------------------------------------
 
@@ -164,11 +167,17 @@ class Membership:
             self.store.heartbeats(rows, self.settings.lease_ttl_s)
         return len(rows)
 
+    def hold(self, until: float) -> None:
+        """Declare nobody lost and expire no lease before ``until`` (the restart grace period)."""
+        self._hold_until = until
+
     def sweep(self) -> tuple[list[str], int]:
         """Mark silent nodes lost (their leases go back), expire stale leases, flush now and then."""
         now = self.clock()
         if now - self._flushed_at >= self.settings.heartbeat_flush_s:
             self.flush()
+        if now < self._hold_until:
+            return [], 0
         deadline = now - self.settings.heartbeat_ttl_s
         silent = [n for n, (at, _) in self._seen.items() if at < deadline]
         for node_id in silent:

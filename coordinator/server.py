@@ -74,8 +74,8 @@ class Coordinator:
         problems = self.store.check_consistency()
         for problem in problems:  # never expected; shown loudly rather than refusing to start
             print(f"warning: ledger inconsistency: {problem}", file=sys.stderr)
+        self.clock = clock
         with self.store.write():
-            self.store.push_deadlines(clock(), self.settings.restart_grace_s)
             self.store.event(
                 "coordinator_started",
                 schema=self.store.schema_version(),
@@ -100,6 +100,10 @@ class Coordinator:
 
     async def start(self) -> dict[str, object]:
         opts, s = self.options, self.settings
+        # The DHT first: hivemind forks its process, and a fork under live gRPC threads can abort
+        # the child (abseil's mutex check); nothing of gRPC exists yet here.
+        if opts.dht:
+            await self._start_dht()
         self.server = grpc.aio.server(
             options=[
                 ("grpc.max_receive_message_length", s.max_message_bytes),
@@ -119,6 +123,12 @@ class Coordinator:
             node_port = self.server.add_secure_port(node_listen, node_creds)
         except RuntimeError as err:
             raise ServeError(f"cannot listen on {opts.listen} / {node_listen}: {err}; is the port taken?") from None
+        # The restart grace starts now, when nodes can reach us again, not when the process began
+        # (starting the DHT alone can take seconds).
+        now = self.clock()
+        with self.store.write():
+            self.store.push_deadlines(now, s.restart_grace_s)
+        self.membership.hold(now + s.restart_grace_s)
         await self.server.start()
         advertise = opts.advertise_host or ("127.0.0.1" if host in ("0.0.0.0", "[::]", "::") else host)
         self.service.node_address = f"{advertise}:{node_port}"
@@ -132,8 +142,8 @@ class Coordinator:
             except OSError as err:
                 raise ServeError(f"cannot serve metrics on {mhost}:{mport}: {err}") from None
             metrics_address = f"{mhost}:{mport}"
-        if opts.dht:
-            self.service.bootstrap_peers = await self._start_dht(f"{advertise}:{port}")
+        if self.dht is not None:
+            self.service.bootstrap_peers = self.dht.announce_from(f"{advertise}:{port}")
         return {
             "event": "listening",
             "address": f"{advertise}:{port}",
@@ -147,20 +157,20 @@ class Coordinator:
             "migrated_from": self.store.migrated_from,
         }
 
-    async def _start_dht(self, address: str) -> list[str]:
+    async def _start_dht(self) -> None:
         from .discovery import Discovery
 
         host, port = split_address(self.options.dht_listen, "--dht-listen")
         self.dht = Discovery(
             self.secrets.ca,
-            address,
+            self.options.db,
             self.settings,
             host,
             port,
             lambda: [r["run_id"] for r in self.store.runs() if r["state"] == "active"],
         )
         try:
-            return await self.dht.start()
+            await self.dht.start()
         except MurmurError as err:
             raise ServeError(f"{err}; start without --dht to run with no discovery") from None
 

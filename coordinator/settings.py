@@ -8,8 +8,9 @@ How to choose them (docs/coordinator.md has the long version):
 * lease_ttl_s: a lease not renewed (heartbeats renew every lease a node holds) for this long
   expires and the shard goes back to the pool from its last committed offset. It is the upper
   bound on how long a vanished node's shard sits idle.
-* restart_grace_s: after the coordinator restarts, every lease and heartbeat deadline is pushed
-  to at least now + this, because nobody could renew while it was down.
+* restart_grace_s: after the coordinator restarts, no node is declared lost and no lease expires
+  for this long, counted from the moment it serves again (nobody could renew while it was down,
+  and nodes need a moment to reconnect).
 """
 
 from __future__ import annotations

@@ -71,6 +71,7 @@ class DHTSettings:
     start_timeout: float = 60.0  # the DHT process and p2pd must be up within this
     request_timeout: float = 10.0  # one store or get
     reaper_interval: float = 0.5  # the orphan watcher's polling period
+    identity_path: str = ""  # a libp2p key file (made if missing): the same peer id on every start
 
     def __post_init__(self) -> None:
         for name in ("record_ttl", "rendezvous_ttl", "poll_interval", "start_timeout", "request_timeout"):
@@ -89,6 +90,15 @@ class PeerRecord:
     state_hash: str = ""  # hex hash of the global state after that round
     expires_at: float = 0.0  # DHT time; filled in by announce
     gone: bool = False  # a goodbye: the node left on purpose
+
+
+def port_of(addresses: list[str]) -> int:
+    """The TCP port of the first ``/ip4/HOST/tcp/PORT/...`` multiaddr (0 if none)."""
+    for address in addresses:
+        parts = address.split("/")
+        if "tcp" in parts and parts.index("tcp") + 1 < len(parts) and parts[parts.index("tcp") + 1].isdigit():
+            return int(parts[parts.index("tcp") + 1])
+    return 0
 
 
 def peers_key(run_id: str) -> str:
@@ -198,6 +208,7 @@ class MurmurDHT:
                 host_maddrs=[f"/ip4/{s.host}/tcp/{s.port}"],
                 record_validators=[SignedRecordValidator(self.ca_cert_pem)],
                 await_ready=False,
+                **({"identity_path": s.identity_path} if s.identity_path else {}),
             )
             dht.wait_until_ready(timeout=s.start_timeout)
         except Exception as err:  # noqa: BLE001 - hivemind raises many types; the user needs one line
