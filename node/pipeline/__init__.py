@@ -1,0 +1,10 @@
+"""SWARM-style pipelines: a model cut into stages, each served by peers that come and go.
+
+Modules: config (the pipeline's typed settings), worker (a stage's forward, backward by
+recomputation and optimizer steps, free of transport), codec (activations and gradients on the
+wire: fp32, bf16, int8 blockwise), service (the gRPC stage service with mutual TLS and input
+checks), client (calls to stage peers), router (stochastic wiring: per-hop peer choice by
+estimated load, benching, adaptive deadlines), driver (microbatches through the stages with
+bounded retries; only completed microbatches count), peer (one stage peer as a process),
+drive (one driver as a process).
+"""

@@ -1,0 +1,132 @@
+"""What a stage peer computes, free of any transport: forward, backward by recomputation, steps.
+
+SWARM's rule: a peer keeps nothing between a forward and its backward. The backward call brings
+the stage's inputs back with the gradient of its outputs; the peer recomputes the forward with
+autograd on and differentiates, so a backward may go to any peer of the stage (the one that ran
+the forward may be gone). The last stage takes the targets instead of an output gradient and
+returns the loss.
+
+Gradients are sums over samples (the last stage differentiates loss x rows), accumulated per
+parameter; once ``target_samples`` samples are in, the accumulated sum is divided by the samples
+it holds and the inner optimizer (AdamW, `optim.inner`) steps. So a stage fed the microbatches of
+one batch steps exactly as the single-process model does on that batch (tests/test_pipeline_stages).
+
+A backward is computed first and accumulated only if ``keep()`` still says yes: the service asks
+whether the caller is still waiting, so a hop the driver gave up on (and retries elsewhere) is
+not also counted here.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from murmur.node.model.stages import StageModule
+from murmur.optim.inner import make_inner_optimizer
+
+
+@dataclass(slots=True)
+class BackwardResult:
+    grad_inputs: torch.Tensor | None  # None on the first stage (token ids have no gradient)
+    loss: float | None  # the microbatch's mean loss, last stage only
+    kept: bool  # accumulated (False: the caller had gone, nothing changed)
+    stepped: bool  # this backward completed a batch and the optimizer stepped
+
+
+@dataclass(slots=True)
+class WorkerStats:
+    samples_accumulated: int = 0
+    optimizer_steps: int = 0
+    samples_total: int = 0  # accumulated over the worker's life
+    compute_seconds: float = 0.0
+    forwards: int = 0
+    backwards: int = 0
+
+
+class StageWorker:
+    def __init__(
+        self, module: StageModule, optim_cfg, *, target_samples: int, grad_clip: float = 0.0
+    ) -> None:
+        if target_samples < 1:
+            raise ValueError(f"target_samples must be at least 1, not {target_samples}")
+        self.module = module
+        self.target_samples = target_samples
+        self.grad_clip = grad_clip  # per stage: a global norm would need every stage's gradients
+        self.optimizer = make_inner_optimizer(module, optim_cfg)
+        self.params = [p for _, p in module.named_stage_parameters()]
+        self.grad_sums = [torch.zeros_like(p) for p in self.params]
+        self.stats = WorkerStats()
+        # One computation at a time: the module's weights change under a step, and a CPU peer
+        # gains nothing from running two microbatches at once.
+        self.lock = threading.Lock()
+
+    @property
+    def span(self):
+        return self.module.span
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with self.lock, torch.no_grad():
+            t0 = time.perf_counter()
+            out = self.module(x)
+            self.stats.compute_seconds += time.perf_counter() - t0
+            self.stats.forwards += 1
+            return out
+
+    def backward(
+        self,
+        x: torch.Tensor,
+        grad_outputs: torch.Tensor | None = None,
+        targets: torch.Tensor | None = None,
+        keep: Callable[[], bool] = lambda: True,
+    ) -> BackwardResult:
+        last = self.span.is_last
+        if last == (targets is None) or (not last) == (grad_outputs is None):
+            raise ValueError("the last stage takes targets, the others an output gradient")
+        with self.lock:
+            t0 = time.perf_counter()
+            rows = x.shape[0]
+            inputs = x if self.span.is_first else x.detach().requires_grad_(True)
+            wrt = self.params if self.span.is_first else [inputs, *self.params]
+            with torch.enable_grad():
+                out = self.module(inputs, targets)
+                if last:
+                    loss = out.detach()
+                    grads = torch.autograd.grad(out * rows, wrt)
+                else:
+                    loss = None
+                    grads = torch.autograd.grad(out, wrt, grad_outputs)
+            grad_inputs = None if self.span.is_first else grads[0]
+            param_grads = grads if self.span.is_first else grads[1:]
+            self.stats.compute_seconds += time.perf_counter() - t0
+            self.stats.backwards += 1
+            if not keep():
+                return BackwardResult(grad_inputs, _item(loss), kept=False, stepped=False)
+            for acc, g in zip(self.grad_sums, param_grads, strict=True):
+                acc.add_(g)
+            self.stats.samples_accumulated += rows
+            self.stats.samples_total += rows
+            stepped = self.stats.samples_accumulated >= self.target_samples
+            if stepped:
+                self._step()
+            return BackwardResult(grad_inputs, _item(loss), kept=True, stepped=stepped)
+
+    def _step(self) -> None:
+        """Mean gradient over the samples accumulated, one optimizer step, a fresh accumulator."""
+        n = self.stats.samples_accumulated
+        for p, acc in zip(self.params, self.grad_sums, strict=True):
+            p.grad = acc.div_(n)
+        if self.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.grad_sums = [torch.zeros_like(p) for p in self.params]
+        self.stats.samples_accumulated = 0
+        self.stats.optimizer_steps += 1
+
+
+def _item(loss: torch.Tensor | None) -> float | None:
+    return None if loss is None else float(loss)
