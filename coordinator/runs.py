@@ -33,6 +33,9 @@ class Conflict(RunError):
     code = "ALREADY_EXISTS"
 
 
+LEDGER_INT_MAX = 2**63 - 1  # SQLite's INTEGER; offsets and token sums must fit
+
+
 def parse_manifest(text: str) -> list[tuple[int, str, int]]:
     """The shards of a dataset manifest (`murmur data prepare` writes it) as (id, name, tokens)."""
     try:
@@ -56,9 +59,13 @@ def parse_manifest(text: str) -> list[tuple[int, str, int]]:
             raise RunError(f"manifest shard #{i}: 'id' must be a non-negative integer, got {sid!r}")
         if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
             raise RunError(f"manifest shard #{i}: 'tokens' must be a non-negative integer, got {tokens!r}")
+        if sid > LEDGER_INT_MAX or tokens > LEDGER_INT_MAX:
+            raise RunError(f"manifest shard #{i}: 'id' and 'tokens' must be at most 2^63 - 1 (the ledger's integers)")
         if not isinstance(name, str):
             raise RunError(f"manifest shard #{i}: 'file' must be a string")
         out.append((sid, name, tokens))
+    if sum(s[2] for s in out) > LEDGER_INT_MAX:
+        raise RunError("the dataset manifest's tokens add up to more than 2^63 - 1 (the ledger's integers)")
     if len({s[0] for s in out}) != len(out):
         raise RunError("the dataset manifest repeats a shard id")
     return out
