@@ -147,29 +147,33 @@ def peer_main(args: argparse.Namespace) -> int:
 
     torch.set_num_threads(args.threads)
     from murmur.node.exchange.group import StaticGroup
-    from murmur.node.exchange.grpc_exchange import ExchangeSettings, GrpcExchange
+    from murmur.node.exchange.peer import PeerSpec, build_peer
+    from murmur.node.exchange.settings import ExchangeSettings
     from murmur.node.net.loop import LoopThread
-    from murmur.node.net.server import PeerServer, PeerServerSettings
+    from murmur.node.net.server import PeerServerSettings
     from murmur.optim.codecs import make_codec
     from murmur.protocol.identity import Identity
 
     root = Path(args.dir)
     ident = Identity.load(root / str(args.peer))
     ids = [Identity.load(root / str(i)).node_id for i in range(args.n)]
-    group = StaticGroup({nid: f"{SUBNET.format(i + 1)}:{PORT}" for i, nid in enumerate(ids)})
     loop = LoopThread()
-    server = PeerServer(
-        ident, run_id="bench", settings=PeerServerSettings(host=SUBNET.format(args.peer + 1), port=PORT)
+    spec = PeerSpec(
+        identity=ident,
+        run_id="bench",
+        codec=make_codec("fp32"),
+        group=StaticGroup({nid: f"{SUBNET.format(i + 1)}:{PORT}" for i, nid in enumerate(ids)}),
+        settings=ExchangeSettings(
+            peer_timeout=120,
+            round_deadline=1200,
+            max_payload_bytes=2 << 30,
+            chunk_mb=args.chunk_mb,
+            keep_results=1,  # publish only the newest result: each is a copy of the update's size
+        ),
+        server=PeerServerSettings(host=SUBNET.format(args.peer + 1), port=PORT),
     )
-    loop.run(server.start())
-    settings = ExchangeSettings(
-        peer_timeout=120,
-        round_deadline=1200,
-        max_payload_bytes=2 << 30,
-        chunk_mb=args.chunk_mb,
-        keep_results=1,  # publish only the newest result: each is a copy of the update's size
-    )
-    ex = GrpcExchange(server, loop, group, make_codec("fp32"), settings=settings)
+    peer = build_peer(spec, loop)
+    ex, server = peer.exchange, peer.server
     ex.timeline.enabled = bool(args.trace)
     x = torch.randn(args.numel, generator=torch.Generator().manual_seed(args.peer))
     print(json.dumps({"event": "ready"}), flush=True)
@@ -214,8 +218,7 @@ def peer_main(args: argparse.Namespace) -> int:
                 flush=True,
             )
     finally:
-        loop.run(ex.aclose())
-        loop.run(server.stop())
+        loop.run(peer.aclose())
         loop.stop()
     return 0
 

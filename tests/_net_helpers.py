@@ -12,7 +12,9 @@ from pathlib import Path
 import psutil
 
 from murmur.node.exchange.group import StaticGroup
-from murmur.node.exchange.grpc_exchange import ExchangeSettings, GrpcExchange
+from murmur.node.exchange.grpc_exchange import GrpcExchange
+from murmur.node.exchange.peer import PeerSpec, build_peer
+from murmur.node.exchange.settings import ExchangeSettings
 from murmur.node.net.faults import FaultInjector
 from murmur.node.net.loop import LoopThread
 from murmur.node.net.server import PeerServer
@@ -38,39 +40,52 @@ FAST = dict(
 class Peer:
     identity: Identity
     server: PeerServer
-    exchange: GrpcExchange | None = None
-    faults: FaultInjector | None = None
+    exchange: GrpcExchange
+    faults: FaultInjector
 
     @property
     def node_id(self) -> str:
         return self.identity.node_id
 
 
-def start_servers(
-    loop: LoopThread, identities: list[Identity], ban_list: BanList | None = None
+def start_peers(
+    loop: LoopThread,
+    identities: list[Identity],
+    codec: str = "fp32",
+    ban_lists: list[BanList] | None = None,
+    **settings,
 ) -> list[Peer]:
-    peers = []
-    for ident in identities:
-        server = PeerServer(ident, run_id=RUN, ban_list=ban_list if ban_list is not None else BanList())
-        loop.run(server.start())
-        peers.append(Peer(ident, server))
+    """One exchange peer per identity (node/exchange/peer.py's build_peer), each with its own
+    fault injector and its own static group of every peer started here (tests may change a peer's
+    view through ``exchange.group.peers``)."""
+    peers: list[Peer] = []
+    try:
+        for i, ident in enumerate(identities):
+            faults = FaultInjector(stall_seconds=60)
+            spec = PeerSpec(
+                identity=ident,
+                run_id=RUN,
+                codec=make_codec(codec),
+                group=StaticGroup({}),
+                settings=ExchangeSettings(**{**FAST, **settings}),
+                ban_list=ban_lists[i] if ban_lists is not None else None,
+                faults=faults,
+            )
+            built = build_peer(spec, loop)
+            peers.append(Peer(ident, built.server, built.exchange, faults))
+    except BaseException:
+        close_peers(loop, peers)
+        raise
+    view = {p.node_id: p.server.address for p in peers}
+    for p in peers:
+        p.exchange.group.peers = dict(view)
     return peers
 
 
-def attach_exchanges(
-    loop: LoopThread, peers: list[Peer], codec: str = "fp32", group: dict[str, str] | None = None, **settings
-) -> None:
-    group = group or {p.node_id: p.server.address for p in peers}
+def close_peers(loop: LoopThread, peers: list[Peer]) -> None:
     for p in peers:
-        p.faults = FaultInjector(stall_seconds=60)
-        p.exchange = GrpcExchange(
-            p.server,
-            loop,
-            StaticGroup(group),
-            make_codec(codec),
-            settings=ExchangeSettings(**{**FAST, **settings}),
-            faults=p.faults,
-        )
+        loop.run(p.exchange.aclose())
+        loop.run(p.server.stop())
 
 
 @contextlib.contextmanager
@@ -81,14 +96,10 @@ def peer_group(
     loop = LoopThread()
     peers: list[Peer] = []
     try:
-        peers = start_servers(loop, [ca.issue() for _ in range(n)])
-        attach_exchanges(loop, peers, codec, **settings)
+        peers = start_peers(loop, [ca.issue() for _ in range(n)], codec, **settings)
         yield loop, peers, ca
     finally:
-        for p in peers:
-            if p.exchange is not None:
-                loop.run(p.exchange.aclose())
-            loop.run(p.server.stop())
+        close_peers(loop, peers)
         loop.stop()
 
 

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import gc
+import logging
 import math
 import time
 from concurrent.futures import CancelledError
 
 import pytest
 import torch
-from _net_helpers import RUN, attach_exchanges, peer_group, start_servers
+from _net_helpers import RUN, close_peers, peer_group, start_peers
 
 from murmur.node.exchange.grpc_exchange import ExchangeSettings, ExchangeSettingsError, spans
 from murmur.node.exchange.settings import alignment, chunk_ranges
@@ -23,6 +25,17 @@ from murmur.protocol.identity import BanList, CertificateAuthority
 from murmur.protocol.wire import tensors_hash
 
 TIMEOUT = 60  # seconds a test waits for a future: generous, the machine may be busy
+
+
+@pytest.fixture(autouse=True)
+def no_lost_task_exceptions(caplog):
+    """Fail a test after which asyncio reports a task or future whose exception nobody retrieved
+    (asyncio logs it when the task is collected: "Task exception was never retrieved")."""
+    caplog.set_level(logging.ERROR, logger="asyncio")
+    yield
+    gc.collect()
+    lost = [r.getMessage() for r in caplog.records if "never retrieved" in r.getMessage()]
+    assert not lost, lost
 
 
 def inputs(n: int, shapes=((37, 5), (300,)), seed: int = 0) -> list[list[torch.Tensor]]:
@@ -206,11 +219,10 @@ def test_banned_node_is_refused_and_the_others_complete():
     loop = LoopThread()
     peers = []
     try:
-        peers = start_servers(loop, ids, ban_list=bans)
         # The banned node keeps its own (empty) ban list, so it tries to take part anyway.
-        peers[2].server.ban_list = BanList()
+        # round_deadline: the banned node waits this out alone.
+        peers = start_peers(loop, ids, ban_lists=[bans, bans, BanList()], round_deadline=15.0)
         bans.ban(ids[2].node_id, "poisoned updates")
-        attach_exchanges(loop, peers, round_deadline=15.0)  # the banned node waits this out alone
         results = run_reduce(peers, inputs(3))
         honest = results[:2]
         assert_identical(honest)
@@ -218,9 +230,7 @@ def test_banned_node_is_refused_and_the_others_complete():
         assert any("banned" in why and "poisoned updates" in why for _, why in peers[0].server.refusals)
         assert isinstance(results[2], ExchangeError)  # nobody serves it the result either
     finally:
-        for p in peers:
-            loop.run(p.exchange.aclose()) if p.exchange else None
-            loop.run(p.server.stop())
+        close_peers(loop, peers)
         loop.stop()
 
 
@@ -230,8 +240,7 @@ def test_a_strangers_certificate_fails_the_handshake_and_the_round_completes():
     loop = LoopThread()
     peers = []
     try:
-        peers = start_servers(loop, ids)
-        attach_exchanges(loop, peers, peer_timeout=2.0, round_deadline=15.0)
+        peers = start_peers(loop, ids, peer_timeout=2.0, round_deadline=15.0)
         results = run_reduce(peers, inputs(3))
         assert_identical(results[:2])
         assert ids[2].node_id not in results[0].members
@@ -241,9 +250,7 @@ def test_a_strangers_certificate_fails_the_handshake_and_the_round_completes():
         )
         assert isinstance(results[2], ExchangeError)
     finally:
-        for p in peers:
-            loop.run(p.exchange.aclose()) if p.exchange else None
-            loop.run(p.server.stop())
+        close_peers(loop, peers)
         loop.stop()
 
 
@@ -265,9 +272,8 @@ def test_a_peer_restarted_mid_round_under_its_id_completes_the_round_with_the_ot
     loop = LoopThread()
     peers = []
     try:
-        a, b_old, b_new = peers = start_servers(loop, [a_id, b_id, b_id])
-        old_view = {a.node_id: a.server.address, b_id.node_id: b_old.server.address}
-        attach_exchanges(loop, [a], group=old_view, peer_timeout=1.0, round_deadline=30.0)
+        a, b_old, b_new = peers = start_peers(loop, [a_id, b_id, b_id], peer_timeout=1.0, round_deadline=30.0)
+        a.exchange.group.peers = {a.node_id: a.server.address, b_id.node_id: b_old.server.address}
         loop.run(b_old.server.stop())  # killed after the rendezvous: A still sees its old address
         xs = inputs(2)
         t0 = time.monotonic()
@@ -275,7 +281,7 @@ def test_a_peer_restarted_mid_round_under_its_id_completes_the_round_with_the_ot
         time.sleep(1.5)  # A has lost quorum by now
         new_view = {a.node_id: a.server.address, b_id.node_id: b_new.server.address}
         a.exchange.group.peers = dict(new_view)  # the restarted B overwrote its rendezvous entry
-        attach_exchanges(loop, [b_new], group=new_view, peer_timeout=1.0, round_deadline=30.0)
+        b_new.exchange.group.peers = dict(new_view)
         fut_b = b_new.exchange.all_reduce(xs[1], round_id=1, key="k")
         results = [fut_a.result(timeout=TIMEOUT), fut_b.result(timeout=TIMEOUT)]
         assert time.monotonic() - t0 < 20.0  # not the round deadline
@@ -284,9 +290,7 @@ def test_a_peer_restarted_mid_round_under_its_id_completes_the_round_with_the_ot
         for i, got in enumerate(results[0].tensors):
             assert torch.allclose(got, (xs[0][i] + xs[1][i]) / 2, atol=1e-6)
     finally:
-        for p in peers:
-            loop.run(p.exchange.aclose()) if p.exchange else None
-            loop.run(p.server.stop())
+        close_peers(loop, peers)
         loop.stop()
 
 

@@ -23,10 +23,10 @@ import time
 import torch
 
 from murmur.node.exchange.group import DHTGroup, RendezvousSettings
-from murmur.node.exchange.grpc_exchange import ExchangeSettings, GrpcExchange
+from murmur.node.exchange.peer import ExchangePeer, PeerSpec, build_peer
+from murmur.node.exchange.settings import ExchangeSettings
 from murmur.node.net.faults import FaultInjector
 from murmur.node.net.loop import LoopThread
-from murmur.node.net.server import PeerServer
 from murmur.optim.codecs import make_codec
 from murmur.protocol.dht import DHTSettings, MurmurDHT, PeerRecord
 from murmur.protocol.identity import Identity
@@ -69,13 +69,9 @@ def main(argv: list[str] | None = None) -> int:
         initial_peers=args.bootstrap,
         settings=DHTSettings(record_ttl=args.record_ttl),
     )
-    server = PeerServer(identity, run_id=args.run)
-    exchange = None
+    peer: ExchangePeer | None = None
     try:
         dht.start()
-        address = loop.run(server.start())
-        record = PeerRecord(node_id=identity.node_id, address=address)
-        dht.announce(record)
         first_round = [True]
 
         def expected() -> int:
@@ -84,17 +80,20 @@ def main(argv: list[str] | None = None) -> int:
             return args.peers if first_round[0] else len(dht.peers())
 
         rendezvous = RendezvousSettings(deadline=args.rendezvous_deadline)
-        group = DHTGroup(dht, address, expected=expected, settings=rendezvous)
-        exchange = GrpcExchange(
-            server,
-            loop,
-            group,
-            make_codec(args.codec),
+        spec = PeerSpec(
+            identity=identity,
+            run_id=args.run,
+            codec=make_codec(args.codec),
+            group=lambda address: DHTGroup(dht, address, expected=expected, settings=rendezvous),
             settings=ExchangeSettings(
                 peer_timeout=args.peer_timeout, round_deadline=args.round_deadline, chunk_mb=args.chunk_mb
             ),
             faults=FaultInjector.parse(args.fault),
         )
+        peer = build_peer(spec, loop)
+        exchange, address = peer.exchange, peer.address
+        record = PeerRecord(node_id=identity.node_id, address=address)
+        dht.announce(record)
         emit(event="ready", node_id=identity.node_id, address=address)
         for r in range(1, args.rounds + 1):
             t0 = time.monotonic()
@@ -119,9 +118,8 @@ def main(argv: list[str] | None = None) -> int:
         dht.withdraw()
         return 0
     finally:
-        if exchange is not None:
-            loop.run(exchange.aclose())
-        loop.run(server.stop())
+        if peer is not None:
+            loop.run(peer.aclose())
         loop.stop()
         dht.shutdown()
 

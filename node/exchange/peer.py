@@ -1,0 +1,100 @@
+"""One exchange peer, built in one place: its TLS peer server, its `GrpcExchange`, its group.
+
+Every caller that needs an exchange peer calls this module: the node's data plane
+(node/daemon/peer_dataplane.py, on its own loop: ``await abuild_peer(...)``), the testnet's exchange
+peer process (node/testnet/exchange_peer.py), the exchange benchmark and the tests (from another
+thread, through a LoopThread: ``build_peer(...)``). The spec names what differs between them; the
+wiring (the server started before the exchange exists, the address peers dial, the group that may
+need that address, the exchange's handlers on the server) is the same for all.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Coroutine
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Protocol, TypeVar
+
+from murmur.node.exchange.group import GroupProvider
+from murmur.node.exchange.grpc_exchange import GrpcExchange
+from murmur.node.exchange.settings import ExchangeSettings
+from murmur.node.net.faults import FaultInjector
+from murmur.node.net.server import PeerServer, PeerServerSettings
+from murmur.optim.aggregate import Aggregator
+from murmur.optim.codecs import Codec
+from murmur.protocol.identity import BanList, Identity
+
+T = TypeVar("T")
+
+
+class LoopHandle(Protocol):
+    """What the exchange needs of the loop its networking runs on (node/net/loop.py's LoopThread,
+    or the daemon's handle on its own loop): run a coroutine there from the training thread."""
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> Future[T]: ...
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T: ...
+
+
+@dataclass(kw_only=True, slots=True)
+class PeerSpec:
+    identity: Identity
+    run_id: str
+    codec: Codec
+    # The round's members: a provider, or a function of the address peers dial this peer at (a
+    # DHT group announces it), called once the server is listening.
+    group: GroupProvider | Callable[[str], GroupProvider]
+    aggregator: Aggregator | None = None  # None: the plain mean
+    settings: ExchangeSettings = field(default_factory=ExchangeSettings)
+    server: PeerServerSettings = field(default_factory=PeerServerSettings)  # host, port (0: any)
+    ban_list: BanList | None = None  # None: a ban list of its own, empty
+    faults: FaultInjector | None = None  # None: no faults armed
+    advertise_host: str = ""  # the host peers dial, when it is not the one the server listens on
+
+
+@dataclass(slots=True)
+class ExchangePeer:
+    server: PeerServer
+    exchange: GrpcExchange
+
+    @property
+    def node_id(self) -> str:
+        return self.server.node_id
+
+    @property
+    def address(self) -> str:
+        """host:port as peers dial it."""
+        return self.server.address
+
+    async def aclose(self) -> None:
+        await self.exchange.aclose()
+        await self.server.stop()
+
+
+async def abuild_peer(spec: PeerSpec, loop: LoopHandle) -> ExchangePeer:
+    """Start the peer server on ``spec.server``'s host and port, then build the exchange on it.
+    Runs on the loop that ``loop`` hands the exchange's calls to."""
+    server = PeerServer(spec.identity, run_id=spec.run_id, ban_list=spec.ban_list, settings=spec.server)
+    bound = await server.start()
+    if spec.advertise_host:
+        server.address = f"{spec.advertise_host}:{bound.rpartition(':')[2]}"  # what the exchange tells peers
+    group = spec.group if hasattr(spec.group, "members") else spec.group(server.address)  # type: ignore[operator]
+    try:
+        exchange = GrpcExchange(
+            server,
+            loop,
+            group,  # type: ignore[arg-type]
+            spec.codec,
+            aggregator=spec.aggregator,
+            settings=spec.settings,
+            faults=spec.faults,
+        )
+    except BaseException:
+        await server.stop()
+        raise
+    return ExchangePeer(server, exchange)
+
+
+def build_peer(spec: PeerSpec, loop: LoopHandle) -> ExchangePeer:
+    """`abuild_peer` from a thread other than the loop's (tests, the peer process, the benchmark)."""
+    return loop.run(abuild_peer(spec, loop))
