@@ -1,0 +1,113 @@
+"""Calls to stage peers: one mutual-TLS channel per peer, reused, closed with the client.
+
+A peer is dialled by the node id it announced (``grpc.ssl_target_name_override``), so the
+answer comes from exactly that node whatever its address. The calls raise grpc.aio.AioRpcError;
+the driver decides what a failure means (retry elsewhere, or give the microbatch up).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import grpc
+import torch
+
+from murmur.node.pipeline import codec
+from murmur.protocol import pipeline_pb2, pipeline_pb2_grpc, tls
+from murmur.protocol.identity import BanList, Identity
+from murmur.protocol.version import PROTOCOL_VERSION, version_metadata
+
+
+@dataclass(frozen=True, slots=True)
+class StagePeer:
+    node_id: str
+    address: str
+    stage: int
+
+
+@dataclass(slots=True)
+class BackwardAnswer:
+    grad_inputs: torch.Tensor | None
+    loss: float
+    stepped: bool
+    wire_bytes: int  # request + reply, as serialized
+
+
+class StageClient:
+    def __init__(
+        self,
+        identity: Identity,
+        *,
+        run_id: str,
+        ban_list: BanList | None = None,
+        max_message_bytes: int = tls.DEFAULT_MAX_MESSAGE_BYTES,
+    ) -> None:
+        self.identity, self.run_id, self.ban_list = identity, run_id, ban_list
+        self.max_message_bytes = max_message_bytes
+        self._channels: dict[tuple[str, str], grpc.aio.Channel] = {}
+
+    def _stub(self, peer: StagePeer) -> pipeline_pb2_grpc.StageStub:
+        key = (peer.node_id, peer.address)
+        channel = self._channels.get(key)
+        if channel is None:
+            channel = tls.secure_channel(
+                self.identity, peer.address, peer.node_id,
+                ban_list=self.ban_list, max_message_bytes=self.max_message_bytes,
+            )
+            self._channels[key] = channel
+        return pipeline_pb2_grpc.StageStub(channel)
+
+    async def forget(self, peer: StagePeer) -> None:
+        """Close the channel to a peer that failed, so the next call dials afresh."""
+        channel = self._channels.pop((peer.node_id, peer.address), None)
+        if channel is not None:
+            await channel.close()
+
+    async def forward(
+        self, peer: StagePeer, microbatch: str, inputs: torch.Tensor, *, reply_codec: str, timeout: float,
+        dim: int,
+    ) -> tuple[torch.Tensor, int]:
+        """The stage's outputs (fp32) and the bytes that crossed the wire."""
+        request = pipeline_pb2.ForwardRequest(
+            protocol_version=PROTOCOL_VERSION, run_id=self.run_id, stage=peer.stage, microbatch=microbatch,
+            inputs=codec.encode(inputs, _codec_for(inputs, reply_codec)), reply_codec=reply_codec,
+        )
+        reply = await self._stub(peer).Forward(request, metadata=version_metadata(), timeout=timeout)
+        out = codec.decode(reply.outputs, shape=(*inputs.shape[:2], dim), what=f"outputs of {peer.node_id}")
+        return out, request.ByteSize() + reply.ByteSize()
+
+    async def backward(
+        self, peer: StagePeer, microbatch: str, inputs: torch.Tensor, *,
+        grad_outputs: torch.Tensor | None = None, targets: torch.Tensor | None = None,
+        reply_codec: str, timeout: float, dim: int,
+    ) -> BackwardAnswer:
+        request = pipeline_pb2.BackwardRequest(
+            protocol_version=PROTOCOL_VERSION, run_id=self.run_id, stage=peer.stage, microbatch=microbatch,
+            inputs=codec.encode(inputs, _codec_for(inputs, reply_codec)), reply_codec=reply_codec,
+        )
+        if grad_outputs is not None:
+            request.grad_outputs.CopyFrom(codec.encode(grad_outputs, reply_codec))
+        if targets is not None:
+            request.targets.CopyFrom(codec.encode(targets, "tokens"))
+        reply = await self._stub(peer).Backward(request, metadata=version_metadata(), timeout=timeout)
+        grad = None
+        if reply.HasField("grad_inputs"):
+            shape = (*inputs.shape[:2], dim)
+            grad = codec.decode(reply.grad_inputs, shape=shape, what=f"grad_inputs of {peer.node_id}")
+        return BackwardAnswer(grad, reply.loss, reply.stepped, request.ByteSize() + reply.ByteSize())
+
+    async def info(self, peer: StagePeer, timeout: float = 10.0) -> pipeline_pb2.StageInfo:
+        return await self._stub(peer).Info(
+            pipeline_pb2.StageInfoRequest(protocol_version=PROTOCOL_VERSION),
+            metadata=version_metadata(), timeout=timeout,
+        )
+
+    async def aclose(self) -> None:
+        channels, self._channels = list(self._channels.values()), {}
+        for channel in channels:
+            await channel.close()
+
+
+def _codec_for(t: torch.Tensor, activation_codec: str) -> str:
+    return "tokens" if not t.is_floating_point() else activation_codec
+

@@ -1,0 +1,300 @@
+"""The stage service: one stage of the pipelined model behind gRPC with mutual TLS.
+
+Every handler starts at the door, as the peer server's do (node/net/server.py): the caller's
+certificate, already verified against the run's CA by the TLS handshake, must name a node that
+is not banned (else PERMISSION_DENIED; a caller with no certificate never gets past the
+handshake), and the protocol version in the metadata must be ours (else FAILED_PRECONDITION).
+Then the request itself: the run and the stage it names must be this peer's (FAILED_PRECONDITION
+naming both), the microbatch may hold at most ``max_rows`` rows of at most the model's seq_len
+tokens (RESOURCE_EXHAUSTED), and every tensor must decode to exactly the shape the stage expects,
+with finite values and token ids inside the vocabulary (INVALID_ARGUMENT with the reason). A
+refused call changes nothing and the stage keeps serving; each refusal is counted and logged.
+
+The computation runs in a worker thread (`StageWorker`, one at a time) so the event loop keeps
+answering; ``queue`` counts the calls waiting for it. A Backward is accumulated only while its
+caller still waits for the answer (a hop the driver timed out and retried elsewhere is not
+counted twice); see docs/pipeline.md for the window this leaves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import threading
+import time
+from dataclasses import dataclass
+
+import grpc
+import torch
+
+from murmur.node.pipeline import codec
+from murmur.node.pipeline.worker import StageWorker
+from murmur.protocol import pipeline_pb2, pipeline_pb2_grpc, tls
+from murmur.protocol.identity import BanList, BannedError, Identity, IdentityError
+from murmur.protocol.version import VERSION_METADATA_KEY, VersionMismatch, check_version
+from murmur.protocol.wire import WireError
+
+log = logging.getLogger(__name__)
+
+THROUGHPUT_EMA_ALPHA = 0.1  # as SWARM's throughput estimate
+
+
+class Refused(Exception):
+    def __init__(self, code: grpc.StatusCode, reason: str) -> None:
+        super().__init__(reason)
+        self.code, self.reason = code, reason
+
+
+@dataclass(kw_only=True, slots=True)
+class StageServiceSettings:
+    host: str = "127.0.0.1"
+    port: int = 0  # 0: any free port; the real one is in ``address``
+    max_rows: int = 64  # rows of one microbatch; more is refused as oversized
+    max_message_bytes: int = tls.DEFAULT_MAX_MESSAGE_BYTES
+    stop_grace: float = 1.0
+    # Test knob, not a production setting: extra seconds added to every computation, standing in
+    # for node/net/faults.py's ``delay`` fault until that exists (the slow-peer routing test).
+    test_delay_s: float = 0.0
+
+
+class StageService(pipeline_pb2_grpc.StageServicer):
+    def __init__(
+        self,
+        identity: Identity,
+        worker: StageWorker,
+        *,
+        run_id: str,
+        ban_list: BanList | None = None,
+        settings: StageServiceSettings | None = None,
+    ) -> None:
+        self.identity, self.worker, self.run_id = identity, worker, run_id
+        self.ban_list = ban_list if ban_list is not None else BanList()
+        self.settings = settings or StageServiceSettings()
+        self.refusals: list[tuple[str, str]] = []  # (who, reason)
+        self.queue = 0
+        self._queue_lock = threading.Lock()
+        self.samples_per_s = 0.0  # bias-corrected EMA of compute throughput
+        self._ema_raw, self._ema_n = 0.0, 0
+        self._server: grpc.aio.Server | None = None
+        self.address = ""
+
+    @property
+    def span(self):
+        return self.worker.span
+
+    async def start(self) -> str:
+        s = self.settings
+        self._server = grpc.aio.server(options=tls.message_options(s.max_message_bytes))
+        pipeline_pb2_grpc.add_StageServicer_to_server(self, self._server)
+        port = self._server.add_secure_port(f"{s.host}:{s.port}", tls.server_credentials(self.identity))
+        if port == 0:
+            raise IdentityError(f"could not bind the stage service to {s.host}:{s.port}")
+        await self._server.start()
+        self.address = f"{s.host}:{port}"
+        return self.address
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            await self._server.stop(self.settings.stop_grace)
+            self._server = None
+
+    async def wait(self) -> None:
+        if self._server is not None:
+            await self._server.wait_for_termination()
+
+    # -- the door --------------------------------------------------------------------------------
+
+    def _admit(self, context: grpc.aio.ServicerContext) -> str:
+        try:
+            peer_id = tls.authenticated_peer(context.auth_context(), self.ban_list)
+        except BannedError as err:
+            raise Refused(grpc.StatusCode.PERMISSION_DENIED, str(err)) from None
+        except IdentityError as err:
+            raise Refused(grpc.StatusCode.UNAUTHENTICATED, str(err)) from None
+        try:
+            check_version(dict(context.invocation_metadata() or ()).get(VERSION_METADATA_KEY), who="caller")
+        except VersionMismatch as err:
+            raise Refused(grpc.StatusCode.FAILED_PRECONDITION, str(err)) from None
+        return peer_id
+
+    def _check_target(self, run_id: str, stage: int) -> None:
+        if run_id != self.run_id:
+            raise Refused(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"run mismatch: this peer serves run {self.run_id!r}, the call is for {run_id!r}",
+            )
+        if stage != self.span.index:
+            raise Refused(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"wrong stage: this peer serves stage {self.span.index} of {self.span.count}, "
+                f"the call is for stage {stage}",
+            )
+
+    def _rows_and_len(self, msg) -> tuple[int, int]:
+        """The microbatch's rows and sequence length as the inputs declare them, bounded."""
+        shape = list(msg.shape)
+        want_dims = 2 if self.span.is_first else 3
+        if len(shape) != want_dims:
+            raise Refused(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"inputs: shape {shape}, stage {self.span.index} takes {want_dims} dimensions",
+            )
+        rows, t = shape[0], shape[1]
+        cfg = self.worker.module.cfg
+        if rows > self.settings.max_rows or t > cfg.seq_len:
+            raise Refused(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"oversized microbatch: {rows} x {t} tokens, at most {self.settings.max_rows} x {cfg.seq_len}",
+            )
+        if rows < 1 or t < 1:
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"inputs: empty shape {shape}")
+        return rows, t
+
+    def _decode(self, msg, shape: tuple[int, ...], what: str) -> torch.Tensor:
+        try:
+            t = codec.decode(msg, shape=shape, what=what)
+        except WireError as err:
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, str(err)) from None
+        if t.dtype == torch.int64:
+            vocab = self.worker.module.cfg.vocab_size
+            if t.numel() and (int(t.min()) < 0 or int(t.max()) >= vocab):
+                raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"{what}: token ids outside [0, {vocab})")
+        return t
+
+    def _inputs(self, request) -> torch.Tensor:
+        rows, t = self._rows_and_len(request.inputs)
+        if self.span.is_first:
+            if request.inputs.codec != "tokens":
+                raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "inputs: stage 0 takes token ids (codec tokens)")
+            return self._decode(request.inputs, (rows, t), "inputs")
+        if request.inputs.codec == "tokens":
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"inputs: stage {self.span.index} takes hidden states")
+        return self._decode(request.inputs, (rows, t, self.worker.module.cfg.dim), "inputs")
+
+    def _reply_codec(self, name: str) -> str:
+        name = name or "bf16"
+        if name not in codec.ACTIVATION_CODECS:
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"unknown reply codec {name!r}")
+        return name
+
+    async def _refuse(self, context, peer_id: str, err: Refused) -> None:
+        self.refusals.append((peer_id or "?", err.reason))
+        log.warning("refused a call from %s: %s", peer_id or "?", err.reason)
+        await context.abort(err.code, err.reason)
+
+    # -- compute ---------------------------------------------------------------------------------
+
+    async def _compute(self, fn, rows: int):
+        """``fn()`` in a worker thread. The thread runs to its end even if the caller gives up
+        (a cancelled handler); ``queue`` counts it until then."""
+        with self._queue_lock:
+            self.queue += 1
+
+        def run():
+            try:
+                t0 = time.perf_counter()
+                if self.settings.test_delay_s:
+                    time.sleep(self.settings.test_delay_s)
+                result = fn()
+                self._measure(rows, time.perf_counter() - t0)
+                return result
+            finally:
+                with self._queue_lock:
+                    self.queue -= 1
+
+        return await asyncio.to_thread(run)
+
+    def _measure(self, rows: int, seconds: float) -> None:
+        rate = rows / max(seconds, 1e-9)
+        self._ema_n += 1
+        self._ema_raw = THROUGHPUT_EMA_ALPHA * rate + (1 - THROUGHPUT_EMA_ALPHA) * self._ema_raw
+        self.samples_per_s = self._ema_raw / (1 - (1 - THROUGHPUT_EMA_ALPHA) ** self._ema_n)
+
+    # -- handlers --------------------------------------------------------------------------------
+
+    async def Forward(self, request, context):  # noqa: N802
+        peer_id = ""
+        try:
+            peer_id = self._admit(context)
+            self._check_target(request.run_id, request.stage)
+            if self.span.is_last:
+                raise Refused(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    "the last stage has no Forward: send Backward with the targets",
+                )
+            reply_codec = self._reply_codec(request.reply_codec)
+            x = self._inputs(request)
+        except Refused as err:
+            await self._refuse(context, peer_id, err)
+        t0 = time.perf_counter()
+        out = await self._compute(lambda: self.worker.forward(x), x.shape[0])
+        return pipeline_pb2.ForwardReply(
+            outputs=codec.encode(out, reply_codec), compute_s=time.perf_counter() - t0
+        )
+
+    async def Backward(self, request, context):  # noqa: N802
+        peer_id = ""
+        try:
+            peer_id = self._admit(context)
+            self._check_target(request.run_id, request.stage)
+            reply_codec = self._reply_codec(request.reply_codec)
+            x = self._inputs(request)
+            rows, t = x.shape[0], x.shape[1]
+            grad_out = targets = None
+            if self.span.is_last:
+                if request.targets.codec != "tokens":
+                    raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "targets: the last stage needs token ids")
+                targets = self._decode(request.targets, (rows, t), "targets")
+            else:
+                grad_out = self._decode(request.grad_outputs, (rows, t, self.worker.module.cfg.dim), "grad_outputs")
+        except Refused as err:
+            await self._refuse(context, peer_id, err)
+        t0 = time.perf_counter()
+        # The caller may give up (a timeout) while we compute: gRPC then cancels this handler,
+        # and the computation, which runs on, is not kept.
+        gone = threading.Event()
+        try:
+            res = await self._compute(
+                lambda: self.worker.backward(x, grad_out, targets, keep=lambda: not gone.is_set()), rows
+            )
+        except asyncio.CancelledError:
+            gone.set()
+            raise
+        if res.loss is not None and not math.isfinite(res.loss):
+            log.warning("microbatch %s gave a non-finite loss", request.microbatch)
+        reply = pipeline_pb2.BackwardReply(
+            loss=res.loss or 0.0,
+            stepped=res.stepped,
+            optimizer_steps=self.worker.stats.optimizer_steps,
+            compute_s=time.perf_counter() - t0,
+        )
+        if res.grad_inputs is not None:
+            reply.grad_inputs.CopyFrom(codec.encode(res.grad_inputs, reply_codec))
+        return reply
+
+    async def Info(self, request, context):  # noqa: N802
+        try:
+            self._admit(context)
+        except Refused as err:
+            await self._refuse(context, "", err)
+        return self.info()
+
+    def info(self) -> pipeline_pb2.StageInfo:
+        st = self.worker.stats
+        return pipeline_pb2.StageInfo(
+            node_id=self.identity.node_id,
+            run_id=self.run_id,
+            stage=self.span.index,
+            stages=self.span.count,
+            first_block=self.span.first_block,
+            end_block=self.span.end_block,
+            samples_per_s=self.samples_per_s,
+            queue=self.queue,
+            forwards=st.forwards,
+            backwards=st.backwards,
+            optimizer_steps=st.optimizer_steps,
+            samples_total=st.samples_total,
+            refused=len(self.refusals),
+        )
+
