@@ -120,13 +120,22 @@ class MemberClient:
         *,
         server_name: str = "murmur-coordinator",
         timeout_s: float = CALL_TIMEOUT_S,
+        reconnect_backoff_s: float | None = None,
     ) -> None:
+        """``reconnect_backoff_s``: the longest wait between attempts to reach a coordinator that
+        went away (None: gRPC's own backoff, which grows to two minutes). A member that keeps
+        working through an outage sets it, to see the coordinator's return soon after it."""
         creds = grpc.ssl_channel_credentials(
             root_certificates=ident.ca_cert_pem, private_key=ident.key_pem, certificate_chain=ident.cert_pem
         )
-        self.channel = grpc.aio.secure_channel(
-            node_address, creds, options=[("grpc.ssl_target_name_override", server_name)]
-        )
+        options: list[tuple[str, str | int]] = [("grpc.ssl_target_name_override", server_name)]
+        if reconnect_backoff_s is not None:
+            backoff_ms = max(1, round(reconnect_backoff_s * 1000))
+            options += [
+                ("grpc.initial_reconnect_backoff_ms", backoff_ms),
+                ("grpc.max_reconnect_backoff_ms", backoff_ms),
+            ]
+        self.channel = grpc.aio.secure_channel(node_address, creds, options=options)
         self.stub = pb_grpc.CoordinatorStub(self.channel)
         self.timeout_s = timeout_s
         self.metadata = version_metadata()

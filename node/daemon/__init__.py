@@ -1,6 +1,9 @@
 """`murmur node`: the volunteer daemon.
 
-Modules: cli (the command), node (join, heartbeats, leases, the commit journal, shutdown),
-training (the training driver thread), dataplane and peer_dataplane (solo or DHT + gRPC peers),
-state_dir (the node's folder on disk), settings (every timeout by name), metrics (/metrics).
+Modules: cli (the command), node (wires the parts; run, stop, shutdown), session (the coordinator
+session: join, heartbeats, leases, the commit journal, outages), driver (the training thread and its
+bridge to the loop, restore, round records), training (the windows the thread trains), dataplane
+(what the daemon needs of its peers, and the solo plane), peer_dataplane (DHT + gRPC peers),
+stop (the stop flag), state_dir (the node's folder on disk), settings (every timeout by name),
+metrics (/metrics).
 """

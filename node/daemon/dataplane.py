@@ -1,36 +1,56 @@
-"""The node's data plane: its peer server, the DHT, the update exchange and state transfer.
+"""What the daemon needs of its data plane (the peers' side of training), and the solo plane.
 
-The daemon (node_lifecycle.py) sees one small object:
-
-    exchange                  the run's `Exchange` (all_reduce / all_gather returning futures)
-    publish(round, state)     offer the global state of a round to joiners and laggards
-    await fetch_state(min_round=, timeout_s=)   the newest state of round >= min_round from peers
-                              (verified against its hash), or None when no peer is ahead
-    last_round_members()      who took part in the last completed exchange
-    await close()             stop serving, leave the DHT, no child process left
-
-`open_dataplane` builds it from node/daemon/peer_dataplane.py (peer server, gRPC exchange, DHT). ``solo`` is a
-one-member group: a node that trains alone against a coordinator (trying a run, or its ledger) with
-the same sync code and no peers.
+Two planes provide it: `SoloDataPlane` here, a one-member group for a node that trains alone
+against a coordinator (trying a run, or its ledger) with the same sync code and no peers; and
+`PeerDataPlane` (node/daemon/peer_dataplane.py: the peer server, the DHT, the gRPC exchange and
+state transfer). The daemon (node/daemon/node.py) picks one and sees only `DataPlane`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
-from murmur.node.daemon.settings import NodeSettings
-from murmur.node.daemon.state_dir import JoinInfo
-from murmur.optim.exchange import Exchange
+import torch
+
+from murmur.optim.exchange import Exchange, GatherResult, ReduceResult
 from murmur.optim.factory import make_aggregator_for, make_codec_for
 from murmur.optim.inprocess import InProcessGroup
-from murmur.protocol import identity
+from murmur.optim.wire import WireTensor
 from murmur.protocol.runconfig import RunConfig
 
 
-class _MemberTracker(Exchange):
+class DataPlane(Protocol):
+    @property
+    def exchange(self) -> Exchange:
+        """The run's exchange (all_reduce / all_gather returning futures), for the training thread."""
+        ...
+
+    def publish(self, round_id: int, tensors: list[tuple[str, torch.Tensor]]) -> None:
+        """Offer the global state of a round to joiners and laggards."""
+        ...
+
+    async def fetch_state(self, *, min_round: int, timeout_s: float) -> dict[str, torch.Tensor] | None:
+        """The newest state of a round >= ``min_round`` from peers (verified against its hash), or
+        None when no peer is ahead."""
+        ...
+
+    async def wait_for_peers(self, count: int, timeout_s: float, stop: Callable[[], bool]) -> int:
+        """Wait until ``count`` peers (this one included) are seen, the timeout, or ``stop()``;
+        returns how many were seen."""
+        ...
+
+    def last_round_members(self) -> list[str]:
+        """Who took part in the last completed exchange."""
+        ...
+
+    async def close(self) -> None:
+        """Stop serving and leave, with no child process left."""
+        ...
+
+
+class MemberTracker(Exchange):
     """Wraps an exchange to remember who made it into the last completed round (for the progress line)."""
 
     def __init__(self, inner: Exchange) -> None:
@@ -41,8 +61,8 @@ class _MemberTracker(Exchange):
     def peer_id(self) -> str:
         return self.inner.peer_id
 
-    def _track(self, fut: Future) -> Future:
-        def done(f: Future) -> None:
+    def _track(self, fut: Future[Any]) -> Future[Any]:
+        def done(f: Future[Any]) -> None:
             if not f.cancelled() and f.exception() is None:
                 result = f.result()
                 self.members = list(getattr(result, "members", None) or getattr(result, "updates", {}) or [])
@@ -50,10 +70,12 @@ class _MemberTracker(Exchange):
         fut.add_done_callback(done)
         return fut
 
-    def all_reduce(self, tensors, *, round_id: int, key: str = "", weight: float = 1.0):  # noqa: ANN001
+    def all_reduce(
+        self, tensors: Sequence[torch.Tensor], *, round_id: int, key: str = "", weight: float = 1.0
+    ) -> Future[ReduceResult]:
         return self._track(self.inner.all_reduce(tensors, round_id=round_id, key=key, weight=weight))
 
-    def all_gather(self, wire, *, round_id: int, key: str = ""):  # noqa: ANN001
+    def all_gather(self, wire: Sequence[WireTensor], *, round_id: int, key: str = "") -> Future[GatherResult]:
         return self._track(self.inner.all_gather(wire, round_id=round_id, key=key))
 
     def close(self) -> None:
@@ -65,17 +87,15 @@ class SoloDataPlane:
 
     def __init__(self, node_id: str, cfg: RunConfig) -> None:
         group = InProcessGroup([node_id], lambda: make_codec_for(cfg.sync), make_aggregator_for(cfg.sync))
-        self.exchange = _MemberTracker(group.exchange(node_id))
+        self.exchange = MemberTracker(group.exchange(node_id))
 
-    def publish(self, round_id: int, tensors: list[tuple[str, Any]]) -> None:
-        pass
+    def publish(self, round_id: int, tensors: list[tuple[str, torch.Tensor]]) -> None:
+        """No one to offer it to."""
 
-    async def fetch_state(self, *, min_round: int, timeout_s: float) -> dict[str, Any] | None:
+    async def fetch_state(self, *, min_round: int, timeout_s: float) -> dict[str, torch.Tensor] | None:
         return None
 
-    async def wait_for_peers(
-        self, count: int, timeout_s: float, stop: Callable[[], bool] = lambda: False
-    ) -> int:
+    async def wait_for_peers(self, count: int, timeout_s: float, stop: Callable[[], bool]) -> int:
         return 1
 
     def last_round_members(self) -> list[str]:
@@ -83,34 +103,3 @@ class SoloDataPlane:
 
     async def close(self) -> None:
         self.exchange.close()
-
-
-async def open_dataplane(
-    *,
-    ident: identity.Identity,
-    info: JoinInfo,
-    cfg: RunConfig,
-    settings: NodeSettings,
-    listen: str,
-    advertise_host: str,
-    log: Callable[[str], None],
-    solo: bool = False,
-    dht_peers: list[str] | None = None,
-    state_dir: Path | None = None,
-) -> Any:
-    if solo:
-        log("solo mode: a one-member exchange, no peer server, no DHT")
-        return SoloDataPlane(info.node_id, cfg)
-    from murmur.node.daemon import peer_dataplane  # noqa: PLC0415 - imports hivemind and the gRPC peer stack
-
-    return await peer_dataplane.open_peer_dataplane(
-        ident=ident,
-        info=info,
-        cfg=cfg,
-        settings=settings,
-        listen=listen,
-        advertise_host=advertise_host,
-        log=log,
-        dht_peers=list(dht_peers or []),
-        state_dir=state_dir or Path("."),
-    )

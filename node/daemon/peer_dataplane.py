@@ -22,12 +22,13 @@ import socket
 from collections import Counter
 from collections.abc import Callable, Coroutine
 from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
 
-from murmur.node.daemon.dataplane import _MemberTracker
+from murmur.node.daemon.dataplane import MemberTracker
 from murmur.node.daemon.settings import NodeSettings
 from murmur.node.daemon.state_dir import JoinInfo
 from murmur.node.exchange.group import DHTGroup, RendezvousSettings
@@ -51,8 +52,9 @@ DHT_RETRY_S = 1.0  # pause between DHT start attempts
 DHT_GOODBYE_TIMEOUT_S = 5.0  # the "gone" record; past this, peers learn of the exit from the TTL
 
 
-class _LoopHandle:
-    """What the exchange needs of a loop thread (`submit`, `run`), over the daemon's own loop."""
+class RunningLoop:
+    """The exchange's handle on the daemon's own loop (the one ``asyncio.run`` runs): the training
+    thread hands it coroutines and gets ``concurrent.futures.Future`` back."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
@@ -76,102 +78,49 @@ def advertised(host: str, advertise_host: str) -> str:
         return "127.0.0.1"
 
 
+@dataclass(slots=True)
+class LivePeers:
+    """How many trainers the DHT lists, this one included: what a round's rendezvous waits for."""
+
+    count: int = 1
+
+
 class PeerDataPlane:
+    """A started data plane (``open_peer_dataplane`` starts its parts)."""
+
     def __init__(
         self,
         ident: identity.Identity,
-        info: JoinInfo,
-        cfg: RunConfig,
         settings: NodeSettings,
         log: Callable[[str], None],
+        *,
+        dht: MurmurDHT,
+        server: PeerServer,
+        grpc: GrpcExchange,
+        live: LivePeers,
     ) -> None:
-        self.ident, self.info, self.cfg, self.s, self.log = ident, info, cfg, settings, log
-        self.server: PeerServer | None = None
-        self.dht: MurmurDHT | None = None
-        self.grpc: GrpcExchange | None = None
-        self.exchange: _MemberTracker | None = None
-        self.address = ""
-        self.live_peers = 1
-        self.record: PeerRecord | None = None
-        self._announcer: asyncio.Task | None = None
+        self.ident, self.s, self.log = ident, settings, log
+        self.dht, self.server, self.grpc, self.live = dht, server, grpc, live
+        self.address = server.address
+        self.exchange = MemberTracker(grpc)
+        self.record: PeerRecord | None = None  # what this node announces: None until it has a round
+        self._announcer: asyncio.Task[None] | None = None
         self._stop = asyncio.Event()
-
-    async def start(self, listen: str, advertise_host: str, dht_peers: list[str], state_dir: Path) -> None:
-        host, _, port = listen.rpartition(":")
-        self.server = PeerServer(
-            self.ident,
-            run_id=self.info.run_id,
-            settings=PeerServerSettings(host=host or "127.0.0.1", port=int(port or 0)),
-        )
-        bound = await self.server.start()
-        self.address = f"{advertised(host, advertise_host)}:{bound.rpartition(':')[2]}"
-        self.server.address = self.address  # what the exchange tells its peers
-        initial = list(self.info.bootstrap_peers) + list(dht_peers)
-        self.dht = MurmurDHT(
-            self.info.run_id,
-            ca_cert_pem=self.ident.ca_cert_pem,
-            identity=self.ident,
-            initial_peers=initial,
-            settings=DHTSettings(
-                host=host if host not in WILDCARDS else "0.0.0.0",
-                record_ttl=self.s.dht_record_ttl_s,
-                start_timeout=self.s.dht_start_timeout_s,
-            ),
-        )
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.s.dht_start_timeout_s
-        while True:
-            try:
-                await asyncio.to_thread(self.dht.start)
-                break
-            except DHTError as err:
-                # A bootstrap peer that is slow to answer (a loaded machine, a restarting peer)
-                # fails p2pd's start: try again until the start timeout.
-                if loop.time() >= deadline:
-                    self.dht = None
-                    raise
-                self.log(f"DHT start failed ({err}); retrying")
-                await asyncio.sleep(DHT_RETRY_S)
-        # Where others can bootstrap from and dial us (read by `murmur testnet` and by operators).
-        (state_dir / "peer.json").write_text(
-            json.dumps({"node_id": self.ident.node_id, "address": self.address, "dht": self.dht.addresses})
-            + "\n"
-        )
-        if not initial:
-            self.log(
-                "no DHT bootstrap peers (the coordinator runs no DHT and none was given): "
-                "this node starts the run's DHT; others can join it with --dht-peer"
-            )
-        group = DHTGroup(
-            self.dht,
-            self.address,
-            expected=lambda: self.live_peers,
-            settings=RendezvousSettings(deadline=self.s.rendezvous_deadline_s),
-        )
-        self.grpc = GrpcExchange(
-            self.server,
-            _LoopHandle(asyncio.get_running_loop()),
-            group,
-            make_codec_for(self.cfg.sync),
-            aggregator=make_aggregator_for(self.cfg.sync),
-            settings=ExchangeSettings(
-                peer_timeout=self.s.peer_timeout_s,
-                round_deadline=self.s.round_timeout_s,
-                chunk_mb=self.cfg.sync.exchange_chunk_mb,
-            ),
-        )
-        self.exchange = _MemberTracker(self.grpc)
-        self.log(f"peer server on {self.address}; DHT on {', '.join(self.dht.addresses[:1]) or '?'}")
 
     # -- discovery -------------------------------------------------------------------------------
 
+    async def _trainers(self) -> list[PeerRecord]:
+        """The run's trainers in the DHT, this one included; also what rounds wait for."""
+        peers = await self.dht.apeers(role=TRAINER)
+        self.live.count = max(1, len(peers))
+        return peers
+
     async def _announce(self) -> None:
-        if self.record is None or self.dht is None:
+        if self.record is None:
             return
         try:
             stored = await self.dht.aannounce(self.record)
-            peers = await self.dht.apeers(role=TRAINER)
-            self.live_peers = max(1, len(peers))
+            peers = await self._trainers()
             if not stored and len(peers) > 1:
                 self.log("DHT announce was not stored; retrying")
         except DHTError as err:
@@ -180,38 +129,32 @@ class PeerDataPlane:
     async def _announce_loop(self) -> None:
         period = self.s.dht_record_ttl_s / 3  # re-announce well before the record expires
         while not self._stop.is_set():
-            with contextlib.suppress(asyncio.TimeoutError):
+            with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._stop.wait(), period)
             await self._announce()
 
-    async def wait_for_peers(
-        self, count: int, timeout_s: float, stop: Callable[[], bool] = lambda: False
-    ) -> int:
+    async def wait_for_peers(self, count: int, timeout_s: float, stop: Callable[[], bool]) -> int:
         """Wait until ``count`` peers (this one included) are in the DHT, the timeout, or a stop.
         Peers that are still starting have no record yet: they are found by rendezvous entries
         too, so this also counts nodes that registered for round 0."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
-        assert self.server is not None
         # Until the first round, announce round -1 so others can count this node.
         self.record = PeerRecord(node_id=self.ident.node_id, address=self.address, round=-1)
-        while self.dht is not None:
+        while True:
             # Re-announce each time: a lone first node's store fails until someone joins its DHT.
             await self._announce()
-            peers = await self.dht.apeers(role=TRAINER)
-            self.live_peers = max(1, len(peers))
+            peers = await self._trainers()
             if len(peers) >= count or loop.time() >= deadline or stop():
                 return len(peers)
             await asyncio.sleep(min(0.5, max(0.0, deadline - loop.time())))
-        return 0
 
     # -- state -----------------------------------------------------------------------------------
 
     def publish(self, round_id: int, tensors: list[tuple[str, torch.Tensor]]) -> None:
         """Serve this round's global state to joiners and announce (round, hash) in the DHT."""
-        assert self.server is not None
         digest = tensors_hash(tensors)
-        members = list(self.exchange.members) if self.exchange else []
+        members = list(self.exchange.members)
         self.server.publish_state(PublishedState(state_name(round_id), tensors, digest, members))
         self.record = PeerRecord(
             node_id=self.ident.node_id, address=self.address, round=round_id, state_hash=digest.hex()
@@ -220,17 +163,18 @@ class PeerDataPlane:
             self._announcer = asyncio.create_task(self._announce_loop())
         asyncio.create_task(self._announce())
 
+    async def _others(self) -> list[PeerRecord]:
+        return [r for r in await self.dht.apeers(role=TRAINER) if r.node_id != self.ident.node_id]
+
     async def fetch_state(self, *, min_round: int, timeout_s: float) -> dict[str, torch.Tensor] | None:
         """The newest global state some peers announce, if its round is at least ``min_round``."""
-        if self.dht is None:
-            return None
         # Right after joining the DHT a lookup may not see anyone yet: look again until some peer
         # shows up or the rendezvous deadline says this node is the first one.
         loop = asyncio.get_running_loop()
         alone_after = loop.time() + self.s.rendezvous_deadline_s
         while True:
             try:
-                records = [r for r in await self.dht.apeers(role=TRAINER) if r.node_id != self.ident.node_id]
+                records = await self._others()
             except DHTError as err:
                 self.log(f"cannot list peers ({err}); starting from the local state")
                 return None
@@ -249,8 +193,13 @@ class PeerDataPlane:
             holders = {r.node_id: r.address for r in others if r.round == newest and r.state_hash == digest}
             try:
                 tensors, _ = await asyncio.wait_for(
-                    afetch(self.ident, holders, state_name(newest), bytes.fromhex(digest),
-                           settings=StateFetchSettings(call_timeout=timeout_s)),
+                    afetch(
+                        self.ident,
+                        holders,
+                        state_name(newest),
+                        bytes.fromhex(digest),
+                        settings=StateFetchSettings(call_timeout=timeout_s),
+                    ),
                     max(1.0, deadline - loop.time()),
                 )
             except (TimeoutError, StateError) as err:
@@ -261,16 +210,15 @@ class PeerDataPlane:
                     return None
                 await asyncio.sleep(STATE_POLL_S)
                 try:
-                    records = [r for r in await self.dht.apeers(role=TRAINER) if r.node_id != self.ident.node_id]
+                    records = await self._others()
                 except DHTError:
                     return None
                 continue
-            self.log(f"fetched the state of round {newest} from {len(holders)} peer(s), "
-                     f"hash {digest[:12]} verified")
+            self.log(f"fetched the state of round {newest} from {len(holders)} peer(s), hash {digest[:12]} verified")
             return tensors
 
     def last_round_members(self) -> list[str]:
-        return self.exchange.members if self.exchange else []
+        return self.exchange.members
 
     # -- leaving ---------------------------------------------------------------------------------
 
@@ -280,17 +228,88 @@ class PeerDataPlane:
         if self._announcer is not None:
             self._announcer.cancel()
             await asyncio.gather(self._announcer, return_exceptions=True)
-        if self.dht is not None and self.record is not None:
-            with contextlib.suppress(DHTError, Exception):
-                await asyncio.wait_for(asyncio.to_thread(self.dht.withdraw), DHT_GOODBYE_TIMEOUT_S)
-        if self.grpc is not None:
+        if self.record is not None:
             with contextlib.suppress(Exception):
-                await self.grpc.aclose()
-        if self.server is not None:
-            await self.server.stop()
-        if self.dht is not None:
-            await asyncio.to_thread(self.dht.shutdown)
-            self.dht = None
+                await asyncio.wait_for(asyncio.to_thread(self.dht.withdraw), DHT_GOODBYE_TIMEOUT_S)
+        with contextlib.suppress(Exception):
+            await self.grpc.aclose()
+        await self.server.stop()
+        await asyncio.to_thread(self.dht.shutdown)
+
+
+async def _start_dht(
+    ident: identity.Identity,
+    info: JoinInfo,
+    host: str,
+    dht_peers: list[str],
+    settings: NodeSettings,
+    log: Callable[[str], None],
+) -> MurmurDHT:
+    initial = list(info.bootstrap_peers) + list(dht_peers)
+    dht = MurmurDHT(
+        info.run_id,
+        ca_cert_pem=ident.ca_cert_pem,
+        identity=ident,
+        initial_peers=initial,
+        settings=DHTSettings(
+            host=host if host not in WILDCARDS else "0.0.0.0",
+            record_ttl=settings.dht_record_ttl_s,
+            start_timeout=settings.dht_start_timeout_s,
+        ),
+    )
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + settings.dht_start_timeout_s
+    while True:
+        try:
+            await asyncio.to_thread(dht.start)
+            break
+        except DHTError as err:
+            # A bootstrap peer that is slow to answer (a loaded machine, a restarting peer)
+            # fails p2pd's start: try again until the start timeout.
+            if loop.time() >= deadline:
+                raise
+            log(f"DHT start failed ({err}); retrying")
+            await asyncio.sleep(DHT_RETRY_S)
+    if not initial:
+        log(
+            "no DHT bootstrap peers (the coordinator runs no DHT and none was given): "
+            "this node starts the run's DHT; others can join it with --dht-peer"
+        )
+    return dht
+
+
+async def _start_exchange(
+    ident: identity.Identity,
+    info: JoinInfo,
+    cfg: RunConfig,
+    settings: NodeSettings,
+    *,
+    host: str,
+    port: int,
+    advertise_host: str,
+    group: Callable[[str], DHTGroup],
+) -> tuple[PeerServer, GrpcExchange]:
+    """The peer server, listening, and the gRPC exchange on it."""
+    server = PeerServer(ident, run_id=info.run_id, settings=PeerServerSettings(host=host, port=port))
+    bound = await server.start()
+    server.address = f"{advertise_host}:{bound.rpartition(':')[2]}"  # what the exchange tells its peers
+    try:
+        exchange = GrpcExchange(
+            server,
+            RunningLoop(asyncio.get_running_loop()),  # type: ignore[arg-type]  # what LoopThread offers
+            group(server.address),
+            make_codec_for(cfg.sync),
+            aggregator=make_aggregator_for(cfg.sync),
+            settings=ExchangeSettings(
+                peer_timeout=settings.peer_timeout_s,
+                round_deadline=settings.round_timeout_s,
+                chunk_mb=cfg.sync.exchange_chunk_mb,
+            ),
+        )
+    except BaseException:
+        await server.stop()
+        raise
+    return server, exchange
 
 
 async def open_peer_dataplane(
@@ -305,10 +324,37 @@ async def open_peer_dataplane(
     dht_peers: list[str],
     state_dir: Path,
 ) -> PeerDataPlane:
-    plane = PeerDataPlane(ident, info, cfg, settings, log)
-    try:
-        await plane.start(listen, advertise_host, dht_peers, state_dir)
-    except BaseException:
-        await plane.close()
-        raise
+    """Start the DHT (before any peer-server thread: hivemind forks), then the peer server and the
+    exchange; on any failure, stop what was started."""
+    host, _, port = listen.rpartition(":")
+    live = LivePeers()
+    async with contextlib.AsyncExitStack() as undo:
+        dht = await _start_dht(ident, info, host, dht_peers, settings, log)
+        undo.push_async_callback(asyncio.to_thread, dht.shutdown)
+
+        def group(address: str) -> DHTGroup:
+            return DHTGroup(
+                dht,
+                address,
+                expected=lambda: live.count,
+                settings=RendezvousSettings(deadline=settings.rendezvous_deadline_s),
+            )
+
+        server, grpc = await _start_exchange(
+            ident,
+            info,
+            cfg,
+            settings,
+            host=host or "127.0.0.1",
+            port=int(port or 0),
+            advertise_host=advertised(host, advertise_host),
+            group=group,
+        )
+        plane = PeerDataPlane(ident, settings, log, dht=dht, server=server, grpc=grpc, live=live)
+        # Where others can bootstrap from and dial us (read by `murmur testnet` and by operators).
+        (state_dir / "peer.json").write_text(
+            json.dumps({"node_id": ident.node_id, "address": plane.address, "dht": dht.addresses}) + "\n"
+        )
+        log(f"peer server on {plane.address}; DHT on {', '.join(dht.addresses[:1]) or '?'}")
+        undo.pop_all()
     return plane

@@ -1,0 +1,235 @@
+"""The training driver: the node's training thread and its bridge to the daemon's asyncio loop.
+
+The thread trains window after window (node/daemon/training.py) and touches no socket. It talks to
+the loop only through `asyncio.run_coroutine_threadsafe` (a lease request or a state fetch: it
+blocks until the answer, or until a stop ends the wait) and `loop.call_soon_threadsafe` (commits,
+round records and stop requests: fire and forget). Everything it hands over is a finished value
+(a record, a list of commits, tensors it no longer writes).
+
+Stopping: the thread finishes the step it is in and returns. The tokens of a half-done window are
+*not* committed: they never reached the global model, so the shard is re-leased from its committed
+offset and they are trained again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from murmur.errors import MurmurError
+from murmur.node.daemon.dataplane import DataPlane
+from murmur.node.daemon.metrics import NodeMetrics
+from murmur.node.daemon.session import CoordinatorSession
+from murmur.node.daemon.settings import NodeSettings
+from murmur.node.daemon.state_dir import PendingCommit, StateDir
+from murmur.node.daemon.stop import StopSignal
+from murmur.node.daemon.training import LeaseView, NodeTrainer, Segment, WindowResult
+from murmur.node.model.data import Dataset, eval_batches
+from murmur.node.train.trainer import evaluate
+from murmur.optim.exchange import ExchangeError
+from murmur.protocol.runconfig import RunConfig
+
+
+class TrainingDriver:
+    """Built on the loop, once the node has joined and its data plane is up; ``train`` is the
+    training thread's body, everything else runs on the loop."""
+
+    def __init__(
+        self,
+        *,
+        cfg: RunConfig,
+        dataset: Dataset,
+        device: torch.device,
+        dataplane: DataPlane,
+        session: CoordinatorSession,
+        state: StateDir,
+        metrics: NodeMetrics,
+        stop: StopSignal,
+        settings: NodeSettings,
+        threads: int,
+        max_rounds: int,
+        log: Callable[[str], None],
+    ) -> None:
+        self.cfg, self.dataplane, self.session, self.state = cfg, dataplane, session, state
+        self.metrics, self.stop, self.s, self.log = metrics, stop, settings, log
+        self.threads, self.max_rounds = threads, max_rounds
+        self.loop = asyncio.get_running_loop()
+        if threads:
+            torch.set_num_threads(threads)
+        self.trainer = NodeTrainer(cfg, dataset, device, dataplane.exchange, round_timeout_s=settings.round_timeout_s)
+        # A step waiting for its exchange would wait up to round_timeout_s: a stop ends the wait.
+        # Nothing partial is applied (the round fails as a whole) and the window is not committed.
+        stop.on_request(lambda reason: self.trainer.meter.abort(f"the node is stopping ({reason})"))
+        self._ratio_base_step = 0  # the step this node's byte counter started from
+
+    # -- on the loop: before training -------------------------------------------------------------
+
+    async def restore(self) -> None:
+        """Local checkpoint first; then peers, if the run has moved on (or for a first join)."""
+        ckpt = self.state.load_checkpoint()
+        if ckpt is not None:
+            try:
+                self.trainer.load_state_dict(ckpt)
+                self.log(f"resumed from the local checkpoint at round {self.trainer.round}")
+            except (MurmurError, KeyError, RuntimeError) as err:
+                self.log(f"local checkpoint not usable ({err}); asking peers for the state")
+        state = await self.dataplane.fetch_state(
+            min_round=self.trainer.round + 1, timeout_s=self.s.state_fetch_timeout_s
+        )
+        if state is not None:
+            self.trainer.load_shared_tensors(state)
+            self._ratio_base_step = self.trainer.step  # this node's bytes count from here
+            self.log(f"took the global state of round {self.trainer.round} from peers")
+        self.dataplane.publish(self.trainer.round, self.trainer.shared_tensors())
+
+    # -- the training thread ----------------------------------------------------------------------
+
+    def train(self) -> None:
+        """The training thread: windows until a stop, the schedule's end or max_rounds."""
+        if self.threads:
+            torch.set_num_threads(self.threads)  # OpenMP keeps the thread count per thread
+        trainer, cfg = self.trainer, self.cfg
+        val = eval_batches(trainer.dataset, trainer.batch, trainer.seq_len, cfg.train.eval_batches)
+        eval_every = max(1, round(cfg.train.eval_every / trainer.h))  # in rounds
+        if trainer.round == 0:
+            v = evaluate(trainer.model, val, trainer.device, cfg.train.dtype)
+            self.loop.call_soon_threadsafe(self._record_start, v)
+        rounds_here = 0
+        while not self.stop.is_set():
+            if trainer.step >= cfg.train.steps:
+                why = f"the run's schedule of {cfg.train.steps} steps is done"
+                self.loop.call_soon_threadsafe(self.stop.request, why)
+                break
+            if trainer.lease is not None and trainer.lease.lease_id in self.session.lost_leases:
+                trainer.lease, trainer.loader = None, None  # its work is refused: take a new lease
+            try:
+                result = trainer.run_window(self._next_lease_blocking, self.stop.is_set)
+            except ExchangeError as err:
+                if self.stop.is_set():
+                    break
+                # Nothing partial was applied. Re-sync from peers; the window's tokens are
+                # trained again (the lease restarts from its committed offset).
+                self.loop.call_soon_threadsafe(self.log, f"round {trainer.round + 1} failed ({err}); re-syncing")
+                trainer.lease, trainer.loader = None, None
+                self._resync_blocking()
+                continue
+            if result.stopped:
+                break
+            rounds_here += 1
+            v = None
+            if result.round % eval_every == 0 or trainer.step >= cfg.train.steps:
+                v = evaluate(trainer.model, val, trainer.device, cfg.train.dtype)
+            record = self._round_record(result, v)
+            commits = [
+                PendingCommit(
+                    seg.lease.lease_id,
+                    seg.lease.shard_id,
+                    seg.start,
+                    seg.end,
+                    result.round,
+                    result.loss,
+                    record["bytes_sent"],
+                    result.seconds,
+                )
+                for seg in result.segments
+                if seg.end > seg.start
+            ]
+            shared = trainer.shared_tensors()
+            if self.s.checkpoint_every_rounds and result.round % self.s.checkpoint_every_rounds == 0:
+                # Before the round is logged or committed: the checkpoint is never older than either.
+                self.state.save_checkpoint(trainer.state_dict())
+            self.loop.call_soon_threadsafe(self._after_round, record, commits, shared)
+            if self.max_rounds and rounds_here >= self.max_rounds:
+                self.loop.call_soon_threadsafe(self.stop.request, f"--max-rounds {self.max_rounds} reached")
+                break
+
+    def _next_lease_blocking(self, done: Segment | None, loss: float) -> LeaseView | None:
+        """From the training thread: commit the shard that ran out, then wait for a new lease."""
+        if done is not None and done.end > done.start:
+            commit = PendingCommit(
+                done.lease.lease_id,
+                done.lease.shard_id,
+                done.start,
+                done.end,
+                self.trainer.round,
+                loss if math.isfinite(loss) else 0.0,
+                self.trainer.sync.bytes.total_sent,
+                0.0,
+            )
+            self.loop.call_soon_threadsafe(self.session.queue_commits, [commit])
+        return asyncio.run_coroutine_threadsafe(self.session.acquire(), self.loop).result()
+
+    def _resync_blocking(self) -> None:
+        coro = self.dataplane.fetch_state(min_round=self.trainer.round, timeout_s=self.s.state_fetch_timeout_s)
+        state = asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+        if state is not None:
+            self.trainer.load_shared_tensors(state)
+            self.loop.call_soon_threadsafe(self.log, f"re-synced to round {self.trainer.round} from peers")
+
+    def _round_record(self, result: WindowResult, val: float | None) -> dict[str, Any]:
+        t = self.trainer
+        sent = t.sync.bytes.total_sent
+        peers = self.dataplane.last_round_members()
+        k = max(2, len(peers))
+        ddp = (t.step - self._ratio_base_step) * (2 * (k - 1) * 4 * t.n_params // k)
+        return {
+            "round": result.round,
+            "step": t.step,
+            "time": time.time(),
+            "node": self.session.info.node_id,
+            "loss": result.loss,
+            "val_loss": val,
+            "tokens": result.tokens,
+            "tokens_per_s": result.tokens / result.seconds if result.seconds > 0 else 0.0,
+            "seconds": result.seconds,
+            "compute_seconds": result.compute_seconds,
+            "bytes_sent": sent,
+            "bytes_received": t.sync.bytes.total_received,
+            "compression": ddp / sent if sent else 0.0,
+            "peers": len(peers),
+            "hash": t.global_hash(),
+            "shards": [s.lease.shard_id for s in result.segments],
+        }
+
+    # -- on the loop: what a round hands back -----------------------------------------------------
+
+    def _record_start(self, val: float) -> None:
+        self.state.append_round(
+            {
+                "round": 0,
+                "step": 0,
+                "time": time.time(),
+                "val_loss": val,
+                "node": self.session.info.node_id,
+                "hash": self.trainer.global_hash(),
+            }
+        )
+        self.log(f"round    0 | val {val:.4f}")
+
+    def _after_round(
+        self, record: dict[str, Any], commits: list[PendingCommit], shared: list[tuple[str, torch.Tensor]]
+    ) -> None:
+        m = self.metrics
+        m.round, m.steps, m.loss = record["round"], record["step"], record["loss"]
+        m.tokens_per_s, m.tokens_total = record["tokens_per_s"], m.tokens_total + record["tokens"]
+        m.bytes_sent_total, m.bytes_received_total = record["bytes_sent"], record["bytes_received"]
+        m.compression_ratio, m.peers = record["compression"], record["peers"]
+        m.compute_seconds_total += record["compute_seconds"]
+        m.wall_seconds_total += record["seconds"]
+        self.session.tokens_per_s = record["tokens_per_s"]
+        self.session.queue_commits(commits)
+        self.dataplane.publish(record["round"], shared)
+        self.state.append_round(record)
+        ratio = f"{record['compression']:,.0f}x" if record["compression"] else "-"
+        val = f" | val {record['val_loss']:.4f}" if record["val_loss"] is not None else ""
+        self.log(
+            f"round {record['round']:4d} | loss {record['loss']:.4f}{val}"
+            f" | {record['tokens_per_s']:,.0f} tok/s"
+            f" | sent {record['bytes_sent'] / 1e6:.2f} MB | {ratio} less than ddp | peers {record['peers']}"
+            f" | {'coordinator ok' if self.session.coordinator_up else 'coordinator DOWN'}"
+        )

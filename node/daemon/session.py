@@ -1,0 +1,288 @@
+"""The node's session with the coordinator: join, heartbeats, leases and the commit journal.
+
+Everything here runs on the daemon's asyncio loop. The training thread reaches it through the
+training driver (node/daemon/driver.py): it asks for leases and hands back commits.
+
+Coordinator outage: heartbeats and commits fail, the session logs it once and the node keeps
+training on the lease it holds; commits wait in the journal (the state folder) and are replayed,
+in order, when the coordinator answers again. The member client's channel retries its connection
+at most ``outage_retry_s`` apart, so the coordinator's return is seen at the next call after it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+from collections import deque
+from collections.abc import Callable, Iterable
+
+import grpc
+import torch
+
+from murmur.errors import MurmurError
+from murmur.node.daemon.metrics import NodeMetrics
+from murmur.node.daemon.settings import NodeSettings
+from murmur.node.daemon.state_dir import JoinInfo, PendingCommit, StateDir
+from murmur.node.daemon.stop import StopSignal
+from murmur.node.daemon.training import LeaseView
+from murmur.protocol import coordinator_pb2 as pb
+from murmur.protocol import identity
+from murmur.protocol.coordinator_client import CoordinatorError, MemberClient, join_run
+
+
+class SessionError(MurmurError):
+    pass
+
+
+# gRPC codes that mean "the coordinator is not there right now" (keep going, retry later),
+# as opposed to a refusal (drop the call's work and say why).
+OUTAGE_CODES = {
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.CANCELLED,
+    grpc.StatusCode.UNKNOWN,
+    None,
+}
+
+
+def is_outage(err: CoordinatorError) -> bool:
+    return err.code in OUTAGE_CODES
+
+
+def hardware() -> pb.Hardware:
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        return pb.Hardware(
+            device=f"cuda:{props.name}",
+            cpu_cores=os.cpu_count() or 0,
+            accelerator_memory_bytes=props.total_memory,
+        )
+    mem = 0
+    with contextlib.suppress(ValueError, OSError, AttributeError):
+        mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return pb.Hardware(device="cpu", cpu_cores=os.cpu_count() or 0, memory_bytes=mem)
+
+
+async def join(
+    coordinator: str,
+    token: str | None,
+    state: StateDir,
+    settings: NodeSettings,
+    log: Callable[[str], None],
+) -> tuple[JoinInfo, identity.Identity, str]:
+    """The membership this state folder holds for ``coordinator``, else a new one from ``token``:
+    (join info, identity, the run configuration as TOML)."""
+    saved = state.load_join()
+    if saved is not None and saved[0].coordinator == coordinator:
+        info, ident, config = saved
+        log(f"rejoining run {info.run_id} as {info.node_id} (identity from {state.root})")
+        return info, ident, config
+    if not token:
+        raise SessionError(
+            f"{state.root} holds no membership of the coordinator at {coordinator}: "
+            "pass --token (from `murmur admin tokens create`)"
+        )
+    ident, joined = await join_run(
+        coordinator, token, state.node_key(), hardware=hardware(), timeout_s=settings.join_timeout_s
+    )
+    info = JoinInfo(
+        node_id=joined.node_id,
+        run_id=joined.run_id,
+        coordinator=coordinator,
+        node_address=joined.node_address,
+        tls_server_name=joined.tls_server_name,
+        bootstrap_peers=list(joined.bootstrap_peers),
+        heartbeat_interval_s=joined.heartbeat_interval_s,
+        heartbeat_ttl_s=joined.heartbeat_ttl_s,
+        lease_ttl_s=joined.lease_ttl_s,
+    )
+    state.save_join(info, ident.cert_pem, ident.ca_cert_pem, joined.config_toml)
+    log(f"joined run {info.run_id} as {info.node_id}")
+    return info, ident, joined.config_toml
+
+
+class CoordinatorSession:
+    """A joined node's calls to the coordinator, and what it must remember across an outage."""
+
+    def __init__(
+        self,
+        info: JoinInfo,
+        ident: identity.Identity,
+        *,
+        settings: NodeSettings,
+        state: StateDir,
+        metrics: NodeMetrics,
+        stop: StopSignal,
+        log: Callable[[str], None],
+    ) -> None:
+        self.info, self.s, self.state, self.metrics, self.stop, self.log = info, settings, state, metrics, stop, log
+        self.client = MemberClient(
+            info.node_address,
+            ident,
+            server_name=info.tls_server_name,
+            timeout_s=settings.rpc_timeout_s,
+            reconnect_backoff_s=settings.outage_retry_s,
+        )
+        self.pending: deque[PendingCommit] = deque(state.load_pending())  # the journal, oldest first
+        metrics.pending_commits = len(self.pending)
+        self.lost_leases: set[str] = set()  # leases whose commits were refused (read by the training thread)
+        self.current_lease: LeaseView | None = None
+        self.coordinator_up = True
+        self.tokens_per_s = 0.0  # what the heartbeats report; the driver sets it after each round
+        self._commit_wakeup = asyncio.Event()
+        self._commit_lock = asyncio.Lock()  # the committer task and the shutdown both flush
+        self._closing = False
+        self._tasks: list[asyncio.Task[None]] = []
+
+    def start(self) -> None:
+        """Heartbeats and the committer, as tasks of the running loop until ``close``."""
+        self._tasks = [asyncio.create_task(self._heartbeats()), asyncio.create_task(self._committer())]
+
+    # -- outages ---------------------------------------------------------------------------------
+
+    def _mark(self, up: bool, err: CoordinatorError | None = None) -> None:
+        if up and not self.coordinator_up:
+            self.log("coordinator is back: replaying pending commits")
+        elif not up and self.coordinator_up:
+            self.log(f"coordinator unreachable ({err}); training goes on, commits wait in the journal")
+        self.coordinator_up = up
+        self.metrics.coordinator_up = int(up)
+
+    async def _heartbeats(self) -> None:
+        interval = self.info.heartbeat_interval_s or 1.0
+        while not self.stop.is_set():
+            try:
+                reply = await self.client.heartbeat(self.tokens_per_s, "training")
+                self._mark(True)
+                if self.pending:
+                    self._commit_wakeup.set()
+                if reply.heartbeat_interval_s > 0:
+                    interval = reply.heartbeat_interval_s
+                if reply.run_state == "finished":
+                    self.stop.request("the run is finished")
+            except CoordinatorError as err:
+                if is_outage(err):
+                    self._mark(False, err)
+                else:
+                    self.log(f"heartbeat refused: {err}")
+            await self.stop.sleep(interval)
+
+    # -- the commit journal ----------------------------------------------------------------------
+
+    def queue_commits(self, commits: Iterable[PendingCommit]) -> None:
+        for c in commits:
+            if len(self.pending) >= self.s.max_pending_commits:
+                self.log(f"more than {self.s.max_pending_commits} commits pending: dropping the oldest")
+                self.pending.popleft()
+            self.pending.append(c)
+        self._save_journal()
+        self._commit_wakeup.set()
+
+    async def _committer(self) -> None:
+        while True:
+            await self.flush_commits()
+            if self.stop.is_set() and not self.pending:
+                return
+            self._commit_wakeup.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._commit_wakeup.wait(), self.s.outage_retry_s)
+            if self._closing:
+                return
+
+    async def flush_commits(self) -> bool:
+        """Send pending commits in order; False if the coordinator is unreachable."""
+        async with self._commit_lock:
+            while self.pending:
+                c = self.pending[0]
+                try:
+                    await self.client.commit(
+                        c.lease_id,
+                        c.shard_id,
+                        c.start_offset,
+                        c.end_offset,
+                        outer_step=c.outer_step,
+                        loss=c.loss,
+                        bytes_sent=c.bytes_sent,
+                        seconds=c.seconds,
+                    )
+                    self._mark(True)
+                    self.metrics.commits_total += 1
+                except CoordinatorError as err:
+                    if is_outage(err):
+                        self._mark(False, err)
+                        return False
+                    # Refused (lease expired and re-leased, a span out of order): this work is counted
+                    # by whoever holds the shard now. Drop it and the lease's later commits.
+                    self.log(f"commit of shard {c.shard_id} [{c.start_offset}, {c.end_offset}) refused: {err}")
+                    self.lost_leases.add(c.lease_id)
+                self.pending.popleft()
+                self._save_journal()
+            return True
+
+    def _save_journal(self) -> None:
+        self.state.save_pending(list(self.pending))
+        self.metrics.pending_commits = len(self.pending)
+
+    # -- leases ----------------------------------------------------------------------------------
+
+    async def acquire(self) -> LeaseView | None:
+        """A lease to train on, waiting through outages and busy shards; None once the node stops."""
+        while not self.stop.is_set():
+            # The coordinator hands back a held lease until its shard is done: commits first.
+            if not await self.flush_commits():
+                await self.stop.sleep(self.s.outage_retry_s)
+                continue
+            try:
+                reply = await self.client.acquire()
+                self._mark(True)
+            except CoordinatorError as err:
+                if not is_outage(err):
+                    raise SessionError(f"the coordinator refused a lease: {err}") from None
+                self._mark(False, err)
+                await self.stop.sleep(self.s.outage_retry_s)
+                continue
+            if reply.granted:
+                lease = reply.lease
+                self.lost_leases.discard(lease.lease_id)
+                view = LeaseView(lease.lease_id, int(lease.shard_id), int(lease.start_offset), int(lease.end_offset))
+                self.current_lease = view
+                self.log(
+                    f"leased shard {view.shard_id} from offset {view.start_offset:,} "
+                    f"({view.end_offset - view.start_offset:,} tokens left)"
+                )
+                return view
+            if "done" in reply.reason or "finished" in reply.reason:
+                self.stop.request(f"nothing left to train: {reply.reason}")
+                return None
+            await self.stop.sleep(self.s.lease_wait_s)
+        return None
+
+    # -- leaving ---------------------------------------------------------------------------------
+
+    async def close(self, left: Callable[[], float]) -> None:
+        """Commit, release, leave; each step bounded by ``left()`` seconds, so a dead coordinator
+        cannot hold the exit. Commits it did not take stay in the journal for the next start."""
+        with contextlib.suppress(TimeoutError, CoordinatorError):
+            await asyncio.wait_for(self.flush_commits(), left())
+        self._closing = True
+        self._commit_wakeup.set()
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.pending:
+            self.log(f"{len(self.pending)} commits still pending (kept in {self.state.journal_path})")
+        lease = self.current_lease
+        if lease is not None and lease.lease_id not in self.lost_leases:
+            with contextlib.suppress(TimeoutError, CoordinatorError):
+                await asyncio.wait_for(self.client.release(lease.lease_id), left())
+                self.log(f"released the lease on shard {lease.shard_id}")
+        if not self.pending:
+            try:
+                await asyncio.wait_for(self.client.leave(self.stop.reason[:200]), left())
+                self.state.forget_join()  # a left node joins afresh next time
+                self.log("left the run")
+            except (TimeoutError, CoordinatorError) as err:
+                self.log(f"could not say goodbye to the coordinator ({err}); its lease expires on its own")
+        with contextlib.suppress(Exception):
+            await self.client.close()

@@ -1,0 +1,54 @@
+"""How the daemon stops: one flag that the training thread polls and the loop's tasks wait on.
+
+A stop is asked for on the loop thread only: by the signal handlers, by the coordinator session
+(the run is finished) and by the training thread through ``loop.call_soon_threadsafe`` (its
+schedule or --max-rounds is done). The training thread reads ``is_set()`` between steps; the
+loop's tasks sleep with ``sleep()``, which wakes at once when the stop comes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from collections.abc import Callable
+
+
+class StopSignal:
+    def __init__(self, log: Callable[[str], None]) -> None:
+        self.reason = ""
+        self._log = log
+        self._seen_by_thread = threading.Event()
+        self._seen_by_loop = asyncio.Event()  # binds to the running loop when first awaited
+        self._hooks: list[Callable[[str], None]] = []
+
+    def is_set(self) -> bool:
+        return self._seen_by_thread.is_set()
+
+    def on_request(self, hook: Callable[[str], None]) -> None:
+        """Call ``hook(reason)`` on every request from now on (a stop must cut a wait short)."""
+        self._hooks.append(hook)
+
+    def request(self, reason: str) -> None:
+        """Stop: the first request names the reason and says what the node does next."""
+        if not self.is_set():
+            self.reason = reason
+            self._log(f"stopping ({reason}): finishing the current step, then commit, release, leave")
+        self._set()
+        for hook in self._hooks:
+            hook(reason)
+
+    def settle(self, reason: str) -> None:
+        """The run ended or failed with no stop asked for: stop quietly, keeping any reason given."""
+        if not self.is_set():
+            self.reason = self.reason or reason
+        self._set()
+
+    async def sleep(self, seconds: float) -> None:
+        """Sleep, but wake at once when a stop is asked for."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._seen_by_loop.wait(), seconds)
+
+    def _set(self) -> None:
+        self._seen_by_thread.set()
+        self._seen_by_loop.set()
