@@ -4,6 +4,8 @@ import dataclasses
 import re
 from pathlib import Path
 
+from pydantic import BaseModel
+
 from murmur.protocol.runconfig import RunConfig
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -11,11 +13,16 @@ DOC = (ROOT / "docs" / "configuration.md").read_text()
 
 
 def _keys(cls, prefix=""):
-    for f in dataclasses.fields(cls):
-        if dataclasses.is_dataclass(f.type) or f.name in ("model", "data", "optim", "train", "sync"):
-            yield from _keys(type(getattr(RunConfig(), f.name)), f"{f.name}.")
+    for name, field in cls.model_fields.items():
+        if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
+            yield from _keys(field.annotation, f"{prefix}{name}.")
         else:
-            yield prefix + f.name
+            yield prefix + name
+
+
+def test_the_key_walk_sees_every_section():
+    keys = list(_keys(RunConfig))
+    assert {"name", "model.preset", "train.steps", "sync.exchange_chunk_mb"} <= set(keys)
 
 
 def test_every_config_key_is_documented():
@@ -26,7 +33,7 @@ def test_every_config_key_is_documented():
 def test_every_environment_variable_is_documented():
     used = set()
     for folder in ("murmur", "node", "optim", "kernels", "protocol", "coordinator", "tests"):
-        for path in (ROOT / folder).glob("*.py"):
+        for path in (ROOT / folder).rglob("*.py"):
             used |= set(re.findall(r"\bMURMUR_[A-Z_]+\b", path.read_text()))
     documented = set(re.findall(r"`(MURMUR_[A-Z_]+)`", DOC))
     # A name that only stands as the prefix of documented ones (a filter in a test) is fine.
