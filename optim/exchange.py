@@ -43,11 +43,13 @@ class SharedMemo:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._values: dict[str, object] = {}
+        self.computed = 0  # values computed (one per key, however many members asked)
 
     def get(self, key: str, compute: Callable[[], object]) -> object:
         with self._lock:  # the other members wait for the first one's result instead of redoing it
             if key not in self._values:
                 self._values[key] = compute()
+                self.computed += 1
             return self._values[key]
 
 

@@ -15,6 +15,7 @@ from _net_helpers import RUN, close_peers, peer_group, start_peers
 
 from murmur.node.exchange.grpc_exchange import ExchangeSettings, ExchangeSettingsError, spans
 from murmur.node.exchange.settings import alignment, chunk_ranges
+from murmur.node.net.faults import FaultInjector
 from murmur.node.net.loop import LoopThread
 from murmur.node.net.server import PublishedState
 from murmur.node.net.state_transfer import StateError, fetch_state, state_name
@@ -169,27 +170,20 @@ def test_a_peer_that_lost_its_result_catches_up_from_those_that_completed():
         assert len(hashes) == 1
 
 
-def test_a_peer_that_lost_a_result_still_owns_its_span_until_every_input_is_in(monkeypatch):
+def test_a_peer_that_lost_a_result_still_owns_its_span_until_every_input_is_in():
     """The lagging peer hears every other owner (one answer lost) before its own span has every
-    member's input (one member's stream to it is late, as on an overloaded machine). It must keep
-    owning its span until that input is in and its reduced chunks are out, not walk away from the
-    attempt: the others complete it with all four inputs, and the lagging peer catches up."""
-    from murmur.node.exchange import send as exchange_send
-
-    late_ms = 1500
-    write_chunks = exchange_send._write_chunks
-
+    member's input (one member's stream to it is late, as on an overloaded machine: a delay fault).
+    It must keep owning its span until that input is in and its reduced chunks are out, not walk
+    away from the attempt: the others complete it with all four inputs, and the lagging peer
+    catches up."""
     with peer_group(4, codec="int8") as (_, peers, _):
         lagging, slow = peers[2], peers[0]
-
-        async def late_to_lagging(ex, call, owner, *args):
-            if ex is slow.exchange and owner == lagging.node_id:
-                await asyncio.sleep(late_ms / 1000)
-            return await write_chunks(ex, call, owner, *args)
-
-        monkeypatch.setattr(exchange_send, "_write_chunks", late_to_lagging)
+        slow.faults.arm(
+            "delay", peer=slow.node_id, round=1, point="send_input", seconds=1.5, target=lagging.node_id, times=-1
+        )
         lagging.faults.arm("lose_result", peer=lagging.node_id, round=1)
         results = run_reduce(peers, inputs(4))
+        assert ("delay", slow.node_id, 1) in slow.faults.fired  # the late stream really was late
         assert all(not isinstance(r, Exception) for r in results), results
         assert_identical(results)
         assert all(len(r.members) == 4 and not r.dropped for r in results[:2] + results[3:]), results
@@ -321,7 +315,7 @@ def test_fetch_state_from_several_peers_verifies_the_hash():
 def test_hello_reports_completed_rounds():
     with peer_group(2) as (loop, peers, _):
         run_reduce(peers, inputs(2), round_id=9, key="x")
-        done = peers[0].exchange._done_list()
+        done = peers[0].exchange.done_list()
         assert [(d.round, d.key) for d in done] == [(9, "x")]
         assert isinstance(done[0], peer_pb2.RoundDone) and RUN
 
@@ -422,9 +416,9 @@ def test_a_peer_killed_mid_stream_leaves_the_survivors_with_one_state(fault):
         assert (survivors[0].tensors[0] - mean).abs().max().item() <= BOUNDS["int8"] * scale
 
 
-def test_the_snapshot_is_the_flat_update_plus_residual_and_copies_what_is_asked_first(monkeypatch):
-    from murmur.node.exchange import snapshot as exchange_snapshot
+def test_the_snapshot_is_the_flat_update_plus_residual_and_copies_what_is_asked_first():
     from murmur.node.exchange.grpc_exchange import _flatten
+    from murmur.node.exchange.snapshot import Snapshot
 
     g = torch.Generator().manual_seed(5)
     tensors = [
@@ -434,25 +428,18 @@ def test_the_snapshot_is_the_flat_update_plus_residual_and_copies_what_is_asked_
     ]
     numel = sum(t.numel() for t in tensors)
     residual = torch.randn(numel, generator=g)
-    copy = exchange_snapshot.Snapshot._copy
-    order = []
-
-    def slow_copy(self, i):
-        order.append(i)
-        time.sleep(0.01)
-        copy(self, i)
-
-    monkeypatch.setattr(exchange_snapshot.Snapshot, "_copy", slow_copy)
+    injector = FaultInjector()  # every piece's copy is slow, so the order shows
+    injector.arm("delay", point="snapshot_piece", seconds=0.01, times=-1)
 
     async def main():
-        snap = exchange_snapshot.Snapshot(tensors, residual, 100)
+        snap = Snapshot(tensors, residual, 100, injector.call_faults("p", 1))
         snap.start()
         await snap.ready(numel - 50, numel)  # the last piece, asked for at once
         assert not snap.complete.is_set()
         assert torch.equal(snap.flat[numel - 50 :], (_flatten(tensors) + residual)[numel - 50 :])
-        return await snap.wait()
+        return await snap.wait(), snap.order
 
-    flat = asyncio.run(main())
+    flat, order = asyncio.run(main())
     assert torch.equal(flat, _flatten(tensors) + residual)
     pieces = math.ceil(numel / 100)
     assert sorted(order) == list(range(pieces)) and order.index(pieces - 1) <= 1

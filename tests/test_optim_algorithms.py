@@ -154,23 +154,39 @@ def run_workers_with_abort(workers, steps):
     raise errors[0]
 
 
-def test_demo_replicas_in_one_process_decode_the_gathered_payloads_once(monkeypatch):
+def test_demo_replicas_in_one_process_decode_the_gathered_payloads_once():
     """In memory every member gets the same payloads, so the K replicas share one decode of their
     mean (GatherResult.memo) instead of K; the replicas still move identically."""
-    from murmur.optim.demo import DeMo
+    from murmur.optim.exchange import Exchange
 
-    calls = []
-    original = DeMo._mean_directions
+    class Recording(Exchange):
+        """A worker's exchange that keeps every gather result it hands to DeMo."""
 
-    def counted(self, result, wires):
-        calls.append(result)
-        return original(self, result, wires)
+        def __init__(self, inner: Exchange, seen: list) -> None:
+            self.inner, self.seen = inner, seen
 
-    monkeypatch.setattr(DeMo, "_mean_directions", counted)
+        @property
+        def peer_id(self) -> str:
+            return self.inner.peer_id
+
+        def all_reduce(self, tensors, **kw):
+            return self.inner.all_reduce(tensors, **kw)
+
+        def all_gather(self, wire, **kw):
+            fut = self.inner.all_gather(wire, **kw)
+            fut.add_done_callback(lambda f: self.seen.append(f.result()))
+            return fut
+
     steps, k = 3, 3
     workers = make_workers(tiny_config(steps, algorithm="demo", demo_topk=8), k, same_data=True)
+    results: list = []
+    for w in workers:
+        w.sync.exchange = Recording(w.sync.exchange, results)
     run_workers(workers, steps)
-    assert len(calls) == steps  # one decode per step, not one per replica
+    assert len(results) == steps * k
+    memos = {id(r.memo): r.memo for r in results}
+    assert len(memos) == steps  # the K members of a step share one memo...
+    assert sum(m.computed for m in memos.values()) == steps  # ...and decode once per step, not per replica
     for a, b in zip(workers[0].model.parameters(), workers[-1].model.parameters(), strict=True):
         assert torch.equal(a, b)
 

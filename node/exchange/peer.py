@@ -10,30 +10,17 @@ need that address, the exchange's handlers on the server) is the same for all.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Coroutine
-from concurrent.futures import Future
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar
 
 from murmur.node.exchange.group import GroupProvider
-from murmur.node.exchange.grpc_exchange import GrpcExchange
+from murmur.node.exchange.grpc_exchange import GrpcExchange, LoopHandle
 from murmur.node.exchange.settings import ExchangeSettings
 from murmur.node.net.faults import FaultInjector
 from murmur.node.net.server import PeerServer, PeerServerSettings
 from murmur.optim.aggregate import Aggregator
 from murmur.optim.codecs import Codec
 from murmur.protocol.identity import BanList, Identity
-
-T = TypeVar("T")
-
-
-class LoopHandle(Protocol):
-    """What the exchange needs of the loop its networking runs on (node/net/loop.py's LoopThread,
-    or the daemon's handle on its own loop): run a coroutine there from the training thread."""
-
-    def submit(self, coro: Coroutine[Any, Any, T]) -> Future[T]: ...
-
-    def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T: ...
 
 
 @dataclass(kw_only=True, slots=True)

@@ -6,7 +6,8 @@ a second with four peers on two cores (benchmarks/exchange.py --trace). Made who
 first chunk, that time is a link left idle at the start of every round. So the copy runs in a
 worker thread piece by piece (pieces of one pipeline chunk), in order, and a sender that needs a
 range (the first chunk of every span, at the start) asks for it: its pieces are copied next, ahead
-of the rest. The copy starts when the call starts, as the whole copy did.
+of the rest. The copy starts when the call starts, as the whole copy did. ``order`` says in which
+order the pieces were copied; the ``snapshot_piece`` delay fault (node/net/faults.py) slows it.
 """
 
 from __future__ import annotations
@@ -17,9 +18,17 @@ from collections import deque
 
 import torch
 
+from murmur.node.net.faults import CallFaults
+
 
 class Snapshot:
-    def __init__(self, tensors: list[torch.Tensor], residual: torch.Tensor | None, piece: int) -> None:
+    def __init__(
+        self,
+        tensors: list[torch.Tensor],
+        residual: torch.Tensor | None,
+        piece: int,
+        faults: CallFaults | None = None,
+    ) -> None:
         self.numel = sum(t.numel() for t in tensors)
         self.flat = torch.empty(self.numel)
         self.complete = asyncio.Event()
@@ -28,6 +37,8 @@ class Snapshot:
         self._residual = residual if residual is not None and residual.shape == (self.numel,) else None
         self._piece = max(1, piece)
         self._copied = [False] * math.ceil(self.numel / self._piece)
+        self.order: list[int] = []  # the pieces, in the order they were copied
+        self._faults = faults
         self._urgent: deque[int] = deque()
         self._changed = asyncio.Event()
         self._task: asyncio.Task | None = None
@@ -55,8 +66,12 @@ class Snapshot:
         return self.flat
 
     def cancel(self) -> None:
-        if self._task is not None and not self._task.done():
+        if self._task is None:
+            return
+        if not self._task.done():
             self._task.cancel()
+        elif not self._task.cancelled():
+            self._task.exception()  # a failed copy already failed whoever asked for a range
 
     async def _run(self) -> None:
         nxt = 0
@@ -72,8 +87,11 @@ class Snapshot:
                     if nxt == len(self._copied):
                         break
                     i = nxt
+                if self._faults is not None:
+                    await self._faults.delay("snapshot_piece")
                 await asyncio.to_thread(self._copy, i)
                 self._copied[i] = True
+                self.order.append(i)
                 self._poke()
             self.complete.set()
         finally:

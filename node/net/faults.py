@@ -1,11 +1,12 @@
 """Fault injection owned by production code, keyed by (peer, round) (after torchft's EventInjector).
 
-The exchange asks ``faults.take(point, peer, round)`` at a few named points; tests (and the chaos
-tool) arm faults there instead of subclassing the exchange. An unarmed injector costs one dict
-lookup per point.
+Tests, the chaos tool and ``--fault`` of the peer process arm faults here; the exchange strikes
+them at its fault points, which are methods of the injector (delays) and of `CallFaults`, the
+faults one call of one peer took when it started (everything else). Nothing subclasses or patches
+the exchange to make it misbehave. An unarmed injector costs one list test per point.
 
-Faults (what this peer does wrong, as an attacker or a broken machine would):
-  nan            its payload decodes to NaN values
+Faults of a call (what this peer does wrong, as an attacker or a broken machine would):
+  nan            the first chunk of its input carries a NaN
   wrong_shape    its payload declares another shape than the round's tensors
   corrupt        the payload bytes are garbage (not a protobuf)
   oversize       it declares and streams a payload beyond the receivers' size limit
@@ -16,15 +17,43 @@ Faults (what this peer does wrong, as an attacker or a broken machine would):
   exit_midstream it dies (SIGKILL) halfway through streaming its input to the owners: a machine
                  lost mid-transfer. Peers that share one test process set ``die`` to a stand-in
                  (stop the server, close the channels): the call then ends with ExchangeError.
+Poisoning (a hostile node; its whole update, before it is encoded; every chunk, every owner, the
+span it owns itself included; a gather's payloads, encoded by the caller already, in the float
+parts of their wire tensors). Its own error feedback stays that of its honest update:
+  poison_scale   its update multiplied by 1e4
+  poison_nan     its update all NaN (owners refuse it: the decoded values are not finite)
+  poison_sign    its update sign-flipped
+  poison_random  its update replaced by Gaussian noise of the same RMS (seeded by peer, round and
+                 position, so every owner sees the same noise)
+Delays (``delay``: sleep SECONDS at a named point, each time the point is reached while armed):
+  rendezvous     before this peer asks its group who is in the round
+  send_input     before this peer streams its input to one owner (``target``: that owner only)
+  snapshot_piece before each piece of a reduce's update is copied (node/exchange/snapshot.py)
+
+Spec strings (the command line, `FaultInjector.parse`): ``fault[@ROUND][xTIMES]`` and, for a
+delay, ``delay:POINT:SECONDS[@ROUND][xTIMES]``; TIMES ``*`` fires every time. For example
+``exit_midstream@2``, ``lose_result@1x2``, ``poison_sign@1x*``, ``delay:rendezvous:5@1``.
 """
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
+import math
+import os
+import signal
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
-FAULTS = (
+import torch
+
+from murmur.optim.exchange import ExchangeError
+from murmur.optim.wire import WireTensor
+from murmur.protocol import peer_pb2
+
+POISONS = ("poison_scale", "poison_nan", "poison_sign", "poison_random")
+CALL_FAULTS = (
     "nan",
     "wrong_shape",
     "corrupt",
@@ -34,8 +63,14 @@ FAULTS = (
     "lose_result",
     "exit",
     "exit_midstream",
+    *POISONS,
 )
+FAULTS = (*CALL_FAULTS, "delay")
+DELAY_POINTS = ("rendezvous", "send_input", "snapshot_piece")
 ANY = "*"
+POISON_SCALE = 1e4
+NAN_BYTES = {"float32": b"\x00\x00\xc0\x7f", "float16": b"\x00\x7e", "bfloat16": b"\xc0\x7f"}
+FLOAT_PARTS = {"float32", "float16", "bfloat16"}
 
 
 class FaultError(ValueError):
@@ -48,6 +83,9 @@ class _Armed:
     peer: str
     round: int | str
     times: int  # how many more times it fires; -1: always
+    point: str = ""  # delay: where
+    seconds: float = 0.0  # delay: how long
+    target: str = ANY  # delay: the peer on the other side of the point
 
 
 class FaultInjector:
@@ -58,34 +96,191 @@ class FaultInjector:
         self.fired: list[tuple[str, str, int]] = []
         self.die: Callable[[], None] | None = None  # the exit faults: None is a real SIGKILL
 
-    def arm(self, fault: str, *, peer: str = ANY, round: int | str = ANY, times: int = 1) -> None:
+    def arm(
+        self,
+        fault: str,
+        *,
+        peer: str = ANY,
+        round: int | str = ANY,
+        times: int = 1,
+        point: str = "",
+        seconds: float = 0.0,
+        target: str = ANY,
+    ) -> None:
         if fault not in FAULTS:
             raise FaultError(f"unknown fault {fault!r}; known: {', '.join(FAULTS)}")
+        if fault == "delay" and point not in DELAY_POINTS:
+            raise FaultError(f"unknown delay point {point!r}; known: {', '.join(DELAY_POINTS)}")
+        if fault == "delay" and not (math.isfinite(seconds) and seconds > 0):
+            raise FaultError(f"a delay needs a positive number of seconds, got {seconds!r}")
         with self._lock:
-            self._armed.append(_Armed(fault, peer, round, times))
+            self._armed.append(_Armed(fault, peer, round, times, point, seconds, target))
 
-    def take(self, fault: str, peer: str, round_id: int) -> bool:
-        """True (and count it) if ``fault`` is armed for this peer and round."""
+    def take(self, fault: str, peer: str, round_id: int, *, point: str = "", target: str = ANY) -> _Armed | None:
+        """The armed entry (counted as fired once) if ``fault`` is armed for this peer and round."""
         if not self._armed:
-            return False
+            return None
         with self._lock:
             for armed in self._armed:
-                if armed.fault != fault or armed.times == 0:
+                if armed.fault != fault or armed.times == 0 or armed.point != point:
                     continue
                 if armed.peer not in (ANY, peer) or armed.round not in (ANY, round_id):
+                    continue
+                if armed.target not in (ANY, target):
                     continue
                 if armed.times > 0:
                     armed.times -= 1
                 self.fired.append((fault, peer, round_id))
-                return True
-        return False
+                return armed
+        return None
+
+    def call_faults(self, peer: str, round_id: int) -> CallFaults:
+        """The faults that strike this peer's call of this round (each armed one taken once)."""
+        taken = {f for f in CALL_FAULTS if self.take(f, peer, round_id) is not None}
+        return CallFaults(self, peer, round_id, taken)
+
+    async def delay(self, point: str, peer: str, round_id: int, *, target: str = ANY) -> None:
+        """The ``delay`` fault point ``point``: sleep if a delay is armed here."""
+        armed = self.take("delay", peer, round_id, point=point, target=target)
+        if armed is not None:
+            await asyncio.sleep(armed.seconds)
+
+    def exit(self, when: str) -> None:
+        """Die as a SIGKILL would (or as the stand-in ``die`` does, then end the call)."""
+        if self.die is None:
+            os.kill(os.getpid(), signal.SIGKILL)
+        self.die()
+        raise ExchangeError(f"killed {when} (injected fault)")
 
     @classmethod
     def parse(cls, specs: list[str]) -> FaultInjector:
-        """From ``fault[@round][xTIMES]`` strings (command-line form), for this process's peer."""
+        """From spec strings (see the module docstring), for this process's peer."""
         inj = cls()
         for spec in specs:
-            fault, _, rest = spec.partition("@")
+            head, _, rest = spec.partition("@")
+            fault, _, args = head.partition(":")
             rnd, _, times = rest.partition("x")
-            inj.arm(fault, round=int(rnd) if rnd else ANY, times=int(times) if times else 1)
+            point, _, seconds = args.partition(":")
+            try:
+                count = -1 if times == "*" else int(times) if times else 1
+                inj.arm(
+                    fault,
+                    round=int(rnd) if rnd else ANY,
+                    times=count,
+                    point=point,
+                    seconds=float(seconds) if seconds else 0.0,
+                )
+            except ValueError as err:
+                raise FaultError(f"bad fault spec {spec!r}: {err}") from None
         return inj
+
+
+class CallFaults:
+    """The faults that strike one call of one peer; the exchange calls these at its fault points.
+    Pure functions of their inputs except ``lose_result`` (once per call) and the exits."""
+
+    def __init__(self, injector: FaultInjector, peer: str, round_id: int, taken: set[str]) -> None:
+        self.injector, self.peer, self.round_id = injector, peer, round_id
+        self._taken = taken
+        self.poison_kind = next((f for f in POISONS if f in taken), "")
+
+    def __contains__(self, fault: str) -> bool:
+        return fault in self._taken
+
+    @property
+    def stalls(self) -> bool:
+        return "stall" in self._taken
+
+    @property
+    def oversize(self) -> bool:
+        return "oversize" in self._taken
+
+    def protocol_version(self, version: int) -> int:
+        return version + 1 if "wrong_version" in self._taken else version
+
+    def declared_bytes(self, declared: int, limit: int) -> int:
+        return limit + 1 if self.oversize else declared
+
+    def input_piece(self, piece: torch.Tensor, offset: int, first: bool) -> torch.Tensor:
+        """What this peer sends for the piece of its update at ``offset`` (``piece`` if honest)."""
+        out = poisoned(self.poison_kind, piece, self._seed(offset)) if self.poison_kind else piece
+        if first and "nan" in self._taken and out.numel():
+            out = out.clone()
+            out[0] = float("nan")
+        return out
+
+    def input_wire(self, wire: WireTensor, first: bool) -> WireTensor:
+        if first and "wrong_shape" in self._taken:
+            wire.shape = (math.prod(wire.shape) + 1,)
+        return wire
+
+    def input_payload(self, payload: bytes, first: bool) -> bytes:
+        if first and "corrupt" in self._taken:
+            return b"\xff" * max(len(payload), 1)  # field 31 with wire type 7: never a valid message
+        return payload
+
+    def gather_wires(self, wires: list[WireTensor]) -> list[WireTensor]:
+        """A gather's wire tensors as this peer sends them: poisoned in their float parts."""
+        if not self.poison_kind:
+            return wires
+        out = []
+        for i, w in enumerate(wires):
+            parts = {n: self._poison_part(t, i) for n, t in w.parts.items()}
+            out.append(WireTensor(w.codec, w.shape, w.dtype, parts, w.meta))
+        return out
+
+    def _poison_part(self, part: torch.Tensor, i: int) -> torch.Tensor:
+        is_float = str(part.dtype).removeprefix("torch.") in FLOAT_PARTS
+        return poisoned(self.poison_kind, part, self._seed(i)) if is_float else part
+
+    def gather_payload(self, payload: bytes) -> bytes:
+        """A gather's serialized payload as this peer sends it (NaN, wrong shape, garbage)."""
+        if "nan" in self._taken or "wrong_shape" in self._taken:
+            msg = peer_pb2.Payload.FromString(payload)
+            for t in msg.tensors:
+                if "wrong_shape" in self._taken:
+                    t.shape.append(1)
+                for part in t.parts:
+                    if part.dtype in NAN_BYTES and len(part.data) >= 4:
+                        part.data = NAN_BYTES[part.dtype] + part.data[len(NAN_BYTES[part.dtype]) :]
+            payload = msg.SerializeToString()
+        return self.input_payload(payload, first=True)
+
+    def lose_result(self) -> bool:
+        """True once per call with ``lose_result``: the first reduced chunk this peer receives."""
+        if "lose_result" in self._taken:
+            self._taken.discard("lose_result")
+            return True
+        return False
+
+    def input_delivered(self) -> None:
+        """Every owner has our whole input: the ``exit`` fault strikes here."""
+        if "exit" in self._taken:
+            self.injector.exit("after sending its input")
+
+    def chunk_sent(self, sent: int, chunks: int) -> None:
+        """``sent`` of ``chunks`` input chunks are out to one owner: ``exit_midstream`` strikes halfway."""
+        if "exit_midstream" in self._taken and sent == max(1, chunks // 2):
+            self.injector.exit(f"halfway through its input ({sent} of {chunks} chunks)")
+
+    async def delay(self, point: str, *, target: str = ANY) -> None:
+        await self.injector.delay(point, self.peer, self.round_id, target=target)
+
+    def _seed(self, offset: int) -> int:
+        digest = hashlib.sha256(f"{self.peer}/{self.round_id}/{offset}".encode()).digest()
+        return int.from_bytes(digest[:8], "little")
+
+
+def poisoned(kind: str, x: torch.Tensor, seed: int) -> torch.Tensor:
+    """``x`` as a poisoner of ``kind`` sends it (a new tensor; ``x`` is left alone)."""
+    if kind == "poison_scale":
+        return x * POISON_SCALE
+    if kind == "poison_nan":
+        return torch.full_like(x, float("nan"))
+    if kind == "poison_sign":
+        return -x
+    if kind == "poison_random":
+        rms = float(x.float().pow(2).mean().sqrt()) if x.numel() else 0.0
+        noise = torch.randn(x.shape, generator=torch.Generator().manual_seed(seed))
+        return (noise * (rms or 1.0)).to(x.dtype)
+    raise FaultError(f"unknown poison {kind!r}; known: {', '.join(POISONS)}")

@@ -1,0 +1,260 @@
+"""The attempts of one call: who takes part, what each owner answered, retry, or catch up.
+
+An attempt has a fixed member list and succeeds only if every member's whole input reached every
+owner and every owner answered OK after its last chunk. Anything else (a peer died, stalled, was
+refused, disagreed on the member list) aborts the attempt everywhere; this peer learns who failed
+and why from the owners' answers and retries without them, so a dead peer's span is re-owned by
+the survivors and a result is never a partial average. An owner that already completed the call
+answers ALREADY_DONE: this peer then catches up from it (node/exchange/catchup.py), as it does
+when its own input was refused. A call needs more than ``quorum`` of the peers it started with, so
+a cut-off minority can never finish on its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+import torch
+
+from murmur.node.exchange.attempt import Attempt, GatherAttempt, ReduceAttempt, RoundBook
+from murmur.node.exchange.calls import ERROR, AttemptProgress, Call, Reply
+from murmur.node.exchange.catchup import CatchUp
+from murmur.node.exchange.collect import ABORT, DONE, OK, REFUSED
+from murmur.node.exchange.group import GroupProvider
+from murmur.node.exchange.own import OwnAttempts
+from murmur.node.exchange.send import Sender
+from murmur.node.exchange.settings import ExchangeSettings
+from murmur.node.exchange.stats import Timeline
+from murmur.node.net.server import PeerServer
+from murmur.protocol import peer_pb2
+from murmur.protocol.wire import wire_to_proto
+
+FIRST = "other peers completed this round first"
+
+
+@dataclass(slots=True)
+class Outcome:
+    """How a call's attempts ended: with a result, or with hints and a reason to catch up."""
+
+    named: dict[str, torch.Tensor] | None = None
+    members: list[str] = field(default_factory=list)
+    hints: dict[str, bytes] = field(default_factory=dict)  # peer -> hash of the result it completed
+    why: str = "the round deadline passed"
+
+
+class Rounds:
+    def __init__(
+        self,
+        *,
+        server: PeerServer,
+        group: GroupProvider,
+        settings: ExchangeSettings,
+        book: RoundBook,
+        own: OwnAttempts,
+        sender: Sender,
+        catchup: CatchUp,
+        timeline: Timeline,
+    ) -> None:
+        self.server, self.group, self.settings, self.book = server, group, settings, book
+        self.own, self.sender, self.catchup, self.timeline = own, sender, catchup, timeline
+
+    @property
+    def peer_id(self) -> str:
+        return self.server.node_id
+
+    async def members(self, round_id: int, key: str, timeout: float) -> dict[str, str]:
+        """The round's members as the group shows them now (banned peers left out, this one in)."""
+        peers = await asyncio.wait_for(self.group.members(round_id, key), timeout)
+        peers = {n: a for n, a in peers.items() if not self.server.ban_list.is_banned(n)}
+        peers[self.peer_id] = self.server.address
+        return dict(sorted(peers.items()))
+
+    async def run(self, call: Call) -> tuple[dict[str, torch.Tensor], list[str], bool]:
+        """(named result tensors, members, fetched from a peer?) of a call, or ExchangeError."""
+        try:
+            out = await self._attempts(call)
+            if out.named is not None:
+                return out.named, out.members, False
+            named, members = await self.catchup.fetch(call, out.hints, out.why)
+            return named, members, True
+        finally:
+            self.book.forget(call.round_id, call.key)
+
+    async def _attempts(self, call: Call) -> Outcome:
+        loop = asyncio.get_running_loop()
+        members, excluded, number = sorted(call.peers), dict[str, str](), 0
+        why = Outcome().why
+        while loop.time() < call.deadline:
+            if not self._quorum(call, members):
+                why = f"only {len(members)} of {call.start_members} peers left (no quorum)"
+                hints = await self._wait_for_quorum(call)
+                if hints is not None:
+                    return Outcome(hints=hints, why=FIRST if hints else why)
+                members, excluded = await self._regroup(call, members), {}
+                continue
+            att = self.own.make(call, number, tuple(members))
+            self.timeline.mark("attempt", number=number, members=len(members))
+            await self.book.register(att)
+            out, failed, seen, at = await self._try(call, att)
+            if out is not None:
+                return out
+            if self.peer_id in failed:
+                call.dropped[self.peer_id] = failed[self.peer_id]
+                return Outcome(why=f"this peer's input was refused: {failed[self.peer_id]}")
+            call.dropped.update(failed)
+            excluded.update(failed)
+            members = sorted((set(members) | (seen & set(call.peers))) - set(excluded))
+            number = max(number + 1, at)
+        return Outcome(why=why)
+
+    def _quorum(self, call: Call, members: list[str]) -> bool:
+        return len(members) > call.start_members * self.settings.quorum
+
+    async def _wait_for_quorum(self, call: Call) -> dict[str, bytes] | None:
+        """Without quorum, do not just sit in catch-up until the deadline: that waits for someone
+        else to complete, and when every peer lost quorum (e.g. a peer killed mid-round left a
+        rendezvous entry at its old address, then came back under the same node id at a new one)
+        nobody ever does: each waits, deaf to the others' new attempts, until the round deadline,
+        and the retried round meets the same stale attempts again. So: adopt a result if someone
+        has one (the hints), give up ({}) if the deadline is near, else (None) meet again after a
+        poll (fresh rendezvous, fresh addresses, nobody excluded) and retry."""
+        hints = await self.catchup.ask_done(call)
+        if hints:
+            return hints
+        if asyncio.get_running_loop().time() + self.settings.catch_up_poll >= call.deadline:
+            return {}
+        await asyncio.sleep(self.settings.catch_up_poll)
+        return None
+
+    async def _regroup(self, call: Call, members: list[str]) -> list[str]:
+        """The round's members as the group shows them now (``members`` if it cannot tell).
+
+        A peer that was killed and restarted under the same node id is back at a new address:
+        ``call.peers`` takes the new one, so the next attempt dials the live incarnation."""
+        try:
+            peers = await self.members(
+                call.round_id, call.key, max(call.deadline - asyncio.get_running_loop().time(), 0.001)
+            )
+        except Exception:  # noqa: BLE001 - a failed rendezvous read: keep what we have, retry later
+            return members
+        call.peers.update(peers)
+        return sorted(peers)
+
+    async def _try(
+        self, call: Call, att: Attempt
+    ) -> tuple[Outcome | None, dict[str, str], set[str], int]:
+        """One attempt: (its outcome if it ended the call, else who failed, the members the
+        owners know of, the attempt number they are at)."""
+        replies = await self._attempt(call, att)
+        hints = {o: r.result_hash for o, r in replies.items() if r.code == DONE}
+        if hints:
+            return Outcome(hints=hints, why=FIRST), {}, set(), att.number
+        call.received += att.bytes_received  # the inputs this peer took in as an owner
+        if att.done.is_set() and not att.failed and all(r.code == OK for r in replies.values()):
+            if isinstance(att, ReduceAttempt):  # as an owner it sent its span to every other member
+                call.sent += att.result_bytes * (len(att.members) - 1)
+            self.timeline.mark("complete")
+            named = await self._complete(call, att)
+            return Outcome(named=named, members=list(att.members)), {}, set(), att.number
+        failed, seen, at = self._failures(call, att, replies)
+        att.close()
+        return None, failed, seen, at
+
+    def _failures(
+        self, call: Call, att: Attempt, replies: dict[str, Reply]
+    ) -> tuple[dict[str, str], set[str], int]:
+        me, failed, seen, at = self.peer_id, {}, set(), att.number
+        for o, r in replies.items():
+            if r.code == ERROR:
+                failed[o] = r.reason
+            elif r.code == REFUSED:
+                failed[me] = f"{o} refused it: {r.reason}"
+            elif r.code == ABORT:
+                failed.update({k: v for k, v in r.failed.items() if k in call.peers})
+                seen |= set(r.members)
+                at = max(at, r.attempt)
+        if att.done.is_set():
+            failed.update({k: v for k, v in att.failed.items() if k in call.peers})
+        else:
+            # We leave before our own inputs settled: say so to whoever still sends to us, without
+            # blaming members that may simply not have reached us yet.
+            att.disagree("the owner left this attempt early")
+        return {k: v for k, v in failed.items() if k in call.peers}, seen, at
+
+    async def _attempt(self, call: Call, att: Attempt) -> dict[str, Reply]:
+        """Send our input to every other member and collect their answers, all bounded in time."""
+        loop, s = asyncio.get_running_loop(), self.settings
+        others = [m for m in att.members if m != self.peer_id]
+        progress = AttemptProgress(len(others))
+        tasks = {o: loop.create_task(self.sender.call_owner(call, att, o, progress)) for o in others}
+        expire = loop.call_later(s.peer_timeout, att.expire, s.peer_timeout)
+        own = loop.create_task(att.done.wait())
+        try:
+            await self._collect(call, tasks, own, progress)
+        finally:
+            expire.cancel()
+            for t in (own, *tasks.values()):
+                t.cancel()
+            await asyncio.gather(own, *tasks.values(), return_exceptions=True)  # retrieved: none is lost
+        none = Reply(ERROR, reason=f"no answer within {s.peer_timeout:g}s (stalled or gone)")
+        return {o: none if t.cancelled() else t.result() for o, t in tasks.items()}
+
+    async def _collect(
+        self, call: Call, tasks: dict[str, asyncio.Task], own: asyncio.Task, progress: AttemptProgress
+    ) -> None:
+        """Wait for the owners' answers until every one is in, the attempt is settled, or the
+        owners are silent too long."""
+        loop, s = asyncio.get_running_loop(), self.settings
+        pending: set[asyncio.Future] = {*tasks.values(), own}
+        own_done_at: float | None = None
+        while pending:
+            wait = call.deadline - loop.time()
+            if own.done():
+                # Our own inputs are settled (all in, or expired), so every other owner's are too
+                # within one peer_timeout of skew; an owner silent past that (and past any transfer
+                # still making progress) is stalled or gone.
+                own_done_at = own_done_at or loop.time()
+                wait = min(wait, max(own_done_at, progress.last) + 2 * s.peer_timeout - loop.time())
+            if wait <= 0:
+                return
+            done, pending = await asyncio.wait(pending, timeout=wait, return_when=asyncio.FIRST_COMPLETED)
+            if (not done and own_done_at is not None) or self._settled(tasks, own, progress):
+                return
+
+    @staticmethod
+    def _settled(tasks: dict[str, asyncio.Task], own: asyncio.Task, progress: AttemptProgress) -> bool:
+        finished = [t.result() for t in tasks.values() if t.done()]
+        if any(r.code == DONE for r in finished):
+            return True  # someone completed the round: catch up from it, nothing else matters
+        if len(finished) < len(tasks) or all(r.code == OK for r in finished):
+            return False
+        # Every owner has our whole input, and what failed was only our side of some answers (a
+        # result chunk lost or cut off): the others may still complete this attempt, and they need
+        # our span. Keep owning it until every input is in and reduced, or the attempt fails here
+        # (a member gone or silent is failed within peer_timeout); then retry without those
+        # owners and catch up from them.
+        local = all(
+            t.result().code == OK or (t.result().code == ERROR and o in progress.delivered)
+            for o, t in tasks.items()
+        )
+        return own.done() or not local  # doomed, and every other member has told us why
+
+    async def _complete(self, call: Call, att: Attempt) -> dict[str, torch.Tensor]:
+        named = {"0": call.result} if isinstance(att, ReduceAttempt) else self._gathered(att)  # type: ignore[attr-defined]
+        await self.catchup.publish(call, named, list(att.members))
+        self.timeline.mark("hashed")
+        return named
+
+    @staticmethod
+    def _gathered(att: Attempt) -> dict[str, torch.Tensor]:
+        """A completed gather as named tensors: each member's payload as bytes, and the weights."""
+        assert isinstance(att, GatherAttempt)
+        named = {}
+        for m in att.members:
+            raw = peer_pb2.Payload(tensors=[wire_to_proto(w) for w in att.inputs[m]]).SerializeToString()
+            named[f"m/{m}"] = (
+                torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.zeros(0, dtype=torch.uint8)
+            )
+        named["weights"] = torch.tensor([att.weights[m] for m in att.members], dtype=torch.float64)
+        return named
