@@ -17,7 +17,8 @@ from __future__ import annotations
 import math
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from murmur.errors import MurmurError
@@ -128,7 +129,7 @@ class Leases:
         if progress.bytes_sent < 0 or progress.seconds < 0 or progress.outer_step < 0:
             raise BadCommit("outer_step, bytes_sent and seconds must not be negative")
         now = self.clock()
-        with self.store.write():
+        with self._recording_refusal(run_id, node_id, shard_id), self.store.write():
             done = self.store.commit_record(lease_id, end)
             if done is not None:
                 if (done["node_id"], done["shard_id"], done["start_offset"]) != (node_id, shard_id, start):
@@ -140,13 +141,11 @@ class Leases:
             if shard is None:
                 raise UnknownShard(f"run {run_id} has no shard {shard_id}")
             if shard.lease_id != lease_id or shard.holder != node_id:
-                self.store.bump("commits_refused")
                 raise LeaseLost(
                     f"lease {lease_id} on shard {shard_id} is no longer yours (it expired or was released); "
                     "drop this work and acquire a new lease"
                 )
             if self._expiry(shard) < now:
-                self.store.bump("commits_refused")
                 raise LeaseLost(f"lease {lease_id} on shard {shard_id} expired; acquire a new lease")
             if start != shard.committed_offset:
                 raise BadCommit(
@@ -180,6 +179,17 @@ class Leases:
                 # A commit is a sign of life: it renews the lease like a heartbeat.
                 self.store.set_lease(run_id, shard_id, node_id, lease_id, now + self.settings.lease_ttl_s)
         return CommitResult(False, end, finished)
+
+    @contextmanager
+    def _recording_refusal(self, run_id: str, node_id: str, shard_id: int) -> Iterator[None]:
+        """A refused commit rolls its transaction back; count it (and name the node) in one of its own."""
+        try:
+            yield
+        except LeaseLost:
+            with self.store.write():
+                self.store.bump("commits_refused")
+                self.store.event("commit_refused", run_id=run_id, node_id=node_id, shard=shard_id)
+            raise
 
     def release(self, node_id: str, lease_id: str) -> int:
         with self.store.write():

@@ -1,87 +1,115 @@
-"""The coordinator's Prometheus metrics, rendered for protocol.metrics_http's GET /metrics server.
+"""The coordinator's Prometheus metrics, through prometheus_client (which also escapes label values).
 
-Values are read from the ledger at scrape time (a few aggregate queries), so they are exact and
-survive restarts; per-method call counts are this process's own.
+Ledger values are read at scrape time by a custom collector (a few aggregate queries in store.py),
+so they are exact and survive restarts; per-method call counts are this process's own. The HTTP
+side is coordinator/status/http.py, which serves ``exposition()`` on GET /metrics.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
-from murmur.protocol.metrics_http import MetricsServer
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from .service import Stats
+from .status.report import sync_of
 from .store import Store
 
-__all__ = ["MetricsServer", "render"]  # the server is protocol's, shared with the node
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"  # prometheus_client's text format
+STATUSES = ("active", "lost", "left", "banned")
+LEASE_CHURN = (("granted", "leases_granted"), ("released", "leases_released"), ("expired", "leases_expired"))
 
 
-def render(store: Store, stats: Stats, pending_heartbeats: Callable[[], int]) -> str:
-    lines: list[str] = []
+class LedgerCollector:
+    """Yields every coordinator metric, read from the ledger (and the in-memory call counts)."""
 
-    def metric(name: str, kind: str, help_text: str, samples: list[tuple[str, float]]) -> None:
-        lines.append(f"# HELP {name} {help_text}")
-        lines.append(f"# TYPE {name} {kind}")
-        lines.extend(f"{name}{labels} {value:g}" for labels, value in samples)
+    def __init__(self, store: Store, stats: Stats, pending_heartbeats: Callable[[], int],
+                 tokens_per_s: Callable[[str], float | None]) -> None:
+        self.store = store
+        self.stats = stats
+        self.pending_heartbeats = pending_heartbeats
+        self.tokens_per_s = tokens_per_s  # the live figure from heartbeats not yet flushed
 
-    by_status = {s: 0 for s in ("active", "lost", "left", "banned")}
-    by_status.update(store.nodes_by_status())
-    metric(
-        "murmur_nodes",
-        "gauge",
-        "Nodes by status.",
-        [(f'{{status="{s}"}}', n) for s, n in sorted(by_status.items())],
-    )
-    counters = store.counters()
-    metric(
-        "murmur_tokens_committed_total",
-        "counter",
-        "Dataset tokens committed (each counted once).",
-        [("", counters.get("tokens_committed", 0))],
-    )
-    metric("murmur_commits_total", "counter", "Progress commits accepted.", [("", counters.get("commits", 0))])
-    metric(
-        "murmur_commits_refused_total",
-        "counter",
-        "Commits refused because the lease was lost.",
-        [("", counters.get("commits_refused", 0))],
-    )
-    rounds = store.db.execute("SELECT COUNT(*) FROM rounds").fetchone()[0]
-    metric("murmur_rounds_total", "counter", "Outer steps with at least one commit.", [("", rounds)])
-    metric(
-        "murmur_lease_churn_total",
-        "counter",
-        "Leases granted, released and expired.",
-        [
-            ('{kind="granted"}', counters.get("leases_granted", 0)),
-            ('{kind="released"}', counters.get("leases_released", 0)),
-            ('{kind="expired"}', counters.get("leases_expired", 0)),
-        ],
-    )
-    held = store.db.execute("SELECT COUNT(*) FROM shards WHERE lease_id IS NOT NULL").fetchone()[0]
-    metric("murmur_leases_held", "gauge", "Shards leased right now.", [("", held)])
-    metric(
-        "murmur_ban_list_version",
-        "gauge",
-        "Changes to the ban list so far.",
-        [("", counters.get("ban_version", 0))],
-    )
-    metric(
-        "murmur_heartbeats_pending",
-        "gauge",
-        "Heartbeats received and not yet flushed to the ledger.",
-        [("", pending_heartbeats())],
-    )
-    metric(
-        "murmur_rpc_calls_total",
-        "counter",
-        "RPCs handled, by method.",
-        [(f'{{method="{m}"}}', n) for m, n in sorted(stats.calls.items())],
-    )
-    metric(
-        "murmur_rpc_errors_total",
-        "counter",
-        "RPCs answered with an error, by method.",
-        [(f'{{method="{m}"}}', n) for m, n in sorted(stats.errors.items())],
-    )
-    return "\n".join(lines) + "\n"
+    def collect(self) -> Iterator[Metric]:
+        counters = self.store.counters()
+        nodes = GaugeMetricFamily("murmur_nodes", "Nodes by status.", labels=["status"])
+        by_status = dict.fromkeys(STATUSES, 0) | self.store.nodes_by_status()
+        for status, n in sorted(by_status.items()):
+            nodes.add_metric([status], n)
+        yield nodes
+
+        def counter(name: str, help_text: str, key: str) -> CounterMetricFamily:
+            return CounterMetricFamily(name, help_text, value=counters.get(key, 0))
+
+        yield counter("murmur_tokens_committed", "Dataset tokens committed (each counted once).", "tokens_committed")
+        yield counter("murmur_commits", "Progress commits accepted.", "commits")
+        yield counter("murmur_commits_refused", "Commits refused because the lease was lost.", "commits_refused")
+        yield CounterMetricFamily(
+            "murmur_rounds", "Outer steps with at least one commit.", value=self.store.rounds_total()
+        )
+        churn = CounterMetricFamily("murmur_lease_churn", "Leases granted, released and expired.", labels=["kind"])
+        for kind, key in LEASE_CHURN:
+            churn.add_metric([kind], counters.get(key, 0))
+        yield churn
+        yield GaugeMetricFamily("murmur_leases_held", "Shards leased right now.", value=self.store.leases_held())
+        yield GaugeMetricFamily(
+            "murmur_ban_list_version", "Changes to the ban list so far.", value=counters.get("ban_version", 0)
+        )
+        yield GaugeMetricFamily(
+            "murmur_heartbeats_pending",
+            "Heartbeats received and not yet flushed to the ledger.",
+            value=self.pending_heartbeats(),
+        )
+        yield from self._per_run()
+        yield from self._per_node()
+        calls = CounterMetricFamily("murmur_rpc_calls", "RPCs handled, by method.", labels=["method"])
+        errors = CounterMetricFamily("murmur_rpc_errors", "RPCs answered with an error, by method.", labels=["method"])
+        for method, n in sorted(self.stats.calls.items()):
+            calls.add_metric([method], n)
+        for method, n in sorted(self.stats.errors.items()):
+            errors.add_metric([method], n)
+        yield calls
+        yield errors
+
+    def _per_run(self) -> Iterator[Metric]:
+        sent = CounterMetricFamily(
+            "murmur_bytes_sent", "Payload bytes nodes reported sending, by run and update codec.",
+            labels=["run", "codec"],
+        )
+        for row in self.store.bytes_sent_by_run():
+            sent.add_metric([row["run_id"], str(sync_of(row["config_toml"])["codec"])], row["bytes_sent"])
+        yield sent
+
+    def _per_node(self) -> Iterator[Metric]:
+        tps = GaugeMetricFamily(
+            "murmur_node_tokens_per_s", "Training tokens per second an active node last reported.",
+            labels=["run", "node"],
+        )
+        sent = CounterMetricFamily(
+            "murmur_node_bytes_sent", "Payload bytes a node's commits reported.", labels=["run", "node"]
+        )
+        refused = CounterMetricFamily(
+            "murmur_node_commits_refused", "A node's commits refused because its lease was lost.",
+            labels=["run", "node"],
+        )
+        for row in self.store.node_summaries():
+            labels = [row["run_id"], row["node_id"]]
+            if row["status"] == "active":
+                tps.add_metric(labels, self.tokens_per_s(row["node_id"]) or row["tokens_per_s"])
+            sent.add_metric(labels, row["bytes_sent"])
+            refused.add_metric(labels, row["commits_refused"])
+        yield tps
+        yield sent
+        yield refused
+
+
+def registry(collector: LedgerCollector) -> CollectorRegistry:
+    """A registry of our own (not the process-wide default, which tests would share)."""
+    reg = CollectorRegistry(auto_describe=False)
+    reg.register(collector)  # type: ignore[arg-type]  # a duck-typed collector, as the library documents
+    return reg
+
+
+def exposition(reg: CollectorRegistry) -> bytes:
+    return generate_latest(reg)

@@ -1,4 +1,5 @@
-"""The coordinator process: one asyncio loop owning the gRPC server, the sweeper and /metrics.
+"""The coordinator process: one asyncio loop owning the gRPC server, the sweeper and the HTTP port
+(status page, /api/status, /metrics: status/http.py).
 
 Two gRPC listeners share one server and one servicer:
   public  (``--listen``)       server-side TLS: Join and the admin calls;
@@ -28,10 +29,11 @@ from murmur.protocol import coordinator_pb2_grpc as pb_grpc
 from . import authority
 from .discovery import Discovery
 from .membership import Membership
-from .metrics import MetricsServer, render
+from .metrics import LedgerCollector
 from .runs import Runs
 from .service import CoordinatorService
 from .settings import CoordinatorSettings
+from .status.http import StatusApp
 from .store import Store
 
 
@@ -93,7 +95,10 @@ class Coordinator:
             self.secrets.admin_key,
             self.secrets.ca.cert_pem,
         )
-        self.metrics = MetricsServer(lambda: render(self.store, self.service.stats, self.membership.pending_count))
+        collector = LedgerCollector(
+            self.store, self.service.stats, self.membership.pending_count, self.membership.tokens_per_s
+        )
+        self.metrics = StatusApp(self.service.status, self.membership, collector, self.secrets.admin_key).server()
         self.server: grpc.aio.Server | None = None
         self.dht: Discovery | None = None
         self._stop = asyncio.Event()
@@ -226,8 +231,9 @@ def run(options: ServeOptions) -> int:
         def ready(info: dict[str, object]) -> None:
             print(json.dumps(info), flush=True)
             print(
-                f"murmur coordinator: serving {info['address']} (nodes: {info['node_address']}, metrics: "
-                f"{info['metrics'] or 'off'})\n  CA fingerprint {info['ca_fingerprint']}\n"
+                f"murmur coordinator: serving {info['address']} (nodes: {info['node_address']}, status page and "
+                f"metrics: {'http://' + str(info['metrics']) + '/' if info['metrics'] else 'off'})\n"
+                f"  CA fingerprint {info['ca_fingerprint']}\n"
                 f"  admin credential {info['admin_key_file']}",
                 file=sys.stderr,
                 flush=True,

@@ -11,7 +11,6 @@ hottest call, a heartbeat, touches only memory (membership.py).
 from __future__ import annotations
 
 import hmac
-import json
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
@@ -27,6 +26,7 @@ from .leases import Progress
 from .membership import Membership
 from .runs import NotFound, RunError, Runs
 from .settings import ADMIN_METADATA_KEY, TLS_SERVER_NAME, CoordinatorSettings
+from .status.report import StatusSource
 from .store import Store
 
 T = TypeVar("T")
@@ -69,6 +69,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self.node_address = ""  # set by the server once bound
         self.bootstrap_peers: list[str] = []
         self.stats = Stats()
+        self.status = StatusSource(store, membership, runs, settings)
 
     # --- plumbing ------------------------------------------------------------------------------
 
@@ -255,50 +256,12 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
 
         return self._run(method, context, call)
 
+    # The run and node views are built by status/report.py, which the status page shares.
     def _run_info(self, run_id: str) -> pb.RunInfo:
-        row = self.runs.get(run_id)
-        totals = self.store.run_totals(run_id)
-        last = self.store.last_round(run_id)
-        return pb.RunInfo(
-            run_id=row["run_id"],
-            name=row["name"],
-            state=row["state"],
-            created_at=row["created_at"],
-            config_toml=row["config_toml"],
-            shards_total=totals["shards_total"],
-            shards_done=totals["shards_done"],
-            tokens_total=totals["tokens_total"],
-            tokens_committed=totals["tokens_committed"],
-            outer_step=last["outer_step"] if last else 0,
-            nodes_active=self.store.nodes_by_status(run_id).get("active", 0),
-        )
+        return self.status.run_info(run_id)
 
     def _node_info(self, row: Any, full: bool = False) -> pb.NodeInfo:
-        hw = json.loads(row["hardware_json"] or "{}")
-        tokens, sent = self.store.node_totals(row["node_id"])
-        seen = self.membership.last_seen(row["node_id"])
-        info = pb.NodeInfo(
-            node_id=row["node_id"],
-            run_id=row["run_id"],
-            status=row["status"],
-            joined_at=row["joined_at"],
-            last_heartbeat=max(row["last_heartbeat"], seen or 0.0),
-            tokens_per_s=self.membership.tokens_per_s(row["node_id"]) or row["tokens_per_s"],
-            peer_address=row["peer_address"],
-            tokens_committed=tokens,
-            bytes_sent=sent,
-            shards_held=[s.shard_id for s in self.store.shards_held(row["node_id"])],
-            ban_reason=row["ban_reason"],
-            hardware=pb.Hardware(
-                device=str(hw.get("device", "")),
-                cpu_cores=int(hw.get("cpu_cores", 0)),
-                memory_bytes=int(hw.get("memory_bytes", 0)),
-                accelerator_memory_bytes=int(hw.get("accelerator_memory_bytes", 0)),
-            ),
-        )
-        if full:
-            info.certificate_pem = row["cert_pem"]
-        return info
+        return self.status.node_info(row, full)
 
     def _token_info(self, row: Any) -> pb.TokenInfo:
         return pb.TokenInfo(
@@ -313,14 +276,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         )
 
     def _default_run(self, run_id: str) -> str:
-        if run_id:
-            return run_id
-        runs = self.store.runs()
-        if len(runs) == 1:
-            return runs[0]["run_id"]
-        if not runs:
-            raise NotFound("there is no run yet; create one with `murmur admin runs create --config FILE`")
-        raise RunError(f"there are {len(runs)} runs; name one with --run")
+        return self.status.default_run(run_id)
 
     async def CreateRun(self, request: pb.CreateRunRequest, context: grpc.aio.ServicerContext) -> pb.RunInfo:
         def call() -> pb.RunInfo:
@@ -449,24 +405,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         return await self._admin_call("ListEvents", context, call)
 
     async def Status(self, request: pb.StatusRequest, context: grpc.aio.ServicerContext) -> pb.StatusReply:
-        def call() -> pb.StatusReply:
-            run_id = self._default_run(request.run_id)
-            info = self._run_info(run_id)
-            now = time.time()
-            window = self.settings.tokens_per_s_window_s
-            tokens, first = self.store.committed_since(run_id, now - window)
-            last = self.store.last_round(run_id)
-            return pb.StatusReply(
-                run=info,
-                nodes=[self._node_info(r) for r in self.store.nodes(run_id)],
-                last_loss=(last["loss_sum"] / last["commits"]) if last else 0.0,
-                tokens_per_s=tokens / max(now - first, 1.0) if first is not None else 0.0,
-                bytes_sent=self.store.bytes_sent(run_id),
-                rounds=self.store.round_count(run_id),
-                nodes_by_status=self.store.nodes_by_status(run_id),
-            )
-
-        return await self._admin_call("Status", context, call)
+        return await self._admin_call("Status", context, lambda: self.status.status_reply(request.run_id))
 
 
 class _Unauthenticated(MurmurError):

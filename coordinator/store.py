@@ -569,6 +569,49 @@ class Store:
     def checkpoints(self, run_id: str) -> list[sqlite3.Row]:
         return self._q("SELECT * FROM checkpoints WHERE run_id = ? ORDER BY step", (run_id,))
 
+    # --- read-only views for the status page and /metrics ---------------------------------------
+
+    def rounds_total(self) -> int:
+        row = self._one("SELECT COUNT(*) AS n FROM rounds")
+        return int(row["n"]) if row else 0
+
+    def leases_held(self) -> int:
+        row = self._one("SELECT COUNT(*) AS n FROM shards WHERE lease_id IS NOT NULL")
+        return int(row["n"]) if row else 0
+
+    def bytes_sent_by_run(self) -> list[sqlite3.Row]:
+        """(run_id, config_toml, bytes_sent) of every run, the bytes its commits reported."""
+        return self._q(
+            "SELECT r.run_id, r.config_toml, COALESCE(SUM(o.bytes_sent), 0) AS bytes_sent "
+            "FROM runs r LEFT JOIN rounds o ON o.run_id = r.run_id GROUP BY r.run_id ORDER BY r.created_at"
+        )
+
+    def node_summaries(self, run_id: str = "") -> list[sqlite3.Row]:
+        """One row per node: its ledger row's fields plus what its commits and events add up to
+        (tokens, bytes_sent, round: the highest outer step it committed, joins, commits_refused)."""
+        return self._q(
+            "SELECT n.node_id, n.run_id, n.status, n.joined_at, n.last_heartbeat, n.tokens_per_s, "
+            "COALESCE(c.tokens, 0) AS tokens, COALESCE(c.bytes_sent, 0) AS bytes_sent, "
+            "COALESCE(c.round, 0) AS round, COALESCE(e.joins, 0) AS joins, "
+            "COALESCE(e.refused, 0) AS commits_refused "
+            "FROM nodes n "
+            "LEFT JOIN (SELECT node_id, SUM(end_offset - start_offset) AS tokens, SUM(bytes_sent) AS bytes_sent, "
+            "MAX(outer_step) AS round FROM commits GROUP BY node_id) c ON c.node_id = n.node_id "
+            "LEFT JOIN (SELECT node_id, SUM(kind = 'join') AS joins, SUM(kind = 'commit_refused') AS refused "
+            "FROM events WHERE kind IN ('join', 'commit_refused') GROUP BY node_id) e ON e.node_id = n.node_id "
+            "WHERE ? = '' OR n.run_id = ? ORDER BY n.joined_at",
+            (run_id, run_id),
+        )
+
+    def round_history(self, run_id: str, limit: int = 500) -> list[sqlite3.Row]:
+        """The newest ``limit`` rounds of a run, oldest first: step, mean loss, tokens, bytes, time."""
+        rows = self._q(
+            "SELECT outer_step, loss_sum / commits AS loss, tokens, bytes_sent, commits, last_at "
+            "FROM rounds WHERE run_id = ? ORDER BY outer_step DESC LIMIT ?",
+            (run_id, limit),
+        )
+        return list(reversed(rows))
+
     # --- consistency ---------------------------------------------------------------------------
 
     def check_consistency(self) -> list[str]:

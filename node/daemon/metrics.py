@@ -1,16 +1,27 @@
-"""The node's Prometheus endpoint: a few gauges and counters as text on GET /metrics.
+"""The node's Prometheus endpoint: GET /metrics through prometheus_client, on the daemon's loop.
 
-Served by protocol.metrics_http on the daemon's asyncio loop (shared with the coordinator).
 The training thread updates `NodeMetrics` fields; plain float/int assignments are atomic under the
-GIL, and a scrape reads whatever the last round wrote.
+GIL, and a scrape reads whatever the last round wrote (a custom collector turns the fields into
+metric families at scrape time; prometheus_client renders them and escapes the label values).
+The HTTP server is protocol.http_server's, shared with the coordinator.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, fields
 
-from murmur.protocol.metrics_http import MetricsServer
+from aiohttp import web
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from murmur.protocol.http_server import HttpServer, one_line_errors
+
+MetricsServer = HttpServer  # the name the daemon knows
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+# field -> (kind, help). Counters are exposed with prometheus_client's `_total` suffix.
 _HELP = {
     "round": ("gauge", "outer rounds this node completed"),
     "steps": ("counter", "inner steps this node trained"),
@@ -46,20 +57,40 @@ class NodeMetrics:
     pending_commits: int = 0
     commits_total: int = 0
 
-    def render(self, labels: dict[str, str]) -> str:
-        lab = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
-        lines = []
-        for f in fields(self):
+
+class NodeCollector:
+    def __init__(self, metrics: NodeMetrics, labels: dict[str, str]) -> None:
+        self.metrics = metrics
+        self.names = sorted(labels)
+        self.values = [labels[k] for k in self.names]
+
+    def collect(self) -> Iterator[Metric]:
+        m = self.metrics
+        for f in fields(m):
             kind, text = _HELP[f.name]
-            name = f"murmur_node_{f.name}"
-            lines += [
-                f"# HELP {name} {text}",
-                f"# TYPE {name} {kind}",
-                f"{name}{{{lab}}} {getattr(self, f.name)}",
-            ]
-        return "\n".join(lines) + "\n"
+            family = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+            metric = family(f"murmur_node_{f.name}", text, labels=self.names)
+            metric.add_metric(self.values, getattr(m, f.name))
+            yield metric
+        # Where a round's wall time went: computing, or everything else (mostly waiting for the exchange).
+        phases = CounterMetricFamily(
+            "murmur_node_round_seconds",
+            "seconds of training windows by phase: compute, or wait (exchange, data, leases)",
+            labels=[*self.names, "phase"],
+        )
+        phases.add_metric([*self.values, "compute"], m.compute_seconds_total)
+        phases.add_metric([*self.values, "wait"], max(0.0, m.wall_seconds_total - m.compute_seconds_total))
+        yield phases
 
 
 def metrics_server(metrics: NodeMetrics, labels: dict[str, str]) -> MetricsServer:
-    """The daemon's /metrics endpoint, rendering ``metrics`` at each scrape."""
-    return MetricsServer(lambda: metrics.render(labels))
+    """The daemon's /metrics endpoint (``start(host, port)`` returns the bound port)."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(NodeCollector(metrics, labels))  # type: ignore[arg-type]  # duck-typed collector
+
+    async def scrape(_request: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(registry), headers={"Content-Type": CONTENT_TYPE})
+
+    app = web.Application(middlewares=[one_line_errors])
+    app.router.add_get("/metrics", scrape)
+    return HttpServer(app)

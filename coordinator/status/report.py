@@ -1,0 +1,168 @@
+"""The run's status, built from the ledger in one place: the admin Status call (`murmur admin
+status`) and the status page's /api/status both come from `status_reply`, so they always agree.
+
+`page_status` wraps that reply (as the same JSON the admin CLI prints) with what only the page
+shows: the run's algorithm and codec, per-node round, re-joins and refused commits, the loss
+history, shard progress and the last events.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+from google.protobuf.json_format import MessageToDict
+
+from murmur.errors import MurmurError
+from murmur.protocol import coordinator_pb2 as pb
+
+from ..membership import Membership
+from ..runs import NotFound, RunError, Runs
+from ..settings import CoordinatorSettings
+from ..store import Store
+
+EVENTS_SHOWN = 20  # the page's event list
+ROUNDS_SHOWN = 500  # points of the loss chart
+
+
+class StatusSource:
+    """What a status is built from: the ledger, plus the live heartbeats membership holds in memory."""
+
+    def __init__(self, store: Store, membership: Membership, runs: Runs, settings: CoordinatorSettings) -> None:
+        self.store, self.membership, self.runs, self.settings = store, membership, runs, settings
+
+    def default_run(self, run_id: str) -> str:
+        if run_id:
+            return run_id
+        runs = self.store.runs()
+        if len(runs) == 1:
+            return str(runs[0]["run_id"])
+        if not runs:
+            raise NotFound("there is no run yet; create one with `murmur admin runs create --config FILE`")
+        raise RunError(f"there are {len(runs)} runs; name one with --run")
+
+    def run_info(self, run_id: str) -> pb.RunInfo:
+        row = self.runs.get(run_id)
+        totals = self.store.run_totals(run_id)
+        last = self.store.last_round(run_id)
+        return pb.RunInfo(
+            run_id=row["run_id"],
+            name=row["name"],
+            state=row["state"],
+            created_at=row["created_at"],
+            config_toml=row["config_toml"],
+            shards_total=totals["shards_total"],
+            shards_done=totals["shards_done"],
+            tokens_total=totals["tokens_total"],
+            tokens_committed=totals["tokens_committed"],
+            outer_step=last["outer_step"] if last else 0,
+            nodes_active=self.store.nodes_by_status(run_id).get("active", 0),
+        )
+
+    def node_info(self, row: Any, full: bool = False) -> pb.NodeInfo:
+        hw = json.loads(row["hardware_json"] or "{}")
+        tokens, sent = self.store.node_totals(row["node_id"])
+        seen = self.membership.last_seen(row["node_id"])
+        info = pb.NodeInfo(
+            node_id=row["node_id"],
+            run_id=row["run_id"],
+            status=row["status"],
+            joined_at=row["joined_at"],
+            last_heartbeat=max(row["last_heartbeat"], seen or 0.0),
+            tokens_per_s=self.membership.tokens_per_s(row["node_id"]) or row["tokens_per_s"],
+            peer_address=row["peer_address"],
+            tokens_committed=tokens,
+            bytes_sent=sent,
+            shards_held=[s.shard_id for s in self.store.shards_held(row["node_id"])],
+            ban_reason=row["ban_reason"],
+            hardware=pb.Hardware(
+                device=str(hw.get("device", "")),
+                cpu_cores=int(hw.get("cpu_cores", 0)),
+                memory_bytes=int(hw.get("memory_bytes", 0)),
+                accelerator_memory_bytes=int(hw.get("accelerator_memory_bytes", 0)),
+            ),
+        )
+        if full:
+            info.certificate_pem = row["cert_pem"]
+        return info
+
+    def status_reply(self, run_id: str, now: float | None = None) -> pb.StatusReply:
+        run_id = self.default_run(run_id)
+        info = self.run_info(run_id)
+        now = time.time() if now is None else now
+        tokens, first = self.store.committed_since(run_id, now - self.settings.tokens_per_s_window_s)
+        last = self.store.last_round(run_id)
+        return pb.StatusReply(
+            run=info,
+            nodes=[self.node_info(r) for r in self.store.nodes(run_id)],
+            last_loss=(last["loss_sum"] / last["commits"]) if last else 0.0,
+            tokens_per_s=tokens / max(now - first, 1.0) if first is not None else 0.0,
+            bytes_sent=self.store.bytes_sent(run_id),
+            rounds=self.store.round_count(run_id),
+            nodes_by_status=self.store.nodes_by_status(run_id),
+        )
+
+    def page_status(self, run_id: str = "") -> dict[str, Any]:
+        """Everything the status page draws, read in one pass over the ledger."""
+        now = time.time()
+        if not self.store.runs() and not run_id:
+            return {"now": now, "run": None, "status": None, "nodes": [], "rounds": [], "shards": [], "events": []}
+        reply = self.status_reply(run_id, now)
+        rid = reply.run.run_id
+        ttl = self.settings.heartbeat_ttl_s
+        extras = {r["node_id"]: r for r in self.store.node_summaries(rid)}
+        nodes = []
+        for n in reply.nodes:
+            e = extras.get(n.node_id)
+            age = max(0.0, now - n.last_heartbeat)
+            nodes.append(
+                {
+                    "node_id": n.node_id,
+                    "status": n.status,
+                    "heartbeat_age_s": age,
+                    "heartbeat_late": n.status == "active" and age > ttl,
+                    "round": int(e["round"]) if e else 0,
+                    "tokens_per_s": n.tokens_per_s,
+                    "tokens_committed": n.tokens_committed,
+                    "bytes_sent": n.bytes_sent,
+                    "restarts": max(0, int(e["joins"]) - 1) if e else 0,
+                    "commits_refused": int(e["commits_refused"]) if e else 0,
+                    "shards_held": list(n.shards_held),
+                    "device": n.hardware.device,
+                }
+            )
+        return {
+            "now": now,
+            "heartbeat_ttl_s": ttl,
+            "run": {**sync_of(reply.run.config_toml), "run_id": rid, "state": reply.run.state},
+            # The very JSON `murmur admin status --output json` prints, for the same moment.
+            "status": MessageToDict(
+                reply, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
+            ),
+            "nodes": nodes,
+            "rounds": [
+                {"round": r["outer_step"], "loss": r["loss"], "tokens": r["tokens"], "bytes_sent": r["bytes_sent"]}
+                for r in self.store.round_history(rid, ROUNDS_SHOWN)
+            ],
+            "shards": [
+                {"shard_id": s.shard_id, "tokens": s.tokens, "committed": s.committed_offset,
+                 "holder": s.holder or "", "done": s.done}
+                for s in self.store.shards(rid)
+            ],
+            "events": [
+                {"seq": r["seq"], "at": r["at"], "kind": r["kind"], "node_id": r["node_id"], "detail": r["detail_json"]}
+                for r in self.store.events(run_id=rid, limit=EVENTS_SHOWN)
+            ],
+        }
+
+
+def sync_of(config_toml: str) -> dict[str, Any]:
+    """The run's algorithm, codec and H as its TOML says (the defaults of protocol/runconfig.py otherwise)."""
+    from murmur.protocol.runconfig import parse_config
+
+    try:
+        sync = parse_config(config_toml, "the run configuration").sync
+        return {"algorithm": sync.algorithm, "codec": sync.codec, "inner_steps": sync.inner_steps}
+    except MurmurError:  # a stored config parsed when the run was created; only a newer schema fails
+        return {"algorithm": "?", "codec": "?", "inner_steps": 0}
