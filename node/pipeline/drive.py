@@ -1,0 +1,158 @@
+"""One pipeline driver as a process: it holds the data and sends microbatches through the stages.
+
+    python -m murmur.node.pipeline.drive --identity DIR --run RUN --peers peers.json \
+        --stages 2 [model args] --data DATASET --shard 0 --microbatches 40 \
+        [--microbatch-size 4] [--concurrency 2] [--codec bf16] [--commit-log FILE]
+
+``peers.json`` is ``{"peers": [{"node_id", "address", "stage"}, ...]}``, re-read every
+``--peers-every`` seconds, so whoever launches the stage peers (a test, the testnet) may change
+it while the driver runs. Microbatch i holds the tokens [i*B*T, (i+1)*B*T] of the shard (wrapping
+round at its end). Output: one JSON line per completed microbatch (loss, the peer of every hop,
+retries), one per commit (the contiguous range of microbatches and their tokens, also appended
+to ``--commit-log`` and fsynced), and a last line ``{"event": "done", ...}`` with the committed
+token count and how many hops each peer served.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import signal
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from murmur.node.model.data import Dataset
+from murmur.node.pipeline.client import StageClient, StagePeer
+from murmur.node.pipeline.config import PipelineConfig, add_model_args, model_from_args
+from murmur.node.pipeline.driver import Driver, MicrobatchFailed, MicrobatchResult, run_in_order
+from murmur.node.pipeline.router import Router
+from murmur.protocol.identity import Identity
+
+
+def emit(**record: object) -> None:
+    print(json.dumps(record), flush=True)
+
+
+def read_peers(path: Path) -> dict[int, list[StagePeer]]:
+    data = json.loads(path.read_text())
+    out: dict[int, list[StagePeer]] = {}
+    for p in data["peers"]:
+        out.setdefault(int(p["stage"]), []).append(StagePeer(p["node_id"], p["address"], int(p["stage"])))
+    return out
+
+
+def microbatch_source(dataset: Dataset, shard: int, rows: int, seq_len: int):
+    tokens = dataset.shard(shard)
+    span = rows * seq_len
+    usable = len(tokens) - 1 - span
+    if usable < 0:
+        raise SystemExit(f"error: shard {shard} holds fewer than {span + 1} tokens")
+
+    def batch(i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        o = (i * span) % (usable + 1)
+        buf = torch.from_numpy(tokens[o : o + span + 1].astype(np.int64))
+        return buf[:-1].view(rows, seq_len), buf[1:].view(rows, seq_len)
+
+    return batch
+
+
+async def drive(args: argparse.Namespace) -> int:
+    model_cfg, layers = model_from_args(args)
+    cfg = PipelineConfig(
+        stages=args.stages, layers=layers, microbatch_size=args.microbatch_size,
+        activation_codec=args.codec, hop_timeout_s=args.hop_timeout_s,
+        min_hop_timeout_s=args.min_hop_timeout_s, hop_attempts=args.hop_attempts,
+        microbatch_attempts=args.microbatch_attempts, bench_s=args.bench_s,
+    )
+    identity = Identity.load(args.identity)
+    client = StageClient(identity, run_id=args.run)
+    router = Router(cfg)
+    peers_path = Path(args.peers)
+
+    def refresh() -> None:
+        for stage, peers in read_peers(peers_path).items():
+            router.set_peers(stage, peers)
+
+    async def keep_refreshing() -> None:
+        while True:
+            await asyncio.sleep(args.peers_every)
+            with contextlib.suppress(OSError, ValueError, KeyError):
+                refresh()
+
+    refresh()
+    driver = Driver(client, router, cfg, dim=model_cfg.dim)
+    batches = microbatch_source(Dataset.open(args.data), args.shard, cfg.microbatch_size, model_cfg.seq_len)
+    tokens_per_mb = cfg.microbatch_size * model_cfg.seq_len
+    committed_tokens = 0
+    log = open(args.commit_log, "a") if args.commit_log else None  # noqa: SIM115 - closed below
+
+    def on_done(i: int, res: MicrobatchResult) -> None:
+        emit(event="microbatch", index=i, loss=res.loss, retries=res.retries, wire_bytes=res.wire_bytes,
+             hops=[[h.stage, h.kind, h.node_id, h.attempts] for h in res.hops])
+
+    def on_commit(lo: int, hi: int) -> None:
+        nonlocal committed_tokens
+        committed_tokens += (hi - lo) * tokens_per_mb
+        record = {"event": "commit", "start": lo, "end": hi, "tokens": (hi - lo) * tokens_per_mb}
+        if log is not None:
+            log.write(json.dumps(record) + "\n")
+            log.flush()
+            os.fsync(log.fileno())
+        emit(**record)
+
+    refresher = asyncio.create_task(keep_refreshing())
+    status = 0
+    end = args.start
+    try:
+        end = await run_in_order(driver, batches, args.microbatches, concurrency=args.concurrency,
+                                 on_done=on_done, on_commit=on_commit, start=args.start)
+    except MicrobatchFailed as err:
+        emit(event="failed", reason=str(err))
+        status = 1
+    finally:
+        refresher.cancel()
+        await client.aclose()
+        if log is not None:
+            log.close()
+    served = {st.peer.node_id: st.hops for stage in router.stages.values() for st in stage.values()}
+    emit(event="done", committed_tokens=committed_tokens, committed_end=end, hops_by_peer=served)
+    return status
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m murmur.node.pipeline.drive")
+    ap.add_argument("--identity", required=True)
+    ap.add_argument("--run", default="murmur-run")
+    ap.add_argument("--peers", required=True, help="JSON file naming the stage peers (see the module doc)")
+    ap.add_argument("--peers-every", type=float, default=1.0, help="seconds between re-reads of --peers")
+    add_model_args(ap)
+    ap.add_argument("--data", required=True, help="a prepared dataset folder")
+    ap.add_argument("--shard", type=int, default=0)
+    ap.add_argument("--microbatches", type=int, required=True)
+    ap.add_argument("--start", type=int, default=0, help="first microbatch index (resume)")
+    ap.add_argument("--microbatch-size", type=int, default=4)
+    ap.add_argument("--concurrency", type=int, default=2, help="microbatches in flight")
+    ap.add_argument("--codec", default="bf16", help="activation codec: fp32, bf16, int8")
+    ap.add_argument("--hop-timeout-s", type=float, default=30.0)
+    ap.add_argument("--min-hop-timeout-s", type=float, default=2.0)
+    ap.add_argument("--hop-attempts", type=int, default=3)
+    ap.add_argument("--microbatch-attempts", type=int, default=3)
+    ap.add_argument("--bench-s", type=float, default=2.0)
+    ap.add_argument("--commit-log", default="", help="append committed ranges here (JSON lines, fsynced)")
+    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # stop as Ctrl+C does
+    try:
+        return asyncio.run(drive(args))
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

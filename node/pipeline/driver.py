@@ -1,0 +1,211 @@
+"""Drive microbatches through the stages: one hop at a time, retried on stage-mates, counted once.
+
+A driver holds the data (docs/pipeline.md says why the data-holding node drives). For one
+microbatch it sends the tokens to a peer of stage 0, the activations on through stages
+1..S-2, the last activations with the targets to a peer of the last stage (which returns the
+loss and the gradient of its inputs), then the gradients back through stages S-2..0, each
+backward carrying that stage's inputs again so any peer of the stage can recompute. A backward
+goes first to the peer that ran the stage's forward (its weights made the activations), and to
+a stage-mate when that one fails.
+
+Each hop tries at most ``hop_attempts`` peers of its stage, each with the router's adaptive
+deadline; a failed attempt benches the peer. When a hop runs out of peers the microbatch fails
+as a whole (`MicrobatchFailed`) and is run again from the start later; its tokens count only
+when it completes. `CommitWindow` turns completions, which arrive out of order when several
+microbatches are in flight, into the contiguous prefix of microbatches that may be committed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+import grpc
+import torch
+
+from murmur.errors import MurmurError
+from murmur.node.pipeline.client import StageClient, StagePeer
+from murmur.node.pipeline.config import PipelineConfig
+from murmur.node.pipeline.router import Router
+from murmur.protocol.identity import BannedError
+from murmur.protocol.wire import WireError
+
+
+class MicrobatchFailed(MurmurError):
+    """A hop found no peer of its stage that answered; nothing of the microbatch is committed."""
+
+
+@dataclass(slots=True)
+class Hop:
+    stage: int
+    kind: str  # forward | backward
+    node_id: str
+    seconds: float
+    attempts: int
+
+
+@dataclass(slots=True)
+class MicrobatchResult:
+    loss: float
+    hops: list[Hop] = field(default_factory=list)
+    wire_bytes: int = 0
+
+    @property
+    def retries(self) -> int:
+        return sum(h.attempts - 1 for h in self.hops)
+
+
+class Driver:
+    def __init__(self, client: StageClient, router: Router, cfg: PipelineConfig, *, dim: int) -> None:
+        self.client, self.router, self.cfg, self.dim = client, router, cfg, dim
+
+    async def _hop(
+        self, stage: int, kind: str, samples: int, call: Callable[[StagePeer, float], Awaitable],
+        prefer: StagePeer | None = None,
+    ):
+        tried: list[str] = []
+        errors: list[str] = []
+        for attempt in range(1, self.cfg.hop_attempts + 1):
+            peer = self._pick(stage, kind, samples, tried, prefer if attempt == 1 else None)
+            if peer is None:
+                break
+            tried.append(peer.node_id)
+            deadline = self.router.deadline(peer, kind)
+            t0 = time.monotonic()
+            try:
+                result = await call(peer, deadline)
+            except grpc.aio.AioRpcError as err:
+                timed_out = err.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+                errors.append(f"{peer.node_id}: {err.code().name} {err.details() or ''}".strip())
+                self.router.failed(peer, kind, timed_out=timed_out)
+                if not timed_out:
+                    await self.client.forget(peer)
+                continue
+            except (WireError, BannedError) as err:  # a reply we cannot use: the peer's fault
+                errors.append(f"{peer.node_id}: {err}")
+                self.router.failed(peer, kind, timed_out=False)
+                continue
+            seconds = time.monotonic() - t0
+            self.router.succeeded(peer, kind, samples, seconds)
+            return peer, result, Hop(stage, kind, peer.node_id, seconds, attempt)
+        raise MicrobatchFailed(
+            f"stage {stage} {kind}: no peer answered after {len(tried)} attempts"
+            + (f" ({'; '.join(errors)})" if errors else "")
+        )
+
+    def _pick(self, stage: int, kind: str, samples: int, tried: list[str], prefer: StagePeer | None):
+        if prefer is not None:
+            st = self.router.state(prefer)
+            if st is not None and st.benched_until <= self.router.clock():
+                return prefer
+        try:
+            return self.router.choose(stage, samples, kind=kind, exclude=tried)
+        except LookupError:
+            return None
+
+    async def run_microbatch(self, name: str, x: torch.Tensor, y: torch.Tensor) -> MicrobatchResult:
+        """Loss of one microbatch after its forward and backward went through every stage."""
+        s_last = self.cfg.stages - 1
+        rows = x.shape[0]
+        codec = self.cfg.activation_codec
+        res = MicrobatchResult(loss=float("nan"))
+        inputs: list[torch.Tensor] = [x]
+        forward_peers: list[StagePeer] = []
+        for stage in range(s_last):
+            async def fwd(peer, timeout, inp=inputs[-1]):
+                return await self.client.forward(peer, name, inp, reply_codec=codec, timeout=timeout, dim=self.dim)
+            peer, (out, nbytes), hop = await self._hop(stage, "forward", rows, fwd)
+            inputs.append(out)
+            forward_peers.append(peer)
+            res.hops.append(hop)
+            res.wire_bytes += nbytes
+
+        async def last(peer, timeout):
+            return await self.client.backward(
+                peer, name, inputs[-1], targets=y, reply_codec=codec, timeout=timeout, dim=self.dim
+            )
+        _, answer, hop = await self._hop(s_last, "backward", rows, last)
+        res.loss, grad = answer.loss, answer.grad_inputs
+        res.hops.append(hop)
+        res.wire_bytes += answer.wire_bytes
+        for stage in range(s_last - 1, -1, -1):
+            async def bwd(peer, timeout, inp=inputs[stage], g=grad):
+                return await self.client.backward(
+                    peer, name, inp, grad_outputs=g, reply_codec=codec, timeout=timeout, dim=self.dim
+                )
+            _, answer, hop = await self._hop(stage, "backward", rows, bwd, prefer=forward_peers[stage])
+            grad = answer.grad_inputs
+            res.hops.append(hop)
+            res.wire_bytes += answer.wire_bytes
+        return res
+
+
+class CommitWindow:
+    """Which microbatches may be committed: the contiguous prefix of completed ones.
+
+    ``complete(i)`` marks microbatch i done and returns the new committable range [start, end)
+    (empty when a gap remains). A microbatch is never in two ranges, and one that has not
+    completed is in none.
+    """
+
+    def __init__(self, start: int = 0) -> None:
+        self.committed = start  # microbatches [0, committed) are committed
+        self._done: set[int] = set()
+
+    def complete(self, index: int) -> tuple[int, int]:
+        if index < self.committed or index in self._done:
+            raise ValueError(f"microbatch {index} completed twice")
+        self._done.add(index)
+        start = self.committed
+        while self.committed in self._done:
+            self._done.remove(self.committed)
+            self.committed += 1
+        return start, self.committed
+
+
+async def run_in_order(
+    driver: Driver,
+    batches: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
+    count: int,
+    *,
+    concurrency: int,
+    on_done: Callable[[int, MicrobatchResult], None],
+    on_commit: Callable[[int, int], Awaitable[None] | None],
+    start: int = 0,
+) -> int:
+    """Microbatches ``start .. start+count-1`` with up to ``concurrency`` in flight; a failed one is
+    run again (``microbatch_attempts`` in all) before the run stops. Returns the committed end."""
+    window = CommitWindow(start)
+    queue: asyncio.Queue[int] = asyncio.Queue()
+    for i in range(start, start + count):
+        queue.put_nowait(i)
+    failure: list[BaseException] = []
+
+    async def lane() -> None:
+        while not failure:
+            try:
+                i = queue.get_nowait()
+            except asyncio.QueueEmpty:
+                return
+            x, y = batches(i)
+            for attempt in range(1, driver.cfg.microbatch_attempts + 1):
+                try:
+                    result = await driver.run_microbatch(f"mb{i}.{attempt}", x, y)
+                    break
+                except MicrobatchFailed as err:
+                    if attempt == driver.cfg.microbatch_attempts:
+                        failure.append(err)
+                        return
+            on_done(i, result)
+            lo, hi = window.complete(i)
+            if hi > lo:
+                maybe = on_commit(lo, hi)
+                if maybe is not None:
+                    await maybe
+
+    await asyncio.gather(*(lane() for _ in range(max(1, concurrency))))
+    if failure:
+        raise failure[0]
+    return window.committed

@@ -1,0 +1,78 @@
+"""One stage peer as a process: the tests' multi-process pipelines and a manual check.
+
+    python -m murmur.node.pipeline.peer --identity DIR --run RUN --stage 1 --stages 2 \
+        [--layers 2,2] [--preset tiny --dim 64 ...] [--target-samples 16] [--lr 1e-3] \
+        [--test-delay-s 0.2]
+
+It builds its stage of the seed's model, starts the TLS stage service on a free port and prints
+one JSON line ``{"event": "ready", "node_id", "address", "stage", ...}``. On SIGTERM or SIGINT
+it stops serving and prints ``{"event": "stopped", ...}`` with what it computed (forwards,
+backwards, samples, optimizer steps, refusals).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import signal
+
+import torch
+
+from murmur.node.model.stages import build_stage, split_layers
+from murmur.node.pipeline.config import add_model_args, model_from_args
+from murmur.node.pipeline.service import StageService, StageServiceSettings
+from murmur.node.pipeline.worker import StageWorker
+from murmur.protocol.identity import Identity
+from murmur.protocol.runconfig import OptimSection
+
+
+def emit(**record: object) -> None:
+    print(json.dumps(record), flush=True)
+
+
+async def serve(args: argparse.Namespace) -> None:
+    cfg, layers = model_from_args(args)
+    span = split_layers(cfg.n_layers, args.stages, layers)[args.stage]
+    optim = OptimSection(lr=args.lr, warmup_steps=0, grad_clip=args.grad_clip)
+    worker = StageWorker(build_stage(cfg, args.seed, span), optim, target_samples=args.target_samples,
+                         grad_clip=args.grad_clip)
+    settings = StageServiceSettings(host=args.host, max_rows=args.max_rows, test_delay_s=args.test_delay_s)
+    service = StageService(Identity.load(args.identity), worker, run_id=args.run, settings=settings)
+    address = await service.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    emit(event="ready", node_id=service.identity.node_id, address=address, stage=span.index,
+         first_block=span.first_block, end_block=span.end_block)
+    await stop.wait()
+    await service.stop()
+    st = worker.stats
+    emit(event="stopped", node_id=service.identity.node_id, stage=span.index, forwards=st.forwards,
+         backwards=st.backwards, samples_total=st.samples_total, optimizer_steps=st.optimizer_steps,
+         refused=len(service.refusals))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m murmur.node.pipeline.peer")
+    ap.add_argument("--identity", required=True, help="folder with node.key, node.crt, ca.crt")
+    ap.add_argument("--run", default="murmur-run")
+    ap.add_argument("--stage", type=int, required=True)
+    add_model_args(ap)
+    ap.add_argument("--target-samples", type=int, default=16, help="samples per optimizer step")
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--grad-clip", type=float, default=1.0, help="per-stage gradient clipping (0: off)")
+    ap.add_argument("--max-rows", type=int, default=64)
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--test-delay-s", type=float, default=0.0,
+                    help="test knob: extra seconds per computation (a slow peer)")
+    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    asyncio.run(serve(args))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

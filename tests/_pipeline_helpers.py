@@ -1,0 +1,110 @@
+"""Stage peers and drivers as real processes on loopback, for the pipeline tests."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import signal
+import subprocess
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from _net_helpers import PYTHON, REPO, python_env
+
+from murmur.protocol.identity import CertificateAuthority
+
+RUN = "pipe-test"
+# A model small enough that a microbatch takes milliseconds on one CPU core.
+MODEL = ["--stages", "2", "--preset", "tiny", "--n-layers", "2", "--dim", "64", "--hidden-dim", "160",
+         "--seq-len", "64", "--seed", "3"]
+MICROBATCH = 4
+TOKENS_PER_MB = MICROBATCH * 64
+START_TIMEOUT = 120  # torch import on a loaded 2-core machine
+RUN_TIMEOUT = 240
+
+
+@dataclass
+class PeerProc:
+    proc: subprocess.Popen[str]
+    ready: dict
+    stopped: dict = field(default_factory=dict)
+
+    @property
+    def node_id(self) -> str:
+        return self.ready["node_id"]
+
+    def record(self) -> dict:
+        return {k: self.ready[k] for k in ("node_id", "address", "stage")}
+
+
+def start_peer(ca: CertificateAuthority, folder: Path, stage: int, *extra: str) -> PeerProc:
+    ca.issue().save(folder)
+    cmd = [PYTHON, "-m", "murmur.node.pipeline.peer", "--identity", str(folder), "--run", RUN,
+           "--stage", str(stage), *MODEL, "--target-samples", "8", "--lr", "3e-3", *extra]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=python_env(), cwd=REPO)
+    line = proc.stdout.readline()
+    if not line:
+        proc.wait(10)
+        raise RuntimeError(f"stage peer exited before it was ready (rc {proc.returncode})")
+    return PeerProc(proc, json.loads(line))
+
+
+def stop_peer(p: PeerProc) -> None:
+    if p.proc.poll() is None:
+        p.proc.send_signal(signal.SIGTERM)
+        out, _ = p.proc.communicate(timeout=30)
+        for line in out.splitlines():
+            rec = json.loads(line)
+            if rec.get("event") == "stopped":
+                p.stopped = rec
+    else:
+        p.proc.wait()
+
+
+def write_peers(path: Path, peers: list[PeerProc]) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"peers": [p.record() for p in peers]}))
+    tmp.replace(path)  # the driver re-reads it: never a half-written file
+
+
+@contextlib.contextmanager
+def stage_peers(tmp_path: Path, stages: list[list[list[str]]]) -> Iterator[tuple[CertificateAuthority, list[PeerProc]]]:
+    """``stages[s]`` lists the extra arguments of each peer of stage s."""
+    ca = CertificateAuthority.create("pipe-test")
+    peers: list[PeerProc] = []
+    try:
+        for s, extras in enumerate(stages):
+            for j, extra in enumerate(extras):
+                peers.append(start_peer(ca, tmp_path / f"peer-{s}-{j}", s, *extra))
+        write_peers(tmp_path / "peers.json", peers)
+        yield ca, peers
+    finally:
+        for p in peers:
+            with contextlib.suppress(Exception):
+                stop_peer(p)
+            if p.proc.poll() is None:
+                p.proc.kill()
+                p.proc.wait()
+
+
+def start_driver(ca: CertificateAuthority, tmp_path: Path, data: Path, name: str, *extra: str) -> subprocess.Popen[str]:
+    ca.issue().save(tmp_path / name)
+    cmd = [PYTHON, "-m", "murmur.node.pipeline.drive", "--identity", str(tmp_path / name), "--run", RUN,
+           "--peers", str(tmp_path / "peers.json"), *MODEL, "--data", str(data),
+           "--microbatch-size", str(MICROBATCH), "--commit-log", str(tmp_path / f"{name}.commits"), *extra]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=python_env(), cwd=REPO)
+
+
+def records(out: str, event: str) -> list[dict]:
+    return [r for r in map(json.loads, out.splitlines()) if r.get("event") == event]
+
+
+def check_commits(commits: list[dict], total: int) -> None:
+    """Contiguous, non-overlapping ranges from 0 that cover exactly ``total`` microbatches."""
+    end = 0
+    for c in commits:
+        assert c["start"] == end and c["end"] > c["start"], commits
+        assert c["tokens"] == (c["end"] - c["start"]) * TOKENS_PER_MB
+        end = c["end"]
+    assert end == total, (end, total)

@@ -1,0 +1,87 @@
+"""The router's rules on a hand-driven clock, and the commit window's once-and-only-once."""
+
+from __future__ import annotations
+
+import pytest
+
+from murmur.node.pipeline.client import StagePeer
+from murmur.node.pipeline.config import PipelineConfig
+from murmur.node.pipeline.driver import CommitWindow
+from murmur.node.pipeline.router import Router
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def peers(stage: int, *names: str) -> list[StagePeer]:
+    return [StagePeer(n, f"127.0.0.1:{i + 1}", stage) for i, n in enumerate(names)]
+
+
+def make(**kw) -> tuple[Router, Clock]:
+    clock = Clock()
+    cfg = PipelineConfig(stages=2, hop_timeout_s=30.0, min_hop_timeout_s=1.0, bench_s=2.0, max_bench_s=8.0, **kw)
+    return Router(cfg, clock=clock), clock
+
+
+def test_load_follows_measured_throughput_and_new_peers_are_tried_at_once():
+    router, _ = make()
+    router.set_peers(1, peers(1, "fast", "slow"))
+    picks = {"fast": 0, "slow": 0}
+    for _ in range(200):
+        p = router.choose(1, 4)
+        picks[p.node_id] += 1
+        router.succeeded(p, "forward", 4, 0.01 if p.node_id == "fast" else 0.1)  # 10x apart
+    assert picks["slow"] > 0 and picks["fast"] > 5 * picks["slow"], picks
+    router.set_peers(1, peers(1, "fast", "slow", "new"))
+    assert router.choose(1, 4).node_id == "new"  # enters at the current minimum
+
+
+def test_a_failed_peer_is_benched_with_doubling_and_comes_back():
+    router, clock = make()
+    a, b = peers(0, "a", "b")
+    router.set_peers(0, [a, b])
+    router.failed(a, "forward", timed_out=False)
+    assert {router.choose(0, 1).node_id for _ in range(5)} == {"b"}
+    clock.now += 2.1  # first bench: 2 s
+    router.failed(a, "forward", timed_out=False)  # second failure in a row: 4 s
+    clock.now += 3.0
+    assert router.choose(0, 1, exclude=["b"]).node_id == "a"  # all benched: the earliest back is offered
+    assert router.state(a).benched_until - clock.now == pytest.approx(1.0)
+    router.succeeded(a, "forward", 1, 0.01)
+    assert router.state(a).failures == 0
+    with pytest.raises(LookupError):
+        router.choose(0, 1, exclude=["a", "b"])
+
+
+def test_deadlines_adapt_to_latency_clamped_and_back_off_on_timeouts():
+    router, _ = make()
+    (p,) = peers(1, "p")
+    router.set_peers(1, [p])
+    assert router.deadline(p, "forward") == 30.0  # unmeasured: the configured bound
+    for _ in range(20):
+        router.succeeded(p, "forward", 4, 0.05)
+    assert router.deadline(p, "forward") == 1.0  # 50 ms calls: the floor
+    for _ in range(30):
+        router.succeeded(p, "backward", 4, 2.0)
+    steady = router.deadline(p, "backward")
+    assert 4.0 <= steady < 30.0
+    router.failed(p, "backward", timed_out=True)
+    assert router.deadline(p, "backward") > steady  # Karn: a timeout doubles the estimate
+    router.set_peers(1, [])
+    assert router.peers(1) == []
+
+
+def test_commit_window_commits_each_microbatch_once_in_order():
+    w = CommitWindow()
+    assert w.complete(1) == (0, 0)  # a gap: nothing to commit yet
+    assert w.complete(0) == (0, 2)
+    assert w.complete(3) == (2, 2)
+    assert w.complete(2) == (2, 4)
+    for again in (0, 3):
+        with pytest.raises(ValueError, match="twice"):
+            w.complete(again)
