@@ -4,7 +4,7 @@
         [--codecs int8,fp32] [--chunk-mb 4] [--threads 1] [--congestion cubic,bbr]
 
 Each peer is its own process in its own network namespace (veth into a bridge), with mutual TLS,
-and its upload shaped by ``tc tbf`` to the link rate (NOTES.md: tbf works here, netem does not).
+and its upload shaped by ``tc tbf`` to the link rate (tbf works on these machines; their kernel has no netem).
 The namespaces use TCP CUBIC, Linux's default, unless ``--congestion`` says otherwise: this host
 defaults to BBR, and BBR (v1) behind a deep upload queue that also carries the ACKs of the other
 direction stalls single flows for seconds (measured: 82-87% against CUBIC's 92%, same code).

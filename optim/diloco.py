@@ -1,4 +1,4 @@
-"""DiLoCo and Streaming DiLoCo (ALGORITHMS.md): local AdamW steps, then an outer Nesterov step on
+"""DiLoCo and Streaming DiLoCo (docs/algorithms.md): local AdamW steps, then an outer Nesterov step on
 the averaged pseudo-gradient.
 
 DiLoCo keeps fp32 global parameters (on the CPU with ``global_on_cpu``). Every H inner steps:

@@ -1,6 +1,6 @@
 """Identities: a node's key pair, its node id, certificate requests, the run's CA, the ban list.
 
-Every key is ECDSA P-256: gRPC's TLS stack rejects Ed25519 certificates (NOTES.md), and one key
+Every key is ECDSA P-256: gRPC's TLS stack fails the handshake on Ed25519 certificates, and one key
 type for TLS, record signatures and the CA keeps the code small.
 
 * node id: derived from the public key (sha256 of the SubjectPublicKeyInfo, base32), so a node

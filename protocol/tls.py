@@ -1,6 +1,6 @@
 """Mutual TLS for every peer connection, and who is on the other end of one.
 
-Both sides present a certificate of the run's CA (ECDSA P-256; gRPC refuses Ed25519, NOTES.md)
+Both sides present a certificate of the run's CA (ECDSA P-256: gRPC's TLS fails on Ed25519)
 and accept only the run's CA. A client dials a peer by the node id the DHT named and sets
 ``grpc.ssl_target_name_override`` to that id, which the peer's certificate carries as its DNS
 SAN: a peer is verified as exactly the node it claims to be, whatever its IP address.

@@ -1,6 +1,6 @@
 """The process's one asyncio loop, in a thread of its own, for callers that live in other threads.
 
-DESIGN.md: one loop per process owns all networking (gRPC servers and clients, the DHT handle);
+One loop per process owns all networking (gRPC servers and clients, the DHT handle);
 the training thread hands it coroutines and gets ``concurrent.futures.Future`` back.
 """
 
