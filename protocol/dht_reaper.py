@@ -16,6 +16,7 @@ to check) and treats SIGTERM as "check now and exit", which is how the owner sto
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -66,19 +67,15 @@ def kill_all(targets: dict[int, str], grace: float = GRACE_SECONDS) -> None:
     """SIGTERM every target still alive (same start time), then SIGKILL what survives ``grace``."""
     alive = {pid: st for pid, st in targets.items() if start_time(pid) == st}
     for pid in alive:
-        try:
+        with contextlib.suppress(OSError):
             os.kill(pid, signal.SIGTERM)
-        except OSError:
-            pass
     end = time.monotonic() + grace
     while alive and time.monotonic() < end:
         time.sleep(0.05)
         alive = {pid: st for pid, st in alive.items() if start_time(pid) == st}
     for pid in alive:
-        try:
+        with contextlib.suppress(OSError):
             os.kill(pid, signal.SIGKILL)
-        except OSError:
-            pass
 
 
 def main(argv: list[str]) -> int:
