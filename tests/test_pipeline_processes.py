@@ -58,7 +58,7 @@ def test_two_stages_of_two_peers_and_two_drivers_train_and_the_loss_falls(tmp_pa
 
 def test_a_sigkilled_stage_peer_mid_microbatch_its_hops_go_to_its_stage_mate(tmp_path, byte_dataset):
     # The victim computes slowly, so the kill lands while it holds a microbatch.
-    with stage_peers(tmp_path, [[[]], [["--test-delay-s", "0.3"], []]]) as (ca, peers):
+    with stage_peers(tmp_path, [[[]], [["--fault", "delay:stage_compute:0.3@x*"], []]]) as (ca, peers):
         victim, mate = peers[1], peers[2]
         driver = start_driver(ca, tmp_path, byte_dataset.root, "driver", "--microbatches", "50",
                               "--concurrency", "2", "--hop-timeout-s", "20")
@@ -91,7 +91,7 @@ def test_a_sigkilled_stage_peer_mid_microbatch_its_hops_go_to_its_stage_mate(tmp
 
 
 def test_a_slowed_peer_gets_fewer_microbatches_than_its_stage_mate(tmp_path, byte_dataset):
-    with stage_peers(tmp_path, [[[]], [["--test-delay-s", "0.25"], []]]) as (ca, peers):
+    with stage_peers(tmp_path, [[[]], [["--fault", "delay:stage_compute:0.25@x*"], []]]) as (ca, peers):
         driver = start_driver(ca, tmp_path, byte_dataset.root, "driver", "--microbatches", "40",
                               "--concurrency", "2")
         out = finish(driver)

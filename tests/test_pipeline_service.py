@@ -12,6 +12,7 @@ import torch
 
 from murmur.node.model.stages import build_stage, split_layers
 from murmur.node.model.transformer import model_config
+from murmur.node.net.faults import FaultInjector
 from murmur.node.net.loop import LoopThread
 from murmur.node.pipeline import codec
 from murmur.node.pipeline.client import StageClient, StagePeer
@@ -162,7 +163,8 @@ def test_bad_input_is_refused_with_a_reason_and_the_stage_keeps_serving(pipeline
 
 def test_a_backward_the_caller_gave_up_on_is_not_accumulated(pipeline):
     loop, _, services, client, peers, _, _ = pipeline
-    services[1].settings.test_delay_s = 1.0
+    services[1].faults = FaultInjector()
+    services[1].faults.arm("delay", point="stage_compute", seconds=1.0)
     x, y = batch()
     h = services[0].worker.forward(x)
     with pytest.raises(grpc.aio.AioRpcError) as err:

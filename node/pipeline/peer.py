@@ -2,7 +2,7 @@
 
     python -m murmur.node.pipeline.peer --identity DIR --run RUN --stage 1 --stages 2 \
         [--layers 2,2] [--preset tiny --dim 64 ...] [--target-samples 16] [--lr 1e-3] \
-        [--test-delay-s 0.2]
+        [--fault delay:stage_compute:0.2@x*]
 
 It builds its stage of the seed's model, starts the TLS stage service on a free port and prints
 one JSON line ``{"event": "ready", "node_id", "address", "stage", ...}``. On SIGTERM or SIGINT
@@ -20,6 +20,7 @@ import signal
 import torch
 
 from murmur.node.model.stages import build_stage, split_layers
+from murmur.node.net.faults import FaultInjector
 from murmur.node.pipeline.config import add_model_args, model_from_args
 from murmur.node.pipeline.service import StageService, StageServiceSettings
 from murmur.node.pipeline.worker import StageWorker
@@ -37,8 +38,9 @@ async def serve(args: argparse.Namespace) -> None:
     optim = OptimSection(lr=args.lr, warmup_steps=0, grad_clip=args.grad_clip)
     worker = StageWorker(build_stage(cfg, args.seed, span), optim, target_samples=args.target_samples,
                          grad_clip=args.grad_clip)
-    settings = StageServiceSettings(host=args.host, max_rows=args.max_rows, test_delay_s=args.test_delay_s)
-    service = StageService(Identity.load(args.identity), worker, run_id=args.run, settings=settings)
+    settings = StageServiceSettings(host=args.host, max_rows=args.max_rows)
+    service = StageService(Identity.load(args.identity), worker, run_id=args.run, settings=settings,
+                           faults=FaultInjector.parse(args.fault))
     address = await service.start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -65,8 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--grad-clip", type=float, default=1.0, help="per-stage gradient clipping (0: off)")
     ap.add_argument("--max-rows", type=int, default=64)
     ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--test-delay-s", type=float, default=0.0,
-                    help="test knob: extra seconds per computation (a slow peer)")
+    ap.add_argument("--fault", action="append", default=[],
+                    help="e.g. delay:stage_compute:0.3@x* (a slow peer), see node/net/faults.py")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import grpc
 import torch
 
+from murmur.node.net.faults import FaultInjector
 from murmur.node.pipeline import codec
 from murmur.node.pipeline.worker import StageWorker
 from murmur.protocol import pipeline_pb2, pipeline_pb2_grpc, tls
@@ -53,9 +54,6 @@ class StageServiceSettings:
     max_rows: int = 64  # rows of one microbatch; more is refused as oversized
     max_message_bytes: int = tls.DEFAULT_MAX_MESSAGE_BYTES
     stop_grace: float = 1.0
-    # Test knob, not a production setting: extra seconds added to every computation, standing in
-    # for node/net/faults.py's ``delay`` fault until that exists (the slow-peer routing test).
-    test_delay_s: float = 0.0
 
 
 class StageService(pipeline_pb2_grpc.StageServicer):
@@ -67,8 +65,10 @@ class StageService(pipeline_pb2_grpc.StageServicer):
         run_id: str,
         ban_list: BanList | None = None,
         settings: StageServiceSettings | None = None,
+        faults: FaultInjector | None = None,
     ) -> None:
         self.identity, self.worker, self.run_id = identity, worker, run_id
+        self.faults = faults  # the ``delay`` fault at point ``stage_compute``: a slow machine
         self.ban_list = ban_list if ban_list is not None else BanList()
         self.settings = settings or StageServiceSettings()
         self.refusals: list[tuple[str, str]] = []  # (who, reason)
@@ -194,8 +194,7 @@ class StageService(pipeline_pb2_grpc.StageServicer):
         def run():
             try:
                 t0 = time.perf_counter()
-                if self.settings.test_delay_s:
-                    time.sleep(self.settings.test_delay_s)
+                self._injected_delay()
                 result = fn()
                 self._measure(rows, time.perf_counter() - t0)
                 return result
@@ -204,6 +203,14 @@ class StageService(pipeline_pb2_grpc.StageServicer):
                     self.queue -= 1
 
         return await asyncio.to_thread(run)
+
+    def _injected_delay(self) -> None:
+        """A slow machine, on purpose: the delay fault sleeps in the compute thread, so a caller
+        that gives up meanwhile still sees the computation finish (and not be kept)."""
+        if self.faults is not None:
+            armed = self.faults.take("delay", self.identity.node_id, 0, point="stage_compute")
+            if armed is not None:
+                time.sleep(armed.seconds)
 
     def _measure(self, rows: int, seconds: float) -> None:
         rate = rows / max(seconds, 1e-9)
