@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from murmur.node.exchange.tasks import discard
 from murmur.node.exchange.validate import InputRejected
 from murmur.optim.aggregate import Aggregator, AggregatorError
 from murmur.optim.codecs import Codec
@@ -151,7 +152,7 @@ class ReduceAttempt(Attempt):
             self.failed["*"] = "the owner left this attempt"
             self._end()
         for t in self.tasks:
-            t.cancel()
+            discard(t)  # whatever they failed with, the attempt is over
         self.pending = [{} for _ in self.chunks]  # inputs of an aborted attempt are not needed
 
     def _changed(self) -> None:
@@ -161,32 +162,10 @@ class ReduceAttempt(Attempt):
             self.poke()
 
     async def _reduce_all(self) -> None:
-        n = len(self.members)
         try:
             for j in range(len(self.chunks)):
-                while True:
-                    ev = self.changed
-                    if self.done.is_set():
-                        return
-                    if len(self.pending[j]) == n:
-                        break
-                    await ev.wait()
-                inputs, self.pending[j] = self.pending[j], {}
-                order = sorted(inputs)
-                result, payload, dropped = await asyncio.to_thread(
-                    self.reduce_chunk, [inputs[m] for m in order], [self.weights[m] for m in order]
-                )
-                if self.done.is_set():
+                if not await self._all_in(j) or not await self._reduce(j):
                     return
-                if dropped:  # the aggregator's pre-filter left members out: retry without them
-                    for i, why in dropped.items():
-                        self.failed[order[i]] = why
-                    self._end()
-                    return
-                assert result is not None
-                self.sink(j, result)
-                self.results.append(payload)
-                self.poke()
             self._end()
         except asyncio.CancelledError:
             raise
@@ -194,6 +173,36 @@ class ReduceAttempt(Attempt):
             if not self.done.is_set():
                 self.failed["*"] = f"aggregation failed: {err}"
                 self._end()
+
+    async def _all_in(self, j: int) -> bool:
+        """Wait until every member's chunk ``j`` is in; False if the attempt ended first."""
+        while True:
+            ev = self.changed
+            if self.done.is_set():
+                return False
+            if len(self.pending[j]) == len(self.members):
+                return True
+            await ev.wait()
+
+    async def _reduce(self, j: int) -> bool:
+        """Reduce chunk ``j`` (in a worker thread) and hand it on; False if the attempt ended."""
+        inputs, self.pending[j] = self.pending[j], {}
+        order = sorted(inputs)
+        result, payload, dropped = await asyncio.to_thread(
+            self.reduce_chunk, [inputs[m] for m in order], [self.weights[m] for m in order]
+        )
+        if self.done.is_set():
+            return False
+        if dropped:  # the aggregator's pre-filter left members out: retry without them
+            for i, why in dropped.items():
+                self.failed[order[i]] = why
+            self._end()
+            return False
+        assert result is not None
+        self.sink(j, result)
+        self.results.append(payload)
+        self.poke()
+        return True
 
 
 def chunk_reducer(codec: Codec, aggregator: Aggregator, key: str) -> ChunkReducer:

@@ -110,18 +110,5 @@ class AttemptProgress:
         return len(self.delivered) == self.others
 
 
-def discard(task: asyncio.Future | None) -> None:
-    """Cancel a helper task that is no longer wanted; if it already failed, its exception is
-    dropped on purpose (whoever needed it has an answer), not reported as never retrieved."""
-    if task is not None:
-        task.cancel()
-        task.add_done_callback(_retrieve)
-
-
-def _retrieve(task: asyncio.Future) -> None:
-    if not task.cancelled():
-        task.exception()
-
-
 def grpc_reason(err: grpc.aio.AioRpcError) -> str:
     return f"{err.code().name}: {err.details()}"

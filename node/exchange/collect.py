@@ -25,6 +25,7 @@ from google.protobuf.message import DecodeError
 
 from murmur.node.exchange.attempt import Attempt, GatherAttempt, ReduceAttempt, RoundBook
 from murmur.node.exchange.stats import PhaseTimes, Timeline
+from murmur.node.exchange.tasks import discard
 from murmur.node.exchange.validate import InputRejected, decode_chunk
 from murmur.protocol import peer_pb2
 from murmur.protocol.version import PROTOCOL_VERSION, VersionMismatch
@@ -62,7 +63,22 @@ async def serve_exchange(
 ) -> None:
     """Run one member's stream: header, payload, then the attempt's outcome (and result).
     ``codec_of()`` is the exchange's codec now (the reduce chunks' decoder)."""
-    s = settings
+    h = await _read_header(context, settings)
+    att, answer = await _admit(book, settings, peer_id, h)
+    if att is None or answer is not None:
+        await context.write(answer)
+        return
+    att.started.add(peer_id)
+    att.weights[peer_id] = float(h.weight)
+    if isinstance(att, ReduceAttempt):
+        await _serve_reduce(book, settings, peer_id, context, att, h, codec_of, limits)
+    else:
+        assert isinstance(att, GatherAttempt)
+        await _serve_gather(book, settings, peer_id, context, att, h)
+
+
+async def _read_header(context, s: ServeSettings) -> peer_pb2.ExchangeHeader:
+    """The stream's first frame, its header (or the RPC is aborted)."""
     try:
         first = await asyncio.wait_for(context.read(), s.peer_timeout)
     except TimeoutError:
@@ -71,59 +87,56 @@ async def serve_exchange(
         await context.abort(
             grpc.StatusCode.INVALID_ARGUMENT, "the first frame of an exchange must be its header"
         )
-    h = first.header
+    return first.header
+
+
+def _door(h: peer_pb2.ExchangeHeader, peer_id: str, s: ServeSettings) -> str:
+    """Why this stream is refused before any attempt is looked at, or ""."""
     if h.protocol_version != PROTOCOL_VERSION:
-        await context.write(
-            status(REFUSED, reason=str(VersionMismatch(PROTOCOL_VERSION, h.protocol_version)))
-        )
-        return
+        return str(VersionMismatch(PROTOCOL_VERSION, h.protocol_version))
     if h.sender != peer_id:
-        await context.write(
-            status(REFUSED, reason=f"header names {h.sender} but the TLS certificate is {peer_id}")
-        )
-        return
+        return f"header names {h.sender} but the TLS certificate is {peer_id}"
     if h.run_id != s.run_id:
-        await context.write(status(REFUSED, reason=f"run {h.run_id!r} is not this node's run {s.run_id!r}"))
-        return
+        return f"run {h.run_id!r} is not this node's run {s.run_id!r}"
+    return ""
+
+
+async def _admit(
+    book: RoundBook, s: ServeSettings, peer_id: str, h: peer_pb2.ExchangeHeader
+) -> tuple[Attempt | None, peer_pb2.ExchangeReply | None]:
+    """(the attempt this stream feeds, None) or (None or the attempt, the answer that ends it)."""
+    refused = _door(h, peer_id, s)
+    if refused:
+        return None, status(REFUSED, reason=refused)
     rk = (int(h.round), h.key)
     if rk in book.done:
-        await context.write(status(DONE, result_hash=book.done[rk].result_hash))
-        return
+        return None, status(DONE, result_hash=book.done[rk].result_hash)
     att = await book.wait_attempt(rk, int(h.attempt), s.peer_timeout)
     if att is None:
         if rk in book.done:
-            await context.write(status(DONE, result_hash=book.done[rk].result_hash))
-        else:  # the owner itself is the one missing: the caller drops it, not its own input
-            why = f"did not start round {rk[0]} {rk[1]!r} within {s.peer_timeout:g}s"
-            await context.write(status(ABORT, reason=why, failed={s.node_id: why}))
-        return
+            return None, status(DONE, result_hash=book.done[rk].result_hash)
+        # The owner itself is the one missing: the caller drops it, not its own input.
+        why = f"did not start round {rk[0]} {rk[1]!r} within {s.peer_timeout:g}s"
+        return None, status(ABORT, reason=why, failed={s.node_id: why})
+    return att, _attempt_answer(att, h, peer_id, s)
+
+
+def _attempt_answer(
+    att: Attempt, h: peer_pb2.ExchangeHeader, peer_id: str, s: ServeSettings
+) -> peer_pb2.ExchangeReply | None:
+    """The answer that ends a stream whose header does not fit the attempt, or None."""
     if att.number != h.attempt:
-        await context.write(
-            status(
-                ABORT,
-                reason=f"attempt {h.attempt} is over here; now at attempt {att.number}",
-                members=list(att.members),
-                attempt=att.number,
-            )
-        )
-        return
+        why = f"attempt {h.attempt} is over here; now at attempt {att.number}"
+        return status(ABORT, reason=why, members=list(att.members), attempt=att.number)
     if peer_id in att.members and tuple(h.members) != att.members:
         why = f"member lists differ ({peer_id} has {len(h.members)}, this peer {len(att.members)})"
         att.disagree(why)
-        await context.write(status(ABORT, reason=why, members=list(att.members), attempt=att.number))
-        return
+        return status(ABORT, reason=why, members=list(att.members), attempt=att.number)
     reason = _header_problem(att, h, peer_id, s)
     if reason:
         att.reject(peer_id, reason)
-        await context.write(status(REFUSED, reason=reason, members=list(att.members), attempt=att.number))
-        return
-    att.started.add(peer_id)
-    att.weights[peer_id] = float(h.weight)
-    if isinstance(att, ReduceAttempt):
-        await _serve_reduce(book, s, peer_id, context, att, h, codec_of, limits)
-    else:
-        assert isinstance(att, GatherAttempt)
-        await _serve_gather(book, s, peer_id, context, att, h)
+        return status(REFUSED, reason=reason, members=list(att.members), attempt=att.number)
+    return None
 
 
 def _header_problem(att: Attempt, h: peer_pb2.ExchangeHeader, peer_id: str, s: ServeSettings) -> str:
@@ -184,10 +197,9 @@ async def _serve_reduce(
         att.reject(peer_id, "connection lost while sending its input")
         raise
     finally:
-        if not reader.done():
-            reader.cancel()
-        elif not reader.cancelled():
-            reader.exception()  # retrieved: the attempt already knows why, if it matters
+        # Its failure, if any, is the attempt's already (the reader rejects the member itself);
+        # a reader cancelled as its read completes may still fail on the finished RPC.
+        discard(reader)
 
 
 async def _hold_if_stalled(book: RoundBook, s: ServeSettings) -> None:
@@ -201,23 +213,16 @@ async def _read_chunks(att: ReduceAttempt, h, peer_id: str, context, s: ServeSet
     codec, decode = codec_of(), s.times.wrap("decode_input", decode_chunk)
     try:
         for j, (a, b) in enumerate(att.chunks):
-            try:
-                frame = await asyncio.wait_for(context.read(), s.peer_timeout)
-            except TimeoutError:
-                raise InputRejected(f"stalled: no data for {s.peer_timeout:g}s") from None
-            if frame is grpc.aio.EOF:
-                raise InputRejected(f"stream ended after {j} of {len(att.chunks)} chunks")
-            if frame.WhichOneof("kind") != "data":
-                raise InputRejected("a second header in one stream")
+            data = await _next_chunk(context, s, j, len(att.chunks))
             s.timeline.mark("rx", j=j, peer=peer_id)
-            total += len(frame.data)
-            att.bytes_received += len(frame.data)
+            total += len(data)
+            att.bytes_received += len(data)
             if total > h.payload_bytes:
                 raise InputRejected(f"sent more than the {h.payload_bytes} bytes it declared")
             # Decode chunk j in a worker thread while chunk j+1 is read.
             if decoding is not None:
                 att.add_chunk(peer_id, j - 1, await decoding)
-            decoding = asyncio.ensure_future(asyncio.to_thread(decode, codec, frame.data, b - a, limits))
+            decoding = asyncio.ensure_future(asyncio.to_thread(decode, codec, data, b - a, limits))
         if decoding is not None:
             att.add_chunk(peer_id, len(att.chunks) - 1, await decoding)
             decoding = None
@@ -227,8 +232,20 @@ async def _read_chunks(att: ReduceAttempt, h, peer_id: str, context, s: ServeSet
         att.reject(peer_id, "connection lost while sending its input")
         raise
     finally:
-        if decoding is not None and not decoding.done():
-            decoding.cancel()
+        discard(decoding)  # a chunk still decoding (or failed) when the stream ended: not needed
+
+
+async def _next_chunk(context, s: ServeSettings, j: int, n: int) -> bytes:
+    """Chunk ``j`` of ``n`` of a member's input; raises InputRejected if it does not come."""
+    try:
+        frame = await asyncio.wait_for(context.read(), s.peer_timeout)
+    except TimeoutError:
+        raise InputRejected(f"stalled: no data for {s.peer_timeout:g}s") from None
+    if frame is grpc.aio.EOF:
+        raise InputRejected(f"stream ended after {j} of {n} chunks")
+    if frame.WhichOneof("kind") != "data":
+        raise InputRejected("a second header in one stream")
+    return frame.data
 
 
 # --- gather: one whole payload, then the outcome -------------------------------------------------

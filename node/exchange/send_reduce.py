@@ -17,10 +17,11 @@ from dataclasses import dataclass
 import grpc
 import torch
 
-from murmur.node.exchange.calls import ERROR, AttemptProgress, ReduceCall, Reply, discard, reply_of
+from murmur.node.exchange.calls import ERROR, AttemptProgress, ReduceCall, Reply, reply_of
 from murmur.node.exchange.collect import OK
 from murmur.node.exchange.settings import CHUNK_OVERHEAD, ExchangeSettings
 from murmur.node.exchange.stats import PhaseTimes, Timeline
+from murmur.node.exchange.tasks import discard
 from murmur.node.exchange.validate import InputRejected, decode_chunk
 from murmur.node.net.faults import CallFaults
 from murmur.optim.codecs import Codec
