@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import gc
+import logging
 import os
 import sys
 from collections.abc import Iterator
@@ -10,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
+import pytest
 
 from murmur.node.exchange.group import StaticGroup
 from murmur.node.exchange.grpc_exchange import GrpcExchange
@@ -101,6 +104,30 @@ def peer_group(
     finally:
         close_peers(loop, peers)
         loop.stop()
+
+
+class _LostExceptions(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if "never retrieved" in record.getMessage():
+            self.messages.append(record.getMessage())
+
+
+@pytest.fixture(autouse=True)  # autouse in the modules that import it
+def no_lost_task_exceptions():
+    """Fail a test after which asyncio reports a task or future whose exception nobody retrieved
+    (asyncio logs it when the task is collected: "Task exception was never retrieved")."""
+    lost, log = _LostExceptions(), logging.getLogger("asyncio")
+    log.addHandler(lost)
+    try:
+        yield
+        gc.collect()
+    finally:
+        log.removeHandler(lost)
+    assert not lost.messages, lost.messages
 
 
 # Other suites run DHTs on this machine at the same time: a p2pd counts as ours only if it

@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-import gc
-import logging
 import math
 import time
 from concurrent.futures import CancelledError
 
 import pytest
 import torch
-from _net_helpers import RUN, close_peers, peer_group, start_peers
+from _net_helpers import RUN, close_peers, no_lost_task_exceptions, peer_group, start_peers  # noqa: F401 - a fixture
 
 from murmur.node.exchange.grpc_exchange import ExchangeSettings, ExchangeSettingsError, spans
 from murmur.node.exchange.settings import alignment, chunk_ranges
@@ -26,30 +24,6 @@ from murmur.protocol.identity import BanList, CertificateAuthority
 from murmur.protocol.wire import tensors_hash
 
 TIMEOUT = 60  # seconds a test waits for a future: generous, the machine may be busy
-
-
-class _LostExceptions(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.ERROR)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        if "never retrieved" in record.getMessage():
-            self.messages.append(record.getMessage())
-
-
-@pytest.fixture(autouse=True)
-def no_lost_task_exceptions():
-    """Fail a test after which asyncio reports a task or future whose exception nobody retrieved
-    (asyncio logs it when the task is collected: "Task exception was never retrieved")."""
-    lost, log = _LostExceptions(), logging.getLogger("asyncio")
-    log.addHandler(lost)
-    try:
-        yield
-        gc.collect()
-    finally:
-        log.removeHandler(lost)
-    assert not lost.messages, lost.messages
 
 
 def inputs(n: int, shapes=((37, 5), (300,)), seed: int = 0) -> list[list[torch.Tensor]]:
