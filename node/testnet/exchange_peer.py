@@ -72,12 +72,12 @@ def main(argv: list[str] | None = None) -> int:
     peer: ExchangePeer | None = None
     try:
         dht.start()
-        first_round = [True]
+        first_round = True
 
         def expected() -> int:
             # The first round waits for --peers; later ones for the peers whose records are alive
             # (a dead peer's record expires after record_ttl, so the group shrinks without it).
-            return args.peers if first_round[0] else len(dht.peers())
+            return args.peers if first_round else len(dht.peers())
 
         rendezvous = RendezvousSettings(deadline=args.rendezvous_deadline)
         spec = PeerSpec(
@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
             except Exception as err:  # noqa: BLE001 - reported, and the next round goes on
                 emit(event="round", round=r, ok=False, error=str(err))
                 continue
-            first_round[0] = False
+            first_round = False
             emit(
                 event="round",
                 round=r,
