@@ -156,15 +156,3 @@ async def join(coord: CoordinatorProc, token: str) -> tuple[MemberClient, str]:
     key = identity.generate_key()
     ident, info = await join_run(coord.address, token, key)
     return MemberClient(info.node_address, ident, server_name=info.tls_server_name), info.node_id
-
-
-def wait_for(predicate: Any, timeout_s: float = 20.0, interval_s: float = 0.05) -> Any:
-    """Poll ``predicate`` until it returns something truthy (or fail after ``timeout_s``)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met within {timeout_s} s")
-        time.sleep(interval_s)

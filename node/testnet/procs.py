@@ -17,15 +17,18 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, TypeVar
 
 from murmur.errors import MurmurError
 
 COORDINATOR_START_TIMEOUT_S = 60.0  # the coordinator prints its listening line within this
 ADMIN_TIMEOUT_S = 60.0  # one `murmur admin` call
 STOP_TIMEOUT_S = 30.0  # a SIGTERMed process exits within this, else it is killed (with its group)
+
+T = TypeVar("T")
 
 
 class TestnetError(MurmurError):
@@ -317,10 +320,12 @@ class Testnet:
         self.stop()
 
 
-def wait_for(predicate: Any, timeout_s: float, poll_s: float = 0.2, what: str = "condition") -> None:
-    """Poll ``predicate`` until true (files written by other processes have no event to await)."""
+def wait_for(predicate: Callable[[], T], timeout_s: float = 20.0, poll_s: float = 0.2, what: str = "condition") -> T:
+    """Poll ``predicate`` until it returns something truthy, and return that (files and processes of
+    other programs have no event to await); TestnetError naming ``what`` after ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
-    while not predicate():
+    while not (value := predicate()):
         if time.monotonic() > deadline:
             raise TestnetError(f"timed out after {timeout_s:g}s waiting for {what}")
         time.sleep(poll_s)
+    return value
