@@ -36,6 +36,7 @@ import torch
 
 from murmur.node.daemon.training import LeaseView, NodeTrainer
 from murmur.node.model.data import Dataset, prepare
+from murmur.optim.accounting import ddp_bytes
 from murmur.optim.exchange import Exchange
 from murmur.optim.factory import make_aggregator_for, make_codec_for
 from murmur.optim.inprocess import InProcessGroup
@@ -152,7 +153,7 @@ def run_config(cfg, dataset: Dataset, nodes: int, mbps: float, latency_ms: float
     wall = sum(w for _, w in stats)
     n_params = trainers[0].n_params
     steps = trainers[0].step
-    ddp = steps * (2 * (nodes - 1) * 4 * n_params // nodes)
+    ddp = ddp_bytes(n_params, nodes, steps)
     return {
         "algo": cfg.sync.algorithm,
         "codec": "demo_dct" if cfg.sync.algorithm == "demo" else cfg.sync.codec,

@@ -4,5 +4,5 @@ DeMo, compressors with error feedback, robust aggregators, byte accounting.
 Modules: codecs (compressors), aggregate (rules + pre-filter), reduce (what a round computes, shared
 by every exchange), exchange (the interface), inprocess (the simulator's exchange), sync (hook
 protocol + DDP), diloco (DiLoCo, Streaming DiLoCo), demo (DeMo), inner (AdamW + schedule),
-accounting (bytes by codec), factory (build from the run config).
+accounting (bytes by codec, DDP's bytes to compare with), factory (build from the run config).
 """
