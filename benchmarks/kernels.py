@@ -257,7 +257,7 @@ def summarize(rows: list[dict]) -> dict:
 def loss_curves(device: torch.device, preset: str, steps: int, batch: int, data: str | None) -> dict:
     """Same seed, same batches, same optimizer: the model with the reference ops, then fused."""
     from murmur.node.model.transformer import build_model, model_config
-    from murmur.node.train.trainer import autocast
+    from murmur.node.train.step import autocast
     from murmur.optim.inner import make_inner_optimizer as make_optimizer
     from murmur.protocol.runconfig import OptimSection
 

@@ -35,9 +35,12 @@ from pathlib import Path
 import torch
 
 from murmur.node.model.data import Dataset
-from murmur.node.sim.runner import SimResult, plot_loss_vs_bytes, read_warm_start, run_sim
+from murmur.node.sim.replicas import read_warm_start
+from murmur.node.sim.report import SimResult, plot_loss_vs_bytes
+from murmur.node.sim.run import run_sim
 from murmur.node.testnet.procs import stop_process
-from murmur.node.train.trainer import Trainer, resolve_device
+from murmur.node.train.build import resolve_device
+from murmur.node.train.trainer import Trainer
 from murmur.protocol.runconfig import RunConfig, config_from_dict
 
 RESULTS = Path(__file__).resolve().parent / "results"

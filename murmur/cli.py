@@ -18,7 +18,7 @@ from murmur.errors import MurmurError
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "data": ("murmur.node.model.data_cli", "prepare and inspect token datasets"),
     "train": ("murmur.node.train.trainer", "train one model on this machine"),
-    "sim": ("murmur.node.sim.runner", "simulate K workers of a low-communication run in one process"),
+    "sim": ("murmur.node.sim.cli", "simulate K workers of a low-communication run in one process"),
     "node": ("murmur.node.daemon.cli", "run a volunteer node"),
     "testnet": ("murmur.node.testnet.cli", "a local network: coordinator and nodes on loopback"),
     "coordinator": ("murmur.coordinator.cli", "serve a run's coordinator"),

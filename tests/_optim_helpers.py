@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import torch
 
-from murmur.node.sim.runner import Worker, build_workers
+from murmur.node.sim.threaded import Worker, build_workers
 from murmur.protocol.runconfig import config_from_dict
 
 VOCAB = 256

@@ -48,7 +48,7 @@ def test_sim_ddp_counts_a_ring_all_reduce_every_step(byte_dataset, tmp_path):
 @pytest.mark.parametrize(
     "args,message",
     [
-        (["--codec", "int3"], "unknown codec 'int3'; known codecs: fp32"),
+        (["--codec", "int3"], "'int3'"),
         (["--aggregator", "median"], "sync.aggregator"),
         (["--workers", "0"], "--workers must be at least 1"),
         (["--data", "/nonexistent/x"], "does not exist"),
@@ -83,7 +83,7 @@ def test_sim_warm_starts_from_a_train_checkpoint(byte_dataset, tmp_path, engine)
 def test_init_from_a_mismatched_or_missing_checkpoint_is_one_line(byte_dataset, tmp_path, capsys):
     import torch
 
-    from murmur.node.train.trainer import build_model_from_config
+    from murmur.node.train.build import build_model_from_config
     from murmur.protocol.runconfig import config_from_dict
 
     other = build_model_from_config(config_from_dict({"model": {"preset": "tiny", "n_layers": 1}}), 256)

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from murmur.node.model.data import Dataset
-from murmur.node.sim.runner import SimError, run_sim, worker_loaders
+from murmur.node.sim.replicas import SimError, worker_loaders
+from murmur.node.sim.run import run_sim
 from murmur.node.sim.stacked import StackedReplicas
 from murmur.protocol.runconfig import config_from_dict
 
@@ -82,7 +83,8 @@ def test_unknown_engine_is_one_line(byte_dataset):
 def test_both_engines_continue_from_a_checkpoints_weights_and_adamw_state(byte_dataset, tmp_path):
     """`--init-from` a `murmur train` checkpoint: every replica of either engine holds its weights
     and its AdamW moments, each replica its own copy, and the two engines then agree."""
-    from murmur.node.sim.runner import build_workers, read_warm_start
+    from murmur.node.sim.replicas import read_warm_start
+    from murmur.node.sim.threaded import build_workers
     from murmur.node.train.trainer import Trainer
 
     cfg = tiny_cfg(byte_dataset.root, "diloco", codec="fp32")
@@ -114,7 +116,7 @@ def test_both_engines_continue_from_a_checkpoints_weights_and_adamw_state(byte_d
 
 
 def test_a_warm_start_optimizer_of_another_model_is_one_error(byte_dataset, tmp_path):
-    from murmur.node.sim.runner import WarmStart
+    from murmur.node.sim.replicas import WarmStart
 
     cfg = tiny_cfg(byte_dataset.root, "diloco", codec="fp32")
     ds = Dataset.open(byte_dataset.root)

@@ -30,7 +30,8 @@ from murmur.node.daemon.state_dir import PendingCommit, StateDir
 from murmur.node.daemon.stop import StopSignal
 from murmur.node.daemon.training import LeaseView, NodeTrainer, Segment, WindowResult
 from murmur.node.model.data import Dataset, eval_batches
-from murmur.node.train.trainer import evaluate
+from murmur.node.train.step import evaluate
+from murmur.optim.accounting import ddp_bytes
 from murmur.optim.exchange import ExchangeError
 from murmur.protocol.runconfig import RunConfig
 
@@ -176,7 +177,7 @@ class TrainingDriver:
         sent = t.sync.bytes.total_sent
         peers = self.dataplane.last_round_members()
         k = max(2, len(peers))
-        ddp = (t.step - self._ratio_base_step) * (2 * (k - 1) * 4 * t.n_params // k)
+        ddp = ddp_bytes(t.n_params, k, t.step - self._ratio_base_step)
         return {
             "round": result.round,
             "step": t.step,

@@ -45,7 +45,7 @@ from murmur.node.daemon.settings import NodeSettings
 from murmur.node.daemon.state_dir import JoinInfo, StateDir
 from murmur.node.daemon.stop import StopSignal
 from murmur.node.model.data import Dataset
-from murmur.node.train.trainer import resolve_device
+from murmur.node.train.build import resolve_device
 from murmur.protocol import identity
 from murmur.protocol.runconfig import RunConfig, parse_config
 

@@ -1,7 +1,7 @@
 """The node's training side: one replica, its inner optimizer and its sync algorithm.
 
-It runs in the daemon's training thread (node_lifecycle.py owns the asyncio loop). The loop is the
-simulator's (node/sim/runner.py, `Worker.step`), with the node's extras: the data comes from the shard
+It runs in the daemon's training thread (node_lifecycle.py owns the asyncio loop). The inner step is
+every engine's (node/train/step.py), with the node's extras: the data comes from the shard
 the coordinator leased, compute time is measured apart from time spent waiting for the exchange,
 and the whole state (model, AdamW, global copy, outer momentum, round counters) can be saved,
 restored, hashed and handed to a joiner.
@@ -24,12 +24,13 @@ import torch
 
 from murmur.errors import MurmurError
 from murmur.node.model.data import BatchLoader, Dataset, Position
-from murmur.node.train.trainer import autocast, build_model_from_config
+from murmur.node.train.build import build_model_from_config
+from murmur.node.train.step import InnerStep, clip_grad_norm
 from murmur.optim.demo import DeMo
 from murmur.optim.diloco import StreamingDiLoCo
 from murmur.optim.exchange import Exchange, ExchangeError
 from murmur.optim.factory import build_sync
-from murmur.optim.inner import lr_at, make_inner_optimizer, set_lr
+from murmur.optim.inner import make_inner_optimizer
 from murmur.protocol.runconfig import RunConfig
 from murmur.protocol.wire import tensors_hash
 
@@ -165,6 +166,7 @@ class NodeTrainer:
             weight_decay=cfg.optim.weight_decay,
             round_timeout_s=round_timeout_s,
         )
+        self.inner = InnerStep(self.model, self.opt, cfg, device, clip_grad_norm(self.model), self.sync)
         self.seq_len = self.model.cfg.seq_len
         self.batch = cfg.train.batch_size
         self.span = self.batch * self.seq_len
@@ -207,21 +209,8 @@ class NodeTrainer:
     def _inner_step(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, float]:
         """One step; returns (loss, seconds of compute): the step's time less its exchange waits."""
         t0, waited0 = time.perf_counter(), self.meter.waited_s
-        lr = lr_at(self.step, self.cfg.train.steps, self.cfg.optim)
-        set_lr(self.opt, lr)
-        with autocast(self.device, self.cfg.train.dtype):
-            loss = self.model(x.to(self.device), y.to(self.device))
-        loss.backward()
-        self.sync.before_optimizer_step(self.step)  # DDP: the gradient all-reduce
-        if self.sync.replaces_optimizer:
-            self.sync.optimizer_step(self.step, lr)  # DeMo: compress, all-gather, apply
-        else:
-            if self.cfg.optim.grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.optim.grad_clip)
-            self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
-        self.sync.after_optimizer_step(self.step)  # DiLoCo: launch / apply an exchange
-        loss = loss.detach()
+        # DDP all-reduces in it, DeMo all-gathers, DiLoCo launches or applies an exchange.
+        loss = self.inner(self.step, self.cfg.train.steps, x, y).loss
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.step += 1

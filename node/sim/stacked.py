@@ -12,6 +12,15 @@ the outer steps, codecs, error feedback, aggregation and byte counts are the cod
 The sync hooks of the K replicas run on a small thread pool, because an exchange completes only
 once every member has submitted. AdamW is elementwise, so one AdamW over the stacked tensors is
 K independent AdamWs; gradient clipping is done per replica, by each replica's own norm.
+
+The step is node/train/step.py's `InnerStep`, the one every engine runs: the same lr schedule,
+autocast, hook order and clipping rule (clip to optim.grad_clip unless the sync replaces the
+optimizer). Three parts of it must differ here, and are handed to it: the forward is the model
+called functionally under vmap on the stacked weights (its loss is K losses, summed for one
+backward); the clip takes each replica's own norm (one norm over the stack would couple the
+replicas); and the sync is `_EverySync`, the K replicas' syncs as one, which runs each hook for
+all of them on the pool and lends each replica its slice of the stacked gradients when its
+algorithm reads or rewrites them.
 """
 
 from __future__ import annotations
@@ -25,10 +34,11 @@ import torch
 from torch.func import functional_call, vmap
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from murmur.node.sim.runner import WarmStart, build_replica_model, inner_state_for, make_group
-from murmur.node.train.trainer import autocast
+from murmur.node.sim.replicas import BatchesFor, WarmStart, build_replica_model, inner_state_for, make_group
+from murmur.node.train.step import InnerStep
 from murmur.optim.factory import build_sync
-from murmur.optim.inner import adamw, lr_at, set_lr
+from murmur.optim.inner import adamw
+from murmur.optim.inprocess import InProcessGroup
 from murmur.optim.sync import SyncAlgorithm
 from murmur.protocol.runconfig import RunConfig
 
@@ -45,7 +55,7 @@ class StackedReplicas:
         cfg: RunConfig,
         k: int,
         device: torch.device,
-        batches_for: Callable[[int, int], object],
+        batches_for: BatchesFor,
         vocab_size: int,
         peers: list[str],
         init: WarmStart | None = None,
@@ -77,46 +87,26 @@ class StackedReplicas:
             for i, peer in enumerate(peers)
         ]
         self.batches = [batches_for(i, k) for i in range(k)]
-        sync_cls = type(self.syncs[0])
-        # DDP rewrites the gradients and DeMo steps from them: only those need them per replica.
-        self._lend_grads = sync_cls.replaces_optimizer or (
-            sync_cls.before_optimizer_step is not SyncAlgorithm.before_optimizer_step
-        )
-        self._pool = ThreadPoolExecutor(k, thread_name_prefix="sim-sync")
+        self.every = _EverySync(self.syncs, self.views, self.stacked, self.group)
+        self.inner = InnerStep(self._loss, self.opt, cfg, device, self._clip, self.every)
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self.every.close()
 
     # -- one inner step of every replica ---------------------------------------------------------
 
-    def _loss(self, params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    def _loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The K replicas' losses on their K batches ([K, batch, seq] inputs)."""
+        with self._attention_backends():
+            return vmap(self._replica_loss, randomness="error")(self.stacked, x, y)
+
+    def _replica_loss(self, params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return functional_call(self.model, params, (x, y))
 
     def step(self, step: int, total_steps: int) -> torch.Tensor:
         """One inner step of all K replicas; returns their K losses (on the device)."""
-        lr = lr_at(step, total_steps, self.cfg.optim)
-        set_lr(self.opt, lr)
         xs, ys = zip(*(next(b) for b in self.batches), strict=True)
-        x, y = self._to_device(torch.stack(xs)), self._to_device(torch.stack(ys))
-        with autocast(self.device, self.cfg.train.dtype), self._attention_backends():
-            losses = vmap(self._loss, randomness="error")(self.stacked, x, y)
-        losses.sum().backward()  # replicas share no weights: each gets its own gradient
-        if self._lend_grads:
-            self._lend()
-        self._each(lambda s: s.before_optimizer_step(step))
-        if self.syncs[0].replaces_optimizer:
-            self._each(lambda s: s.optimizer_step(step, lr))
-        else:
-            if self._lend_grads:
-                self._take_back()
-            if self.cfg.optim.grad_clip > 0:
-                self._clip(self.cfg.optim.grad_clip)
-            self.opt.step()
-        if self._lend_grads:
-            self._drop_lent()
-        self.opt.zero_grad(set_to_none=True)
-        self._each(lambda s: s.after_optimizer_step(step))
-        return losses.detach()
+        return self.inner(step, total_steps, self._pinned(torch.stack(xs)), self._pinned(torch.stack(ys))).loss
 
     def _attention_backends(self) -> contextlib.AbstractContextManager:
         # Under vmap on an H200 (torch 2.11) the cuDNN attention's batching rule gave NaN
@@ -126,15 +116,13 @@ class StackedReplicas:
             return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.MATH])
         return contextlib.nullcontext()
 
-    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+    def _pinned(self, t: torch.Tensor) -> torch.Tensor:
         # From pageable memory a copy to the GPU waits for the queue to drain; from pinned memory
         # it is queued like a kernel, so the CPU can run ahead of the GPU.
-        if self.device.type == "cuda":
-            return t.pin_memory().to(self.device, non_blocking=True)
-        return t
+        return t.pin_memory() if self.device.type == "cuda" else t
 
     def finish(self) -> None:
-        self._each(lambda s: s.finish())
+        self.every.each(lambda s: s.finish())
 
     @torch.no_grad()
     def _clip(self, max_norm: float) -> None:
@@ -146,6 +134,56 @@ class StackedReplicas:
         coef = (max_norm / (sq.sqrt() + 1e-6)).clamp(max=1.0)
         for g in grads:
             g.mul_(coef.view(-1, *([1] * (g.dim() - 1))).to(g.dtype))
+
+    # -- replica 0 as a module, for evaluation ----------------------------------------------------
+
+    @torch.no_grad()
+    def lead_model(self) -> torch.nn.Module:
+        """The module holding a copy of replica 0's current weights."""
+        for n, p in self.model.named_parameters():
+            p.copy_(self.stacked[n][0])
+        return self.model
+
+    @property
+    def lead_sync(self) -> SyncAlgorithm:
+        return self.syncs[0]
+
+
+class _EverySync:
+    """The K replicas' sync algorithms as the one sync `InnerStep` calls: each hook runs for every
+    replica at once (an exchange completes only when every member has submitted). DDP rewrites
+    the gradients and DeMo steps from them, so for those each replica's parameter views get its
+    slice of the stacked gradients before the hooks, and DDP's averages are copied back after."""
+
+    def __init__(
+        self, syncs: list[SyncAlgorithm], views: list[list[tuple[str, torch.Tensor]]],
+        stacked: dict[str, torch.Tensor], group: InProcessGroup,
+    ) -> None:
+        self.syncs, self.views, self.stacked, self.group = syncs, views, stacked, group
+        sync_cls = type(syncs[0])
+        self.replaces_optimizer = sync_cls.replaces_optimizer
+        self._lend_grads = sync_cls.replaces_optimizer or (
+            sync_cls.before_optimizer_step is not SyncAlgorithm.before_optimizer_step
+        )
+        self._pool = ThreadPoolExecutor(len(syncs), thread_name_prefix="sim-sync")
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def before_optimizer_step(self, step: int) -> None:
+        if self._lend_grads:
+            self._lend()
+        self.each(lambda s: s.before_optimizer_step(step))
+        if self._lend_grads and not self.replaces_optimizer:
+            self._take_back()  # the stacked AdamW steps from the stacked gradients
+            self._drop_lent()
+
+    def optimizer_step(self, step: int, lr: float) -> None:
+        self.each(lambda s: s.optimizer_step(step, lr))
+        self._drop_lent()
+
+    def after_optimizer_step(self, step: int) -> None:
+        self.each(lambda s: s.after_optimizer_step(step))
 
     def _lend(self) -> None:
         for i, views in enumerate(self.views):
@@ -167,9 +205,9 @@ class StackedReplicas:
             for _, v in views:
                 v.grad = None
 
-    def _each(self, fn: Callable[[SyncAlgorithm], object]) -> None:
-        """Run a sync hook for every replica at once (an exchange waits for all members). If one
-        fails, the group is aborted so the others' waits end too, and the first error is raised."""
+    def each(self, fn: Callable[[SyncAlgorithm], object]) -> None:
+        """Run a sync hook for every replica at once. If one fails, the group is aborted so the
+        others' waits end too, and the first error is raised."""
         futures = [self._pool.submit(fn, s) for s in self.syncs]
         done, pending = wait(futures, return_when=FIRST_EXCEPTION)
         failed = next((f for f in futures if f.done() and f.exception() is not None), None)
@@ -178,15 +216,3 @@ class StackedReplicas:
             wait(pending)
             raise failed.exception()
 
-    # -- replica 0 as a module, for evaluation ----------------------------------------------------
-
-    @torch.no_grad()
-    def lead_model(self) -> torch.nn.Module:
-        """The module holding a copy of replica 0's current weights."""
-        for n, p in self.model.named_parameters():
-            p.copy_(self.stacked[n][0])
-        return self.model
-
-    @property
-    def lead_sync(self) -> SyncAlgorithm:
-        return self.syncs[0]

@@ -1,5 +1,7 @@
-"""Training on one machine.
+"""Training on one machine, and the pieces every engine shares.
 
-Modules: trainer (`murmur train`: the single-node trainer with checkpoints and exact resume, and
-the helpers every engine shares to build a model from a run config).
+Modules: step (THE inner step every engine runs, autocast and evaluation), build (the device, the
+run's dataset and the model from a run config), trainer (`murmur train`: the single-node trainer
+with checkpoints and exact resume), overrides (the one rule for `--config`, shortcut flags and
+`--set` on every command line).
 """

@@ -2,14 +2,13 @@
 
 AdamW with linear warm-up and cosine decay, gradient clipping, bf16 autocast on a GPU, validation
 every N steps, checkpoints (model, optimizer, data position, RNG) with exact resume, and one
-progress line per step. The inner optimizer and its schedule come from `optim.inner`, shared with
-the simulator and the node; the model-from-config and evaluation helpers here are shared the other way.
+progress line per step. The step itself is the one the simulator and the node run
+(node/train/step.py), on a model built as theirs are (node/train/build.py).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import math
 import time
 from dataclasses import dataclass
@@ -19,60 +18,11 @@ import torch
 
 from murmur.errors import MurmurError
 from murmur.node.model.data import BatchLoader, Dataset, Position, eval_batches
-from murmur.node.model.transformer import ModelConfig, Transformer, model_config
-from murmur.optim.inner import lr_at, make_inner_optimizer, set_lr
-from murmur.protocol.runconfig import RunConfig, load_config
-
-
-def resolve_device(name: str = "auto") -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise MurmurError("--device cuda was asked for but no CUDA device is available: use --device cpu")
-    if name not in ("cpu", "cuda"):
-        raise MurmurError(f"--device {name!r}: use auto, cpu or cuda")
-    return torch.device(name)
-
-
-def resolve_model_config(cfg: RunConfig, vocab_size: int) -> ModelConfig:
-    """The preset with the run's overrides; the vocabulary follows the dataset (padded to 64)."""
-    m = cfg.model
-    vocab = m.vocab_size or (vocab_size if vocab_size <= 256 else 64 * math.ceil(vocab_size / 64))
-    try:
-        return model_config(
-            m.preset, dim=m.dim, n_layers=m.n_layers, n_heads=m.n_heads, n_kv_heads=m.n_kv_heads,
-            hidden_dim=m.hidden_dim, seq_len=m.seq_len, vocab_size=vocab,
-        )
-    except ValueError as err:
-        raise MurmurError(f"[model] {err}") from None
-
-
-def build_model_from_config(cfg: RunConfig, vocab_size: int, device: torch.device | str = "cpu") -> Transformer:
-    mcfg = resolve_model_config(cfg, vocab_size)
-    if mcfg.vocab_size < vocab_size:
-        raise MurmurError(f"model.vocab_size {mcfg.vocab_size} is smaller than the tokenizer's {vocab_size}")
-    return Transformer(mcfg, seed=cfg.seed).to(device)
-
-
-def autocast(device: torch.device, dtype: str = "auto") -> contextlib.AbstractContextManager:
-    use_bf16 = dtype == "bf16" or (dtype == "auto" and device.type == "cuda")
-    if use_bf16:
-        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
-    return contextlib.nullcontext()
-
-
-@torch.no_grad()
-def evaluate(
-    model: torch.nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device, dtype: str = "auto"
-) -> float:
-    was_training = model.training
-    model.eval()
-    total = 0.0
-    with autocast(device, dtype):
-        for x, y in batches:
-            total += model(x.to(device), y.to(device)).item()
-    model.train(was_training)
-    return total / len(batches)
+from murmur.node.train.build import build_model_from_config, open_run_dataset, resolve_device
+from murmur.node.train.overrides import add_set_flag, config_from_args
+from murmur.node.train.step import InnerStep, clip_grad_norm, evaluate
+from murmur.optim.inner import make_inner_optimizer
+from murmur.protocol.runconfig import RunConfig
 
 
 @dataclass(slots=True)
@@ -95,22 +45,14 @@ class Trainer:
             dataset, shards or list(range(dataset.num_shards)), cfg.train.batch_size, self.model.cfg.seq_len
         )
         self.step_count = 0
-        self.forward = torch.compile(self.model) if cfg.train.compile else self.model
+        forward = torch.compile(self.model) if cfg.train.compile else self.model
+        self.inner = InnerStep(forward, self.opt, cfg, device, clip_grad_norm(self.model))
         self.val_batches = eval_batches(dataset, cfg.train.batch_size, self.model.cfg.seq_len, cfg.train.eval_batches)
 
     def step(self) -> StepStats:
         t0 = time.perf_counter()
-        lr = lr_at(self.step_count, self.cfg.train.steps, self.cfg.optim)
-        set_lr(self.opt, lr)
         x, y = next(self.loader)
-        x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
-        with autocast(self.device, self.cfg.train.dtype):
-            loss = self.forward(x, y)
-        loss.backward()
-        if self.cfg.optim.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.optim.grad_clip)
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
+        loss, lr = self.inner(self.step_count, self.cfg.train.steps, x, y)
         loss_value = loss.item()  # also synchronizes the device, so the timing below is honest
         if not math.isfinite(loss_value):
             raise MurmurError(f"loss became {loss_value} at step {self.step_count}: lower optim.lr")
@@ -164,8 +106,7 @@ class Trainer:
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("train", help="train one model on this machine")
     p.add_argument("--config", help="run TOML (default: built-in defaults)")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config key, e.g. --set train.steps=200 (repeatable)")
+    add_set_flag(p)
     p.add_argument("--steps", type=int, help="shortcut for --set train.steps=N")
     p.add_argument("--data", help="shortcut for --set data.path=DIR")
     p.add_argument("--preset", help="shortcut for --set model.preset=NAME")
@@ -175,33 +116,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_run)
 
 
-def _overrides(args: argparse.Namespace) -> list[str]:
-    extra = list(args.set)
-    if args.steps is not None:
-        extra.append(f"train.steps={args.steps}")
-    if args.data:
-        extra.append(f'data.path="{args.data}"')
-    if args.preset:
-        extra.append(f'model.preset="{args.preset}"')
-    return extra
+# The shortcut flags, applied before --set (node/train/overrides.py: --set wins).
+SHORTCUTS = {"steps": "train.steps", "data": "data.path", "preset": "model.preset"}
 
 
 def _run(args: argparse.Namespace) -> int:
-    from murmur.protocol.runconfig import apply_override, config_from_dict
-
-    if args.config:
-        cfg = load_config(args.config, _overrides(args))
-    else:
-        data: dict = {}
-        for item in _overrides(args):
-            apply_override(data, item)
-        cfg = config_from_dict(data)
+    cfg = config_from_args(args, SHORTCUTS)
     device = resolve_device(args.device)
-    dataset = Dataset.open(cfg.data.path)
-    if dataset.tokenizer != cfg.data.tokenizer:
-        raise MurmurError(
-            f"data.tokenizer is {cfg.data.tokenizer!r} but {cfg.data.path} was prepared with {dataset.tokenizer!r}"
-        )
+    dataset = open_run_dataset(cfg)
     torch.manual_seed(cfg.seed)
     trainer = Trainer(cfg, dataset, device)
     out = Path(args.out or Path("runs") / cfg.name)

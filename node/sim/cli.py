@@ -1,0 +1,71 @@
+"""`murmur sim`: K workers of a low-communication run in one process, on one device.
+
+Each worker is a real replica (weights, AdamW, data loader on its own shards as the coordinator
+would lease them) driven by the same `optim` sync code a node runs; the workers meet in an
+`InProcessGroup`, which counts every payload byte by codec. Worker 0 reports a progress line per
+outer step (every H inner steps) and evaluates on the validation split.
+
+Two engines run the inner steps. ``stacked`` (the default, node/sim/stacked.py) keeps the K
+replicas' weights in [K, ...] tensors and trains them with one vmapped step; ``threads``
+(node/sim/threaded.py) gives each replica its own module and thread, as separate nodes would run.
+They agree to float rounding (tests/test_sim_stacked.py); stacked is many times faster on a GPU.
+
+    murmur sim --config RUN.toml --workers 8 --algorithm diloco --inner-steps 100 --codec int4 --out runs/x
+
+``--out`` gets sim.json (config, curves of validation loss against steps, tokens and bytes, the
+summary) and sim.png (validation loss against bytes sent per worker, log scale).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from murmur.node.sim.replicas import SimError, read_warm_start
+from murmur.node.sim.report import format_table, write_outputs
+from murmur.node.sim.run import ENGINES, run_sim
+from murmur.node.train.build import open_run_dataset, resolve_device
+from murmur.node.train.overrides import add_set_flag, config_from_args
+from murmur.optim.factory import check_sync_config
+
+# The shortcut flags, applied before --set (node/train/overrides.py: --set wins).
+SHORTCUTS = {
+    "algorithm": "sync.algorithm", "codec": "sync.codec", "aggregator": "sync.aggregator", "data": "data.path",
+    "inner_steps": "sync.inner_steps", "steps": "train.steps",
+}
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("sim", help="simulate K workers of a low-communication run in one process")
+    p.add_argument("--config", help="run TOML (default: built-in defaults)")
+    p.add_argument("--workers", "-k", type=int, default=4, help="replicas (default 4)")
+    p.add_argument("--algorithm", choices=("ddp", "diloco", "streaming", "demo"), help="sync.algorithm")
+    p.add_argument("--inner-steps", "-H", type=int, help="sync.inner_steps (H)")
+    p.add_argument("--codec", help="sync.codec (fp32, fp16, bf16, int8, int4, topk, topk2bit, sign, powersgd)")
+    p.add_argument("--aggregator", help="sync.aggregator (mean, trimmed_mean, centered_clip)")
+    p.add_argument("--steps", type=int, help="train.steps (inner steps per worker)")
+    p.add_argument("--data", help="data.path")
+    add_set_flag(p)
+    p.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    p.add_argument("--engine", choices=ENGINES, default="stacked",
+                   help="stacked: one vmapped step for all replicas (default); threads: a thread per replica")
+    p.add_argument("--init-from", metavar="CKPT",
+                   help="start every replica from a murmur train checkpoint (weights and AdamW state): a warm start")
+    p.add_argument("--out", help="folder for sim.json and sim.png")
+    p.set_defaults(func=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    if args.workers < 1:
+        raise SimError(f"--workers must be at least 1, got {args.workers}")
+    cfg = config_from_args(args, SHORTCUTS)
+    check_sync_config(cfg.sync)
+    device = resolve_device(args.device)
+    dataset = open_run_dataset(cfg)
+    init = read_warm_start(args.init_from) if args.init_from else None
+    result = run_sim(cfg, args.workers, device, dataset, engine=args.engine, init=init)
+    print(format_table([result]))
+    if args.out:
+        write_outputs(Path(args.out), cfg, [result])
+        print(f"wrote {Path(args.out) / 'sim.json'} and {Path(args.out) / 'sim.png'}")
+    return 0

@@ -1,0 +1,108 @@
+"""What both simulator engines build their K replicas from: the initial weights (the run seed's or
+a warm start's), the in-process group the replicas meet in, and each replica's data.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from murmur.errors import MurmurError
+from murmur.node.model.data import BatchLoader, Dataset, Position
+from murmur.node.train.build import build_model_from_config
+from murmur.optim.factory import check_sync_config, make_aggregator_for, make_codec_for
+from murmur.optim.inner import adamw_state_in_order
+from murmur.optim.inprocess import InProcessGroup
+from murmur.protocol.runconfig import RunConfig
+
+Batches = Iterator[tuple[torch.Tensor, torch.Tensor]]
+BatchesFor = Callable[[int, int], Batches]  # (replica i, of k) -> its batches
+
+
+class SimError(MurmurError):
+    pass
+
+
+def peer_names(k: int) -> list[str]:
+    return [f"w{i:03d}" for i in range(k)]
+
+
+@dataclass(slots=True)
+class WarmStart:
+    """What every replica starts from instead of the seed: a checkpoint's weights and, when the
+    checkpoint has it, its AdamW state (so the replicas continue the run rather than restart it)."""
+
+    weights: dict[str, torch.Tensor]
+    optimizer: dict | None = None  # a make_inner_optimizer state_dict over the same model
+
+
+def read_warm_start(path: str | Path) -> WarmStart:
+    """A `murmur train` checkpoint (weights and AdamW state) or a bare state dict (weights)."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as err:  # noqa: BLE001 - any unreadable file is the same user error
+        raise SimError(f"--init-from {path} cannot be read ({err.__class__.__name__})") from None
+    weights = state.get("model", state) if isinstance(state, dict) else None
+    if not isinstance(weights, dict) or not all(isinstance(v, torch.Tensor) for v in weights.values()):
+        raise SimError(f"--init-from {path} holds no model weights (a murmur train checkpoint or a state dict)")
+    bad = [n for n, v in weights.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
+    if bad:
+        raise SimError(f"--init-from {path} has non-finite values in {len(bad)} tensors (e.g. {bad[0]!r})")
+    optimizer = state.get("optimizer") if "model" in state else None
+    return WarmStart(weights, optimizer if isinstance(optimizer, dict) else None)
+
+
+def inner_state_for(init: WarmStart | None, params: list[torch.Tensor]) -> list[dict[str, torch.Tensor]] | None:
+    """The warm start's AdamW state per parameter (checked against ``params``), or None."""
+    if init is None or init.optimizer is None:
+        return None
+    try:
+        return adamw_state_in_order(init.optimizer, [p.shape for p in params])
+    except ValueError as err:
+        raise SimError(f"the initial optimizer state does not fit the configured model: {err}") from None
+
+
+def build_replica_model(
+    cfg: RunConfig, vocab_size: int, device: torch.device | str, init: dict[str, torch.Tensor] | None = None
+) -> torch.nn.Module:
+    """A replica's module: the run seed's initial weights, or ``init``'s when given."""
+    model = build_model_from_config(cfg, vocab_size, device)
+    if init is not None:
+        want = model.state_dict()
+        missing = [n for n in want if n not in init]
+        extra = [n for n in init if n not in want]
+        reshaped = [n for n in want if n in init and init[n].shape != want[n].shape]
+        if missing or extra or reshaped:
+            problems = [f"{len(names)} {what} (e.g. {names[0]!r})" for what, names in
+                        (("missing", missing), ("unexpected", extra), ("of another shape", reshaped)) if names]
+            raise SimError(f"the initial weights do not fit the configured model: {', '.join(problems)}")
+        model.load_state_dict(init)
+    return model
+
+
+def make_group(cfg: RunConfig, peers: list[str]) -> InProcessGroup:
+    """The in-process exchange the K replicas meet in: a codec per peer, the run's aggregator."""
+    check_sync_config(cfg.sync)
+    return InProcessGroup(peers, lambda: make_codec_for(cfg.sync), make_aggregator_for(cfg.sync))
+
+
+def worker_loaders(dataset: Dataset, batch: int, seq_len: int) -> BatchesFor:
+    """Worker i of k reads shards i, i+k, ...; with fewer shards than workers, workers share a
+    shard and start at evenly spaced offsets of it (disjoint leases of one shard)."""
+
+    def make(i: int, k: int) -> Batches:
+        n = dataset.num_shards
+        if n >= k:
+            return BatchLoader(dataset, list(range(i, n, k)), batch, seq_len)
+        shard, share = i % n, math.ceil(k / n)
+        slot = i // n
+        span = batch * seq_len
+        offset = (dataset.shard_size(shard) // share) * slot // span * span
+        order = [shard] + [s for s in range(n) if s != shard]
+        return BatchLoader(dataset, order, batch, seq_len, position=Position(shard, offset))
+
+    return make
