@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import signal
@@ -11,8 +12,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from _net_helpers import PYTHON, REPO, python_env
+from _node_helpers import ledger, make_testnet
 
-from murmur.protocol.identity import CertificateAuthority
+from murmur.node.testnet.procs import Testnet
+from murmur.protocol.coordinator_client import join_run
+from murmur.protocol.identity import CertificateAuthority, Identity, generate_key
 
 RUN = "pipe-test"
 # A model small enough that a microbatch takes milliseconds on one CPU core.
@@ -38,9 +42,17 @@ class PeerProc:
         return {k: self.ready[k] for k in ("node_id", "address", "stage")}
 
 
-def start_peer(ca: CertificateAuthority, folder: Path, stage: int, *extra: str) -> PeerProc:
+def membership(ca: CertificateAuthority, folder: Path, join: tuple[str, str] | None) -> list[str]:
+    """How a process gets its certificate: joining the coordinator with a token, or from ``ca``."""
+    if join is not None:
+        return ["--coordinator", join[0], "--token", join[1]]
     ca.issue().save(folder)
-    cmd = [PYTHON, "-m", "murmur.node.pipeline.peer", "--identity", str(folder), "--run", RUN,
+    return ["--identity", str(folder), "--run", RUN]
+
+
+def start_peer(ca: CertificateAuthority, folder: Path, stage: int, *extra: str,
+               join: tuple[str, str] | None = None) -> PeerProc:
+    cmd = [PYTHON, "-m", "murmur.node.pipeline.peer", *membership(ca, folder, join),
            "--stage", str(stage), *MODEL, "--target-samples", "8", "--lr", "3e-3", *extra]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=python_env(), cwd=REPO)
     line = proc.stdout.readline()
@@ -69,14 +81,17 @@ def write_peers(path: Path, peers: list[PeerProc]) -> None:
 
 
 @contextlib.contextmanager
-def stage_peers(tmp_path: Path, stages: list[list[list[str]]]) -> Iterator[tuple[CertificateAuthority, list[PeerProc]]]:
-    """``stages[s]`` lists the extra arguments of each peer of stage s."""
+def stage_peers(
+    tmp_path: Path, stages: list[list[list[str]]], join: tuple[str, str] | None = None
+) -> Iterator[tuple[CertificateAuthority, list[PeerProc]]]:
+    """``stages[s]`` lists the extra arguments of each peer of stage s; ``join``: (coordinator
+    address, token) to join a run with, else identities of a fresh CA."""
     ca = CertificateAuthority.create("pipe-test")
     peers: list[PeerProc] = []
     try:
         for s, extras in enumerate(stages):
             for j, extra in enumerate(extras):
-                peers.append(start_peer(ca, tmp_path / f"peer-{s}-{j}", s, *extra))
+                peers.append(start_peer(ca, tmp_path / f"peer-{s}-{j}", s, *extra, join=join))
         write_peers(tmp_path / "peers.json", peers)
         yield ca, peers
     finally:
@@ -88,9 +103,9 @@ def stage_peers(tmp_path: Path, stages: list[list[list[str]]]) -> Iterator[tuple
                 p.proc.wait()
 
 
-def start_driver(ca: CertificateAuthority, tmp_path: Path, data: Path, name: str, *extra: str) -> subprocess.Popen[str]:
-    ca.issue().save(tmp_path / name)
-    cmd = [PYTHON, "-m", "murmur.node.pipeline.drive", "--identity", str(tmp_path / name), "--run", RUN,
+def start_driver(ca: CertificateAuthority, tmp_path: Path, data: Path, name: str, *extra: str,
+                 join: tuple[str, str] | None = None) -> subprocess.Popen[str]:
+    cmd = [PYTHON, "-m", "murmur.node.pipeline.drive", *membership(ca, tmp_path / name, join),
            "--peers", str(tmp_path / "peers.json"), *MODEL, "--data", str(data),
            "--microbatch-size", str(MICROBATCH), "--commit-log", str(tmp_path / f"{name}.commits"), *extra]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=python_env(), cwd=REPO)
@@ -106,5 +121,31 @@ def check_commits(commits: list[dict], total: int) -> None:
     for c in commits:
         assert c["start"] == end and c["end"] > c["start"], commits
         assert c["tokens"] == (c["end"] - c["start"]) * TOKENS_PER_MB
+        if "ledger_end" in c:  # what the coordinator's ledger was told
+            assert c["ledger_end"] == c["end"] * TOKENS_PER_MB
         end = c["end"]
     assert end == total, (end, total)
+
+
+@contextlib.contextmanager
+def coordinator(tmp_path: Path, data: Path, joins: int) -> Iterator[tuple[Testnet, tuple[str, str]]]:
+    """A real coordinator with a run on ``data`` and a token for ``joins`` members."""
+    net = make_testnet(tmp_path / "net", data)
+    try:
+        net.start_coordinator()
+        token = net.create_run(joins)
+        yield net, (str(net.info["address"]), token)
+    finally:
+        net.stop_coordinator()
+
+
+def ledger_tokens(net: Testnet) -> tuple[int, dict[int, int]]:
+    """Tokens the run's ledger holds, and each shard's committed offset."""
+    tokens, offsets, _ = ledger(net)
+    return tokens, offsets
+
+
+def watcher_identity(join: tuple[str, str]) -> Identity:
+    """A member identity of the run, for a test that calls the stage peers itself."""
+    ident, _ = asyncio.run(join_run(join[0], join[1], generate_key()))
+    return ident

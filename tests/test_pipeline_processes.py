@@ -10,19 +10,22 @@ import statistics
 
 import pytest
 from _pipeline_helpers import (
-    RUN,
     RUN_TIMEOUT,
     TOKENS_PER_MB,
     check_commits,
+    coordinator,
+    ledger_tokens,
     records,
     stage_peers,
     start_driver,
+    watcher_identity,
 )
 
 from murmur.node.net.loop import LoopThread
 from murmur.node.pipeline.client import StageClient, StagePeer
 
-pytestmark = pytest.mark.slow
+# Five to seven processes, each importing torch, on a loaded 2-core machine: more than the default.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 
 def finish(driver) -> str:
@@ -36,10 +39,14 @@ def finish(driver) -> str:
 
 
 def test_two_stages_of_two_peers_and_two_drivers_train_and_the_loss_falls(tmp_path, byte_dataset):
-    with stage_peers(tmp_path, [[[], []], [[], []]]) as (ca, peers):
-        drivers = [start_driver(ca, tmp_path, byte_dataset.root, f"driver{i}", "--shard", str(i),
-                                "--microbatches", "40", "--concurrency", "2") for i in range(2)]
+    with (
+        coordinator(tmp_path, byte_dataset.root, joins=6) as (net, join),
+        stage_peers(tmp_path, [[[], []], [[], []]], join=join) as (ca, peers),
+    ):
+        drivers = [start_driver(ca, tmp_path, byte_dataset.root, f"driver{i}", "--microbatches", "40",
+                                "--concurrency", "2", join=join) for i in range(2)]
         outs = [finish(d) for d in drivers]
+        tokens, offsets = ledger_tokens(net)
     assert [d.returncode for d in drivers] == [0, 0], outs
     for out in outs:
         done = records(out, "microbatch")
@@ -49,6 +56,10 @@ def test_two_stages_of_two_peers_and_two_drivers_train_and_the_loss_falls(tmp_pa
         assert last < first - 0.3, (first, last)
         check_commits(records(out, "commit"), 40)
         assert records(out, "done")[0]["committed_tokens"] == 40 * TOKENS_PER_MB
+    # the coordinator's ledger: each driver's shard advanced by exactly its 40 microbatches
+    assert tokens == 2 * 40 * TOKENS_PER_MB
+    shards = [records(out, "lease")[0]["shard"] for out in outs]
+    assert len(set(shards)) == 2 and all(offsets[s] == 40 * TOKENS_PER_MB for s in shards)
     # every peer served, and each stage's peers stepped their optimizers
     assert all(p.stopped["backwards"] > 0 for p in peers), [p.stopped for p in peers]
     assert all(p.stopped["optimizer_steps"] > 0 for p in peers)
@@ -58,12 +69,15 @@ def test_two_stages_of_two_peers_and_two_drivers_train_and_the_loss_falls(tmp_pa
 
 def test_a_sigkilled_stage_peer_mid_microbatch_its_hops_go_to_its_stage_mate(tmp_path, byte_dataset):
     # The victim computes slowly, so the kill lands while it holds a microbatch.
-    with stage_peers(tmp_path, [[[]], [["--fault", "delay:stage_compute:0.3@x*"], []]]) as (ca, peers):
+    with (
+        coordinator(tmp_path, byte_dataset.root, joins=6) as (net, join),
+        stage_peers(tmp_path, [[[]], [["--fault", "delay:stage_compute:0.3@x*"], []]], join=join) as (ca, peers),
+    ):
         victim, mate = peers[1], peers[2]
         driver = start_driver(ca, tmp_path, byte_dataset.root, "driver", "--microbatches", "50",
-                              "--concurrency", "2", "--hop-timeout-s", "20")
+                              "--concurrency", "2", "--hop-timeout-s", "20", join=join)
         loop = LoopThread()
-        client = StageClient(ca.issue(), run_id=RUN)
+        client = StageClient(watcher_identity(join), run_id=net.run_id)
         try:
             async def busy() -> None:  # until the victim is computing a hop
                 peer = StagePeer(victim.node_id, victim.ready["address"], 1)
@@ -76,12 +90,14 @@ def test_a_sigkilled_stage_peer_mid_microbatch_its_hops_go_to_its_stage_mate(tmp
             loop.run(client.aclose())
             loop.stop()
         out = finish(driver)
+        tokens, _ = ledger_tokens(net)
     assert victim.proc.returncode == -signal.SIGKILL
     assert driver.returncode == 0, out
     done = records(out, "microbatch")
     assert sorted(r["index"] for r in done) == list(range(50))  # none lost, none twice
     check_commits(records(out, "commit"), 50)
     assert records(out, "done")[0]["committed_tokens"] == 50 * TOKENS_PER_MB
+    assert tokens == 50 * TOKENS_PER_MB  # the ledger's count is exact
     retried = [r for r in done if r["retries"]]
     assert retried, "no hop was retried although a peer died under one"
     # a retried hop of stage 1 ended on the stage-mate

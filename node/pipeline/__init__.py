@@ -5,6 +5,6 @@ recomputation and optimizer steps, free of transport), codec (activations and gr
 wire: fp32, bf16, int8 blockwise), service (the gRPC stage service with mutual TLS and input
 checks), client (calls to stage peers), router (stochastic wiring: per-hop peer choice by
 estimated load, benching, adaptive deadlines), driver (microbatches through the stages with
-bounded retries; only completed microbatches count), peer (one stage peer as a process),
-drive (one driver as a process).
+bounded retries; only completed microbatches count), membership (join, heartbeats, a driver's
+lease and ledger commits), peer (one stage peer as a process), drive (one driver as a process).
 """

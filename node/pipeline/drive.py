@@ -7,10 +7,12 @@
 ``peers.json`` is ``{"peers": [{"node_id", "address", "stage"}, ...]}``, re-read every
 ``--peers-every`` seconds, so whoever launches the stage peers (a test, the testnet) may change
 it while the driver runs. Microbatch i holds the tokens [i*B*T, (i+1)*B*T] of the shard (wrapping
-round at its end). Output: one JSON line per completed microbatch (loss, the peer of every hop,
-retries), one per commit (the contiguous range of microbatches and their tokens, also appended
-to ``--commit-log`` and fsynced), and a last line ``{"event": "done", ...}`` with the committed
-token count and how many hops each peer served.
+round at its end). With ``--coordinator`` and ``--token`` it joins the run instead, leases a
+shard and reads microbatches from the lease's committed offset, committing each contiguous range
+of completed microbatches to the coordinator's ledger. Output: one JSON line per completed
+microbatch (loss, the peer of every hop, retries), one per commit (the contiguous range of
+microbatches and their tokens, also appended to ``--commit-log`` and fsynced), and a last line
+``{"event": "done", ...}`` with the committed token count and how many hops each peer served.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from murmur.node.model.data import Dataset
 from murmur.node.pipeline.client import StageClient, StagePeer
 from murmur.node.pipeline.config import PipelineConfig, add_model_args, model_from_args
 from murmur.node.pipeline.driver import Driver, MicrobatchFailed, MicrobatchResult, run_in_order
+from murmur.node.pipeline.membership import Membership
 from murmur.node.pipeline.router import Router
 from murmur.protocol.identity import Identity
 
@@ -46,15 +49,19 @@ def read_peers(path: Path) -> dict[int, list[StagePeer]]:
     return out
 
 
-def microbatch_source(dataset: Dataset, shard: int, rows: int, seq_len: int):
+def microbatch_source(dataset: Dataset, shard: int, rows: int, seq_len: int, base: int = 0, wrap: bool = True):
+    """Microbatch i: the B*T tokens from ``base + i*B*T`` of the shard (and the next one as the
+    last target), wrapping round at the shard's end when ``wrap``."""
     tokens = dataset.shard(shard)
     span = rows * seq_len
     usable = len(tokens) - 1 - span
-    if usable < 0:
-        raise SystemExit(f"error: shard {shard} holds fewer than {span + 1} tokens")
+    if usable < base:
+        raise SystemExit(f"error: shard {shard} holds no microbatch of {span + 1} tokens from {base}")
 
     def batch(i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        o = (i * span) % (usable + 1)
+        o = base + i * span
+        if wrap:
+            o %= usable + 1
         buf = torch.from_numpy(tokens[o : o + span + 1].astype(np.int64))
         return buf[:-1].view(rows, seq_len), buf[1:].view(rows, seq_len)
 
@@ -69,8 +76,14 @@ async def drive(args: argparse.Namespace) -> int:
         min_hop_timeout_s=args.min_hop_timeout_s, hop_attempts=args.hop_attempts,
         microbatch_attempts=args.microbatch_attempts, bench_s=args.bench_s,
     )
-    identity = Identity.load(args.identity)
-    client = StageClient(identity, run_id=args.run)
+    member = lease = None
+    if args.coordinator:
+        member = await Membership.join(args.coordinator, args.token)
+        identity = member.ident
+        lease = await member.acquire()
+    else:
+        identity = Identity.load(args.identity)
+    client = StageClient(identity, run_id=member.info.run_id if member is not None else args.run)
     router = Router(cfg)
     peers_path = Path(args.peers)
 
@@ -86,19 +99,35 @@ async def drive(args: argparse.Namespace) -> int:
 
     refresh()
     driver = Driver(client, router, cfg, dim=model_cfg.dim)
-    batches = microbatch_source(Dataset.open(args.data), args.shard, cfg.microbatch_size, model_cfg.seq_len)
+    dataset = Dataset.open(args.data)
     tokens_per_mb = cfg.microbatch_size * model_cfg.seq_len
+    count = args.microbatches
+    if lease is None:
+        batches = microbatch_source(dataset, args.shard, cfg.microbatch_size, model_cfg.seq_len)
+    else:  # the lease's tokens from its committed offset, no wrapping: the ledger counts them
+        batches = microbatch_source(dataset, lease.shard_id, cfg.microbatch_size, model_cfg.seq_len,
+                                    base=lease.start_offset, wrap=False)
+        count = min(count, (lease.end_offset - lease.start_offset - 1) // tokens_per_mb)
+        emit(event="lease", shard=lease.shard_id, start=lease.start_offset, microbatches=count)
     committed_tokens = 0
+    losses: dict[int, float] = {}
     log = open(args.commit_log, "a") if args.commit_log else None  # noqa: SIM115 - closed below
 
     def on_done(i: int, res: MicrobatchResult) -> None:
+        losses[i] = res.loss
         emit(event="microbatch", index=i, loss=res.loss, retries=res.retries, wire_bytes=res.wire_bytes,
              hops=[[h.stage, h.kind, h.node_id, h.attempts] for h in res.hops])
 
-    def on_commit(lo: int, hi: int) -> None:
+    async def on_commit(lo: int, hi: int) -> None:
         nonlocal committed_tokens
-        committed_tokens += (hi - lo) * tokens_per_mb
         record = {"event": "commit", "start": lo, "end": hi, "tokens": (hi - lo) * tokens_per_mb}
+        if lease is not None:
+            loss = sum(losses[i] for i in range(lo, hi)) / (hi - lo)
+            base = lease.start_offset
+            await member.commit(lease, base + lo * tokens_per_mb, base + hi * tokens_per_mb, loss=loss,
+                                seconds=0.0)
+            record.update(shard=lease.shard_id, ledger_end=base + hi * tokens_per_mb)
+        committed_tokens += (hi - lo) * tokens_per_mb
         if log is not None:
             log.write(json.dumps(record) + "\n")
             log.flush()
@@ -109,7 +138,7 @@ async def drive(args: argparse.Namespace) -> int:
     status = 0
     end = args.start
     try:
-        end = await run_in_order(driver, batches, args.microbatches, concurrency=args.concurrency,
+        end = await run_in_order(driver, batches, count, concurrency=args.concurrency,
                                  on_done=on_done, on_commit=on_commit, start=args.start)
     except MicrobatchFailed as err:
         emit(event="failed", reason=str(err))
@@ -117,6 +146,8 @@ async def drive(args: argparse.Namespace) -> int:
     finally:
         refresher.cancel()
         await client.aclose()
+        if member is not None:
+            await member.close(lease)
         if log is not None:
             log.close()
     served = {st.peer.node_id: st.hops for stage in router.stages.values() for st in stage.values()}
@@ -126,13 +157,15 @@ async def drive(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m murmur.node.pipeline.drive")
-    ap.add_argument("--identity", required=True)
+    ap.add_argument("--identity", help="folder with node.key, node.crt, ca.crt (without --coordinator)")
+    ap.add_argument("--coordinator", default="", help="join this coordinator, lease a shard, commit to its ledger")
+    ap.add_argument("--token", default="", help="join token (with --coordinator)")
     ap.add_argument("--run", default="murmur-run")
     ap.add_argument("--peers", required=True, help="JSON file naming the stage peers (see the module doc)")
     ap.add_argument("--peers-every", type=float, default=1.0, help="seconds between re-reads of --peers")
     add_model_args(ap)
     ap.add_argument("--data", required=True, help="a prepared dataset folder")
-    ap.add_argument("--shard", type=int, default=0)
+    ap.add_argument("--shard", type=int, default=0, help="without --coordinator: the shard to read")
     ap.add_argument("--microbatches", type=int, required=True)
     ap.add_argument("--start", type=int, default=0, help="first microbatch index (resume)")
     ap.add_argument("--microbatch-size", type=int, default=4)

@@ -22,6 +22,7 @@ import torch
 from murmur.node.model.stages import build_stage, split_layers
 from murmur.node.net.faults import FaultInjector
 from murmur.node.pipeline.config import add_model_args, model_from_args
+from murmur.node.pipeline.membership import Membership
 from murmur.node.pipeline.service import StageService, StageServiceSettings
 from murmur.node.pipeline.worker import StageWorker
 from murmur.protocol.identity import Identity
@@ -39,7 +40,10 @@ async def serve(args: argparse.Namespace) -> None:
     worker = StageWorker(build_stage(cfg, args.seed, span), optim, target_samples=args.target_samples,
                          grad_clip=args.grad_clip)
     settings = StageServiceSettings(host=args.host, max_rows=args.max_rows)
-    service = StageService(Identity.load(args.identity), worker, run_id=args.run, settings=settings,
+    member = await Membership.join(args.coordinator, args.token) if args.coordinator else None
+    ident = member.ident if member is not None else Identity.load(args.identity)
+    run_id = member.info.run_id if member is not None else args.run
+    service = StageService(ident, worker, run_id=run_id, settings=settings,
                            faults=FaultInjector.parse(args.fault))
     address = await service.start()
     stop = asyncio.Event()
@@ -50,6 +54,8 @@ async def serve(args: argparse.Namespace) -> None:
          first_block=span.first_block, end_block=span.end_block)
     await stop.wait()
     await service.stop()
+    if member is not None:
+        await member.close()
     st = worker.stats
     emit(event="stopped", node_id=service.identity.node_id, stage=span.index, forwards=st.forwards,
          backwards=st.backwards, samples_total=st.samples_total, optimizer_steps=st.optimizer_steps,
@@ -58,7 +64,9 @@ async def serve(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m murmur.node.pipeline.peer")
-    ap.add_argument("--identity", required=True, help="folder with node.key, node.crt, ca.crt")
+    ap.add_argument("--identity", help="folder with node.key, node.crt, ca.crt (without --coordinator)")
+    ap.add_argument("--coordinator", default="", help="join this coordinator for a certificate")
+    ap.add_argument("--token", default="", help="join token (with --coordinator)")
     ap.add_argument("--run", default="murmur-run")
     ap.add_argument("--stage", type=int, required=True)
     add_model_args(ap)

@@ -1,0 +1,73 @@
+"""A pipeline process's membership of the run: join with a token, heartbeats, a driver's lease
+and its commits, through the coordinator's member protocol (protocol/coordinator_client.py).
+
+Stage peers join only for their certificate and heartbeat to stay members. A driver also leases
+a shard and commits the token ranges of completed microbatches, in order: the ledger's rule
+(a commit starts at the shard's committed offset) is the same one `CommitWindow` keeps.
+
+Not yet here (the daemon's session has them, node/daemon/session.py): the commit journal that
+survives a restart and the replay after a coordinator outage. A driver retries a failed commit
+every ``commit_retry_s`` until it goes through, holding further commits back meanwhile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from dataclasses import dataclass
+
+from murmur.protocol import coordinator_pb2 as pb
+from murmur.protocol import identity
+from murmur.protocol.coordinator_client import CoordinatorError, JoinInfo, MemberClient, join_run
+
+COMMIT_RETRY_S = 1.0  # between attempts at a commit the coordinator did not take
+COMMIT_ATTEMPTS = 30
+
+
+@dataclass(slots=True)
+class Membership:
+    ident: identity.Identity
+    info: JoinInfo
+    client: MemberClient
+    _beats: asyncio.Task | None = None
+
+    @classmethod
+    async def join(cls, coordinator: str, token: str) -> Membership:
+        ident, info = await join_run(coordinator, token, identity.generate_key())
+        client = MemberClient(info.node_address, ident, server_name=info.tls_server_name,
+                              reconnect_backoff_s=info.heartbeat_interval_s)
+        member = cls(ident, info, client)
+        member._beats = asyncio.create_task(member._heartbeats())
+        return member
+
+    async def _heartbeats(self) -> None:
+        while True:
+            with contextlib.suppress(CoordinatorError):
+                await self.client.heartbeat(state="pipeline")
+            await asyncio.sleep(self.info.heartbeat_interval_s)
+
+    async def acquire(self) -> pb.Lease:
+        reply = await self.client.acquire()
+        if not reply.granted:
+            raise CoordinatorError("AcquireLease", None, f"no lease: {reply.reason}")
+        return reply.lease
+
+    async def commit(self, lease: pb.Lease, start: int, end: int, *, loss: float, seconds: float) -> None:
+        for attempt in range(COMMIT_ATTEMPTS):
+            try:
+                await self.client.commit(lease.lease_id, lease.shard_id, start, end, loss=loss, seconds=seconds)
+                return
+            except CoordinatorError:
+                if attempt == COMMIT_ATTEMPTS - 1:
+                    raise
+                await asyncio.sleep(COMMIT_RETRY_S)
+
+    async def close(self, lease: pb.Lease | None = None) -> None:
+        if self._beats is not None:
+            self._beats.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._beats
+        if lease is not None:
+            with contextlib.suppress(CoordinatorError):
+                await self.client.release(lease.lease_id)
+        await self.client.close()
