@@ -7,5 +7,5 @@ an owner's Reply), own (this peer's own attempt as an owner), send and send_redu
 streams to the owners), collect (the owner's side of those streams), attempt (one attempt's state
 on its owner), catchup (results published, and fetched by a peer that missed them), channels (gRPC
 channels to the peers), snapshot (the update copied chunk by chunk), validate (untrusted chunks
-checked), settings, stats.
+checked), tasks (helper tasks dropped without losing an exception), settings, stats.
 """

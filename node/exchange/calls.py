@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import grpc
 import torch
@@ -49,6 +50,7 @@ def reply_of(st: peer_pb2.ExchangeStatus) -> Reply:
 class Call:
     """What every call needs across its attempts."""
 
+    op: ClassVar[int]  # peer_pb2.OP_REDUCE or OP_GATHER
     round_id: int
     key: str
     weight: float
@@ -65,7 +67,7 @@ class Call:
 
 @dataclass(kw_only=True, slots=True)
 class ReduceCall(Call):
-    op = peer_pb2.OP_REDUCE
+    op: ClassVar[int] = peer_pb2.OP_REDUCE
     x: torch.Tensor  # the flat update (error feedback added), copied by ``snapshot``
     snapshot: Snapshot  # copies ``x`` piece by piece: ask it before reading a range of x
     result: torch.Tensor  # the flat result, filled chunk by chunk
@@ -88,7 +90,7 @@ class ReduceCall(Call):
 
 @dataclass(kw_only=True, slots=True)
 class GatherCall(Call):
-    op = peer_pb2.OP_GATHER
+    op: ClassVar[int] = peer_pb2.OP_GATHER
     wires: list[WireTensor]  # our input, as this peer's own attempt input holds it
     payload: bytes  # our input serialized once (faults applied), the same for every owner
 

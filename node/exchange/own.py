@@ -20,7 +20,6 @@ from murmur.node.exchange.validate import validate_gather
 from murmur.node.net.faults import CallFaults
 from murmur.optim.aggregate import Aggregator
 from murmur.optim.codecs import Codec
-from murmur.protocol import peer_pb2
 from murmur.protocol.wire import WireLimits
 
 OWN_LEAD_CHUNKS = 4  # how far our own input to our span may run ahead of the slowest member
@@ -40,13 +39,7 @@ class OwnAttempts:
             return self._reduce(call, number, members)
         assert isinstance(call, GatherCall)
         gather = GatherAttempt(
-            op=peer_pb2.OP_GATHER,
-            round_id=call.round_id,
-            key=call.key,
-            number=number,
-            members=members,
-            layout=call.layout,
-            validate=validate_gather(call.wires, call.codec, self.limits),
+            **_common(call, number, members), validate=validate_gather(call.wires, call.codec, self.limits)
         )
         gather.started.add(self.peer_id)
         gather.add(self.peer_id, call.wires, call.weight)
@@ -64,12 +57,7 @@ class OwnAttempts:
 
         reducer = chunk_reducer(call.codec, self.aggregator, call.key)
         att = ReduceAttempt(
-            op=peer_pb2.OP_REDUCE,
-            round_id=call.round_id,
-            key=call.key,
-            number=number,
-            members=members,
-            layout=call.layout,
+            **_common(call, number, members),
             span=(start, end),
             chunks=ranges,
             reduce_chunk=self.times.wrap("reduce", reducer),
@@ -105,6 +93,18 @@ class OwnAttempts:
                 return False
             await ev.wait()
         return True
+
+
+def _common(call: Call, number: int, members: tuple[str, ...]) -> dict:
+    """The fields every attempt of ``call`` has."""
+    return dict(
+        op=call.op,
+        round_id=call.round_id,
+        key=call.key,
+        number=number,
+        members=members,
+        layout=call.layout,
+    )
 
 
 def own_round_trip(

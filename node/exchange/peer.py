@@ -65,12 +65,12 @@ async def abuild_peer(spec: PeerSpec, loop: LoopHandle) -> ExchangePeer:
     bound = await server.start()
     if spec.advertise_host:
         server.address = f"{spec.advertise_host}:{bound.rpartition(':')[2]}"  # what the exchange tells peers
-    group = spec.group if hasattr(spec.group, "members") else spec.group(server.address)  # type: ignore[operator]
     try:
+        group = spec.group(server.address) if callable(spec.group) else spec.group
         exchange = GrpcExchange(
             server,
             loop,
-            group,  # type: ignore[arg-type]
+            group,
             spec.codec,
             aggregator=spec.aggregator,
             settings=spec.settings,

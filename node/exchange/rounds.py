@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from murmur.node.exchange.attempt import Attempt, GatherAttempt, ReduceAttempt, RoundBook
-from murmur.node.exchange.calls import ERROR, AttemptProgress, Call, Reply
+from murmur.node.exchange.calls import ERROR, AttemptProgress, Call, ReduceCall, Reply
 from murmur.node.exchange.catchup import CatchUp
 from murmur.node.exchange.collect import ABORT, DONE, OK, REFUSED
 from murmur.node.exchange.group import GroupProvider
@@ -241,7 +241,7 @@ class Rounds:
         return own.done() or not local  # doomed, and every other member has told us why
 
     async def _complete(self, call: Call, att: Attempt) -> dict[str, torch.Tensor]:
-        named = {"0": call.result} if isinstance(att, ReduceAttempt) else self._gathered(att)  # type: ignore[attr-defined]
+        named = {"0": call.result} if isinstance(call, ReduceCall) else self._gathered(att)
         await self.catchup.publish(call, named, list(att.members))
         self.timeline.mark("hashed")
         return named

@@ -29,7 +29,7 @@ from murmur.node.exchange.calls import (
     reply_of,
 )
 from murmur.node.exchange.channels import Channels
-from murmur.node.exchange.send_reduce import ReduceStream, ResultReader, StreamEnv, declared_bytes
+from murmur.node.exchange.send_reduce import Leg, ReduceStream, ResultReader, StreamEnv, declared_bytes
 from murmur.protocol import peer_pb2, peer_pb2_grpc, tls
 from murmur.protocol.identity import BannedError
 from murmur.protocol.version import PROTOCOL_VERSION, VERSION_METADATA_KEY
@@ -50,7 +50,7 @@ class Sender:
             await self.env.write(rpc, peer_pb2.ExchangeFrame(header=header))
             if isinstance(call, ReduceCall) and not call.faults.oversize:
                 delivered = lambda: self._delivered(call, owner, progress)  # noqa: E731 - a callback
-                return await ReduceStream(self.env, call, owner, span, rpc, progress, delivered).run()
+                return await ReduceStream(self.env, Leg(call, owner, span, progress), rpc, delivered).run()
             return await self._send_whole(call, owner, span, rpc, progress)
         except grpc.aio.AioRpcError as err:
             return Reply(ERROR, reason=grpc_reason(err))
@@ -74,7 +74,7 @@ class Sender:
         return peer_pb2.ExchangeHeader(
             protocol_version=call.faults.protocol_version(PROTOCOL_VERSION),
             run_id=self.run_id,
-            op=call.op,  # type: ignore[attr-defined]
+            op=call.op,
             round=call.round_id,
             key=call.key,
             attempt=att.number,
@@ -108,7 +108,7 @@ class Sender:
         await rpc.done_writing()
         self._delivered(call, owner, progress)
         if isinstance(call, ReduceCall):
-            return await ResultReader(self.env, call, owner, span, call.ranges(span), progress).read(rpc)
+            return await ResultReader(self.env, Leg(call, owner, span, progress)).read(rpc)
         return await read_status(rpc, progress)
 
     @staticmethod

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 import torch
@@ -58,23 +58,30 @@ def declared_bytes(codec: Codec, ranges: list[tuple[int, int]]) -> int:
     return sum(sizes[b - a] + CHUNK_OVERHEAD for a, b in ranges)
 
 
+@dataclass(slots=True)
+class Leg:
+    """The ends of one reduce stream: the call, the owner on the other side, the span it owns (and
+    its chunks), and the progress that the attempt's streams share."""
+
+    call: ReduceCall
+    owner: str
+    span: tuple[int, int]
+    progress: AttemptProgress
+    ranges: list[tuple[int, int]] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.ranges = self.call.ranges(self.span)
+
+
 class ReduceStream:
     """Our span's chunks to one owner while its reduced chunks come back, then its status."""
 
-    def __init__(
-        self,
-        env: StreamEnv,
-        call: ReduceCall,
-        owner: str,
-        span: tuple[int, int],
-        rpc,
-        progress: AttemptProgress,
-        on_delivered: Callable[[], None],
-    ) -> None:
-        self.env, self.call, self.owner, self.span, self.rpc = env, call, owner, span, rpc
-        self.progress, self.on_delivered = progress, on_delivered
-        self.ranges = call.ranges(span)
-        self.reader = ResultReader(env, call, owner, span, self.ranges, progress)
+    def __init__(self, env: StreamEnv, leg: Leg, rpc, on_delivered: Callable[[], None]) -> None:
+        self.env, self.rpc, self.on_delivered = env, rpc, on_delivered
+        self.call, self.owner, self.span, self.ranges, self.progress = (
+            leg.call, leg.owner, leg.span, leg.ranges, leg.progress
+        )
+        self.reader = ResultReader(env, leg)
 
     async def run(self) -> Reply:
         loop = asyncio.get_running_loop()
@@ -166,17 +173,11 @@ def encode_input(
 class ResultReader:
     """The owner's reduced chunks, decoded into the call's result as they come, then its status."""
 
-    def __init__(
-        self,
-        env: StreamEnv,
-        call: ReduceCall,
-        owner: str,
-        span: tuple[int, int],
-        ranges: list[tuple[int, int]],
-        progress: AttemptProgress,
-    ) -> None:
-        self.env, self.call, self.owner, self.span, self.ranges = env, call, owner, span, ranges
-        self.progress = progress
+    def __init__(self, env: StreamEnv, leg: Leg) -> None:
+        self.env = env
+        self.call, self.owner, self.span, self.ranges, self.progress = (
+            leg.call, leg.owner, leg.span, leg.ranges, leg.progress
+        )
         self.got = 0  # chunks received
         self.total = 0  # their bytes
         self.lost = False  # injected: this owner's result never reaches us
