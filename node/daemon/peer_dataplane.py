@@ -1,10 +1,10 @@
 """The node's peer-to-peer data plane, assembled from the protocol parts.
 
-* the peer gRPC server (node/net/server.py: mutual TLS, version and ban checks, state serving),
 * the DHT (protocol/dht.py): this node's signed record (address, last round, state hash),
   re-announced before it expires and withdrawn on leave; the round rendezvous,
-* the gRPC exchange (node/exchange/grpc_exchange.py) with the run's codec and aggregator, its members
-  found by DHT rendezvous,
+* the exchange peer (node/exchange/peer.py's `abuild_peer`): the mutual-TLS peer server (version
+  and ban checks, state serving) and the gRPC exchange on it, with the run's codec and aggregator,
+  its members found by DHT rendezvous,
 * state transfer (node/net/state_transfer.py): the newest global state, fetched from several peers in
   parallel and checked against the hash their records announce.
 
@@ -32,8 +32,9 @@ from murmur.node.daemon.dataplane import MemberTracker
 from murmur.node.daemon.settings import NodeSettings
 from murmur.node.daemon.state_dir import JoinInfo
 from murmur.node.exchange.group import DHTGroup, RendezvousSettings
-from murmur.node.exchange.grpc_exchange import ExchangeSettings, GrpcExchange
-from murmur.node.net.server import PeerServer, PeerServerSettings, PublishedState
+from murmur.node.exchange.peer import ExchangePeer, PeerSpec, abuild_peer
+from murmur.node.exchange.settings import ExchangeSettings
+from murmur.node.net.server import PeerServerSettings, PublishedState
 from murmur.node.net.state_transfer import StateError, StateFetchSettings, afetch, state_name
 from murmur.optim.factory import make_aggregator_for, make_codec_for
 from murmur.protocol import identity
@@ -53,8 +54,8 @@ DHT_GOODBYE_TIMEOUT_S = 5.0  # the "gone" record; past this, peers learn of the 
 
 
 class RunningLoop:
-    """The exchange's handle on the daemon's own loop (the one ``asyncio.run`` runs): the training
-    thread hands it coroutines and gets ``concurrent.futures.Future`` back."""
+    """The exchange's `LoopHandle` on the daemon's own loop (the one ``asyncio.run`` runs): the
+    training thread hands it coroutines and gets ``concurrent.futures.Future`` back."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
@@ -95,14 +96,13 @@ class PeerDataPlane:
         log: Callable[[str], None],
         *,
         dht: MurmurDHT,
-        server: PeerServer,
-        grpc: GrpcExchange,
+        peer: ExchangePeer,
         live: LivePeers,
     ) -> None:
         self.ident, self.s, self.log = ident, settings, log
-        self.dht, self.server, self.grpc, self.live = dht, server, grpc, live
-        self.address = server.address
-        self.exchange = MemberTracker(grpc)
+        self.dht, self.peer, self.live = dht, peer, live
+        self.address = peer.address
+        self.exchange = MemberTracker(peer.exchange)
         self.record: PeerRecord | None = None  # what this node announces: None until it has a round
         self._announcer: asyncio.Task[None] | None = None
         self._stop = asyncio.Event()
@@ -155,7 +155,7 @@ class PeerDataPlane:
         """Serve this round's global state to joiners and announce (round, hash) in the DHT."""
         digest = tensors_hash(tensors)
         members = list(self.exchange.members)
-        self.server.publish_state(PublishedState(state_name(round_id), tensors, digest, members))
+        self.peer.server.publish_state(PublishedState(state_name(round_id), tensors, digest, members))
         self.record = PeerRecord(
             node_id=self.ident.node_id, address=self.address, round=round_id, state_hash=digest.hex()
         )
@@ -232,8 +232,8 @@ class PeerDataPlane:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(asyncio.to_thread(self.dht.withdraw), DHT_GOODBYE_TIMEOUT_S)
         with contextlib.suppress(Exception):
-            await self.grpc.aclose()
-        await self.server.stop()
+            await self.peer.exchange.aclose()
+        await self.peer.server.stop()
         await asyncio.to_thread(self.dht.shutdown)
 
 
@@ -278,40 +278,6 @@ async def _start_dht(
     return dht
 
 
-async def _start_exchange(
-    ident: identity.Identity,
-    info: JoinInfo,
-    cfg: RunConfig,
-    settings: NodeSettings,
-    *,
-    host: str,
-    port: int,
-    advertise_host: str,
-    group: Callable[[str], DHTGroup],
-) -> tuple[PeerServer, GrpcExchange]:
-    """The peer server, listening, and the gRPC exchange on it."""
-    server = PeerServer(ident, run_id=info.run_id, settings=PeerServerSettings(host=host, port=port))
-    bound = await server.start()
-    server.address = f"{advertise_host}:{bound.rpartition(':')[2]}"  # what the exchange tells its peers
-    try:
-        exchange = GrpcExchange(
-            server,
-            RunningLoop(asyncio.get_running_loop()),  # type: ignore[arg-type]  # what LoopThread offers
-            group(server.address),
-            make_codec_for(cfg.sync),
-            aggregator=make_aggregator_for(cfg.sync),
-            settings=ExchangeSettings(
-                peer_timeout=settings.peer_timeout_s,
-                round_deadline=settings.round_timeout_s,
-                chunk_mb=cfg.sync.exchange_chunk_mb,
-            ),
-        )
-    except BaseException:
-        await server.stop()
-        raise
-    return server, exchange
-
-
 async def open_peer_dataplane(
     *,
     ident: identity.Identity,
@@ -324,8 +290,8 @@ async def open_peer_dataplane(
     dht_peers: list[str],
     state_dir: Path,
 ) -> PeerDataPlane:
-    """Start the DHT (before any peer-server thread: hivemind forks), then the peer server and the
-    exchange; on any failure, stop what was started."""
+    """Start the DHT (the exchange's group needs it), then the peer server and the exchange on it;
+    on any failure, stop what was started."""
     host, _, port = listen.rpartition(":")
     live = LivePeers()
     async with contextlib.AsyncExitStack() as undo:
@@ -340,17 +306,23 @@ async def open_peer_dataplane(
                 settings=RendezvousSettings(deadline=settings.rendezvous_deadline_s),
             )
 
-        server, grpc = await _start_exchange(
-            ident,
-            info,
-            cfg,
-            settings,
-            host=host or "127.0.0.1",
-            port=int(port or 0),
-            advertise_host=advertised(host, advertise_host),
+        spec = PeerSpec(
+            identity=ident,
+            run_id=info.run_id,
+            codec=make_codec_for(cfg.sync),
             group=group,
+            aggregator=make_aggregator_for(cfg.sync),
+            settings=ExchangeSettings(
+                peer_timeout=settings.peer_timeout_s,
+                round_deadline=settings.round_timeout_s,
+                chunk_mb=cfg.sync.exchange_chunk_mb,
+            ),
+            server=PeerServerSettings(host=host or "127.0.0.1", port=int(port or 0)),
+            advertise_host=advertised(host, advertise_host),
         )
-        plane = PeerDataPlane(ident, settings, log, dht=dht, server=server, grpc=grpc, live=live)
+        peer = await abuild_peer(spec, RunningLoop(asyncio.get_running_loop()))
+        undo.push_async_callback(peer.aclose)
+        plane = PeerDataPlane(ident, settings, log, dht=dht, peer=peer, live=live)
         # Where others can bootstrap from and dial us (read by `murmur testnet` and by operators).
         (state_dir / "peer.json").write_text(
             json.dumps({"node_id": ident.node_id, "address": plane.address, "dht": dht.addresses}) + "\n"
