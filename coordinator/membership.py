@@ -134,10 +134,6 @@ class Membership:
             self._seen[node_id] = (now, 0.0)
         return run_id
 
-    def is_active(self, node_id: str) -> bool:
-        entry = self._nodes.get(node_id)
-        return entry is not None and entry[1] == "active"
-
     def heartbeat(self, node_id: str, tokens_per_s: float) -> str:
         """Record a heartbeat. Touches the ledger only when the node is not plainly active."""
         run_id = self.member(node_id)
