@@ -9,7 +9,9 @@ leases a shard, and trains: H inner steps, an exchange round with the run's algo
 aggregator, the outer step, a progress commit; again and again. SIGTERM or Ctrl+C: the node
 finishes its step, commits, releases its lease, leaves and exits 0. Every flag also reads an
 environment variable (MURMUR_COORDINATOR, MURMUR_TOKEN, ...), which is how deploy/compose.yaml
-configures it.
+configures it. ``--fault SPEC`` (repeatable, hidden) arms a fault of the production injector
+(node/net/faults.py) in the node's exchange: ``poison_sign@x*`` poisons every round's update,
+``delay:rendezvous:5@3`` waits 5 s before round 3's rendezvous; tests and the chaos tool use it.
 """
 
 from __future__ import annotations
@@ -100,12 +102,31 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=int(_env("MURMUR_MIN_PEERS", "1") or 1),
         help="wait for this many peers (this one included) before the first round (default 1)",
     )
+    r.add_argument(
+        "--fault",
+        action="append",
+        default=[],
+        metavar="SPEC",
+        help=argparse.SUPPRESS,  # tests and the chaos tool: a fault of node/net/faults.py, e.g. poison_sign@x*
+    )
     d = NodeSettings()
     for name in NodeSettings.names():
         flag = "--" + name.removesuffix("_s").replace("_", "-")
         kind = type(getattr(d, name))
         r.add_argument(flag, dest=name, type=kind, default=getattr(d, name), help=argparse.SUPPRESS)
     r.set_defaults(func=_run)
+
+
+def _faults(specs: list[str]):
+    """The production fault injector armed with ``specs`` (None without any): one-line errors."""
+    if not specs:
+        return None
+    from murmur.node.net.faults import FaultError, FaultInjector  # torch: only when faults are asked for
+
+    try:
+        return FaultInjector.parse(specs)
+    except FaultError as err:
+        raise MurmurError(f"--fault: {err}") from None
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -116,6 +137,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.threads < 0 or args.max_rounds < 0:
         raise MurmurError("--threads and --max-rounds must not be negative")
     settings = NodeSettings(**{name: getattr(args, name) for name in NodeSettings.names()})
+    faults = _faults(args.fault)
 
     def log(msg: str) -> None:
         print(msg, flush=True)
@@ -135,6 +157,7 @@ def _run(args: argparse.Namespace) -> int:
         dht_peers=list(args.dht_peer),
         min_peers=max(1, args.min_peers),
         settings=settings,
+        faults=faults,
         log=log,
     )
     code = run_node(options)

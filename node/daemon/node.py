@@ -45,6 +45,7 @@ from murmur.node.daemon.settings import NodeSettings
 from murmur.node.daemon.state_dir import JoinInfo, StateDir
 from murmur.node.daemon.stop import StopSignal
 from murmur.node.model.data import Dataset
+from murmur.node.net.faults import FaultInjector
 from murmur.node.train.build import resolve_device
 from murmur.protocol import identity
 from murmur.protocol.runconfig import RunConfig, parse_config
@@ -70,6 +71,7 @@ class NodeOptions:
     dht_peers: list[str] = field(default_factory=list)  # extra DHT bootstrap multiaddrs
     min_peers: int = 1  # wait (up to peers_wait_s) for this many peers before the first round
     settings: NodeSettings = field(default_factory=NodeSettings)
+    faults: FaultInjector | None = None  # --fault: armed in this node's exchange (tests, chaos)
     log: Callable[[str], None] = print
 
 
@@ -167,6 +169,7 @@ class Node:
             log=self.log,
             dht_peers=list(self.o.dht_peers),
             state_dir=self.state.root,
+            faults=self.o.faults,
         )
 
     async def _shutdown(self) -> None:

@@ -34,6 +34,7 @@ from murmur.node.daemon.state_dir import JoinInfo
 from murmur.node.exchange.group import DHTGroup, RendezvousSettings
 from murmur.node.exchange.peer import ExchangePeer, PeerSpec, abuild_peer
 from murmur.node.exchange.settings import ExchangeSettings
+from murmur.node.net.faults import FaultInjector
 from murmur.node.net.server import PeerServerSettings, PublishedState
 from murmur.node.net.state_transfer import StateError, StateFetchSettings, afetch, state_name
 from murmur.optim.factory import make_aggregator_for, make_codec_for
@@ -289,6 +290,7 @@ async def open_peer_dataplane(
     log: Callable[[str], None],
     dht_peers: list[str],
     state_dir: Path,
+    faults: FaultInjector | None = None,
 ) -> PeerDataPlane:
     """Start the DHT (the exchange's group needs it), then the peer server and the exchange on it;
     on any failure, stop what was started."""
@@ -319,6 +321,7 @@ async def open_peer_dataplane(
             ),
             server=PeerServerSettings(host=host or "127.0.0.1", port=int(port or 0)),
             advertise_host=advertised(host, advertise_host),
+            faults=faults,
         )
         peer = await abuild_peer(spec, RunningLoop(asyncio.get_running_loop()))
         undo.push_async_callback(peer.aclose)
