@@ -1,0 +1,152 @@
+"""The status page in headless Chromium against a live testnet (a coordinator and two nodes as
+real processes): after the page's scripts ran, its node rows, round and token counts are those of
+`murmur admin status --output json` taken around the same moment; a SIGKILLed node's row turns
+lost; a screenshot is written as an artifact (and to $MURMUR_STATUS_SCREENSHOT when set).
+
+Chromium is Debian's (`apt-get install chromium chromium-driver`); without it the test skips."""
+
+from __future__ import annotations
+
+import html.parser
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+from _node_helpers import log, make_testnet, small_dataset, wait_rounds
+
+from murmur.node.testnet.procs import kill_group, wait_for
+
+pytestmark = pytest.mark.slow
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+FAST_COORDINATOR = ["--heartbeat-ttl", "3", "--lease-ttl", "4", "--restart-grace", "5"]
+FAST_NODE = ["--peer-timeout", "8", "--rendezvous-deadline", "8", "--round-timeout", "60", "--dht-record-ttl", "6"]
+BROWSER_TIMEOUT_S = 120.0
+
+
+def chromium(tmp: Path, url: str, *args: str) -> str:
+    """Run headless Chromium on ``url`` (its scripts get 4 s of virtual time, enough for a fetch
+    and a refresh); returns stdout. Its whole process group is gone when this returns."""
+    assert CHROMIUM
+    profile = tmp / "chromium-profile"
+    cmd = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+           f"--user-data-dir={profile}", "--no-first-run", "--virtual-time-budget=4000", *args, url]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=BROWSER_TIMEOUT_S)
+    finally:
+        kill_group(proc)  # its zygote and renderers, should any outlive it
+        proc.wait()
+    assert proc.returncode == 0, err.decode(errors="replace")[-2000:]
+    return out.decode(errors="replace")
+
+
+class _Rows(html.parser.HTMLParser):
+    """Reads the rendered DOM: every element's id and data-* attributes, and each node row's cells."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.by_id: dict[str, dict[str, str]] = {}
+        self.rows: dict[str, dict[str, str]] = {}
+        self._row: str | None = None
+        self._cell: str | None = None
+        self.svg = False
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        a = {k: v or "" for k, v in attrs}
+        if "id" in a:
+            self.by_id[a["id"]] = a
+        if tag == "svg" and a.get("id") == "loss-chart":
+            self.svg = True
+        if tag == "tr" and "data-node" in a:
+            self._row = a["data-node"]
+            self.rows[self._row] = {"row_status": a.get("data-status", "")}
+        elif tag == "td" and self._row is not None:
+            first = (a.get("class") or "").split()
+            self._cell = first[1] if len(first) > 1 and first[0] == "num" else (first[0] if first else "")
+            if "data-value" in a:
+                self.rows[self._row][self._cell + "_value"] = a["data-value"]
+
+    def handle_endtag(self, tag: str) -> None:
+        if tag == "tr":
+            self._row = None
+        if tag == "td":
+            self._cell = None
+
+    def handle_data(self, data: str) -> None:
+        if self._row is not None and self._cell:
+            self.rows[self._row][self._cell] = self.rows[self._row].get(self._cell, "") + data
+
+
+def read_page(tmp: Path, url: str) -> _Rows:
+    parsed = _Rows()
+    parsed.feed(chromium(tmp, url, "--dump-dom"))
+    return parsed
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (apt-get install -y chromium chromium-driver)")
+def test_status_page_shows_the_ledger_and_a_lost_node(tmp_path):
+    data = small_dataset(tmp_path / "data")
+    net = make_testnet(tmp_path / "net", data, node_args=FAST_NODE)
+    net.coordinator_args = list(FAST_COORDINATOR)
+    with net:
+        net.start_coordinator()
+        net.create_run(token_uses=8)
+        first = net.add_node(extra=["--min-peers", "2"])
+        net.wait_dht_bootstrap()
+        second = net.add_node(extra=["--min-peers", "2"])
+        for node in (first, second):
+            wait_rounds(node, 2, timeout_s=240)
+        url = f"http://{net.info['metrics']}/"
+
+        before = net.admin("status", "--run", net.run_id)
+        page = read_page(tmp_path, url)
+        after = net.admin("status", "--run", net.run_id)
+
+        assert page.svg, "the loss chart was not drawn"
+        assert page.by_id["run-algorithm"]  # rendered by the script
+        ids = {n["node_id"] for n in after["nodes"]}
+        assert set(page.rows) == ids == {n["node_id"] for n in before["nodes"]}
+        assert all(r["status"] == r["row_status"] == "active" for r in page.rows.values()), page.rows
+        rnd = int(page.by_id["run-round"]["data-value"])
+        assert int(before["run"]["outer_step"]) <= rnd <= int(after["run"]["outer_step"])
+        committed = int(page.by_id["run-tokens"]["data-committed"])
+        assert int(before["run"]["tokens_committed"]) <= committed <= int(after["run"]["tokens_committed"])
+        assert int(page.by_id["run-tokens"]["data-total"]) == int(after["run"]["tokens_total"])
+        cli_tokens = {n["node_id"]: (int(b["tokens_committed"]), int(n["tokens_committed"]))
+                      for b in before["nodes"] for n in after["nodes"] if b["node_id"] == n["node_id"]}
+        for node_id, row in page.rows.items():
+            lo, hi = cli_tokens[node_id]
+            assert lo <= int(row["tokens_value"]) <= hi, (node_id, row, lo, hi)
+
+        victim = second
+        victim_id = _node_id(victim)
+        net.kill_node(victim)
+
+        def lost() -> bool:
+            nodes = net.admin("nodes", "list", "--run", net.run_id)["nodes"]
+            return any(n["node_id"] == victim_id and n["status"] == "lost" for n in nodes)
+
+        wait_for(lost, 60, what="the coordinator to mark the killed node lost")
+        page = read_page(tmp_path, url)
+        assert page.rows[victim_id]["status"] == page.rows[victim_id]["row_status"] == "lost", page.rows
+        assert "st-lost" in _row_classes(tmp_path, url, victim_id)
+        shots = Path(os.environ.get("MURMUR_STATUS_SCREENSHOT") or tmp_path / "status-page.png")
+        shots.parent.mkdir(parents=True, exist_ok=True)
+        chromium(tmp_path, url, f"--screenshot={shots}", "--window-size=1280,1000", "--hide-scrollbars")
+        assert shots.stat().st_size > 10_000  # the page with its lost row: the test artifact
+        assert first.alive(), log(first)[-2000:]
+
+
+def _node_id(node) -> str:
+    """The node id a testnet node joined as (its state folder keeps the join record)."""
+    return str(json.loads((node.state_dir / "join.json").read_text())["node_id"])
+
+
+def _row_classes(tmp: Path, url: str, node_id: str) -> str:
+    dom = chromium(tmp, url, "--dump-dom")
+    start = dom.index(f'data-node="{node_id}"')
+    return dom[start:dom.index("</tr>", start)]
