@@ -302,6 +302,16 @@ def loss_curves(device: torch.device, preset: str, steps: int, batch: int, data:
             "curves": curves}
 
 
+def _git_commit() -> str | None:
+    import subprocess
+
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                              cwd=Path(__file__).parent, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--impls", default="eager,compile,triton")
@@ -324,7 +334,8 @@ def main() -> int:
     out = Path(args.out)
     result = json.loads(out.read_text()) if out.exists() and args.no_ops else {}
     result.update(benchmark="kernels", device=name, date=dt.date.today().isoformat(),
-                  command="python3 " + " ".join(sys.argv), torch=torch.__version__)
+                  command="python3 " + " ".join(sys.argv), torch=torch.__version__,
+                  commit=os.environ.get("MURMUR_COMMIT") or _git_commit())
     if not args.no_ops:
         import triton
 

@@ -3,9 +3,11 @@
 Every op has a readable reference (`*_ref`, the oracle and the CPU path) and a Triton
 implementation in its own module (rmsnorm, rope, glu, linear_xent, quant, topk, dct, sign).
 The functions below pick one per call: Triton for CUDA tensors, the reference otherwise;
-`MURMUR_KERNELS=triton|torch` forces a side (see `dispatch.py`). Nothing else in the tree calls
-Triton directly. The training ops are `torch.library.custom_op`s with fake and autograd
-registrations, so the fused path also runs under `torch.compile`.
+`MURMUR_KERNELS=triton|torch` forces a side (see `dispatch.py`); under torch.compile, `auto`
+keeps Triton only for the model ops measured faster than Inductor's code. Nothing else in the
+tree calls Triton directly. The elementwise training ops (rms_norm, rotary, swiglu) are
+`torch.library.triton_op`s that torch.compile traces into; linear_cross_entropy (matmuls and one
+kernel per chunk) is an opaque `custom_op`; all have fake and autograd registrations.
 """
 
 from __future__ import annotations
@@ -20,12 +22,12 @@ from murmur.kernels import rmsnorm as _rms
 from murmur.kernels import rope as _rot
 from murmur.kernels import sign as _sign
 from murmur.kernels import topk as _topk
-from murmur.kernels.dispatch import KernelError, use_triton
+from murmur.kernels.dispatch import KernelError, compile_enabled, use_triton
 
 __all__ = [
     "KernelError", "rms_norm", "rotary", "swiglu", "linear_cross_entropy", "quantize_blockwise",
     "dequantize_blockwise", "topk_chunked", "scatter_topk", "dct_chunked", "idct_chunked",
-    "dct_basis", "sign_pack", "sign_unpack", "use_triton",
+    "dct_basis", "sign_pack", "sign_unpack", "use_triton", "compile_enabled",
 ]
 
 dct_basis = _dct.dct_basis
@@ -33,11 +35,13 @@ dct_basis = _dct.dct_basis
 # ---------------------------------------------------------------- model ops (forward and backward)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x / sqrt(mean(x^2, -1) + eps) * weight, computed in fp32, returned in x's dtype."""
-    if use_triton(x, weight):
-        return _rms.rms_norm_triton(x, weight, eps)
-    return _rms.rms_norm_ref(x, weight, eps)
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x / sqrt(mean(x^2, -1) + eps) * weight, computed in fp32, returned in `out_dtype`
+    (default x's dtype; fp32, bf16 or fp16)."""
+    if use_triton(x, weight, op="rms_norm"):
+        return _rms.rms_norm_triton(x, weight, eps, out_dtype)
+    return _rms.rms_norm_ref(x, weight, eps, out_dtype)
 
 
 def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -45,14 +49,14 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
     The fused path differentiates x only (cos and sin are constant tables).
     """
-    if use_triton(x, cos, sin):
+    if use_triton(x, cos, sin, op="rotary"):
         return _rot.rotary_triton(x, cos, sin)
     return _rot.rotary_ref(x, cos, sin)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up."""
-    if use_triton(gate, up):
+    if use_triton(gate, up, op="swiglu"):
         return _swiglu.swiglu_triton(gate, up)
     return _swiglu.swiglu_ref(gate, up)
 
@@ -65,7 +69,7 @@ def linear_cross_entropy(
     Targets equal to `ignore_index` count neither in the sum nor in the mean (NaN if all are).
     The fused path never materializes the full [N, V] logits (see `linear_xent.py`).
     """
-    if use_triton(hidden, weight, targets):
+    if use_triton(hidden, weight, targets, op="linear_cross_entropy"):
         return _xent.linear_cross_entropy_triton(hidden, weight, targets, ignore_index)
     return _xent.linear_cross_entropy_ref(hidden, weight, targets, ignore_index)
 

@@ -1,7 +1,21 @@
 """Which implementation runs: Triton on CUDA tensors, the pure-torch reference on the CPU.
 
 `MURMUR_KERNELS=triton|torch|auto` overrides the choice (read at every call, so tests can flip
-it). `triton` on CPU tensors only works under `TRITON_INTERPRET=1` (the CPU test suite).
+it); a comma-separated list of model ops (`rms_norm,rotary,swiglu,linear_cross_entropy`) takes
+Triton for those on CUDA tensors and the reference for the rest, compiled or not. `triton` on
+CPU tensors only works under `TRITON_INTERPRET=1` (the CPU test suite). Under torch.compile,
+`auto` takes Triton only for the ops in `COMPILED_TRITON_OPS`, those that made the compiled step
+faster (benchmarks/results/train_throughput.json); for the others the reference is traced and
+Inductor fuses it with its neighbours.
+
+`MURMUR_COMPILE=auto|on|off` says whether the model compiles its own forward (`compile_enabled`):
+`auto` compiles on CUDA tensors, the measured fastest GPU path (train_throughput.json), and never
+on the CPU.
+
+The training ops are `torch.library.triton_op`s (`training_op`): torch.compile traces into them
+and Inductor calls the Triton kernels from its own generated code. Under the interpreter they are
+plain `custom_op`s whose fake is the same function (launches skip fake tensors), so the CPU suite
+runs the same code and opcheck sees the same shapes.
 
 Triton kernels are declared with `lazy_jit` instead of `triton.jit`, and the kernel modules do
 not import triton at all: triton is imported and the function handed to it on the first launch.
@@ -23,8 +37,15 @@ import torch
 from murmur.errors import MurmurError
 
 KERNELS_ENV = "MURMUR_KERNELS"
+COMPILE_ENV = "MURMUR_COMPILE"
 INTERPRET_ENV = "TRITON_INTERPRET"
 CHOICES = ("auto", "triton", "torch")
+COMPILE_CHOICES = ("auto", "on", "off")
+MODEL_OPS = ("rms_norm", "rotary", "swiglu", "linear_cross_entropy")
+# Ops whose Triton kernel made the compiled training step faster than Inductor's code for the
+# reference (train_throughput.json): under torch.compile with MURMUR_KERNELS=auto only these take
+# Triton. None did on an H200 (torch 2.11): compile alone was the fastest base step.
+COMPILED_TRITON_OPS: frozenset[str] = frozenset()
 
 
 class KernelError(MurmurError):
@@ -37,8 +58,9 @@ def interpreting() -> bool:
 
 def requested() -> str:
     choice = os.environ.get(KERNELS_ENV, "auto").strip().lower() or "auto"
-    if choice not in CHOICES:
-        raise KernelError(f"{KERNELS_ENV}={choice!r} is not one of {'|'.join(CHOICES)}")
+    if choice not in CHOICES and not set(choice.split(",")) <= set(MODEL_OPS):
+        raise KernelError(f"{KERNELS_ENV}={choice!r} is not one of {'|'.join(CHOICES)} nor a comma-separated "
+                          f"list of {','.join(MODEL_OPS)}")
     return choice
 
 
@@ -49,12 +71,15 @@ def under_vmap(*tensors: torch.Tensor) -> bool:
     return any(torch._C._functorch.is_batchedtensor(t) for t in tensors)
 
 
-def use_triton(*tensors: torch.Tensor) -> bool:
-    """True when the Triton path should run for these tensors (all on one device)."""
+def use_triton(*tensors: torch.Tensor, op: str | None = None) -> bool:
+    """True when the Triton path should run for these tensors (all on one device). `op` names a
+    model op: under torch.compile, `auto` keeps Triton only for the COMPILED_TRITON_OPS."""
     choice = requested()
     if choice == "torch" or under_vmap(*tensors):
         return False
     on_cuda = all(t.is_cuda for t in tensors)
+    if choice not in CHOICES:   # a list of ops
+        return on_cuda and op in choice.split(",")
     if choice == "triton":
         if not on_cuda and not interpreter_ready():
             raise KernelError(
@@ -62,7 +87,32 @@ def use_triton(*tensors: torch.Tensor) -> bool:
                 "first imported (or use a CUDA device)"
             )
         return True
+    if op is not None and torch.compiler.is_compiling():
+        return on_cuda and op in COMPILED_TRITON_OPS
     return on_cuda
+
+
+def _functorch_active() -> bool:
+    """Inside any torch.func transform (vmap, grad, ...), where torch.compile must not start."""
+    peek = getattr(torch._C._functorch, "peek_interpreter_stack", None)
+    return peek is not None and peek() is not None
+
+
+def compile_requested() -> str:
+    choice = os.environ.get(COMPILE_ENV, "auto").strip().lower() or "auto"
+    if choice not in COMPILE_CHOICES:
+        raise KernelError(f"{COMPILE_ENV}={choice!r} is not one of {'|'.join(COMPILE_CHOICES)}")
+    return choice
+
+
+def compile_enabled(x: torch.Tensor) -> bool:
+    """Whether the model should run its forward through torch.compile for input `x`: `on`, or
+    `auto` on a CUDA tensor. Never while already compiling (the caller compiled the whole model)
+    or under vmap (the simulator's stacked replicas)."""
+    choice = compile_requested()
+    if choice == "off" or torch.compiler.is_compiling() or under_vmap(x) or _functorch_active():
+        return False
+    return choice == "on" or x.is_cuda
 
 
 class LazyKernel:
@@ -92,6 +142,20 @@ class LazyKernel:
     def __getitem__(self, grid: Any) -> Any:
         return self._get()[grid]
 
+    def launch(self, grid: Any, *args: Any, **meta: Any) -> None:
+        """Launch from inside a `training_op`: through `wrap_triton`, so torch.compile records the
+        kernel itself; interpreted on the CPU, where fake tensors (shape propagation) skip it."""
+        jit = self._get()
+        if self._interpreted:
+            from torch._subclasses.fake_tensor import is_fake
+
+            if not any(isinstance(a, torch.Tensor) and is_fake(a) for a in args):
+                jit[grid](*args, **meta)
+            return
+        from torch.library import wrap_triton
+
+        wrap_triton(jit)[grid](*args, **meta)
+
 
 def interpreter_ready() -> bool:
     """Whether Triton kernels can run on CPU tensors in this process: TRITON_INTERPRET=1 is set
@@ -109,6 +173,41 @@ def interpreter_ready() -> bool:
 
 def lazy_jit(fn: Callable[..., Any]) -> LazyKernel:
     return LazyKernel(fn)
+
+
+class TrainingOp:
+    """A training op made on its first call: `torch.library.triton_op` over a function of torch ops
+    and `LazyKernel.launch`es (its fake is the function itself, traced), or, under the
+    interpreter, a `custom_op` with that same function as its fake. Made late because triton_op
+    imports triton, which must not happen before the interpreter mode is known (see above)."""
+
+    def __init__(self, name: str, fn: Callable[..., Any]) -> None:
+        self.name, self.fn = name, fn
+        self._op: Any = None
+        self._autograd: tuple[Callable[..., Any], Callable[..., Any]] | None = None
+
+    def register_autograd(self, backward: Callable[..., Any], *, setup_context: Callable[..., Any]) -> None:
+        self._autograd = (backward, setup_context)
+
+    @property
+    def op(self) -> Any:
+        if self._op is None:
+            if interpreting():
+                op = torch.library.custom_op(self.name, self.fn, mutates_args=())
+                op.register_fake(self.fn)
+            else:
+                op = torch.library.triton_op(self.name, self.fn, mutates_args=())
+            if self._autograd:
+                op.register_autograd(self._autograd[0], setup_context=self._autograd[1])
+            self._op = op
+        return self._op
+
+    def __call__(self, *args: Any) -> Any:
+        return self.op(*args)
+
+
+def training_op(name: str) -> Callable[[Callable[..., Any]], TrainingOp]:
+    return lambda fn: TrainingOp(name, fn)
 
 
 def next_pow2(n: int) -> int:

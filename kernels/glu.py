@@ -1,4 +1,7 @@
-"""SwiGLU: silu(gate) * up, elementwise, computed in fp32 and rounded once to the input dtype."""
+"""SwiGLU: silu(gate) * up, elementwise, computed in fp32 and rounded once to the input dtype.
+
+The forward and backward are `training_op`s (dispatch.py), so torch.compile traces into them.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from murmur.kernels.dispatch import cdiv, lazy_jit
+from murmur.kernels.dispatch import cdiv, lazy_jit, training_op
 
 if TYPE_CHECKING:  # the kernels get `tl` from lazy_jit at first launch (see dispatch.py)
     import triton.language as tl
@@ -43,33 +46,25 @@ def _swiglu_bwd_kernel(DY, G, U, DG, DU, n, BLOCK: tl.constexpr):
     tl.store(DU + off, (dy * silu).to(DU.dtype.element_ty), mask=mask)
 
 
-@torch.library.custom_op("murmur::swiglu_fwd", mutates_args=())
+@training_op("murmur::swiglu_fwd")
 def swiglu_fwd(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     gate, up = gate.contiguous(), up.contiguous()
-    y = torch.empty_like(gate)
-    if gate.numel():
-        _swiglu_fwd_kernel[(cdiv(gate.numel(), BLOCK),)](gate, up, y, gate.numel(), BLOCK=BLOCK)
+    y = torch.empty_like(gate, memory_format=torch.contiguous_format)
+    n = gate.numel()
+    if n:
+        _swiglu_fwd_kernel.launch((cdiv(n, BLOCK),), gate, up, y, n, BLOCK=BLOCK)
     return y
 
 
-@swiglu_fwd.register_fake
-def _(gate, up):
-    return torch.empty_like(gate, memory_format=torch.contiguous_format)
-
-
-@torch.library.custom_op("murmur::swiglu_bwd", mutates_args=())
+@training_op("murmur::swiglu_bwd")
 def swiglu_bwd(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     dy, gate, up = dy.contiguous(), gate.contiguous(), up.contiguous()
-    dg, du = torch.empty_like(gate), torch.empty_like(up)
-    if gate.numel():
-        _swiglu_bwd_kernel[(cdiv(gate.numel(), BLOCK),)](dy, gate, up, dg, du, gate.numel(), BLOCK=BLOCK)
+    dg = torch.empty_like(gate, memory_format=torch.contiguous_format)
+    du = torch.empty_like(up, memory_format=torch.contiguous_format)
+    n = gate.numel()
+    if n:
+        _swiglu_bwd_kernel.launch((cdiv(n, BLOCK),), dy, gate, up, dg, du, n, BLOCK=BLOCK)
     return dg, du
-
-
-@swiglu_bwd.register_fake
-def _(dy, gate, up):
-    return (torch.empty_like(gate, memory_format=torch.contiguous_format),
-            torch.empty_like(up, memory_format=torch.contiguous_format))
 
 
 def _setup(ctx, inputs, output):

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from murmur.kernels.dispatch import lazy_jit, next_pow2
+from murmur.kernels.dispatch import lazy_jit, next_pow2, training_op
 
 if TYPE_CHECKING:  # the kernels get `tl` from lazy_jit at first launch (see dispatch.py)
     import triton.language as tl
@@ -43,25 +43,16 @@ def _rotary_kernel(X, COS, SIN, Y, T, H, HALF, BLOCK_H: tl.constexpr, BLOCK_D: t
     tl.store(Y + off + HALF, (x2 * c + x1 * s).to(Y.dtype.element_ty), mask=mask)
 
 
-def _launch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool) -> torch.Tensor:
+@training_op("murmur::rotary")
+def rotary_op(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool) -> torch.Tensor:
     b, t, h, d = x.shape
     x = x.contiguous()
-    y = torch.empty_like(x)
+    y = torch.empty_like(x, memory_format=torch.contiguous_format)
     if x.numel():
-        half = d // 2
-        _rotary_kernel[(b * t,)](x, cos.contiguous(), sin.contiguous(), y, t, h, half,
-                                 BLOCK_H=next_pow2(h), BLOCK_D=next_pow2(half), INVERSE=inverse)
+        half = int(d) // 2
+        _rotary_kernel.launch((b * t,), x, cos.contiguous(), sin.contiguous(), y, t, h, half,
+                              BLOCK_H=next_pow2(int(h)), BLOCK_D=next_pow2(half), INVERSE=inverse)
     return y
-
-
-@torch.library.custom_op("murmur::rotary", mutates_args=())
-def rotary_op(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool) -> torch.Tensor:
-    return _launch(x, cos, sin, inverse)
-
-
-@rotary_op.register_fake
-def _(x, cos, sin, inverse):
-    return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
 def _setup(ctx, inputs, output):

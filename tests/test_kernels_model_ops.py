@@ -60,6 +60,21 @@ def test_rms_norm(interp, shape, dtype):
         assert_close(got_g[1], want_g[1], "rms_norm dweight", dtype=dtype)
 
 
+@pytest.mark.parametrize("shape", [(5, 37), (40, 300)])
+def test_rms_norm_out_dtype(interp, shape):
+    """fp32 in, bf16 out (the autocast case): one rounding of the fp32 result; tiles of several
+    rows with a ragged last tile, and a backward over more tiles than programs."""
+    x = _leaf(shape, torch.float32, 13)
+    w = _leaf(shape[-1:], torch.float32, 14)
+    y = kernels.rms_norm(x, w, 1e-5, torch.bfloat16)
+    want = rmsnorm.rms_norm_ref(x, w, 1e-5, torch.bfloat16)
+    assert y.dtype == torch.bfloat16
+    assert_close(y, want, "rms_norm bf16 y")
+    got_g, want_g = _grads(y, (x, w)), _grads(want, (x, w))
+    assert_close(got_g[0], want_g[0], "rms_norm dx", dtype=torch.bfloat16)
+    assert_close(got_g[1], want_g[1], "rms_norm dweight", dtype=torch.bfloat16)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(1, 1, 1, 2), (2, 3, 5, 6), (1, 7, 2, 18)])
 def test_rotary(interp, shape, dtype):
@@ -112,13 +127,18 @@ def test_linear_cross_entropy_dispatch_and_no_grad(interp):
 
 
 def test_custom_ops_pass_opcheck(interp):
-    """Schema, fake (meta) and autograd registrations agree with the real kernels."""
-    x, w = torch.randn(3, 20, requires_grad=True), torch.randn(20, requires_grad=True)
-    torch.library.opcheck(rmsnorm.rms_norm_fwd, (x, w, 1e-5))
+    """Schema, fake (meta) and autograd registrations agree with the real kernels. The training
+    ops' fake is their own launcher run on fake tensors (the triton_op contract on a GPU)."""
+    x, w = torch.randn(37, 20, requires_grad=True), torch.randn(20, requires_grad=True)
+    for code in (-1, 1):   # x's dtype, bf16
+        torch.library.opcheck(rmsnorm.rms_norm_fwd.op, (x, w, 1e-5, code))
+    rstd = torch.rand(37) + 0.5
+    torch.library.opcheck(rmsnorm.rms_norm_bwd.op, (torch.randn(37, 20), x.detach(), w.detach(), rstd))
     q, cs = torch.randn(1, 3, 2, 8, requires_grad=True), torch.rand(3, 4)
-    torch.library.opcheck(rope.rotary_op, (q, cs.cos(), cs.sin(), False))
+    torch.library.opcheck(rope.rotary_op.op, (q, cs.cos(), cs.sin(), False))
     g, u = torch.randn(40, requires_grad=True), torch.randn(40, requires_grad=True)
-    torch.library.opcheck(glu.swiglu_fwd, (g, u))
+    torch.library.opcheck(glu.swiglu_fwd.op, (g, u))
+    torch.library.opcheck(glu.swiglu_bwd.op, (torch.randn(40), g.detach(), u.detach()))
     h, wv, t = torch.randn(5, 8, requires_grad=True), torch.randn(17, 8, requires_grad=True), torch.arange(5)
     torch.library.opcheck(linear_xent.linear_xent_op, (h, wv, t, -100, True, 2),
                           test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
@@ -142,6 +162,21 @@ def test_model_trains_same_with_triton_and_torch(interp, monkeypatch):
         assert_close(results["triton"][1][name], g, f"tiny model grad {name}")
 
 
+def test_compile_choice(monkeypatch):
+    """MURMUR_COMPILE: auto compiles CUDA inputs only, never inside vmap; bad values are named."""
+    from murmur.kernels.dispatch import compile_enabled
+
+    x = torch.zeros(2, 3, dtype=torch.long)
+    monkeypatch.delenv("MURMUR_COMPILE", raising=False)
+    assert not compile_enabled(x)
+    monkeypatch.setenv("MURMUR_COMPILE", "on")
+    assert compile_enabled(x)
+    assert not torch.func.vmap(lambda r: torch.tensor(compile_enabled(r)))(x).any()
+    monkeypatch.setenv("MURMUR_COMPILE", "maybe")
+    with pytest.raises(KernelError, match=r"MURMUR_COMPILE='maybe' is not one of auto\|on\|off"):
+        compile_enabled(x)
+
+
 def test_dispatch_choices(monkeypatch):
     x = torch.zeros(2)
     monkeypatch.delenv("MURMUR_KERNELS", raising=False)
@@ -151,6 +186,11 @@ def test_dispatch_choices(monkeypatch):
     monkeypatch.setenv("MURMUR_KERNELS", "cuda")
     with pytest.raises(KernelError, match="MURMUR_KERNELS='cuda' is not one of"):
         use_triton(x)
+    monkeypatch.setenv("MURMUR_KERNELS", "linear_cross_entropy,rms_norm")   # a list of ops
+    assert not use_triton(x, op="rms_norm")   # still only for CUDA tensors
+    monkeypatch.setenv("MURMUR_KERNELS", "rms_norm,softmax")
+    with pytest.raises(KernelError, match="nor a comma-separated list of rms_norm"):
+        use_triton(x, op="rms_norm")
     monkeypatch.setenv("MURMUR_KERNELS", "triton")
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(KernelError, match="needs TRITON_INTERPRET=1, set before triton"):

@@ -2,8 +2,11 @@
 
 The model knows nothing about communication or pipelines. Its memory-bound ops go through
 `murmur.kernels`, which picks the fused Triton kernels on a GPU and the pure-torch references on
-the CPU (override with MURMUR_KERNELS=triton|torch). Initial weights depend on the seed alone:
-they are drawn on the CPU in a fixed order, so the same seed gives the same weights anywhere.
+the CPU (override with MURMUR_KERNELS=triton|torch). On a GPU the forward (and so its backward)
+runs through torch.compile by default, the fastest path measured (MURMUR_COMPILE=auto|on|off,
+see `murmur.kernels.dispatch`); under compile only the kernels that beat Inductor stay Triton.
+Initial weights depend on the seed alone: they are drawn on the CPU in a fixed order, so the same
+seed gives the same weights anywhere.
 """
 
 from __future__ import annotations
@@ -84,7 +87,11 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return kernels.rms_norm(x, self.weight, self.eps)
+        # Under autocast the consumer (a matmul) reads the autocast dtype: write that directly
+        # instead of an fp32 output it would cast (same values, fewer bytes).
+        dev = x.device.type
+        out_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
+        return kernels.rms_norm(x, self.weight, self.eps, out_dtype)
 
 
 def rotary_tables(cfg: ModelConfig, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -188,12 +195,29 @@ class Transformer(nn.Module):
         """Logits [B, T, V] without targets; the mean cross-entropy with them.
 
         With targets the loss goes through `kernels.linear_cross_entropy`, which on a GPU never
-        materializes the full [B*T, V] logits.
+        materializes the full [B*T, V] logits. Runs compiled where `kernels.compile_enabled`.
         """
+        if kernels.compile_enabled(idx):
+            return _compiled_forward()(self, idx, targets)
+        return self._forward(idx, targets)
+
+    def _forward(self, idx: torch.Tensor, targets: torch.Tensor | None) -> torch.Tensor:
         h = self.hidden_states(idx)
         if targets is None:
             return F.linear(h, self.output_weight)
         return kernels.linear_cross_entropy(h.flatten(0, 1), self.output_weight, targets.flatten())
+
+
+_COMPILED = None
+
+
+def _compiled_forward():
+    """One torch.compile of `Transformer._forward` for every model of the process (compiled code
+    is shared between models of one shape; the module's weights are graph inputs)."""
+    global _COMPILED
+    if _COMPILED is None:
+        _COMPILED = torch.compile(Transformer._forward)
+    return _COMPILED
 
 
 def build_model(cfg: ModelConfig, seed: int, device: str | torch.device = "cpu") -> Transformer:
