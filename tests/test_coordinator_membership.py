@@ -162,7 +162,11 @@ def test_malformed_requests_get_clear_errors_and_change_nothing(coord):
             with pytest.raises(CoordinatorError, match="not held by node"):
                 await client.release("feedface")
             after = await asyncio.to_thread(admin_json, coord, "shards", "list")
-            assert after == before
+            # Progress is what a bad call could corrupt; the lease itself may expire meanwhile on a
+            # loaded machine (this test sends no heartbeats and the lease TTL is 1.5 s).
+            progress = lambda listing: [(s["committed_offset"], s["done"]) for s in listing["shards"]]
+            assert progress(after) == progress(before)
+            assert {s["holder"] for s in after["shards"]} <= {node_id, ""}
             # a wrong protocol version is refused by name
             channel = client.channel
             stub = pb_grpc.CoordinatorStub(channel)
