@@ -39,7 +39,7 @@ class PeerProc:
         return self.ready["node_id"]
 
     def record(self) -> dict:
-        return {k: self.ready[k] for k in ("node_id", "address", "stage")}
+        return {k: self.ready[k] for k in ("node_id", "address", "stage", "state_address")}
 
 
 def membership(ca: CertificateAuthority, folder: Path, join: tuple[str, str] | None) -> list[str]:

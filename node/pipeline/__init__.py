@@ -6,5 +6,6 @@ wire: fp32, bf16, int8 blockwise), service (the gRPC stage service with mutual T
 checks), client (calls to stage peers), router (stochastic wiring: per-hop peer choice by
 estimated load, benching, adaptive deadlines), driver (microbatches through the stages with
 bounded retries; only completed microbatches count), membership (join, heartbeats, a driver's
-lease and ledger commits), peer (one stage peer as a process), drive (one driver as a process).
+lease and ledger commits), stage_state (a stage's weights published for, and fetched by, peers
+joining the stage), peer (one stage peer as a process), drive (one driver as a process).
 """

@@ -57,12 +57,6 @@ class StageClient:
             self._channels[key] = channel
         return pipeline_pb2_grpc.StageStub(channel)
 
-    async def forget(self, peer: StagePeer) -> None:
-        """Close the channel to a peer that failed, so the next call dials afresh."""
-        channel = self._channels.pop((peer.node_id, peer.address), None)
-        if channel is not None:
-            await channel.close()
-
     async def forward(
         self, peer: StagePeer, microbatch: str, inputs: torch.Tensor, *, reply_codec: str, timeout: float,
         dim: int,

@@ -31,7 +31,11 @@ class PipelineConfig:
     hop_timeout_s: float = 30.0
     min_hop_timeout_s: float = 2.0  # adaptive deadlines never go below this (scheduler noise)
     hop_attempts: int = 3  # peers tried per hop before the microbatch is given up
-    microbatch_attempts: int = 3  # times a driver re-runs a failed microbatch before stopping
+    microbatch_attempts: int = 3  # times a driver runs a failing microbatch before stopping
+    # Pause before re-running a failed microbatch, doubling per failure, at most 30 s: a stage
+    # whose every peer is down needs time to be refilled, and re-running at once would only
+    # spend the attempts.
+    microbatch_retry_s: float = 1.0
     target_samples: int = 16  # samples per stage peer per optimizer step
     rebalance_every_s: float = 60.0  # the coordinator's rebalancing check
     bench_s: float = 2.0  # a failed peer is benched this long, doubling per failure in a row
@@ -53,6 +57,8 @@ class PipelineConfig:
                 raise PipelineConfigError(f"pipeline.{name} must be at least 1")
         if not 0 < self.min_hop_timeout_s <= self.hop_timeout_s:
             raise PipelineConfigError("pipeline.min_hop_timeout_s must be in (0, hop_timeout_s]")
+        if self.microbatch_retry_s < 0:
+            raise PipelineConfigError("pipeline.microbatch_retry_s must be >= 0")
         if self.rebalance_every_s <= 0 or self.bench_s <= 0 or self.max_bench_s < self.bench_s:
             raise PipelineConfigError("pipeline.rebalance_every_s, bench_s > 0 and max_bench_s >= bench_s")
 

@@ -23,6 +23,7 @@ import contextlib
 import json
 import os
 import signal
+import time
 from pathlib import Path
 
 import numpy as np
@@ -74,7 +75,8 @@ async def drive(args: argparse.Namespace) -> int:
         stages=args.stages, layers=layers, microbatch_size=args.microbatch_size,
         activation_codec=args.codec, hop_timeout_s=args.hop_timeout_s,
         min_hop_timeout_s=args.min_hop_timeout_s, hop_attempts=args.hop_attempts,
-        microbatch_attempts=args.microbatch_attempts, bench_s=args.bench_s,
+        microbatch_attempts=args.microbatch_attempts, microbatch_retry_s=args.microbatch_retry_s,
+        bench_s=args.bench_s,
     )
     member = lease = None
     if args.coordinator:
@@ -113,8 +115,12 @@ async def drive(args: argparse.Namespace) -> int:
     losses: dict[int, float] = {}
     log = open(args.commit_log, "a") if args.commit_log else None  # noqa: SIM115 - closed below
 
+    wire_bytes = 0
+
     def on_done(i: int, res: MicrobatchResult) -> None:
+        nonlocal wire_bytes
         losses[i] = res.loss
+        wire_bytes += res.wire_bytes
         emit(event="microbatch", index=i, loss=res.loss, retries=res.retries, wire_bytes=res.wire_bytes,
              hops=[[h.stage, h.kind, h.node_id, h.attempts] for h in res.hops])
 
@@ -137,6 +143,7 @@ async def drive(args: argparse.Namespace) -> int:
     refresher = asyncio.create_task(keep_refreshing())
     status = 0
     end = args.start
+    t0 = time.monotonic()
     try:
         end = await run_in_order(driver, batches, count, concurrency=args.concurrency,
                                  on_done=on_done, on_commit=on_commit, start=args.start)
@@ -151,7 +158,8 @@ async def drive(args: argparse.Namespace) -> int:
         if log is not None:
             log.close()
     served = {st.peer.node_id: st.hops for stage in router.stages.values() for st in stage.values()}
-    emit(event="done", committed_tokens=committed_tokens, committed_end=end, hops_by_peer=served)
+    emit(event="done", committed_tokens=committed_tokens, committed_end=end, hops_by_peer=served,
+         seconds=time.monotonic() - t0, wire_bytes=wire_bytes)
     return status
 
 
@@ -175,6 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--min-hop-timeout-s", type=float, default=2.0)
     ap.add_argument("--hop-attempts", type=int, default=3)
     ap.add_argument("--microbatch-attempts", type=int, default=3)
+    ap.add_argument("--microbatch-retry-s", type=float, default=1.0, help="pause before a re-run, doubling")
     ap.add_argument("--bench-s", type=float, default=2.0)
     ap.add_argument("--commit-log", default="", help="append committed ranges here (JSON lines, fsynced)")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads")

@@ -32,6 +32,8 @@ from murmur.node.pipeline.router import Router
 from murmur.protocol.identity import BannedError
 from murmur.protocol.wire import WireError
 
+MAX_RETRY_PAUSE_S = 30.0  # the longest pause before a failed microbatch runs again
+
 
 class MicrobatchFailed(MurmurError):
     """A hop found no peer of its stage that answered; nothing of the microbatch is committed."""
@@ -79,9 +81,9 @@ class Driver:
             except grpc.aio.AioRpcError as err:
                 timed_out = err.code() == grpc.StatusCode.DEADLINE_EXCEEDED
                 errors.append(f"{peer.node_id}: {err.code().name} {err.details() or ''}".strip())
+                # The channel stays open: gRPC reconnects it, and closing it would cancel the other
+                # microbatches' calls on it.
                 self.router.failed(peer, kind, timed_out=timed_out)
-                if not timed_out:
-                    await self.client.forget(peer)
                 continue
             except (WireError, BannedError) as err:  # a reply we cannot use: the peer's fault
                 errors.append(f"{peer.node_id}: {err}")
@@ -176,7 +178,8 @@ async def run_in_order(
     start: int = 0,
 ) -> int:
     """Microbatches ``start .. start+count-1`` with up to ``concurrency`` in flight; a failed one is
-    run again (``microbatch_attempts`` in all) before the run stops. Returns the committed end."""
+    run again after a pause (``microbatch_retry_s``, doubling), ``microbatch_attempts`` times in
+    all, before the run stops. Returns the committed end."""
     window = CommitWindow(start)
     queue: asyncio.Queue[int] = asyncio.Queue()
     for i in range(start, start + count):
@@ -198,6 +201,7 @@ async def run_in_order(
                     if attempt == driver.cfg.microbatch_attempts:
                         failure.append(err)
                         return
+                    await asyncio.sleep(min(MAX_RETRY_PAUSE_S, driver.cfg.microbatch_retry_s * 2 ** (attempt - 1)))
             on_done(i, result)
             lo, hi = window.complete(i)
             if hi > lo:

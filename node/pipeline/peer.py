@@ -16,11 +16,14 @@ import argparse
 import asyncio
 import json
 import signal
+from pathlib import Path
 
 import torch
 
 from murmur.node.model.stages import build_stage, split_layers
 from murmur.node.net.faults import FaultInjector
+from murmur.node.net.server import PeerServer, PeerServerSettings
+from murmur.node.pipeline import stage_state
 from murmur.node.pipeline.config import add_model_args, model_from_args
 from murmur.node.pipeline.membership import Membership
 from murmur.node.pipeline.service import StageService, StageServiceSettings
@@ -45,21 +48,36 @@ async def serve(args: argparse.Namespace) -> None:
     run_id = member.info.run_id if member is not None else args.run
     service = StageService(ident, worker, run_id=run_id, settings=settings,
                            faults=FaultInjector.parse(args.fault))
+    # The peer server publishes this stage's state for peers that join the stage.
+    state_server = PeerServer(ident, run_id=run_id, settings=PeerServerSettings(host=args.host))
+    state_address = await state_server.start()
+    fetched: list[str] = []
+    if args.state_from:
+        donors = {p["node_id"]: p["state_address"] for p in json.loads(Path(args.state_from).read_text())["peers"]
+                  if p["stage"] == span.index and p.get("state_address")}
+        fetched = await stage_state.fetch_into(worker.module, ident, donors)
+    loop = asyncio.get_running_loop()
+    state_server.publish_state(stage_state.published(worker.module))
+    worker.on_step = lambda: loop.call_soon_threadsafe(
+        state_server.publish_state, stage_state.published(worker.module)
+    )
     address = await service.start()
     stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     emit(event="ready", node_id=service.identity.node_id, address=address, stage=span.index,
-         first_block=span.first_block, end_block=span.end_block)
+         first_block=span.first_block, end_block=span.end_block, state_address=state_address,
+         state_hash=stage_state.state_hash(worker.module), fetched_from=fetched)
     await stop.wait()
     await service.stop()
+    await state_server.stop()
     if member is not None:
         await member.close()
     st = worker.stats
     emit(event="stopped", node_id=service.identity.node_id, stage=span.index, forwards=st.forwards,
          backwards=st.backwards, samples_total=st.samples_total, optimizer_steps=st.optimizer_steps,
-         refused=len(service.refusals))
+         compute_seconds=st.compute_seconds, refused=len(service.refusals),
+         state_hash=stage_state.state_hash(worker.module))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -73,6 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--target-samples", type=int, default=16, help="samples per optimizer step")
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--grad-clip", type=float, default=1.0, help="per-stage gradient clipping (0: off)")
+    ap.add_argument("--state-from", default="",
+                    help="peers JSON file: fetch this stage's state from its peers there before serving")
     ap.add_argument("--max-rows", type=int, default=64)
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--fault", action="append", default=[],

@@ -63,6 +63,9 @@ class StageWorker:
         # One computation at a time: the module's weights change under a step, and a CPU peer
         # gains nothing from running two microbatches at once.
         self.lock = threading.Lock()
+        # Called after every optimizer step, in the compute thread, with the lock held: the
+        # place to take a consistent copy of the weights (stage_state.published).
+        self.on_step: Callable[[], None] | None = None
 
     @property
     def span(self):
@@ -126,6 +129,8 @@ class StageWorker:
         self.grad_sums = [torch.zeros_like(p) for p in self.params]
         self.stats.samples_accumulated = 0
         self.stats.optimizer_steps += 1
+        if self.on_step is not None:
+            self.on_step()
 
 
 def _item(loss: torch.Tensor | None) -> float | None:
