@@ -1,0 +1,247 @@
+"""Benchmark: pipeline training over shaped links, with and without stage peers being killed.
+
+    sudo .venv/bin/python benchmarks/pipeline.py [--stages 2] [--peers-per-stage 2] \
+        [--rates 1000,100,20] [--codecs bf16,int8] [--mtbf 0,30] [--microbatches 120] \
+        [--kill-microbatches 400] [--concurrency 4]
+
+Every process (one driver, S x P stage peers: `python -m murmur.node.pipeline.peer` / `drive`)
+runs in its own network namespace on one bridge, its upload shaped by ``tc tbf`` to the link rate
+(the namespaces and shaping of benchmarks/exchange.py, reused; do not run both at once). The
+model is the tiny preset (4 blocks, dim 128, seq 128) cut into S stages, microbatches of 4 rows.
+
+With ``mtbf_s > 0`` a chaos thread gives every stage peer an exponential lifetime of mean
+``mtbf_s``; a peer that dies (SIGKILL) is restarted at once on the same stage (a fresh process
+that must import torch and build its stage before it serves) and the peer list the driver re-reads
+each second is rewritten when it is ready. Rows:
+
+  stages, peers_per_stage, link_mbps, activation_codec, mtbf_s, kills,
+  samples_per_s (rows the driver completed and committed per second of its run),
+  ideal_samples_per_s (the slowest stage's measured compute: per stage, the peers' compute seconds
+  per sample, from the peers that stopped cleanly, with P peers working in parallel),
+  efficiency (samples_per_s / ideal_samples_per_s), bytes_per_sample (wire bytes of the hops that
+  succeeded, both ways, per row), microbatches_lost (asked for minus committed: 0 means every
+  microbatch was eventually committed, once), retries (hop attempts beyond the first),
+  rebalance_recovery_s (null: the coordinator's rebalancing is not built yet), load (the
+  machine's load averages at the end of the row: other jobs share these cores).
+
+Writes benchmarks/results/pipeline.json. Needs root (namespaces); cleans up after itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+sys.path.insert(0, str(HERE))
+import exchange as shaped  # noqa: E402 - the namespaces and tbf shaping of the exchange benchmark
+
+MODEL = ["--preset", "tiny", "--n-layers", "4", "--dim", "128", "--seq-len", "128", "--seed", "0"]
+MICROBATCH = 4
+START_TIMEOUT_S = 300
+
+
+def FORWARD_RULE(op: str) -> list[str]:  # noqa: N802 - reads as the rule it builds
+    return ["iptables", op, "FORWARD", "-i", shaped.BRIDGE, "-o", shaped.BRIDGE, "-j", "ACCEPT"]
+
+
+def ip(i: int) -> str:
+    return shaped.SUBNET.format(i + 1)
+
+
+def in_ns(i: int, *cmd: str) -> list[str]:
+    return ["ip", "netns", "exec", shaped.NS.format(i), *cmd]
+
+
+def env(threads: int) -> dict[str, str]:
+    return dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(threads))
+
+
+class Peer:
+    def __init__(self, slot: int, stage: int, ident: Path, args: argparse.Namespace) -> None:
+        self.slot, self.stage, self.ident, self.args = slot, stage, ident, args
+        self.proc: subprocess.Popen[str] | None = None
+        self.ready: dict = {}
+        self.stopped: dict = {}
+
+    def start(self) -> None:
+        cmd = in_ns(self.slot, sys.executable, "-m", "murmur.node.pipeline.peer", "--identity", str(self.ident),
+                    "--run", "bench", "--stage", str(self.stage), "--stages", str(self.args.stages), *MODEL,
+                    "--host", ip(self.slot), "--target-samples", "16", "--threads", str(self.args.threads))
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env(self.args.threads), cwd=REPO)
+        line = self.proc.stdout.readline()
+        if not line:
+            raise SystemExit(f"error: stage peer {self.slot} did not start")
+        self.ready = json.loads(line)
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGTERM)
+        out, _ = self.proc.communicate(timeout=60)
+        for line in out.splitlines():
+            rec = json.loads(line)
+            if rec.get("event") == "stopped":
+                self.stopped = rec
+
+
+def write_peers(path: Path, peers: list[Peer], lock: threading.Lock) -> None:
+    with lock:
+        live = [p.ready for p in peers if p.ready and p.proc is not None and p.proc.poll() is None]
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"peers": [{k: r[k] for k in ("node_id", "address", "stage")} for r in live]}))
+        tmp.replace(path)
+
+
+def chaos(peers: list[Peer], mtbf: float, stop: threading.Event, path: Path, lock: threading.Lock,
+          kills: list[float]) -> None:
+    """Kill each peer after an exponential lifetime and restart it on its stage at once."""
+    rng = random.Random(0)
+    due = {p.slot: time.monotonic() + rng.expovariate(1 / mtbf) for p in peers}
+    while not stop.wait(0.2):
+        for p in peers:
+            if time.monotonic() < due[p.slot] or stop.is_set():
+                continue
+            p.kill()
+            kills.append(time.monotonic())
+            write_peers(path, peers, lock)
+            p.start()
+            write_peers(path, peers, lock)
+            due[p.slot] = time.monotonic() + rng.expovariate(1 / mtbf)
+
+
+def one_row(args, work: Path, data: Path, rate: int, codec: str, mtbf: float) -> dict:
+    from murmur.protocol.identity import CertificateAuthority
+
+    n_peers = args.stages * args.peers_per_stage
+    shaped.net_up(n_peers + 1, args.congestion)
+    shaped.set_rate(n_peers + 1, rate)
+    # Hosts with Docker filter bridged traffic (br_netfilter, FORWARD policy DROP): let the
+    # bridge's own traffic through while the row runs.
+    shaped.sh(*FORWARD_RULE("-I"), check=False)
+    ca = CertificateAuthority.create("bench")
+    row_dir = Path(tempfile.mkdtemp(dir=work))
+    for i in range(n_peers + 1):
+        ca.issue().save(row_dir / f"id{i}")
+    peers = [Peer(1 + i, i // args.peers_per_stage, row_dir / f"id{1 + i}", args) for i in range(n_peers)]
+    lock, stop, kills = threading.Lock(), threading.Event(), []
+    peers_file = row_dir / "peers.json"
+    driver = None
+    try:
+        threads = [threading.Thread(target=p.start) for p in peers]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(START_TIMEOUT_S)
+        write_peers(peers_file, peers, lock)
+        count = args.kill_microbatches if mtbf else args.microbatches
+        cmd = in_ns(0, sys.executable, "-m", "murmur.node.pipeline.drive", "--identity", str(row_dir / "id0"),
+                    "--run", "bench", "--peers", str(peers_file), "--stages", str(args.stages), *MODEL,
+                    "--data", str(data), "--microbatches", str(count), "--microbatch-size", str(MICROBATCH),
+                    "--concurrency", str(args.concurrency), "--codec", codec, "--hop-timeout-s", "30",
+                    "--microbatch-attempts", "20", "--threads", str(args.threads))
+        driver = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env(args.threads), cwd=REPO)
+        monkey = None
+        if mtbf:
+            monkey = threading.Thread(target=chaos, args=(peers, mtbf, stop, peers_file, lock, kills))
+            monkey.start()
+        out, _ = driver.communicate(timeout=args.row_timeout)
+        stop.set()
+        if monkey is not None:
+            monkey.join()
+    finally:
+        stop.set()
+        if driver is not None and driver.poll() is None:
+            driver.kill()
+            driver.wait()
+        for p in peers:
+            p.stop()
+            p.kill()
+        shaped.sh(*FORWARD_RULE("-D"), check=False)
+        shaped.net_down(n_peers + 1)
+    recs = [json.loads(line) for line in out.splitlines()]
+    done = next(r for r in recs if r["event"] == "done")
+    retries = sum(r["retries"] for r in recs if r["event"] == "microbatch")
+    samples = done["committed_tokens"] / 128  # rows of seq_len 128
+    per_stage = []
+    for s in range(args.stages):
+        clean = [p.stopped for p in peers if p.stage == s and p.stopped.get("samples_total")]
+        secs = sum(c["compute_seconds"] for c in clean)
+        rows = sum(c["samples_total"] for c in clean)
+        per_stage.append(args.peers_per_stage * rows / secs if secs else float("nan"))
+    ideal = min(per_stage)
+    rate_achieved = samples / done["seconds"]
+    return {
+        "stages": args.stages, "peers_per_stage": args.peers_per_stage, "link_mbps": rate,
+        "activation_codec": codec, "mtbf_s": mtbf or None, "kills": len(kills),
+        "microbatches": count, "samples_per_s": round(rate_achieved, 2),
+        "ideal_samples_per_s": round(ideal, 2), "stage_samples_per_s": [round(v, 2) for v in per_stage],
+        "efficiency": round(rate_achieved / ideal, 3),
+        "bytes_per_sample": round(done["wire_bytes"] / max(samples, 1)),
+        "microbatches_lost": count - done["committed_end"], "retries": retries,
+        "seconds": round(done["seconds"], 1), "rebalance_recovery_s": None, "load": shaped.load(),
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--stages", type=int, default=2)
+    ap.add_argument("--peers-per-stage", type=int, default=2)
+    ap.add_argument("--rates", default="1000,100,20", help="link rates, Mbit/s")
+    ap.add_argument("--codecs", default="bf16,int8")
+    ap.add_argument("--mtbf", default="0,30", help="mean seconds between failures per peer (0: none)")
+    ap.add_argument("--microbatches", type=int, default=120)
+    ap.add_argument("--kill-microbatches", type=int, default=400, help="microbatches of a row with kills")
+    ap.add_argument("--concurrency", type=int, default=4, help="microbatches the driver keeps in flight")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--congestion", default="cubic")
+    ap.add_argument("--row-timeout", type=float, default=900)
+    ap.add_argument("--out", default=str(HERE / "results" / "pipeline.json"))
+    args = ap.parse_args()
+    if os.geteuid() != 0:
+        raise SystemExit("error: needs root for network namespaces (sudo)")
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so each row's cleanup runs
+    from murmur.node.model.data import prepare
+
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="murmur-pipe-bench-") as tmp:
+        work = Path(tmp)
+        os.chmod(work, 0o755)
+        data = work / "data"
+        prepare(data, tokenizer="byte", shard_tokens=1 << 20)
+        for mtbf in [float(v) for v in args.mtbf.split(",")]:
+            for rate in [int(v) for v in args.rates.split(",")]:
+                for codec in args.codecs.split(","):
+                    row = one_row(args, work, data, rate, codec, mtbf)
+                    print(json.dumps(row), flush=True)
+                    rows.append(row)
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+    result = {
+        "benchmark": "pipeline", "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "device": f"CPU: {platform.processor() or platform.machine()}, {os.cpu_count()} cores (shared)",
+        "command": " ".join(["benchmarks/pipeline.py", *sys.argv[1:]]), "commit": commit,
+        "model": " ".join(MODEL), "microbatch_rows": MICROBATCH, "rows": rows,
+    }
+    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
