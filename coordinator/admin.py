@@ -316,6 +316,8 @@ def _nodes_show(client: Any, args: argparse.Namespace) -> None:
                 f"run {n.run_id}, joined {_when(n.joined_at)}, peer address {n.peer_address or '-'}",
                 f"hardware: {hw.device or '-'}, {hw.cpu_cores} cores, {_bytes(hw.memory_bytes)} memory, "
                 f"{_bytes(hw.accelerator_memory_bytes)} accelerator memory",
+                f"updates rejected: in {n.updates_rejected} round(s) an owner refused its update "
+                "(see `murmur admin events --kind update_rejected`; banning is your call)",
                 *([f"banned: {n.ban_reason}"] if n.status == "banned" else []),
             ]
         ),

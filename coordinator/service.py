@@ -30,6 +30,7 @@ from .status.report import StatusSource
 from .store import Store
 
 T = TypeVar("T")
+MAX_REJECTIONS_PER_REPORT = 1000  # what one ReportRejections may carry (the node batches below it)
 
 
 class Stats:
@@ -246,6 +247,32 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             return pb.BanList(version=version, node_ids=ids)
 
         return await self._run("GetBanList", context, call)
+
+    async def GetBootstrapPeers(
+        self, request: pb.GetBootstrapPeersRequest, context: grpc.aio.ServicerContext
+    ) -> pb.BootstrapPeers:
+        def call() -> pb.BootstrapPeers:
+            self._node(context)
+            return pb.BootstrapPeers(multiaddrs=self.bootstrap_peers)
+
+        return await self._run("GetBootstrapPeers", context, call)
+
+    async def ReportRejections(
+        self, request: pb.ReportRejectionsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ReportRejectionsReply:
+        def call() -> pb.ReportRejectionsReply:
+            node_id, run_id = self._node(context)
+            if len(request.rejected) > MAX_REJECTIONS_PER_REPORT:
+                n = len(request.rejected)
+                raise RunError(f"at most {MAX_REJECTIONS_PER_REPORT} rejections a report, got {n}")
+            if any(r.round < 0 or not r.sender_node_id for r in request.rejected):
+                raise RunError("a rejection needs a sender and a non-negative round")
+            items = [(r.sender_node_id[:100], int(r.round), r.reason[:200]) for r in request.rejected]
+            with self.store.write():
+                recorded = self.store.record_rejections(run_id, node_id, items)
+            return pb.ReportRejectionsReply(recorded=recorded)
+
+        return await self._run("ReportRejections", context, call)
 
     # --- admin ---------------------------------------------------------------------------------
 

@@ -458,6 +458,27 @@ class Store:
         assert row is not None
         return int(row["t"]), int(row["b"])
 
+    def record_rejections(self, run_id: str, reporter: str, rejected: list[tuple[str, int, str]]) -> int:
+        """(sender, round, reason) of updates ``reporter`` refused, as ``update_rejected`` events of
+        the sender; senders that are not nodes of ``run_id`` are skipped. Call inside write()."""
+        members = {r["node_id"] for r in self._q("SELECT node_id FROM nodes WHERE run_id = ?", (run_id,))}
+        kept = [(sender, rnd, why) for sender, rnd, why in rejected if sender in members]
+        now = time.time()
+        for sender, rnd, why in kept:
+            self.event("update_rejected", run_id=run_id, node_id=sender, at=now, round=rnd, reason=why, by=reporter)
+        if kept:
+            self.bump("updates_rejected", len(kept))
+        return len(kept)
+
+    def updates_rejected(self, node_id: str) -> int:
+        """In how many rounds some owner refused this node's update (reports of one round count once)."""
+        row = self._one(
+            "SELECT COUNT(DISTINCT json_extract(detail_json, '$.round')) AS n FROM events "
+            "WHERE kind = 'update_rejected' AND node_id = ?",
+            (node_id,),
+        )
+        return int(row["n"]) if row else 0
+
     def push_deadlines(self, now: float, grace: float) -> None:
         """After a restart: nobody could heartbeat while we were down, so nobody is late yet."""
         self.db.execute("UPDATE nodes SET last_heartbeat = MAX(last_heartbeat, ?) WHERE status = 'active'", (now,))

@@ -194,6 +194,17 @@ class MemberClient:
     async def release(self, lease_id: str) -> pb.ReleaseLeaseReply:
         return await self._call("ReleaseLease", pb.ReleaseLeaseRequest(lease_id=lease_id))
 
+    async def bootstrap_peers(self) -> list[str]:
+        """The DHT multiaddrs the coordinator hands out now (empty: it runs no DHT)."""
+        reply = await self._call("GetBootstrapPeers", pb.GetBootstrapPeersRequest())
+        return list(reply.multiaddrs)
+
+    async def report_rejections(self, rejected: list[tuple[int, str, str]]) -> int:
+        """Report (round, sender, reason) of updates this node refused; how many were counted."""
+        items = [pb.RejectedUpdate(sender_node_id=s, round=r, reason=why[:200]) for r, s, why in rejected]
+        reply = await self._call("ReportRejections", pb.ReportRejectionsRequest(rejected=items))
+        return int(reply.recorded)
+
     async def report_checkpoint(self, step: int, location: str, sha256: str) -> None:
         await self._call("ReportCheckpoint", pb.ReportCheckpointRequest(step=step, location=location, sha256=sha256))
 

@@ -186,6 +186,38 @@ class GetBanListRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class GetBootstrapPeersRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class BootstrapPeers(_message.Message):
+    __slots__ = ("multiaddrs",)
+    MULTIADDRS_FIELD_NUMBER: _ClassVar[int]
+    multiaddrs: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, multiaddrs: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class RejectedUpdate(_message.Message):
+    __slots__ = ("sender_node_id", "round", "reason")
+    SENDER_NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    sender_node_id: str
+    round: int
+    reason: str
+    def __init__(self, sender_node_id: _Optional[str] = ..., round: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class ReportRejectionsRequest(_message.Message):
+    __slots__ = ("rejected",)
+    REJECTED_FIELD_NUMBER: _ClassVar[int]
+    rejected: _containers.RepeatedCompositeFieldContainer[RejectedUpdate]
+    def __init__(self, rejected: _Optional[_Iterable[_Union[RejectedUpdate, _Mapping]]] = ...) -> None: ...
+
+class ReportRejectionsReply(_message.Message):
+    __slots__ = ("recorded",)
+    RECORDED_FIELD_NUMBER: _ClassVar[int]
+    recorded: int
+    def __init__(self, recorded: _Optional[int] = ...) -> None: ...
+
 class BanList(_message.Message):
     __slots__ = ("version", "node_ids")
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -313,7 +345,7 @@ class RevokeTokenRequest(_message.Message):
     def __init__(self, token_id: _Optional[str] = ...) -> None: ...
 
 class NodeInfo(_message.Message):
-    __slots__ = ("node_id", "run_id", "status", "joined_at", "last_heartbeat", "hardware", "tokens_per_s", "peer_address", "certificate_pem", "tokens_committed", "bytes_sent", "shards_held", "ban_reason")
+    __slots__ = ("node_id", "run_id", "status", "joined_at", "last_heartbeat", "hardware", "tokens_per_s", "peer_address", "certificate_pem", "tokens_committed", "bytes_sent", "shards_held", "ban_reason", "updates_rejected")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
@@ -327,6 +359,7 @@ class NodeInfo(_message.Message):
     BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
     SHARDS_HELD_FIELD_NUMBER: _ClassVar[int]
     BAN_REASON_FIELD_NUMBER: _ClassVar[int]
+    UPDATES_REJECTED_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     run_id: str
     status: str
@@ -340,7 +373,8 @@ class NodeInfo(_message.Message):
     bytes_sent: int
     shards_held: _containers.RepeatedScalarFieldContainer[int]
     ban_reason: str
-    def __init__(self, node_id: _Optional[str] = ..., run_id: _Optional[str] = ..., status: _Optional[str] = ..., joined_at: _Optional[float] = ..., last_heartbeat: _Optional[float] = ..., hardware: _Optional[_Union[Hardware, _Mapping]] = ..., tokens_per_s: _Optional[float] = ..., peer_address: _Optional[str] = ..., certificate_pem: _Optional[str] = ..., tokens_committed: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., shards_held: _Optional[_Iterable[int]] = ..., ban_reason: _Optional[str] = ...) -> None: ...
+    updates_rejected: int
+    def __init__(self, node_id: _Optional[str] = ..., run_id: _Optional[str] = ..., status: _Optional[str] = ..., joined_at: _Optional[float] = ..., last_heartbeat: _Optional[float] = ..., hardware: _Optional[_Union[Hardware, _Mapping]] = ..., tokens_per_s: _Optional[float] = ..., peer_address: _Optional[str] = ..., certificate_pem: _Optional[str] = ..., tokens_committed: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., shards_held: _Optional[_Iterable[int]] = ..., ban_reason: _Optional[str] = ..., updates_rejected: _Optional[int] = ...) -> None: ...
 
 class ListNodesRequest(_message.Message):
     __slots__ = ("run_id", "status")

@@ -74,6 +74,16 @@ class CoordinatorStub:
                 request_serializer=murmur_dot_protocol_dot_coordinator__pb2.GetBanListRequest.SerializeToString,
                 response_deserializer=murmur_dot_protocol_dot_coordinator__pb2.BanList.FromString,
                 _registered_method=True)
+        self.GetBootstrapPeers = channel.unary_unary(
+                '/murmur.v1.Coordinator/GetBootstrapPeers',
+                request_serializer=murmur_dot_protocol_dot_coordinator__pb2.GetBootstrapPeersRequest.SerializeToString,
+                response_deserializer=murmur_dot_protocol_dot_coordinator__pb2.BootstrapPeers.FromString,
+                _registered_method=True)
+        self.ReportRejections = channel.unary_unary(
+                '/murmur.v1.Coordinator/ReportRejections',
+                request_serializer=murmur_dot_protocol_dot_coordinator__pb2.ReportRejectionsRequest.SerializeToString,
+                response_deserializer=murmur_dot_protocol_dot_coordinator__pb2.ReportRejectionsReply.FromString,
+                _registered_method=True)
         self.CreateRun = channel.unary_unary(
                 '/murmur.v1.Coordinator/CreateRun',
                 request_serializer=murmur_dot_protocol_dot_coordinator__pb2.CreateRunRequest.SerializeToString,
@@ -195,6 +205,23 @@ class CoordinatorServicer:
 
     def GetBanList(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetBootstrapPeers(self, request, context):
+        """The DHT multiaddrs to bootstrap from now (those of the join reply may be stale: a node that
+        cannot reach them asks again instead of giving up).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReportRejections(self, request, context):
+        """Updates this node refused as an owner for what they held (not finite, malformed, a norm far
+        off the round's), with who sent them: the coordinator counts them per sender; a ban stays the
+        operator's call.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -326,6 +353,16 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.GetBanList,
                     request_deserializer=murmur_dot_protocol_dot_coordinator__pb2.GetBanListRequest.FromString,
                     response_serializer=murmur_dot_protocol_dot_coordinator__pb2.BanList.SerializeToString,
+            ),
+            'GetBootstrapPeers': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetBootstrapPeers,
+                    request_deserializer=murmur_dot_protocol_dot_coordinator__pb2.GetBootstrapPeersRequest.FromString,
+                    response_serializer=murmur_dot_protocol_dot_coordinator__pb2.BootstrapPeers.SerializeToString,
+            ),
+            'ReportRejections': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportRejections,
+                    request_deserializer=murmur_dot_protocol_dot_coordinator__pb2.ReportRejectionsRequest.FromString,
+                    response_serializer=murmur_dot_protocol_dot_coordinator__pb2.ReportRejectionsReply.SerializeToString,
             ),
             'CreateRun': grpc.unary_unary_rpc_method_handler(
                     servicer.CreateRun,
@@ -614,6 +651,60 @@ class Coordinator:
             '/murmur.v1.Coordinator/GetBanList',
             murmur_dot_protocol_dot_coordinator__pb2.GetBanListRequest.SerializeToString,
             murmur_dot_protocol_dot_coordinator__pb2.BanList.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetBootstrapPeers(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/murmur.v1.Coordinator/GetBootstrapPeers',
+            murmur_dot_protocol_dot_coordinator__pb2.GetBootstrapPeersRequest.SerializeToString,
+            murmur_dot_protocol_dot_coordinator__pb2.BootstrapPeers.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportRejections(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/murmur.v1.Coordinator/ReportRejections',
+            murmur_dot_protocol_dot_coordinator__pb2.ReportRejectionsRequest.SerializeToString,
+            murmur_dot_protocol_dot_coordinator__pb2.ReportRejectionsReply.FromString,
             options,
             channel_credentials,
             insecure,

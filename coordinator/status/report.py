@@ -76,6 +76,7 @@ class StatusSource:
             bytes_sent=sent,
             shards_held=[s.shard_id for s in self.store.shards_held(row["node_id"])],
             ban_reason=row["ban_reason"],
+            updates_rejected=self.store.updates_rejected(row["node_id"]),
             hardware=pb.Hardware(
                 device=str(hw.get("device", "")),
                 cpu_cores=int(hw.get("cpu_cores", 0)),

@@ -41,6 +41,10 @@ class DataPlane(Protocol):
         returns how many were seen."""
         ...
 
+    def take_rejections(self) -> list[tuple[int, str, str]]:
+        """(round, sender, reason) of the inputs this node refused as an owner since the last call."""
+        ...
+
     def last_round_members(self) -> list[str]:
         """Who took part in the last completed exchange."""
         ...
@@ -97,6 +101,9 @@ class SoloDataPlane:
 
     async def wait_for_peers(self, count: int, timeout_s: float, stop: Callable[[], bool]) -> int:
         return 1
+
+    def take_rejections(self) -> list[tuple[int, str, str]]:
+        return []  # a one-member exchange refuses nobody
 
     def last_round_members(self) -> list[str]:
         return self.exchange.members

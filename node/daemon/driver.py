@@ -67,6 +67,9 @@ class TrainingDriver:
         # Nothing partial is applied (the round fails as a whole) and the window is not committed.
         stop.on_request(lambda reason: self.trainer.meter.abort(f"the node is stopping ({reason})"))
         self._ratio_base_step = 0  # the step this node's byte counter started from
+        # Commits carry the bytes sent since the previous commit (the coordinator sums them): the
+        # counter's value at the last commit, set again once a checkpoint restored the counter.
+        self._committed_sent = 0
 
     # -- on the loop: before training -------------------------------------------------------------
 
@@ -87,6 +90,13 @@ class TrainingDriver:
             self._ratio_base_step = self.trainer.step  # this node's bytes count from here
             self.log(f"took the global state of round {self.trainer.round} from peers")
         self.dataplane.publish(self.trainer.round, self.trainer.shared_tensors())
+        self._committed_sent = self.trainer.sync.bytes.total_sent  # earlier bytes were committed before
+
+    def _sent_since_commit(self) -> int:
+        """Bytes sent since the previous commit (training thread), counted as committed from now."""
+        total = self.trainer.sync.bytes.total_sent
+        delta, self._committed_sent = max(0, total - self._committed_sent), total
+        return delta
 
     # -- the training thread ----------------------------------------------------------------------
 
@@ -126,6 +136,8 @@ class TrainingDriver:
             if result.round % eval_every == 0 or trainer.step >= cfg.train.steps:
                 v = evaluate(trainer.model, val, trainer.device, cfg.train.dtype)
             record = self._round_record(result, v)
+            spans = [seg for seg in result.segments if seg.end > seg.start]
+            sent = self._sent_since_commit() if spans else 0  # the first span carries the round's bytes
             commits = [
                 PendingCommit(
                     seg.lease.lease_id,
@@ -134,11 +146,10 @@ class TrainingDriver:
                     seg.end,
                     result.round,
                     result.loss,
-                    record["bytes_sent"],
+                    sent if i == 0 else 0,
                     result.seconds,
                 )
-                for seg in result.segments
-                if seg.end > seg.start
+                for i, seg in enumerate(spans)
             ]
             shared = trainer.shared_tensors()
             if self.s.checkpoint_every_rounds and result.round % self.s.checkpoint_every_rounds == 0:
@@ -159,7 +170,7 @@ class TrainingDriver:
                 done.end,
                 self.trainer.round,
                 loss if math.isfinite(loss) else 0.0,
-                self.trainer.sync.bytes.total_sent,
+                self._sent_since_commit(),
                 0.0,
             )
             self.loop.call_soon_threadsafe(self.session.queue_commits, [commit])
@@ -224,6 +235,7 @@ class TrainingDriver:
         m.wall_seconds_total += record["seconds"]
         self.session.tokens_per_s = record["tokens_per_s"]
         self.session.queue_commits(commits)
+        self.session.queue_rejections(self.dataplane.take_rejections())
         self.dataplane.publish(record["round"], shared)
         self.state.append_round(record)
         ratio = f"{record['compression']:,.0f}x" if record["compression"] else "-"

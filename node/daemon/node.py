@@ -88,6 +88,7 @@ class Node:
         self.metrics_server: MetricsServer | None = None
         self.dataplane: DataPlane | None = None
         self.driver: TrainingDriver | None = None
+        self.leave_on_exit = True  # say Leave (and forget the join record) when the node exits
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
@@ -96,7 +97,14 @@ class Node:
                 loop.add_signal_handler(sig, self.stop.request, signal.Signals(sig).name)
         self.state.lock()
         try:
-            if not await self._start():
+            try:
+                started = await self._start()
+            except BaseException:
+                # A node that could not start (the DHT, the data, a peer) keeps its membership: a
+                # restart rejoins as the same node instead of needing a new token.
+                self.leave_on_exit = False
+                raise
+            if not started:
                 return 0
             assert self.session is not None and self.driver is not None
             self.session.start()
@@ -170,6 +178,7 @@ class Node:
             dht_peers=list(self.o.dht_peers),
             state_dir=self.state.root,
             faults=self.o.faults,
+            refresh_bootstrap=self.session.bootstrap_peers if self.session is not None else None,
         )
 
     async def _shutdown(self) -> None:
@@ -180,7 +189,7 @@ class Node:
             return max(0.1, deadline - time.monotonic())
 
         if self.session is not None:
-            await self.session.close(left)
+            await self.session.close(left, leave=self.leave_on_exit)
         if self.dataplane is not None:
             try:
                 await self.dataplane.close()  # bounds its own steps; always stops the DHT's processes

@@ -20,7 +20,7 @@ import contextlib
 import json
 import socket
 from collections import Counter
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,6 +51,7 @@ T = TypeVar("T")
 WILDCARDS = ("0.0.0.0", "::", "[::]", "")
 STATE_POLL_S = 0.5  # how often a joiner looks for peers' records
 DHT_RETRY_S = 1.0  # pause between DHT start attempts
+DHT_REFRESH_S = 5.0  # while the DHT cannot start, ask the coordinator for its bootstrap peers this often
 DHT_GOODBYE_TIMEOUT_S = 5.0  # the "gone" record; past this, peers learn of the exit from the TTL
 
 
@@ -221,6 +222,9 @@ class PeerDataPlane:
     def last_round_members(self) -> list[str]:
         return self.exchange.members
 
+    def take_rejections(self) -> list[tuple[int, str, str]]:
+        return [(r.round, r.sender, r.reason) for r in self.peer.exchange.take_rejections()]
+
     # -- leaving ---------------------------------------------------------------------------------
 
     async def close(self) -> None:
@@ -245,6 +249,7 @@ async def _start_dht(
     dht_peers: list[str],
     settings: NodeSettings,
     log: Callable[[str], None],
+    refresh_bootstrap: Callable[[], Awaitable[list[str] | None]] | None = None,
 ) -> MurmurDHT:
     initial = list(info.bootstrap_peers) + list(dht_peers)
     dht = MurmurDHT(
@@ -260,16 +265,34 @@ async def _start_dht(
     )
     loop = asyncio.get_running_loop()
     deadline = loop.time() + settings.dht_start_timeout_s
+    asked_at = -DHT_REFRESH_S
     while True:
         try:
             await asyncio.to_thread(dht.start)
             break
         except DHTError as err:
             # A bootstrap peer that is slow to answer (a loaded machine, a restarting peer)
-            # fails p2pd's start: try again until the start timeout.
+            # fails p2pd's start: try again until the start timeout. The saved peers may be gone
+            # for good (a coordinator restarted on another DHT port or peer id): ask the
+            # coordinator which peers it hands out now, and use those.
+            why = str(err) or type(err).__name__
             if loop.time() >= deadline:
-                raise
-            log(f"DHT start failed ({err}); retrying")
+                raise DHTError(
+                    f"{why} (for {settings.dht_start_timeout_s:g}s, bootstrap peers "
+                    f"{', '.join(dht.initial_peers) or 'none'})"
+                ) from None
+            if refresh_bootstrap is not None and loop.time() - asked_at >= DHT_REFRESH_S:
+                asked_at = loop.time()
+                fresh = await refresh_bootstrap()
+                if fresh and set(fresh) != set(info.bootstrap_peers):
+                    log(
+                        f"DHT start failed ({why}) with the saved bootstrap peers; "
+                        f"the coordinator now hands out {', '.join(fresh)}: retrying with those"
+                    )
+                    info.bootstrap_peers = list(fresh)
+                    dht.initial_peers = list(fresh) + list(dht_peers)
+                    continue
+            log(f"DHT start failed ({why}); retrying")
             await asyncio.sleep(DHT_RETRY_S)
     if not initial:
         log(
@@ -291,13 +314,14 @@ async def open_peer_dataplane(
     dht_peers: list[str],
     state_dir: Path,
     faults: FaultInjector | None = None,
+    refresh_bootstrap: Callable[[], Awaitable[list[str] | None]] | None = None,
 ) -> PeerDataPlane:
     """Start the DHT (the exchange's group needs it), then the peer server and the exchange on it;
     on any failure, stop what was started."""
     host, _, port = listen.rpartition(":")
     live = LivePeers()
     async with contextlib.AsyncExitStack() as undo:
-        dht = await _start_dht(ident, info, host, dht_peers, settings, log)
+        dht = await _start_dht(ident, info, host, dht_peers, settings, log, refresh_bootstrap)
         undo.push_async_callback(asyncio.to_thread, dht.shutdown)
 
         def group(address: str) -> DHTGroup:

@@ -46,6 +46,10 @@ OUTAGE_CODES = {
 }
 
 
+MAX_UNREPORTED_REJECTIONS = 10_000  # rejection reports kept through an outage (the oldest go first)
+REJECTIONS_PER_REPORT = 500  # below the coordinator's limit of one ReportRejections call
+
+
 def is_outage(err: CoordinatorError) -> bool:
     return err.code in OUTAGE_CODES
 
@@ -130,6 +134,9 @@ class CoordinatorSession:
         self.current_lease: LeaseView | None = None
         self.coordinator_up = True
         self.tokens_per_s = 0.0  # what the heartbeats report; the driver sets it after each round
+        # (round, sender, reason) of updates this node refused as an owner, not reported yet; sent
+        # after heartbeats. Kept in memory only: a crash loses at most these reports.
+        self.unreported: deque[tuple[int, str, str]] = deque(maxlen=MAX_UNREPORTED_REJECTIONS)
         self._commit_wakeup = asyncio.Event()
         self._commit_lock = asyncio.Lock()  # the committer task and the shutdown both flush
         self._closing = False
@@ -161,12 +168,47 @@ class CoordinatorSession:
                     interval = reply.heartbeat_interval_s
                 if reply.run_state == "finished":
                     self.stop.request("the run is finished")
+                if self.unreported:
+                    await self._report_rejections()
             except CoordinatorError as err:
                 if is_outage(err):
                     self._mark(False, err)
                 else:
                     self.log(f"heartbeat refused: {err}")
             await self.stop.sleep(interval)
+
+    # -- bootstrap peers and rejected updates ----------------------------------------------------
+
+    async def bootstrap_peers(self) -> list[str] | None:
+        """The DHT bootstrap peers the coordinator hands out now (saved in the join record when
+        they changed); None when it cannot be asked, with the reason logged."""
+        try:
+            peers = await self.client.bootstrap_peers()
+        except CoordinatorError as err:
+            self.log(f"cannot ask the coordinator for its DHT bootstrap peers ({err})")
+            return None
+        if peers and peers != self.info.bootstrap_peers:
+            self.info.bootstrap_peers = list(peers)
+            self.state.save_join_info(self.info)
+        return peers
+
+    def queue_rejections(self, rejected: Iterable[tuple[int, str, str]]) -> None:
+        """Updates this node refused as an owner: logged, and reported after the next heartbeat."""
+        for round_id, sender, reason in rejected:
+            self.log(f"refused the update of {sender} in round {round_id}: {reason}")
+            self.unreported.append((round_id, sender, reason))
+
+    async def _report_rejections(self) -> None:
+        while self.unreported:
+            batch = [self.unreported[i] for i in range(min(REJECTIONS_PER_REPORT, len(self.unreported)))]
+            try:
+                await self.client.report_rejections(batch)
+            except CoordinatorError as err:
+                if is_outage(err):
+                    return  # kept: the next heartbeat that gets through sends them
+                self.log(f"the coordinator refused a report of {len(batch)} rejected updates: {err}")
+            for _ in batch:
+                self.unreported.popleft()
 
     # -- the commit journal ----------------------------------------------------------------------
 
@@ -260,9 +302,10 @@ class CoordinatorSession:
 
     # -- leaving ---------------------------------------------------------------------------------
 
-    async def close(self, left: Callable[[], float]) -> None:
+    async def close(self, left: Callable[[], float], *, leave: bool = True) -> None:
         """Commit, release, leave; each step bounded by ``left()`` seconds, so a dead coordinator
-        cannot hold the exit. Commits it did not take stay in the journal for the next start."""
+        cannot hold the exit. Commits it did not take stay in the journal for the next start.
+        ``leave=False`` (a node that failed to start) keeps the membership for the next start."""
         with contextlib.suppress(TimeoutError, CoordinatorError):
             await asyncio.wait_for(self.flush_commits(), left())
         self._closing = True
@@ -277,7 +320,9 @@ class CoordinatorSession:
             with contextlib.suppress(TimeoutError, CoordinatorError):
                 await asyncio.wait_for(self.client.release(lease.lease_id), left())
                 self.log(f"released the lease on shard {lease.shard_id}")
-        if not self.pending:
+        if not leave:
+            self.log(f"kept the membership in {self.state.root}: a restart rejoins as {self.info.node_id}")
+        elif not self.pending:
             try:
                 await asyncio.wait_for(self.client.leave(self.stop.reason[:200]), left())
                 self.state.forget_join()  # a left node joins afresh next time

@@ -118,6 +118,10 @@ class StateDir:
         _atomic_write(self.root / "config.toml", config_toml.encode())
         _atomic_write(self.root / "join.json", (json.dumps(asdict(info), indent=1) + "\n").encode())
 
+    def save_join_info(self, info: JoinInfo) -> None:
+        """The join record alone (the coordinator handed out new bootstrap peers)."""
+        _atomic_write(self.root / "join.json", (json.dumps(asdict(info), indent=1) + "\n").encode())
+
     def load_join(self) -> tuple[JoinInfo, identity.Identity, str] | None:
         """The saved join (info, identity, config text), or None when the node never joined."""
         path = self.root / "join.json"

@@ -33,6 +33,23 @@ from murmur.optim.wire import WireTensor
 from murmur.protocol import peer_pb2
 from murmur.protocol.wire import wire_to_proto
 
+
+@dataclass(frozen=True, slots=True)
+class Rejection:
+    """An input this owner refused for what it holds, not for arriving late or not at all."""
+
+    round: int
+    sender: str
+    reason: str
+
+
+RejectionSink = Callable[[int, str, str], None]  # (round, sender, reason)
+
+
+def _no_sink(round_id: int, sender: str, reason: str) -> None:
+    return None
+
+
 # (inputs in sorted member order, their weights) -> (decoded result, its payload, index -> why dropped)
 ChunkReducer = Callable[[list[torch.Tensor], list[float]], tuple[torch.Tensor | None, bytes, dict[int, str]]]
 
@@ -52,6 +69,9 @@ class Attempt:
     done: asyncio.Event = field(default_factory=asyncio.Event)
     bytes_received: int = 0  # inputs read from other members
     changed: asyncio.Event = field(default_factory=asyncio.Event)  # set (and replaced) on every change
+    # Where this owner records who sent an input it refused for its content (not finite, malformed,
+    # an outlier the aggregator's pre-filter dropped): the exchange's `rejections`.
+    on_rejected: RejectionSink = _no_sink
 
     def poke(self) -> None:
         """Wake whoever waits for a change (capture ``changed`` before checking, then wait on it)."""
@@ -67,6 +87,13 @@ class Attempt:
             return
         self.failed.setdefault(member, reason)
         self._changed()
+
+    def refuse_input(self, member: str, reason: str) -> None:
+        """``member``'s input itself is refused: it leaves the attempt as with ``reject``, and the
+        owner records who sent it (once per attempt)."""
+        if not self.done.is_set() and member in self.members and member not in self.failed:
+            self.on_rejected(self.round_id, member, reason)
+        self.reject(member, reason)
 
     def disagree(self, reason: str) -> None:
         """Members hold different member lists: end the attempt now; callers merge the lists and retry."""
@@ -195,6 +222,7 @@ class ReduceAttempt(Attempt):
             return False
         if dropped:  # the aggregator's pre-filter left members out: retry without them
             for i, why in dropped.items():
+                self.on_rejected(self.round_id, order[i], why)
                 self.failed[order[i]] = why
             self._end()
             return False

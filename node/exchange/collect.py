@@ -221,10 +221,10 @@ async def _read_chunks(att: ReduceAttempt, h, peer_id: str, context, s: ServeSet
                 raise InputRejected(f"sent more than the {h.payload_bytes} bytes it declared")
             # Decode chunk j in a worker thread while chunk j+1 is read.
             if decoding is not None:
-                att.add_chunk(peer_id, j - 1, await decoding)
+                att.add_chunk(peer_id, j - 1, await _decoded(att, peer_id, decoding))
             decoding = asyncio.ensure_future(asyncio.to_thread(decode, codec, data, b - a, limits))
         if decoding is not None:
-            att.add_chunk(peer_id, len(att.chunks) - 1, await decoding)
+            att.add_chunk(peer_id, len(att.chunks) - 1, await _decoded(att, peer_id, decoding))
             decoding = None
     except (WireError, DecodeError) as err:
         raise InputRejected(str(err)) from None
@@ -233,6 +233,16 @@ async def _read_chunks(att: ReduceAttempt, h, peer_id: str, context, s: ServeSet
         raise
     finally:
         discard(decoding)  # a chunk still decoding (or failed) when the stream ended: not needed
+
+
+async def _decoded(att: Attempt, peer_id: str, decoding: asyncio.Future) -> object:
+    """A chunk's decoded values; a chunk that does not decode or is not finite is refused for what
+    it holds, and the owner records who sent it."""
+    try:
+        return await decoding
+    except (InputRejected, WireError, DecodeError) as err:
+        att.refuse_input(peer_id, str(err))
+        raise InputRejected(str(err)) from None
 
 
 async def _next_chunk(context, s: ServeSettings, j: int, n: int) -> bytes:
@@ -293,9 +303,10 @@ async def _read_payload(att: GatherAttempt, h: peer_pb2.ExchangeHeader, context,
     att.bytes_received += len(buf)
     try:
         payload = peer_pb2.Payload.FromString(bytes(buf))
-    except DecodeError as err:
-        raise InputRejected(f"malformed payload (not a murmur.v1.Payload): {err}") from None
-    try:
         return await asyncio.to_thread(att.validate, h.sender, payload)
+    except DecodeError as err:
+        why = f"malformed payload (not a murmur.v1.Payload): {err}"
     except (WireError, InputRejected) as err:
-        raise InputRejected(str(err)) from None
+        why = str(err)
+    att.refuse_input(h.sender, why)  # refused for what it holds: the owner records who sent it
+    raise InputRejected(why)

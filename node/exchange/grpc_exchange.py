@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+from collections import deque
 from collections.abc import Coroutine, Sequence
 from concurrent.futures import Future
 from typing import Any, Protocol, TypeVar
@@ -39,7 +40,7 @@ from typing import Any, Protocol, TypeVar
 import torch
 from google.protobuf.message import DecodeError
 
-from murmur.node.exchange.attempt import RoundBook
+from murmur.node.exchange.attempt import Rejection, RoundBook
 from murmur.node.exchange.calls import Call, GatherCall, ReduceCall
 from murmur.node.exchange.catchup import CatchUp
 from murmur.node.exchange.channels import Channels
@@ -66,6 +67,7 @@ from murmur.protocol.wire import WireError, WireLimits, layout_hash, wire_to_pro
 __all__ = ["ExchangeSettings", "ExchangeSettingsError", "GrpcExchange", "LoopHandle", "spans"]
 
 T = TypeVar("T")
+MAX_REJECTIONS_KEPT = 1000  # untaken rejection records beyond this drop the oldest
 
 
 class LoopHandle(Protocol):
@@ -98,6 +100,9 @@ class GrpcExchange(Exchange):
         self.times = PhaseTimes()  # worker-thread CPU seconds by phase (node/exchange/stats.py)
         self.timeline = Timeline()  # wall-clock events by chunk, off unless enabled (diagnosis)
         self.caught_up: list[tuple[int, str]] = []  # calls whose result came from peers (observability)
+        # Inputs this peer refused as an owner for what they hold, with who sent them, until the
+        # daemon takes them (`take_rejections`) to report them to the coordinator.
+        self.rejections: deque[Rejection] = deque(maxlen=MAX_REJECTIONS_KEPT)
         self.limits = WireLimits(max_numel=self.settings.max_payload_bytes)
         self.aggregator = aggregator or Aggregator(rule="mean", filter=False)
         self.channels = Channels(server.identity, server.ban_list, self.settings)
@@ -113,6 +118,7 @@ class GrpcExchange(Exchange):
                 limits=self.limits,
                 times=self.times,
                 timeline=self.timeline,
+                on_rejected=self._record_rejection,
             ),
             sender=Sender(peer_id=server.node_id, run_id=server.run_id, channels=self.channels, env=env),
             catchup=CatchUp(server, self.book, self.channels, self.settings),
@@ -156,6 +162,17 @@ class GrpcExchange(Exchange):
 
     async def aclose(self) -> None:
         await self.channels.aclose()
+
+    # -- who sent what this peer refused ----------------------------------------------------------
+
+    def _record_rejection(self, round_id: int, sender: str, reason: str) -> None:
+        self.rejections.append(Rejection(round_id, sender, reason))
+
+    def take_rejections(self) -> list[Rejection]:
+        """The rejections recorded since the last call, oldest first (call it on the loop)."""
+        out = list(self.rejections)
+        self.rejections.clear()
+        return out
 
     # -- the two collectives ----------------------------------------------------------------------
 

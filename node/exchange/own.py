@@ -13,7 +13,7 @@ import asyncio
 
 import torch
 
-from murmur.node.exchange.attempt import Attempt, GatherAttempt, ReduceAttempt, chunk_reducer
+from murmur.node.exchange.attempt import Attempt, GatherAttempt, ReduceAttempt, RejectionSink, chunk_reducer
 from murmur.node.exchange.calls import Call, GatherCall, ReduceCall
 from murmur.node.exchange.stats import PhaseTimes, Timeline
 from murmur.node.exchange.validate import validate_gather
@@ -27,10 +27,17 @@ OWN_LEAD_CHUNKS = 4  # how far our own input to our span may run ahead of the sl
 
 class OwnAttempts:
     def __init__(
-        self, *, peer_id: str, aggregator: Aggregator, limits: WireLimits, times: PhaseTimes, timeline: Timeline
+        self,
+        *,
+        peer_id: str,
+        aggregator: Aggregator,
+        limits: WireLimits,
+        times: PhaseTimes,
+        timeline: Timeline,
+        on_rejected: RejectionSink,
     ) -> None:
         self.peer_id, self.aggregator, self.limits = peer_id, aggregator, limits
-        self.times, self.timeline = times, timeline
+        self.times, self.timeline, self.on_rejected = times, timeline, on_rejected
 
     def make(self, call: Call, number: int, members: tuple[str, ...]) -> Attempt:
         """The attempt ``number`` of ``call`` among ``members``, with this peer's own input in (or
@@ -39,7 +46,8 @@ class OwnAttempts:
             return self._reduce(call, number, members)
         assert isinstance(call, GatherCall)
         gather = GatherAttempt(
-            **_common(call, number, members), validate=validate_gather(call.wires, call.codec, self.limits)
+            **_common(call, number, members, self.on_rejected),
+            validate=validate_gather(call.wires, call.codec, self.limits),
         )
         gather.started.add(self.peer_id)
         gather.add(self.peer_id, call.wires, call.weight)
@@ -57,7 +65,7 @@ class OwnAttempts:
 
         reducer = chunk_reducer(call.codec, self.aggregator, call.key)
         att = ReduceAttempt(
-            **_common(call, number, members),
+            **_common(call, number, members, self.on_rejected),
             span=(start, end),
             chunks=ranges,
             reduce_chunk=self.times.wrap("reduce", reducer),
@@ -95,9 +103,10 @@ class OwnAttempts:
         return True
 
 
-def _common(call: Call, number: int, members: tuple[str, ...]) -> dict:
+def _common(call: Call, number: int, members: tuple[str, ...], on_rejected: RejectionSink) -> dict:
     """The fields every attempt of ``call`` has."""
     return dict(
+        on_rejected=on_rejected,
         op=call.op,
         round_id=call.round_id,
         key=call.key,
