@@ -220,7 +220,14 @@ def main() -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so each row's cleanup runs
     from murmur.node.model.data import prepare
 
-    rows = []
+    rows: list[dict] = []
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+    result = {
+        "benchmark": "pipeline", "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "device": f"CPU: {platform.processor() or platform.machine()}, {os.cpu_count()} cores (shared)",
+        "command": " ".join(["benchmarks/pipeline.py", *sys.argv[1:]]), "commit": commit,
+        "model": " ".join(MODEL), "microbatch_rows": MICROBATCH, "rows": rows,
+    }
     with tempfile.TemporaryDirectory(prefix="murmur-pipe-bench-") as tmp:
         work = Path(tmp)
         os.chmod(work, 0o755)
@@ -232,14 +239,8 @@ def main() -> int:
                     row = one_row(args, work, data, rate, codec, mtbf)
                     print(json.dumps(row), flush=True)
                     rows.append(row)
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
-    result = {
-        "benchmark": "pipeline", "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "device": f"CPU: {platform.processor() or platform.machine()}, {os.cpu_count()} cores (shared)",
-        "command": " ".join(["benchmarks/pipeline.py", *sys.argv[1:]]), "commit": commit,
-        "model": " ".join(MODEL), "microbatch_rows": MICROBATCH, "rows": rows,
-    }
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+                    # after every row, so an interrupted run keeps what it measured
+                    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     return 0
 
 
