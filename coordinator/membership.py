@@ -23,6 +23,7 @@ from murmur.protocol.jointoken import JoinToken, JoinTokenError, secret_hash
 from .leases import Leases
 from .settings import CoordinatorSettings
 from .store import Store
+from .trainers import Trainer, Trainers
 
 
 class MembershipError(MurmurError):
@@ -69,6 +70,9 @@ class Membership:
         # The node's run, status and ban state, cached for the hot path; rebuilt on every change.
         self._nodes: dict[str, tuple[str, str]] = {r["node_id"]: (r["run_id"], r["status"]) for r in store.nodes()}
         self.leases = Leases(store, settings, last_seen=self.last_seen, clock=clock)
+        # Trainers' incarnations, peer addresses and rounds (memory only: they heartbeat again
+        # within a second of a restart), and the round groups commits are checked against.
+        self.trainers = Trainers(settle_s=2 * settings.heartbeat_ttl_s, clock=clock)
         # After a restart nobody could heartbeat while we were down: until this time (set by
         # ``hold`` when the coordinator serves again) no node is declared lost and no lease expires.
         self._hold_until = 0.0
@@ -134,12 +138,35 @@ class Membership:
             self._seen[node_id] = (now, 0.0)
         return run_id
 
-    def heartbeat(self, node_id: str, tokens_per_s: float) -> str:
-        """Record a heartbeat. Touches the ledger only when the node is not plainly active."""
+    def heartbeat(
+        self,
+        node_id: str,
+        tokens_per_s: float,
+        peer: tuple[str, str, int, str] | None = None,
+    ) -> str:
+        """Record a heartbeat; ``peer``: (incarnation, peer address, round, state hash) of a
+        trainer. Touches the ledger only when the node is not plainly active, or restarted."""
         run_id = self.member(node_id)
         self._seen[node_id] = (self.clock(), tokens_per_s if tokens_per_s >= 0 else 0.0)
         self._dirty.add(node_id)
+        if peer is not None and peer[0]:
+            incarnation, address, round_id, state_hash = peer
+            if self.trainers.update(node_id, run_id, incarnation[:64], address[:200], round_id, state_hash[:128]):
+                with self.store.write():
+                    self.store.event("restarted", run_id=run_id, node_id=node_id, incarnation=incarnation[:64])
         return run_id
+
+    def is_live(self, node_id: str) -> bool:
+        entry = self._nodes.get(node_id)
+        return node_id in self._seen and entry is not None and entry[1] == "active"
+
+    def live_trainers(self, run_id: str) -> list[tuple[str, Trainer]]:
+        """The run's trainers with a heartbeat within the TTL, by node id."""
+        return self.trainers.live(run_id, self.is_live)
+
+    def check_round(self, run_id: str, node_id: str, round_id: int, members: list[str]) -> None:
+        """A commit's round group must not be a split (coordinator/trainers.py); SplitRound if it is."""
+        self.trainers.check_round(run_id, node_id, round_id, members, self.is_live)
 
     def pending_count(self) -> int:
         return len(self._dirty)
@@ -179,6 +206,7 @@ class Membership:
         for node_id in silent:
             at, tps = self._seen.pop(node_id)
             self._dirty.discard(node_id)
+            self.trainers.drop(node_id)
             run_id = self._nodes.get(node_id, ("", ""))[0]
             with self.store.write():
                 self.store.heartbeats([(node_id, at, tps)], self.settings.lease_ttl_s)
@@ -195,6 +223,7 @@ class Membership:
         """Stop tracking a node's heartbeats (it left or was banned); store the last one first."""
         entry = self._seen.pop(node_id, None)
         self._dirty.discard(node_id)
+        self.trainers.drop(node_id)
         if entry is not None:
             with self.store.write():
                 self.store.heartbeat(node_id, *entry)

@@ -28,6 +28,7 @@ from .runs import NotFound, RunError, Runs
 from .settings import ADMIN_METADATA_KEY, TLS_SERVER_NAME, CoordinatorSettings
 from .status.report import StatusSource
 from .store import Store
+from .trainers import SplitRound
 
 T = TypeVar("T")
 MAX_REJECTIONS_PER_REPORT = 1000  # what one ReportRejections may carry (the node batches below it)
@@ -149,12 +150,27 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
     async def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.aio.ServicerContext) -> pb.HeartbeatReply:
         def call() -> pb.HeartbeatReply:
             node_id, run_id = self._node(context)
-            self.membership.heartbeat(node_id, request.tokens_per_s)
+            peer = None
+            if request.incarnation:
+                peer = (request.incarnation, request.peer_address, request.round, request.state_hash)
+            self.membership.heartbeat(node_id, request.tokens_per_s, peer)
             reply = pb.HeartbeatReply(
                 run_state=self.membership.run_states.get(run_id, "finished"),
                 heartbeat_interval_s=self.settings.heartbeat_interval_s,
                 lease_ttl_s=self.settings.lease_ttl_s,
             )
+            if peer is not None:  # a trainer: the run's live trainers, for its round groups
+                reply.members.extend(
+                    pb.LiveMember(
+                        node_id=n,
+                        incarnation=t.incarnation,
+                        peer_address=t.peer_address,
+                        round=t.round,
+                        state_hash=t.state_hash,
+                    )
+                    for n, t in self.membership.live_trainers(run_id)
+                )
+                reply.run_round = self.membership.trainers.newest.get(run_id, -1)
             version = self.membership.ban_version
             if version != request.ban_list_version:
                 reply.ban_list_changed = True
@@ -189,6 +205,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
     async def Commit(self, request: pb.CommitRequest, context: grpc.aio.ServicerContext) -> pb.CommitReply:
         def call() -> pb.CommitReply:
             node_id, run_id = self._node(context)
+            if request.round_members:
+                self._check_round(run_id, node_id, request)
             result = self.leases.commit(
                 run_id,
                 node_id,
@@ -205,6 +223,18 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             )
 
         return await self._run("Commit", context, call)
+
+    def _check_round(self, run_id: str, node_id: str, request: pb.CommitRequest) -> None:
+        """Refuse (and count) a commit of tokens that reached a split's model, not the run's."""
+        try:
+            self.membership.check_round(run_id, node_id, request.outer_step, list(request.round_members)[:10_000])
+        except SplitRound as err:
+            with self.store.write():
+                self.store.bump("commits_refused")
+                self.store.event(
+                    "commit_refused", run_id=run_id, node_id=node_id, shard=request.shard_id, why=str(err)[:200]
+                )
+            raise
 
     async def ReleaseLease(
         self, request: pb.ReleaseLeaseRequest, context: grpc.aio.ServicerContext

@@ -153,11 +153,14 @@ class MemberClient:
     async def _call(self, method: str, request: Any) -> Any:
         return await call(method, getattr(self.stub, method), request, self.metadata, self.timeout_s)
 
-    async def heartbeat(self, tokens_per_s: float = 0.0, state: str = "") -> pb.HeartbeatReply:
-        reply = await self._call(
-            "Heartbeat",
-            pb.HeartbeatRequest(tokens_per_s=tokens_per_s, ban_list_version=self.ban_list_version, state=state),
-        )
+    async def heartbeat(
+        self, tokens_per_s: float = 0.0, state: str = "", *, peer: pb.HeartbeatRequest | None = None
+    ) -> pb.HeartbeatReply:
+        """``peer``: the node's data-plane fields (incarnation, peer_address, round, state_hash)."""
+        request = pb.HeartbeatRequest(tokens_per_s=tokens_per_s, ban_list_version=self.ban_list_version, state=state)
+        if peer is not None:
+            request.MergeFrom(peer)
+        reply = await self._call("Heartbeat", request)
         if reply.ban_list_changed:
             self.ban_list_version = reply.ban_list.version
         return reply
@@ -176,6 +179,7 @@ class MemberClient:
         loss: float = 0.0,
         bytes_sent: int = 0,
         seconds: float = 0.0,
+        round_members: list[str] | tuple[str, ...] = (),
     ) -> pb.CommitReply:
         return await self._call(
             "Commit",
@@ -188,6 +192,7 @@ class MemberClient:
                 loss=loss,
                 bytes_sent=bytes_sent,
                 seconds=seconds,
+                round_members=list(round_members),
             ),
         )
 

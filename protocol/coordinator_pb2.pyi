@@ -59,30 +59,56 @@ class JoinReply(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., run_id: _Optional[str] = ..., certificate_pem: _Optional[bytes] = ..., ca_certificate_pem: _Optional[bytes] = ..., config_toml: _Optional[str] = ..., bootstrap_peers: _Optional[_Iterable[str]] = ..., node_address: _Optional[str] = ..., heartbeat_interval_s: _Optional[float] = ..., heartbeat_ttl_s: _Optional[float] = ..., lease_ttl_s: _Optional[float] = ..., tls_server_name: _Optional[str] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("tokens_per_s", "ban_list_version", "state")
+    __slots__ = ("tokens_per_s", "ban_list_version", "state", "incarnation", "peer_address", "round", "state_hash")
     TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
     BAN_LIST_VERSION_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    PEER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    STATE_HASH_FIELD_NUMBER: _ClassVar[int]
     tokens_per_s: float
     ban_list_version: int
     state: str
-    def __init__(self, tokens_per_s: _Optional[float] = ..., ban_list_version: _Optional[int] = ..., state: _Optional[str] = ...) -> None: ...
+    incarnation: str
+    peer_address: str
+    round: int
+    state_hash: str
+    def __init__(self, tokens_per_s: _Optional[float] = ..., ban_list_version: _Optional[int] = ..., state: _Optional[str] = ..., incarnation: _Optional[str] = ..., peer_address: _Optional[str] = ..., round: _Optional[int] = ..., state_hash: _Optional[str] = ...) -> None: ...
+
+class LiveMember(_message.Message):
+    __slots__ = ("node_id", "incarnation", "peer_address", "round", "state_hash")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    PEER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    STATE_HASH_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    incarnation: str
+    peer_address: str
+    round: int
+    state_hash: str
+    def __init__(self, node_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., peer_address: _Optional[str] = ..., round: _Optional[int] = ..., state_hash: _Optional[str] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
-    __slots__ = ("run_state", "leases_renewed", "heartbeat_interval_s", "lease_ttl_s", "ban_list", "ban_list_changed")
+    __slots__ = ("run_state", "leases_renewed", "heartbeat_interval_s", "lease_ttl_s", "ban_list", "ban_list_changed", "members", "run_round")
     RUN_STATE_FIELD_NUMBER: _ClassVar[int]
     LEASES_RENEWED_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
     LEASE_TTL_S_FIELD_NUMBER: _ClassVar[int]
     BAN_LIST_FIELD_NUMBER: _ClassVar[int]
     BAN_LIST_CHANGED_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    RUN_ROUND_FIELD_NUMBER: _ClassVar[int]
     run_state: str
     leases_renewed: int
     heartbeat_interval_s: float
     lease_ttl_s: float
     ban_list: BanList
     ban_list_changed: bool
-    def __init__(self, run_state: _Optional[str] = ..., leases_renewed: _Optional[int] = ..., heartbeat_interval_s: _Optional[float] = ..., lease_ttl_s: _Optional[float] = ..., ban_list: _Optional[_Union[BanList, _Mapping]] = ..., ban_list_changed: _Optional[bool] = ...) -> None: ...
+    members: _containers.RepeatedCompositeFieldContainer[LiveMember]
+    run_round: int
+    def __init__(self, run_state: _Optional[str] = ..., leases_renewed: _Optional[int] = ..., heartbeat_interval_s: _Optional[float] = ..., lease_ttl_s: _Optional[float] = ..., ban_list: _Optional[_Union[BanList, _Mapping]] = ..., ban_list_changed: _Optional[bool] = ..., members: _Optional[_Iterable[_Union[LiveMember, _Mapping]]] = ..., run_round: _Optional[int] = ...) -> None: ...
 
 class AcquireLeaseRequest(_message.Message):
     __slots__ = ()
@@ -115,7 +141,7 @@ class AcquireLeaseReply(_message.Message):
     def __init__(self, granted: _Optional[bool] = ..., lease: _Optional[_Union[Lease, _Mapping]] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
-    __slots__ = ("lease_id", "shard_id", "start_offset", "end_offset", "outer_step", "loss", "bytes_sent", "seconds")
+    __slots__ = ("lease_id", "shard_id", "start_offset", "end_offset", "outer_step", "loss", "bytes_sent", "seconds", "round_members")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     SHARD_ID_FIELD_NUMBER: _ClassVar[int]
     START_OFFSET_FIELD_NUMBER: _ClassVar[int]
@@ -124,6 +150,7 @@ class CommitRequest(_message.Message):
     LOSS_FIELD_NUMBER: _ClassVar[int]
     BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ROUND_MEMBERS_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     shard_id: int
     start_offset: int
@@ -132,7 +159,8 @@ class CommitRequest(_message.Message):
     loss: float
     bytes_sent: int
     seconds: float
-    def __init__(self, lease_id: _Optional[str] = ..., shard_id: _Optional[int] = ..., start_offset: _Optional[int] = ..., end_offset: _Optional[int] = ..., outer_step: _Optional[int] = ..., loss: _Optional[float] = ..., bytes_sent: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
+    round_members: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, lease_id: _Optional[str] = ..., shard_id: _Optional[int] = ..., start_offset: _Optional[int] = ..., end_offset: _Optional[int] = ..., outer_step: _Optional[int] = ..., loss: _Optional[float] = ..., bytes_sent: _Optional[int] = ..., seconds: _Optional[float] = ..., round_members: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class CommitReply(_message.Message):
     __slots__ = ("duplicate", "committed_offset", "shard_done")

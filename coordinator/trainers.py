@@ -1,0 +1,108 @@
+"""The run's live trainers as the coordinator sees them, and the check that keeps splits out of the ledger.
+
+Round membership needs a source of truth that survives churn. The DHT alone is not one: a killed
+node's records and rendezvous entries outlive it, and a node that cannot see the others' records
+cannot tell "alone" from "late". The coordinator can: every trainer heartbeats every second with
+its incarnation (random per process start), its peer address, its last round and state hash, and
+a trainer silent for ``heartbeat_ttl_s`` is lost. The heartbeat reply hands each trainer this view
+(node/daemon/run_view.py keeps it), and the nodes' exchange uses it: a round group must be a
+strict majority of the live trainers, a rendezvous entry of an incarnation that is not the live one
+is dead, and a joiner that sees no peer record fetches the state from the trainers listed here.
+
+A commit names the members of the round its tokens reached the global model in. It is a split,
+and refused, when that group is not a strict majority of the trainers that were live a while
+before the commit (new joiners are left out, so a round completed just before they came is not
+refused), or when it shares no member with the group the run completed that round with (two
+groups cannot both have completed round r). Group records live in memory: after a coordinator
+restart only the majority rule applies until the rounds move on.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from .leases import LeaseLost
+
+ROUNDS_KEPT = 4096  # rounds whose completing group is remembered, per run
+
+
+class SplitRound(LeaseLost):
+    """A commit of tokens that reached a split's model, not the run's."""
+
+
+@dataclass(slots=True)
+class Trainer:
+    run_id: str
+    incarnation: str
+    peer_address: str
+    round: int
+    state_hash: str
+    since: float  # when this incarnation first reported a peer address (or first heartbeat)
+
+
+class Trainers:
+    def __init__(self, settle_s: float, clock: Callable[[], float] = time.time) -> None:
+        self.settle_s = settle_s  # a trainer live for less than this is not counted against a commit
+        self.clock = clock
+        self._by_node: dict[str, Trainer] = {}
+        self._groups: dict[str, OrderedDict[int, frozenset[str]]] = {}
+        self.newest: dict[str, int] = {}  # run -> the newest round a trainer reported
+
+    def update(
+        self, node_id: str, run_id: str, incarnation: str, peer_address: str, round_id: int, state_hash: str
+    ) -> bool:
+        """Record a trainer's heartbeat; True when it is a new incarnation of a known node."""
+        self.newest[run_id] = max(self.newest.get(run_id, -1), round_id if peer_address else -1)
+        old = self._by_node.get(node_id)
+        if old is not None and old.incarnation == incarnation:
+            if peer_address and not old.peer_address:
+                old.since = self.clock()  # in rounds from now on
+            old.peer_address, old.round, old.state_hash = peer_address, round_id, state_hash
+            return False
+        self._by_node[node_id] = Trainer(run_id, incarnation, peer_address, round_id, state_hash, self.clock())
+        return old is not None
+
+    def drop(self, node_id: str) -> None:
+        """The node is lost, left or banned: its incarnation stops counting at once."""
+        self._by_node.pop(node_id, None)
+
+    def live(self, run_id: str, is_live: Callable[[str], bool]) -> list[tuple[str, Trainer]]:
+        """The run's live trainers in rounds: those that hold the run's state and report the
+        address they take part from (a node still starting or fetching the state has none yet)."""
+        return sorted(
+            ((n, t) for n, t in self._by_node.items() if t.run_id == run_id and t.peer_address and is_live(n)),
+            key=lambda nt: nt[0],
+        )
+
+    def check_round(
+        self, run_id: str, node_id: str, round_id: int, members: list[str], is_live: Callable[[str], bool]
+    ) -> None:
+        """Refuse (SplitRound) a commit whose round group is a split; remember the run's group."""
+        group = frozenset(members)
+        if node_id not in group:
+            raise SplitRound(
+                f"{node_id} is not in the group that completed round {round_id} (its update was left out "
+                "and it caught up): these tokens never reached the model; train them again"
+            )
+        groups = self._groups.setdefault(run_id, OrderedDict())
+        known = groups.get(round_id)
+        if known is not None:
+            if not known & group:
+                raise SplitRound(
+                    f"round {round_id} of run {run_id} was completed by {len(known)} other members; this "
+                    f"group of {len(group)} trained apart from the run (a split): drop this work and re-sync"
+                )
+            return
+        settled = self.clock() - self.settle_s
+        counted = [n for n, t in self.live(run_id, is_live) if t.since <= settled or n in group]
+        if 2 * len(group) <= len(counted):
+            raise SplitRound(
+                f"round {round_id} had {len(group)} member(s) but run {run_id} has {len(counted)} live trainers: "
+                "a minority group is a split; drop this work and re-sync"
+            )
+        groups[round_id] = group
+        while len(groups) > ROUNDS_KEPT:
+            groups.popitem(last=False)
