@@ -360,18 +360,26 @@ class MurmurDHT:
         expected: int | Callable[[], int | None] | None = None,
         min_members: int = 1,
         weight: float = 1.0,
+        extra: dict | None = None,
+        keep: Callable[[str, dict], bool] | None = None,
     ) -> dict[str, str]:
         """Join round ``round_id``'s group and return {node id: address} of its members.
 
         Returns as soon as ``expected`` members are there (a callable is asked again at every poll,
         e.g. the number of live peer records), otherwise at ``deadline`` (time.monotonic),
-        with whoever arrived; fewer than ``min_members`` is a DHTError.
+        with whoever arrived; fewer than ``min_members`` is a DHTError. ``extra`` goes into this
+        peer's entry (e.g. its incarnation); ``keep(node id, entry)`` drops entries that are not
+        live members (a dead incarnation's entry outlives it by the rendezvous TTL).
         """
         rkey = round_key(self.run_id, round_id, key)
-        self._store(rkey, {"address": address, "weight": weight}, self.settings.rendezvous_ttl)
+        self._store(rkey, {**(extra or {}), "address": address, "weight": weight}, self.settings.rendezvous_ttl)
         members: dict[str, str] = {}
         while True:
-            members = {n: str(p.get("address", "")) for n, p in self._read(rkey).items() if p.get("address")}
+            members = {
+                n: str(p.get("address", ""))
+                for n, p in self._read(rkey).items()
+                if p.get("address") and (keep is None or keep(n, p))
+            }
             want = expected() if callable(expected) else expected
             if want is not None and len(members) >= want:
                 break

@@ -4,6 +4,6 @@ Modules: cli (the command), node (wires the parts; run, stop, shutdown), session
 session: join, heartbeats, leases, the commit journal, outages), driver (the training thread and its
 bridge to the loop, restore, round records), training (the windows the thread trains), dataplane
 (what the daemon needs of its peers, and the solo plane), peer_dataplane (DHT + gRPC peers),
-stop (the stop flag), state_dir (the node's folder on disk), settings (every timeout by name),
-metrics (/metrics).
+run_view (the coordinator's live trainers, which round groups are checked against), stop (the stop
+flag), state_dir (the node's folder on disk), settings (every timeout by name), metrics (/metrics).
 """

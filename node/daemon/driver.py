@@ -85,12 +85,39 @@ class TrainingDriver:
         state = await self.dataplane.fetch_state(
             min_round=self.trainer.round + 1, timeout_s=self.s.state_fetch_timeout_s
         )
+        # The coordinator lists live trainers past our round, or saw the run reach a later round
+        # (its holders may be restarting): starting from our own state would fork the run, a split
+        # of one. Wait for that state instead: while live trainers hold it, for as long as it takes;
+        # while nobody live does, up to state_fetch_timeout_s (then the newest state is gone).
+        gone_after = asyncio.get_running_loop().time() + self.s.state_fetch_timeout_s
+        if state is None and self._run_is_ahead(gone_after):
+            self.log(
+                f"the run is at round {max(self.session.view.run_round(), self.session.view.newest)}, this node "
+                f"at {self.trainer.round}: waiting for that state rather than training alone"
+            )
+        while state is None and self._run_is_ahead(gone_after) and not self.stop.is_set():
+            await self.stop.sleep(self.s.lease_wait_s)
+            state = await self.dataplane.fetch_state(
+                min_round=self.trainer.round + 1, timeout_s=self.s.state_fetch_timeout_s
+            )
         if state is not None:
             self.trainer.load_shared_tensors(state)
             self._ratio_base_step = self.trainer.step  # this node's bytes count from here
             self.log(f"took the global state of round {self.trainer.round} from peers")
         self.dataplane.publish(self.trainer.round, self.trainer.shared_tensors())
         self._committed_sent = self.trainer.sync.bytes.total_sent  # earlier bytes were committed before
+
+    def _run_is_ahead(self, gone_after: float) -> bool:
+        view = self.session.view
+        if not self.session.in_rounds:
+            return False
+        if view.run_round() > self.trainer.round:
+            return True
+        return view.newest > self.trainer.round and asyncio.get_running_loop().time() < gone_after
+
+    def _round_members(self) -> list[str]:
+        """The group of the last completed round, which commits name (the coordinator's split check)."""
+        return list(self.dataplane.last_round_members()) if self.session.in_rounds else []
 
     def _sent_since_commit(self) -> int:
         """Bytes sent since the previous commit (training thread), counted as committed from now."""
@@ -148,6 +175,7 @@ class TrainingDriver:
                     result.loss,
                     sent if i == 0 else 0,
                     result.seconds,
+                    self._round_members(),
                 )
                 for i, seg in enumerate(spans)
             ]
@@ -172,6 +200,7 @@ class TrainingDriver:
                 loss if math.isfinite(loss) else 0.0,
                 self._sent_since_commit(),
                 0.0,
+                self._round_members(),
             )
             self.loop.call_soon_threadsafe(self.session.queue_commits, [commit])
         return asyncio.run_coroutine_threadsafe(self.session.acquire(), self.loop).result()

@@ -107,7 +107,6 @@ class Node:
             if not started:
                 return 0
             assert self.session is not None and self.driver is not None
-            self.session.start()
             await asyncio.to_thread(self.driver.train)
             return 0
         finally:
@@ -132,7 +131,12 @@ class Node:
             self.metrics_server = make_metrics_server(self.metrics, {"node": info.node_id, "run": info.run_id})
             bound = await self.metrics_server.start(host or "127.0.0.1", int(port or 0))
             self.log(f"metrics on http://{host or '127.0.0.1'}:{bound}/metrics")
+        self.session.in_rounds = not self.o.solo
         self.dataplane = await self._open_dataplane(info, ident, cfg)
+        # Heartbeats from now on (not before: hivemind forks its DHT process, which must not happen
+        # under live gRPC calls); their replies carry the run's live trainers, which the data
+        # plane's rendezvous and a joiner's state fetch check the DHT against (run_view.py).
+        self.session.start()
         device = resolve_device(self.o.device)
         self.driver = TrainingDriver(
             cfg=cfg,
@@ -153,6 +157,8 @@ class Node:
             self.log(f"{seen} peer(s) announced (waited for {self.o.min_peers})")
         if self.stop.is_set():
             return False
+        with contextlib.suppress(TimeoutError):  # a coordinator outage: the DHT alone decides
+            await asyncio.wait_for(self.session.viewed.wait(), self.s.rpc_timeout_s)
         await self.driver.restore()
         self.log(
             f"node {info.node_id}: {cfg.sync.algorithm} codec={cfg.sync.codec} H={cfg.sync.inner_steps} "
@@ -167,7 +173,7 @@ class Node:
             return SoloDataPlane(info.node_id, cfg)
         from murmur.node.daemon import peer_dataplane  # hivemind and the gRPC peer stack: only when used
 
-        return await peer_dataplane.open_peer_dataplane(
+        plane = await peer_dataplane.open_peer_dataplane(
             ident=ident,
             info=info,
             cfg=cfg,
@@ -179,7 +185,11 @@ class Node:
             state_dir=self.state.root,
             faults=self.o.faults,
             refresh_bootstrap=self.session.bootstrap_peers if self.session is not None else None,
+            view=self.session.view if self.session is not None else None,
         )
+        if self.session is not None:
+            plane.on_publish = self.session.published  # heartbeats report round, hash, address
+        return plane
 
     async def _shutdown(self) -> None:
         """Commit, release, leave (bounded by shutdown_grace_s), then close the data plane."""

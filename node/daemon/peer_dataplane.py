@@ -8,6 +8,11 @@
 * state transfer (node/net/state_transfer.py): the newest global state, fetched from several peers in
   parallel and checked against the hash their records announce.
 
+With the coordinator's view of the run's live trainers (node/daemon/run_view.py), the rendezvous
+is checked against it (dead incarnations left out, a round group a majority of the live
+trainers), and a joiner that sees no peer record in the DHT (slow lookups, a DHT it has not
+reached yet) takes the state from the trainers the coordinator lists instead of starting alone.
+
 Everything runs on the daemon's one asyncio loop (the exchange gets a handle on it); the DHT's
 blocking calls run in worker threads. The DHT process and its p2pd are children of this process:
 `close()` stops them, and protocol/dht.py's reaper kills them should this process die first.
@@ -29,6 +34,7 @@ from typing import Any, TypeVar
 import torch
 
 from murmur.node.daemon.dataplane import MemberTracker
+from murmur.node.daemon.run_view import RunView
 from murmur.node.daemon.settings import NodeSettings
 from murmur.node.daemon.state_dir import JoinInfo
 from murmur.node.exchange.group import DHTGroup, RendezvousSettings
@@ -100,9 +106,13 @@ class PeerDataPlane:
         dht: MurmurDHT,
         peer: ExchangePeer,
         live: LivePeers,
+        view: RunView | None = None,
     ) -> None:
         self.ident, self.s, self.log = ident, settings, log
-        self.dht, self.peer, self.live = dht, peer, live
+        self.dht, self.peer, self.live, self.view = dht, peer, live, view
+        # Called with (round, state hash, address) whenever this node publishes a round's state:
+        # the session reports them with its heartbeats.
+        self.on_publish: Callable[[int, str, str], None] | None = None
         self.address = peer.address
         self.exchange = MemberTracker(peer.exchange)
         self.record: PeerRecord | None = None  # what this node announces: None until it has a round
@@ -161,12 +171,36 @@ class PeerDataPlane:
         self.record = PeerRecord(
             node_id=self.ident.node_id, address=self.address, round=round_id, state_hash=digest.hex()
         )
+        if self.on_publish is not None:
+            self.on_publish(round_id, digest.hex(), self.address)
         if self._announcer is None:
             self._announcer = asyncio.create_task(self._announce_loop())
         asyncio.create_task(self._announce())
 
-    async def _others(self) -> list[PeerRecord]:
-        return [r for r in await self.dht.apeers(role=TRAINER) if r.node_id != self.ident.node_id]
+    async def _others(self, timeout_s: float | None = None) -> list[PeerRecord]:
+        """Other trainers' records: the DHT's (a lookup slower than ``timeout_s`` finds nothing),
+        and those of the live trainers the coordinator lists (fresher: they win)."""
+        me = self.ident.node_id
+        found: dict[str, PeerRecord] = {}
+        try:
+            found = {r.node_id: r for r in await asyncio.wait_for(self._dht_others(), timeout_s)}
+        except TimeoutError:
+            pass
+        except DHTError as err:
+            if self.view is None or not self.view.trainers():
+                raise
+            self.log(f"cannot list peers in the DHT ({err}); using the coordinator's list")
+        for m in self.view.trainers() if self.view is not None else []:
+            if m.node_id != me and m.state_hash:
+                found[m.node_id] = PeerRecord(
+                    node_id=m.node_id, address=m.address, round=m.round, state_hash=m.state_hash
+                )
+        return sorted(found.values(), key=lambda r: r.node_id)
+
+    async def _dht_others(self) -> list[PeerRecord]:
+        me = self.ident.node_id
+        await self.peer.exchange.faults.delay("peer_lookup", me, -1)  # a slow or unreachable DHT
+        return [r for r in await self.dht.apeers(role=TRAINER) if r.node_id != me]
 
     async def fetch_state(self, *, min_round: int, timeout_s: float) -> dict[str, torch.Tensor] | None:
         """The newest global state some peers announce, if its round is at least ``min_round``."""
@@ -176,7 +210,7 @@ class PeerDataPlane:
         alone_after = loop.time() + self.s.rendezvous_deadline_s
         while True:
             try:
-                records = await self._others()
+                records = await self._others(max(STATE_POLL_S, alone_after - loop.time()))
             except DHTError as err:
                 self.log(f"cannot list peers ({err}); starting from the local state")
                 return None
@@ -212,7 +246,7 @@ class PeerDataPlane:
                     return None
                 await asyncio.sleep(STATE_POLL_S)
                 try:
-                    records = await self._others()
+                    records = await self._others(self.s.rendezvous_deadline_s)
                 except DHTError:
                     return None
                 continue
@@ -315,6 +349,7 @@ async def open_peer_dataplane(
     state_dir: Path,
     faults: FaultInjector | None = None,
     refresh_bootstrap: Callable[[], Awaitable[list[str] | None]] | None = None,
+    view: RunView | None = None,
 ) -> PeerDataPlane:
     """Start the DHT (the exchange's group needs it), then the peer server and the exchange on it;
     on any failure, stop what was started."""
@@ -330,6 +365,7 @@ async def open_peer_dataplane(
                 address,
                 expected=lambda: live.count,
                 settings=RendezvousSettings(deadline=settings.rendezvous_deadline_s),
+                view=view,
             )
 
         spec = PeerSpec(
@@ -349,7 +385,7 @@ async def open_peer_dataplane(
         )
         peer = await abuild_peer(spec, RunningLoop(asyncio.get_running_loop()))
         undo.push_async_callback(peer.aclose)
-        plane = PeerDataPlane(ident, settings, log, dht=dht, peer=peer, live=live)
+        plane = PeerDataPlane(ident, settings, log, dht=dht, peer=peer, live=live, view=view)
         # Where others can bootstrap from and dial us (read by `murmur testnet` and by operators).
         (state_dir / "peer.json").write_text(
             json.dumps({"node_id": ident.node_id, "address": plane.address, "dht": dht.addresses}) + "\n"

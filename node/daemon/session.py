@@ -22,6 +22,7 @@ import torch
 
 from murmur.errors import MurmurError
 from murmur.node.daemon.metrics import NodeMetrics
+from murmur.node.daemon.run_view import RunView, new_incarnation
 from murmur.node.daemon.settings import NodeSettings
 from murmur.node.daemon.state_dir import JoinInfo, PendingCommit, StateDir
 from murmur.node.daemon.stop import StopSignal
@@ -134,6 +135,15 @@ class CoordinatorSession:
         self.current_lease: LeaseView | None = None
         self.coordinator_up = True
         self.tokens_per_s = 0.0  # what the heartbeats report; the driver sets it after each round
+        # This process's place on the data plane, reported with every heartbeat; the reply's live
+        # trainers land in ``view`` (node/daemon/run_view.py). peer_address stays empty until the
+        # node holds the run's state and takes part in rounds (the driver sets it, and round/hash).
+        self.incarnation = new_incarnation()
+        self.peer_address = ""
+        self.round, self.state_hash = -1, ""
+        self.view = RunView(info.node_id, self.incarnation, fresh_s=max(3.0, 3 * (info.heartbeat_ttl_s or 10.0)))
+        self.viewed = asyncio.Event()  # set by the first heartbeat reply
+        self.in_rounds = False  # a peer data plane: heartbeats report it, commits name round groups
         # (round, sender, reason) of updates this node refused as an owner, not reported yet; sent
         # after heartbeats. Kept in memory only: a crash loses at most these reports.
         self.unreported: deque[tuple[int, str, str]] = deque(maxlen=MAX_UNREPORTED_REJECTIONS)
@@ -143,8 +153,14 @@ class CoordinatorSession:
         self._tasks: list[asyncio.Task[None]] = []
 
     def start(self) -> None:
-        """Heartbeats and the committer, as tasks of the running loop until ``close``."""
+        """Heartbeats and the committer, as tasks of the running loop until ``close`` (once)."""
+        if self._tasks:
+            return
         self._tasks = [asyncio.create_task(self._heartbeats()), asyncio.create_task(self._committer())]
+
+    def published(self, round_id: int, state_hash: str, address: str) -> None:
+        """The node holds (and serves) the state of ``round_id``: it is a trainer in rounds now."""
+        self.round, self.state_hash, self.peer_address = round_id, state_hash, address
 
     # -- outages ---------------------------------------------------------------------------------
 
@@ -160,7 +176,17 @@ class CoordinatorSession:
         interval = self.info.heartbeat_interval_s or 1.0
         while not self.stop.is_set():
             try:
-                reply = await self.client.heartbeat(self.tokens_per_s, "training")
+                peer = None
+                if self.in_rounds:
+                    peer = pb.HeartbeatRequest(
+                        incarnation=self.incarnation,
+                        peer_address=self.peer_address,
+                        round=self.round,
+                        state_hash=self.state_hash,
+                    )
+                reply = await self.client.heartbeat(self.tokens_per_s, "training", peer=peer)
+                self.view.update(reply.members, reply.run_round)
+                self.viewed.set()
                 self._mark(True)
                 if self.pending:
                     self._commit_wakeup.set()
@@ -247,6 +273,7 @@ class CoordinatorSession:
                         loss=c.loss,
                         bytes_sent=c.bytes_sent,
                         seconds=c.seconds,
+                        round_members=c.round_members if self.in_rounds else (),
                     )
                     self._mark(True)
                     self.metrics.commits_total += 1

@@ -59,6 +59,7 @@ class PendingCommit:
     loss: float
     bytes_sent: int
     seconds: float
+    round_members: list[str] = field(default_factory=list)  # the round's group (the split check)
 
 
 def _atomic_write(path: Path, data: bytes) -> None:

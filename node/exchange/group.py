@@ -5,6 +5,12 @@
 puts itself under the round's key and reads it back until ``expected`` peers are there or the
 rendezvous deadline passes. Peers that saw different member lists converge inside the exchange
 (an attempt's owners answer with their lists; see node/exchange/grpc_exchange.py).
+
+A ``DHTGroup`` with a ``view`` (the coordinator's live trainers: node/daemon/run_view.py) checks
+the DHT against it: rendezvous entries of dead incarnations are left out, the rendezvous waits
+for the live trainers only, and the exchange's quorum is a strict majority of the live trainers
+(``quorum_base``), not of whoever met at the rendezvous. The exchange tells the group when a
+member's address refuses a connection (``saw_refusal``), so that entry stops counting at once.
 """
 
 from __future__ import annotations
@@ -17,6 +23,22 @@ from typing import Protocol
 
 class GroupProvider(Protocol):
     async def members(self, round_id: int, key: str) -> dict[str, str]: ...
+
+
+class LiveView(Protocol):
+    """The run's live trainers from a source that survives churn (the coordinator)."""
+
+    incarnation: str
+
+    def quorum_base(self) -> int | None: ...
+
+    def expected(self) -> int | None: ...
+
+    def run_round(self) -> int: ...
+
+    def keeps(self, node_id: str, entry: dict) -> bool: ...
+
+    def saw_refusal(self, node_id: str, address: str, reason: str) -> bool: ...
 
 
 class StaticGroup:
@@ -43,18 +65,46 @@ class DHTGroup:
         *,
         expected: int | Callable[[], int | None] | None = None,
         settings: RendezvousSettings | None = None,
+        view: LiveView | None = None,
     ) -> None:
         self.dht = dht
         self.address = address
         self.expected = expected
         self.settings = settings or RendezvousSettings()
+        self.view = view
+
+    def _expected(self) -> int | None:
+        live = self.view.expected() if self.view is not None else None
+        if live is not None:
+            return live
+        return self.expected() if callable(self.expected) else self.expected
 
     async def members(self, round_id: int, key: str) -> dict[str, str]:
+        view = self.view
         return await self.dht.arendezvous(
             round_id,
             key,
             self.address,
             deadline=time.monotonic() + self.settings.deadline,
-            expected=self.expected,
+            expected=self._expected,
             min_members=self.settings.min_members,
+            extra={"incarnation": view.incarnation} if view is not None else None,
+            keep=view.keeps if view is not None else None,
         )
+
+    # -- what the exchange asks of a group that knows the live trainers ---------------------------
+
+    def quorum_base(self) -> int | None:
+        """A round group must be a strict majority of this many (None: of its starting members)."""
+        return self.view.quorum_base() if self.view is not None else None
+
+    def behind(self, round_id: int) -> int | None:
+        """The run's round when live trainers completed ``round_id`` already (the newest round
+        one of them reports), else None: with nobody to catch up from, this peer must re-sync."""
+        if self.view is None:
+            return None
+        newest = self.view.run_round()
+        return newest if newest > round_id else None
+
+    def saw_refusal(self, node_id: str, address: str, reason: str) -> bool:
+        return self.view.saw_refusal(node_id, address, reason) if self.view is not None else False

@@ -6,8 +6,12 @@ refused, disagreed on the member list) aborts the attempt everywhere; this peer 
 and why from the owners' answers and retries without them, so a dead peer's span is re-owned by
 the survivors and a result is never a partial average. An owner that already completed the call
 answers ALREADY_DONE: this peer then catches up from it (node/exchange/catchup.py), as it does
-when its own input was refused. A call needs more than ``quorum`` of the peers it started with, so
-a cut-off minority can never finish on its own.
+when its own input was refused.
+
+Quorum: a call needs more than ``quorum`` of the run's live trainers when the group knows them (the
+coordinator's view: node/exchange/group.py), else of the peers it started with, so a cut-off
+minority, or a joiner that sees nobody, can never finish on its own. A member whose address
+refuses a connection is dead: the group is told, and it is not met again at a regroup.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from murmur.node.exchange.send import Sender
 from murmur.node.exchange.settings import ExchangeSettings
 from murmur.node.exchange.stats import Timeline
 from murmur.node.net.server import PeerServer
+from murmur.optim.exchange import ExchangeError
 from murmur.protocol import peer_pb2
 from murmur.protocol.wire import wire_to_proto
 
@@ -87,10 +92,13 @@ class Rounds:
         why = Outcome().why
         while loop.time() < call.deadline:
             if not self._quorum(call, members):
-                why = f"only {len(members)} of {call.start_members} peers left (no quorum)"
+                why = f"only {len(members)} of {self._quorum_base(call)} live peers here (no quorum)"
                 hints = await self._wait_for_quorum(call)
+                if hints:
+                    return Outcome(hints=hints, why=FIRST)
+                self._give_up_if_behind(call)
                 if hints is not None:
-                    return Outcome(hints=hints, why=FIRST if hints else why)
+                    return Outcome(hints=hints, why=why)
                 members, excluded = await self._regroup(call, members), {}
                 continue
             att = self.own.make(call, number, tuple(members))
@@ -104,12 +112,36 @@ class Rounds:
                 return Outcome(why=f"this peer's input was refused: {failed[self.peer_id]}")
             call.dropped.update(failed)
             excluded.update(failed)
+            self._note_refusals(call, failed)
             members = sorted((set(members) | (seen & set(call.peers))) - set(excluded))
             number = max(number + 1, at)
         return Outcome(why=why)
 
+    def _quorum_base(self, call: Call) -> int:
+        base = getattr(self.group, "quorum_base", None)
+        live = base() if base is not None else None
+        return live if live else call.start_members
+
     def _quorum(self, call: Call, members: list[str]) -> bool:
-        return len(members) > call.start_members * self.settings.quorum
+        return len(members) > self._quorum_base(call) * self.settings.quorum
+
+    def _give_up_if_behind(self, call: Call) -> None:
+        """Live trainers completed this round and nobody here can hand us its result: waiting
+        for quorum until the deadline is hopeless (they are in later rounds' groups)."""
+        behind = getattr(self.group, "behind", None)
+        at = behind(call.round_id) if behind is not None else None
+        if at is not None:
+            raise ExchangeError(
+                f"round {call.round_id} {call.key!r}: the run's live trainers are at round {at} already "
+                "and none of this round's peers has its result; re-sync from them"
+            )
+
+    def _note_refusals(self, call: Call, failed: dict[str, str]) -> None:
+        saw = getattr(self.group, "saw_refusal", None)
+        if saw is not None:
+            for member, why in failed.items():
+                if member in call.peers:
+                    saw(member, call.peers[member], why)
 
     async def _wait_for_quorum(self, call: Call) -> dict[str, bytes] | None:
         """Without quorum, do not just sit in catch-up until the deadline: that waits for someone

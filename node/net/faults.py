@@ -30,6 +30,8 @@ Delays (``delay``: sleep SECONDS at a named point, each time the point is reache
   send_input     before this peer streams its input to one owner (``target``: that owner only)
   snapshot_piece before each piece of a reduce's update is copied (node/exchange/snapshot.py)
   stage_compute  before a stage peer computes a Forward or Backward (node/pipeline/service.py)
+  peer_lookup    before a node looks its peers' records up in the DHT (node/daemon/peer_dataplane.py):
+                 a joiner whose DHT is slow or unreachable sees nobody in time
 
 Spec strings (the command line, `FaultInjector.parse`): ``fault[@ROUND][xTIMES]`` and, for a
 delay, ``delay:POINT:SECONDS[@ROUND][xTIMES]``; TIMES ``*`` fires every time. For example
@@ -67,7 +69,7 @@ CALL_FAULTS = (
     *POISONS,
 )
 FAULTS = (*CALL_FAULTS, "delay")
-DELAY_POINTS = ("rendezvous", "send_input", "snapshot_piece", "stage_compute")
+DELAY_POINTS = ("rendezvous", "send_input", "snapshot_piece", "stage_compute", "peer_lookup")
 ANY = "*"
 POISON_SCALE = 1e4
 NAN_BYTES = {"float32": b"\x00\x00\xc0\x7f", "float16": b"\x00\x7e", "bfloat16": b"\xc0\x7f"}

@@ -1,0 +1,116 @@
+"""The run's live trainers as the coordinator last said, and the peers this node saw die.
+
+Every heartbeat reply lists the run's live trainers: node id, incarnation (random per process
+start), peer address, last round and state hash (coordinator/trainers.py). `RunView` keeps the
+latest list; the data plane checks the DHT against it (node/exchange/group.py, node/daemon/
+peer_dataplane.py):
+
+* a round group must be a strict majority of the live trainers (``quorum_base``), so a node that
+  cannot see the others never completes a round alone, and two halves can never both go on;
+* a rendezvous entry is dead (``keeps`` says no) when its incarnation is not the live one, when
+  its node was live and no longer is (lost, left), or when its address refused a connection: the
+  round goes on without it at once instead of waiting for the entry's TTL;
+* a joiner that sees no peer record takes the state from the trainers listed here.
+
+The view is only trusted while fresh (a few heartbeats old): through a coordinator outage the
+data plane falls back on what the DHT alone shows.
+
+Thread safety: updated on the daemon's loop; read from the DHT's worker threads (plain lookups).
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from murmur.protocol import coordinator_pb2 as pb
+
+REFUSED = "connection refused"  # how a dead process's address answers (gRPC's reason, lowercased)
+
+
+def new_incarnation() -> str:
+    return secrets.token_hex(8)
+
+
+@dataclass(slots=True, frozen=True)
+class ViewMember:
+    node_id: str
+    incarnation: str
+    address: str
+    round: int
+    state_hash: str
+
+
+class RunView:
+    def __init__(self, node_id: str, incarnation: str, fresh_s: float) -> None:
+        self.node_id, self.incarnation, self.fresh_s = node_id, incarnation, fresh_s
+        self.members: dict[str, ViewMember] = {}
+        self.updated_at = -float("inf")  # time.monotonic() of the last reply
+        self.newest = -1  # the newest round any trainer reported (live or not since)
+        self._ever: set[str] = set()  # nodes some view listed: absent from a fresh one = gone
+        self._dead: set[tuple[str, str]] = set()  # (node id, address) that refused a connection
+
+    def update(self, members: Iterable[pb.LiveMember], newest: int = -1) -> None:
+        self.newest = max(self.newest, newest)
+        fresh = {
+            m.node_id: ViewMember(m.node_id, m.incarnation, m.peer_address, int(m.round), m.state_hash)
+            for m in members
+        }
+        for node_id, m in fresh.items():
+            old = self.members.get(node_id)
+            if old is not None and old.incarnation != m.incarnation:  # restarted: a new process
+                self._dead = {d for d in self._dead if d[0] != node_id or d[1] != m.address}
+        self.members = fresh
+        self._ever |= set(fresh)
+        self.updated_at = time.monotonic()
+
+    def fresh(self) -> bool:
+        return time.monotonic() - self.updated_at <= self.fresh_s
+
+    def trainers(self) -> list[ViewMember]:
+        """Live trainers in rounds (they report a peer address), this node included, when fresh."""
+        if not self.fresh():
+            return []
+        return [m for m in self.members.values() if m.address]
+
+    # -- what the exchange's group asks ----------------------------------------------------------
+
+    def quorum_base(self) -> int | None:
+        """How many trainers a round group must be a strict majority of; None when not fresh."""
+        if not self.fresh():
+            return None
+        return len({m.node_id for m in self.trainers()} | {self.node_id})
+
+    def expected(self) -> int | None:
+        """How many members a rendezvous waits for: the live trainers not seen dead."""
+        if not self.fresh():
+            return None
+        alive = {m.node_id for m in self.trainers() if (m.node_id, m.address) not in self._dead}
+        return len(alive | {self.node_id})
+
+    def run_round(self) -> int:
+        """The newest round a live trainer reports (-1 when none or not fresh)."""
+        return max((m.round for m in self.trainers() if m.node_id != self.node_id), default=-1)
+
+    def keeps(self, node_id: str, entry: dict) -> bool:
+        """Whether a rendezvous entry (``address``, ``incarnation``) may be a live member."""
+        if node_id == self.node_id:
+            return entry.get("incarnation", self.incarnation) == self.incarnation
+        if (node_id, str(entry.get("address", ""))) in self._dead:
+            return False
+        if not self.fresh():
+            return True
+        m = self.members.get(node_id)
+        if m is None:
+            return node_id not in self._ever  # never listed yet: a newcomer, not a dead one
+        inc = entry.get("incarnation")
+        return not inc or inc == m.incarnation
+
+    def saw_refusal(self, node_id: str, address: str, reason: str) -> bool:
+        """A member's address refused a connection: that process is dead. True if recorded."""
+        if REFUSED not in reason.lower() or node_id == self.node_id:
+            return False
+        self._dead.add((node_id, address))
+        return True
