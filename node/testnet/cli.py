@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import random
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -24,6 +23,7 @@ from pathlib import Path
 
 from murmur.errors import MurmurError
 from murmur.node.daemon.state_dir import read_rounds
+from murmur.node.testnet.chaos import Chaos
 from murmur.node.testnet.procs import NodeProc, Testnet, TestnetError
 
 DEFAULT_CONFIG = "configs/testnet-small.toml"
@@ -240,10 +240,9 @@ def _run(args: argparse.Namespace) -> int:
     node_args = ["--solo"] if args.solo else list(LOOPBACK_NODE)
     net = Testnet(root=out, config_path=config_path, data=data, threads=args.threads, node_args=node_args,
                   coordinator_args=list(LOOPBACK_COORDINATOR))
-    rng = random.Random(args.seed if chaos else 0)
     view = LiveView()
     t0 = time.monotonic()
-    restarts: list[tuple[float, NodeProc]] = []
+    monkey: Chaos | None = None
     try:
         info = net.start_coordinator()
         print(f"coordinator on {info['address']} (ledger {net.db}, admin key {info['admin_key_file']})")
@@ -259,31 +258,22 @@ def _run(args: argparse.Namespace) -> int:
         for _ in range(args.nodes - 1):
             net.add_node(extra=min_peers)
         print(f"{args.nodes} nodes started; logs in {out / 'nodes'}; Ctrl+C stops everything")
-        next_kill = t0 + rng.expovariate(1 / args.mtbf) if chaos else math.inf
+        if chaos:
+            monkey = Chaos(net, args.mtbf, seed=args.seed, restart_delay_s=args.restart_delay)
         note = ""
         while time.monotonic() - t0 < args.duration:
             now = time.monotonic()
-            if now >= next_kill:
-                victims = [n for n in net.nodes if n.alive()]
-                if victims:
-                    victim = rng.choice(victims)
-                    net.kill_node(victim)
-                    restarts.append((now + args.restart_delay, victim))
-                    note = f"chaos: killed {victim.name} at {now - t0:.0f}s"
-                next_kill = now + rng.expovariate(1 / args.mtbf)
-            for due, node in list(restarts):
-                if now >= due:
-                    net.start_node(node)
-                    restarts.remove((due, node))
+            if monkey is not None:
+                note = (f"{kill} at {now - t0:.0f}s" if (kill := monkey.tick()) else "") or note
             view.show([node_row(n) for n in net.nodes], now - t0, note)
-            if not restarts and all(not n.alive() for n in net.nodes):
+            if (monkey is None or not monkey.pending()) and all(not n.alive() for n in net.nodes):
                 break
             time.sleep(REFRESH_S)
     except KeyboardInterrupt:
         print("\ninterrupted: stopping the nodes (each commits, releases its lease and leaves)")
     finally:
         codes = net.stop()
-        for _, node in restarts:  # killed by chaos and not yet restarted: not a failed exit
+        for node in monkey.pending() if monkey is not None else []:  # killed, not restarted yet
             codes[node.name] = None
     return _summarize(net, out, codes, time.monotonic() - t0)
 

@@ -1,0 +1,200 @@
+"""Training under churn: a 4-node testnet with random SIGKILLs, and coordinator SIGKILLs.
+
+    python benchmarks/chaos.py                       # the committed table (10 minutes a row)
+    python benchmarks/chaos.py --duration 120        # shorter rows (the JSON records the duration)
+    python benchmarks/chaos.py --rows clean,15 --coordinator-restarts 0
+
+Every row is a fresh `murmur testnet` (real processes on loopback, configs/testnet-tiny.toml, one
+torch thread a node, the testnet's loopback deadlines): a coordinator with its DHT and 4 nodes.
+Once every node has trained a round, the measured span starts; during it `node/testnet/chaos.py`
+SIGKILLs a random node (exponential gaps, mean ``mtbf_s``) and restarts it 3 s later. Then every
+node is stopped with SIGTERM (commit, release, leave) and the run is read back:
+
+    rounds, rounds_per_min        distinct rounds completed in the span
+    progress_ratio                rounds_per_min / the clean row's
+    max_stall_s                   the longest span without a new round
+    hash_agreement                every record of a round holds the same state hash
+    split_brain_rounds            rounds with two hashes, or completed by a minority group
+    ledger_exact                  tokens committed == the shards' committed offsets (each token
+                                  once), and no more than the recorded rounds trained
+    tokens_lost                   tokens the recorded rounds trained that the ledger does not count
+                                  (killed mid-window, or refused: trained again by someone)
+
+The coordinator row SIGKILLs the coordinator ``--coordinator-restarts`` times (30 s of training
+between, 5 s down), restarting it on the same ledger and addresses: restarts_ok counts restarts
+after which a new round was committed; leases_lost the leases that expired meanwhile;
+commits_refused the commits the ledger refused.
+
+Targets (issue 14): progress_ratio >= 0.7 at MTBF 15 s and > 0 at 5 s; max_stall_s below twice the
+round deadline; hash_agreement, ledger_exact true and split_brain_rounds, leases_lost,
+commits_refused 0; every coordinator restart ok.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "benchmarks" / "results" / "chaos.json"
+CONFIG = REPO / "configs" / "testnet-tiny.toml"
+NODES = 4
+WARMUP_TIMEOUT_S = 300.0  # every node trains its first round within this (a loaded machine)
+ROUND_DEADLINE_S = 120.0  # the node default round_timeout_s (the testnet does not change it)
+
+
+def _testnet(root: Path, data: Path):
+    from murmur.node.testnet.cli import LOOPBACK_COORDINATOR, LOOPBACK_NODE, prepare_run
+    from murmur.node.testnet.procs import Testnet
+
+    config, data = prepare_run(str(CONFIG), ["train.steps=100000", f'data.path="{data}"'], root)
+    return Testnet(root=root, config_path=config, data=data, threads=1, node_args=list(LOOPBACK_NODE),
+                   coordinator_args=list(LOOPBACK_COORDINATOR))
+
+
+def _start(net) -> None:
+    from murmur.node.daemon.state_dir import read_rounds
+    from murmur.node.testnet.procs import wait_for
+
+    net.start_coordinator()
+    net.create_run(token_uses=NODES * 50)
+    for _ in range(NODES):
+        net.add_node(extra=["--min-peers", str(NODES)])
+    wait_for(lambda: all(any("loss" in r for r in read_rounds(n.state_dir)) for n in net.nodes),
+             WARMUP_TIMEOUT_S, poll_s=1.0, what="every node's first round")
+
+
+def chaos_row(mtbf: float | None, duration: float, seed: int, data: Path) -> dict:
+    from murmur.node.testnet.chaos import Chaos, analyze
+
+    with tempfile.TemporaryDirectory(prefix="murmur-chaos-") as tmp:
+        net = _testnet(Path(tmp), data)
+        with net:
+            _start(net)
+            monkey = Chaos(net, mtbf, seed=seed) if mtbf else None
+            t0 = time.time()
+            while time.time() - t0 < duration:
+                if monkey is not None:
+                    monkey.tick()
+                time.sleep(0.5)
+            t1 = time.time()
+            if monkey is not None:
+                monkey.finish()
+            net.stop()
+            stats = analyze(net, t0, t1)
+    return {
+        "nodes": NODES,
+        "mtbf_s": mtbf,
+        "duration_s": round(t1 - t0, 1),
+        "rounds": stats["rounds"],
+        "rounds_per_min": round(60 * stats["rounds"] / (t1 - t0), 2),
+        "max_stall_s": stats["max_stall_s"],
+        "kills": len(monkey.kills) if monkey else 0,
+        "restarts": monkey.restarts if monkey else 0,
+        "hash_agreement": stats["hash_agreement"],
+        "ledger_exact": stats["ledger_exact"],
+        "split_brain_rounds": stats["split_brain_rounds"],
+        "tokens_committed": stats["tokens_committed"],
+        "tokens_lost": stats["tokens_lost"],
+        "_t0": t0,
+    }
+
+
+def coordinator_row(restarts: int, data: Path, gap_s: float = 30.0, down_s: float = 5.0) -> dict:
+    from murmur.node.testnet.chaos import round_records
+    from murmur.node.testnet.procs import wait_for
+
+    ok = 0
+    with tempfile.TemporaryDirectory(prefix="murmur-coord-") as tmp:
+        net = _testnet(Path(tmp), data)
+        with net:
+            _start(net)
+            address = str(net.info["address"])
+            for _ in range(restarts):
+                time.sleep(gap_s)
+                net.kill_coordinator()
+                net.stop_coordinator()
+                time.sleep(down_s)
+                net.start_coordinator(address)
+                mark = max((int(r["round"]) for r in round_records(net)), default=0)
+                try:  # a new round recorded and committed after the restart
+                    wait_for(lambda m=mark: max((int(r["round"]) for r in round_records(net)), default=0) > m + 1,
+                             ROUND_DEADLINE_S, poll_s=1.0, what="a round after the coordinator restart")
+                    ok += 1
+                except Exception as err:  # noqa: BLE001 - a failed restart is a row's finding, not a crash
+                    print(f"restart not ok: {err}", file=sys.stderr)
+            time.sleep(gap_s)
+            events = net.admin("events", "--run", net.run_id, "--limit", "10000")["events"]
+            status = net.admin("status", "--run", net.run_id)
+    kinds = [e["kind"] for e in events]
+    return {
+        "coordinator_restarts": restarts,
+        "restarts_ok": ok,
+        "leases_lost": kinds.count("lease_expired"),
+        "commits_refused": kinds.count("commit_refused"),
+        "tokens_committed": int(status["run"]["tokens_committed"]),
+    }
+
+
+def _commit() -> str:
+    done = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True)
+    dirty = subprocess.run(["git", "status", "--porcelain", "--", "node", "coordinator", "protocol"],
+                           cwd=REPO, capture_output=True, text=True).stdout.strip()
+    return done.stdout.strip() + (" (with uncommitted changes)" if dirty else "")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--duration", type=float, default=600.0, help="seconds a row measures (default 600)")
+    p.add_argument("--rows", default="clean,60,15,5", help="MTBFs in seconds, 'clean' for no kills")
+    p.add_argument("--coordinator-restarts", type=int, default=10, help="coordinator SIGKILLs (0: no row)")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--out", type=Path, default=RESULTS)
+    args = p.parse_args()
+    from murmur.node.model.data import prepare
+
+    started = time.time()
+    rows: list[dict] = []
+    with tempfile.TemporaryDirectory(prefix="murmur-chaos-data-") as tmp:
+        data = Path(tmp) / "data"
+        prepare(data, tokenizer="byte", shard_tokens=8192)
+        for name in args.rows.split(","):
+            mtbf = None if name == "clean" else float(name)
+            row = chaos_row(mtbf, args.duration, args.seed, data)
+            row.pop("_t0")
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        clean = next((r["rounds_per_min"] for r in rows if r["mtbf_s"] is None), None)
+        for r in rows:
+            r["clean_rounds_per_min"] = clean
+            r["progress_ratio"] = round(r["rounds_per_min"] / clean, 3) if clean else None
+        if args.coordinator_restarts:
+            row = coordinator_row(args.coordinator_restarts, data)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    out = {
+        "benchmark": "chaos",
+        "device": f"cpu ({platform.processor() or platform.machine()}), shared by other jobs",
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "command": " ".join(["python", "benchmarks/chaos.py", *sys.argv[1:]]),
+        "commit": _commit(),
+        "duration_s_per_row": args.duration,
+        "wall_s": round(time.time() - started),
+        "config": str(CONFIG.relative_to(REPO)),
+        "rows": rows,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(out, indent=1) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
