@@ -87,7 +87,7 @@ def chaos_row(mtbf: float | None, duration: float, seed: int, data: Path) -> dic
             t1 = time.time()
             if monkey is not None:
                 monkey.finish()
-            net.stop()
+            net.stop_nodes()  # each commits, releases and leaves; the ledger is read after
             stats = analyze(net, t0, t1)
     return {
         "nodes": NODES,

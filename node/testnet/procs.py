@@ -300,6 +300,13 @@ class Testnet:
 
     def stop(self) -> dict[str, int | None]:
         """SIGTERM every node (in parallel), then the coordinator; returns exit codes by name."""
+        codes = self.stop_nodes()
+        codes["coordinator"] = self.stop_coordinator()
+        return codes
+
+    def stop_nodes(self) -> dict[str, int | None]:
+        """SIGTERM every node (in parallel) and wait; the coordinator keeps running (its ledger
+        can be read after). Exit codes by name."""
         codes: dict[str, int | None] = {}
 
         def one(n: NodeProc) -> None:
@@ -310,7 +317,6 @@ class Testnet:
             t.start()
         for t in threads:
             t.join()
-        codes["coordinator"] = self.stop_coordinator()
         return codes
 
     def __enter__(self) -> Testnet:
