@@ -219,7 +219,7 @@ def main() -> None:
         tps = sorted(r["tokens_per_s"] for r in good)
         row = min(good, key=lambda r: abs(r["tokens_per_s"] - statistics.median(tps)))
         row = dict(row, tokens_per_s=round(statistics.median(tps), 1), runs_tokens_per_s=tps,
-                   spread_pct=round(100 * (tps[-1] - tps[0]) / statistics.median(tps), 1))
+                   spread_pct=round(100 * (tps[-1] - tps[0]) / statistics.median(tps), 1) if len(tps) > 1 else None)
         if args.max_batch:
             row["max_batch"] = max_batch(args, impl, args.batch * 2)
         rows.append(row)
