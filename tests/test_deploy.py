@@ -50,12 +50,15 @@ def test_compose_commands_are_real_cli_commands(tmp_path):
     assert done.returncode == 0, done.stderr
     services = json.loads(done.stdout)["services"]
     assert {"coordinator", "node", "admin"} <= set(services)
-    coord = services["coordinator"]["command"]
-    assert coord[:2] == ["coordinator", "serve"]
+    # The coordinator's entry script runs `murmur coordinator serve COMMAND...` (then creates the run).
+    assert services["coordinator"]["entrypoint"] == ["murmur-compose-coordinator"]
+    coord = ["coordinator", "serve", *services["coordinator"]["command"]]
     args = build_parser(coord).parse_args(coord)
     assert args.listen == "0.0.0.0:7700" and args.node_listen == "0.0.0.0:7701"
+    assert 'murmur coordinator serve "$@"' in (REPO / "deploy" / "compose-coordinator.sh").read_text()
     node = services["node"]
-    assert node["command"] == ["node", "run"]
+    assert node["entrypoint"] == ["murmur-compose-node"] and not node.get("command")
+    assert 'exec murmur node run "$@"' in (REPO / "deploy" / "compose-node.sh").read_text()
     env = node["environment"]
     assert env["MURMUR_COORDINATOR"] == "c:7700" and env["MURMUR_TOKEN"] == "mrm1.x"
     # The node reads its settings from these variables: parse as the container would.
@@ -71,9 +74,23 @@ def test_compose_commands_are_real_cli_commands(tmp_path):
     assert services["node"].get("stop_signal") == "SIGTERM"
 
 
-def test_dockerfile_installs_both_variants_and_runs_murmur():
+def test_dockerfile_needs_no_registry_and_no_network():
     text = (REPO / "deploy" / "Dockerfile").read_text()
-    assert "ARG VARIANT=cpu" in text and '"$VARIANT" = "gpu"' in text
-    assert 'ENTRYPOINT ["murmur"]' in text
-    for folder in ("murmur", "protocol", "optim", "kernels", "node", "coordinator"):
-        assert f"COPY {folder} ./{folder}" in text
+    assert "ARG BASE=murmur-base:bookworm" in text and "FROM ${BASE}" in text  # built by build-base.sh
+    assert "ARG VARIANT=cpu" in text and "COPY build/wheels/${VARIANT}/deps/" in text
+    assert "--no-index" in text and 'ENTRYPOINT ["murmur"]' in text
+    base = (REPO / "deploy" / "build-base.sh").read_text()
+    assert "debootstrap --variant=minbase" in base and "docker import" in base
+    assert '"$PIP" wheel' in (REPO / "deploy" / "build-wheels.sh").read_text()
+
+
+def test_loopback_override_keeps_every_socket_on_loopback(tmp_path):
+    done = _compose(tmp_path, "-f", str(COMPOSE.parent / "compose.loopback.yaml"), "config", "--format", "json")
+    assert done.returncode == 0, done.stderr
+    services = json.loads(done.stdout)["services"]
+    for name in ("coordinator", "node"):
+        assert services[name]["network_mode"] == "host" and not services[name].get("ports")
+    listens = [a for a in services["coordinator"]["command"] if "listen=" in a]
+    assert listens and all("=127.0.0.1:" in a for a in listens), listens
+    env = services["node"]["environment"]
+    assert env["MURMUR_LISTEN"].startswith("127.0.0.1:") and env["MURMUR_METRICS_LISTEN"].startswith("127.0.0.1:")
