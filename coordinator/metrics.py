@@ -12,8 +12,8 @@ from collections.abc import Callable, Iterator
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from .runs import sync_of
 from .service import Stats
-from .status.report import sync_of
 from .store import Store
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"  # prometheus_client's text format

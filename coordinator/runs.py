@@ -149,3 +149,12 @@ class Runs:
         with self.store.write():
             self.store.revoke_token(token_id)
             self.store.event("token_revoked", run_id=row["run_id"], token=token_id)
+
+
+def sync_of(config_toml: str) -> dict[str, Any]:
+    """The run's algorithm, codec and H as its TOML says (the defaults of protocol/runconfig.py otherwise)."""
+    try:
+        sync = parse_config(config_toml, "the run configuration").sync
+        return {"algorithm": sync.algorithm, "codec": sync.codec, "inner_steps": sync.inner_steps}
+    except MurmurError:  # a stored config parsed when the run was created; only a newer schema fails
+        return {"algorithm": "?", "codec": "?", "inner_steps": 0}

@@ -26,7 +26,7 @@ from .leases import Progress
 from .membership import Membership
 from .runs import NotFound, RunError, Runs
 from .settings import ADMIN_METADATA_KEY, TLS_SERVER_NAME, CoordinatorSettings
-from .status.report import StatusSource
+from .status_report import StatusSource
 from .store import Store
 from .trainers import SplitRound
 
@@ -159,7 +159,9 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 heartbeat_interval_s=self.settings.heartbeat_interval_s,
                 lease_ttl_s=self.settings.lease_ttl_s,
             )
-            if peer is not None:  # a trainer: the run's live trainers, for its round groups
+            # A trainer: the run's live trainers, for its round groups; none while this coordinator
+            # has not yet heard from every live trainer (just started: a partial list is a split).
+            if peer is not None and self.membership.view_is_whole():
                 reply.members.extend(
                     pb.LiveMember(
                         node_id=n,
@@ -313,7 +315,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
 
         return self._run(method, context, call)
 
-    # The run and node views are built by status/report.py, which the status page shares.
+    # The run and node views are built by status_report.py, which the status page shares.
     def _run_info(self, run_id: str) -> pb.RunInfo:
         return self.status.run_info(run_id)
 

@@ -26,7 +26,7 @@ from murmur.protocol.http_server import HttpServer, one_line_errors
 from ..membership import Membership
 from ..metrics import CONTENT_TYPE, LedgerCollector, exposition, registry
 from ..runs import NotFound
-from .report import StatusSource
+from ..status_report import StatusSource
 
 MAX_ACTION_BODY = 4096  # an action's JSON body: a reason at most
 PAGE_MARKER = "/*__INITIAL_STATUS__*/null"  # replaced by the status at the time the page is served

@@ -14,13 +14,12 @@ from typing import Any
 
 from google.protobuf.json_format import MessageToDict
 
-from murmur.errors import MurmurError
 from murmur.protocol import coordinator_pb2 as pb
 
-from ..membership import Membership
-from ..runs import NotFound, RunError, Runs
-from ..settings import CoordinatorSettings
-from ..store import Store
+from .membership import Membership
+from .runs import NotFound, RunError, Runs, sync_of
+from .settings import CoordinatorSettings
+from .store import Store
 
 EVENTS_SHOWN = 20  # the page's event list
 ROUNDS_SHOWN = 500  # points of the loss chart
@@ -156,14 +155,3 @@ class StatusSource:
                 for r in self.store.events(run_id=rid, limit=EVENTS_SHOWN)
             ],
         }
-
-
-def sync_of(config_toml: str) -> dict[str, Any]:
-    """The run's algorithm, codec and H as its TOML says (the defaults of protocol/runconfig.py otherwise)."""
-    from murmur.protocol.runconfig import parse_config
-
-    try:
-        sync = parse_config(config_toml, "the run configuration").sync
-        return {"algorithm": sync.algorithm, "codec": sync.codec, "inner_steps": sync.inner_steps}
-    except MurmurError:  # a stored config parsed when the run was created; only a newer schema fails
-        return {"algorithm": "?", "codec": "?", "inner_steps": 0}
