@@ -76,6 +76,7 @@ class Membership:
         # After a restart nobody could heartbeat while we were down: until this time (set by
         # ``hold`` when the coordinator serves again) no node is declared lost and no lease expires.
         self._hold_until = 0.0
+        self._view_from = 0.0  # heartbeat replies list live trainers from then on (view_from)
 
     # --- joining -------------------------------------------------------------------------------
 
@@ -193,6 +194,16 @@ class Membership:
     def hold(self, until: float) -> None:
         """Declare nobody lost and expire no lease before ``until`` (the restart grace period)."""
         self._hold_until = until
+
+    def view_from(self, at: float) -> None:
+        """List live trainers in heartbeat replies only from ``at`` on: a coordinator that just
+        started has heard from some of the live trainers only, and a partial list would tell each
+        of them that the others are gone (a split). One heartbeat TTL after it serves, every live
+        trainer has been heard from."""
+        self._view_from = at
+
+    def view_is_whole(self) -> bool:
+        return self.clock() >= self._view_from
 
     def sweep(self) -> tuple[list[str], int]:
         """Mark silent nodes lost (their leases go back), expire stale leases, flush now and then."""

@@ -134,6 +134,7 @@ class Coordinator:
         with self.store.write():
             self.store.push_deadlines(now, s.restart_grace_s)
         self.membership.hold(now + s.restart_grace_s)
+        self.membership.view_from(now + s.heartbeat_ttl_s)  # until then, replies list no trainers
         await self.server.start()
         advertise = opts.advertise_host or ("127.0.0.1" if host in ("0.0.0.0", "[::]", "::") else host)
         self.service.node_address = f"{advertise}:{node_port}"

@@ -3,18 +3,24 @@
 A 3-node testnet trains with the coordinator as the DHT bootstrap peer (`--dht`). The coordinator
 is SIGKILLed and started again on the same ledger and addresses, three times, while the nodes
 train. No node loses its lease or its membership, no commit trained under a valid lease is
-refused, and a node restarted afterwards (from its saved join record and bootstrap peers) rejoins
-and trains rounds again. The coordinator's counters and events are read through `murmur admin`."""
+refused, and a node restarted afterwards from its saved join record rejoins and trains rounds
+again, even when its saved DHT bootstrap peers do not answer (it asks the coordinator). The
+coordinator's counters and events are read through `murmur admin`."""
 
 from __future__ import annotations
 
+import asyncio
+import json
 import re
 import signal
 
 import pytest
+from _coordinator_helpers import admin_json, join, new_token, start_coordinator, write_run_files
 from _node_helpers import ledger, log, make_testnet, small_dataset, trained, wait_log, wait_rounds
 
-pytestmark = pytest.mark.slow
+from murmur.protocol import coordinator_pb2 as pb
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 RESTARTS = 3
 # The grace outlasts the time nodes need to see the coordinator back; the TTLs are short, so a
@@ -23,8 +29,9 @@ COORDINATOR = ["--dht", "--heartbeat-ttl", "4", "--lease-ttl", "6", "--restart-g
 NODE = ["--peer-timeout", "8", "--rendezvous-deadline", "10", "--round-timeout", "60", "--dht-record-ttl", "8"]
 
 
-def _events(net) -> list[dict]:
-    return net.admin("events", "--run", net.run_id, "--limit", "5000")["events"]
+def _events(net, after: int = 0) -> list[dict]:
+    """Every event after seq ``after`` (the coordinator's own, such as coordinator_started, have no run)."""
+    return [e for e in net.admin("events", "--limit", "5000")["events"] if int(e["seq"]) > after]
 
 
 def test_three_coordinator_restarts_lose_no_lease_and_a_restarted_node_rejoins(tmp_path):
@@ -39,6 +46,7 @@ def test_three_coordinator_restarts_lose_no_lease_and_a_restarted_node_rejoins(t
             net.add_node(extra=["--min-peers", "3"])
         for node in net.nodes:
             wait_rounds(node, 2, timeout_s=300)
+        before = max(int(e["seq"]) for e in _events(net))  # from here on, only the restarts count
         for _ in range(RESTARTS):
             marks = [len(trained(n)) for n in net.nodes]
             address = str(net.info["address"])
@@ -51,9 +59,9 @@ def test_three_coordinator_restarts_lose_no_lease_and_a_restarted_node_rejoins(t
         # Every node's commits reach the ledger: none pending, none refused.
         for node in net.nodes:
             wait_log(node, r"coordinator is back", timeout_s=60)
-        events = _events(net)
+        events = _events(net, before)
         kinds = [e["kind"] for e in events]
-        assert kinds.count("coordinator_started") == RESTARTS + 1, kinds
+        assert kinds.count("coordinator_started") == RESTARTS, kinds
         assert "lost" not in kinds and "lease_expired" not in kinds, [e for e in events if e["kind"] != "commit"]
         assert "commit_refused" not in kinds, [e for e in events if e["kind"] == "commit_refused"]
         for node in net.nodes:
@@ -65,11 +73,21 @@ def test_three_coordinator_restarts_lose_no_lease_and_a_restarted_node_rejoins(t
         # (It is down longer than the heartbeat TTL, so its own lease may expire meanwhile.)
         restarted = net.nodes[2]
         restarted_id = trained(restarted)[-1]["node"]
-        after = max(e["seq"] for e in _events(net))
+        after = max(int(e["seq"]) for e in _events(net))
         net.kill_node(restarted)
         mark = len(trained(restarted))
+        # Its saved bootstrap peers fail (as when the coordinator's DHT port was taken at its
+        # restart): the node asks the coordinator for the current ones instead of giving up.
+        join = restarted.state_dir / "join.json"
+        record = json.loads(join.read_text())
+        saved = record["bootstrap_peers"]
+        assert saved, record
+        record["bootstrap_peers"] = [re.sub(r"/tcp/\d+/", "/tcp/9/", a) for a in saved]  # nobody listens
+        join.write_text(json.dumps(record))
         net.start_node(restarted, ["--min-peers", "1"])
         wait_log(restarted, r"rejoining run", timeout_s=60)
+        wait_log(restarted, r"the coordinator now hands out", timeout_s=120)
+        assert json.loads(join.read_text())["bootstrap_peers"] == saved  # saved again
         wait_rounds(restarted, mark + 2, timeout_s=300)
         assert "joined run" not in log(restarted).split("rejoining run")[-1]  # the same membership
 
@@ -79,5 +97,32 @@ def test_three_coordinator_restarts_lose_no_lease_and_a_restarted_node_rejoins(t
             assert node.proc.wait(60) == 0, log(node)[-3000:]
         total, offsets, _ = ledger(net)
         assert sum(offsets.values()) == total  # every committed token counted exactly once
-        others = [e for e in _events(net) if int(e["seq"]) > int(after) and e.get("node_id") != restarted_id]
+        others = [e for e in _events(net, after) if e.get("node_id") != restarted_id]
         assert not [e for e in others if e["kind"] in ("commit_refused", "lease_expired", "lost")], others
+
+
+def test_a_coordinator_that_just_started_lists_no_live_trainers_until_it_heard_from_all(tmp_path):
+    """Right after a (re)start the coordinator has heard from some live trainers only: a list of
+    those would tell each of them that the others are gone and let it train alone. Its heartbeat
+    replies list no trainers for one heartbeat TTL (the node keeps the DHT's view meanwhile), then
+    the whole list."""
+    db = tmp_path / "coord.db"
+    coord = start_coordinator(db, "--heartbeat-ttl", "8", "--lease-ttl", "8")
+    try:
+        config, manifest = write_run_files(tmp_path, [1000])
+        admin_json(coord, "runs", "create", "--config", str(config), "--manifest", str(manifest))
+        token = new_token(coord)
+
+        async def scenario() -> None:
+            client, node_id = await join(coord, token)
+            me = pb.HeartbeatRequest(incarnation="a1", peer_address="127.0.0.1:1", round=3, state_hash="ab")
+            first = await client.heartbeat(0.0, "training", peer=me)
+            assert list(first.members) == [], first
+            while not (reply := await client.heartbeat(0.0, "training", peer=me)).members:
+                await asyncio.sleep(0.5)  # a heartbeat period; the test's own timeout bounds it
+            assert [(m.node_id, m.incarnation, m.round) for m in reply.members] == [(node_id, "a1", 3)]
+            await client.close()
+
+        asyncio.run(scenario())
+    finally:
+        coord.stop()

@@ -317,13 +317,13 @@ async def _start_dht(
                 ) from None
             if refresh_bootstrap is not None and loop.time() - asked_at >= DHT_REFRESH_S:
                 asked_at = loop.time()
-                fresh = await refresh_bootstrap()
-                if fresh and set(fresh) != set(info.bootstrap_peers):
+                tried = [p for p in dht.initial_peers if p not in dht_peers]
+                fresh = await refresh_bootstrap()  # the session saves them in the join record
+                if fresh and set(fresh) != set(tried):
                     log(
-                        f"DHT start failed ({why}) with the saved bootstrap peers; "
+                        f"DHT start failed ({why}) with the bootstrap peers {', '.join(tried) or '(none)'}; "
                         f"the coordinator now hands out {', '.join(fresh)}: retrying with those"
                     )
-                    info.bootstrap_peers = list(fresh)
                     dht.initial_peers = list(fresh) + list(dht_peers)
                     continue
             log(f"DHT start failed ({why}); retrying")

@@ -185,7 +185,8 @@ class CoordinatorSession:
                         state_hash=self.state_hash,
                     )
                 reply = await self.client.heartbeat(self.tokens_per_s, "training", peer=peer)
-                self.view.update(reply.members, reply.run_round)
+                if reply.members:  # none: the coordinator has no whole view yet (it just restarted)
+                    self.view.update(reply.members, reply.run_round)
                 self.viewed.set()
                 self._mark(True)
                 if self.pending:
