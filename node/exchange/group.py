@@ -49,6 +49,9 @@ class StaticGroup:
         return dict(sorted(self.peers.items()))
 
 
+REGROUP_WAIT_S = 1.0  # a regroup's look at the rendezvous: the live trainers, or what is there by then
+
+
 @dataclass(kw_only=True, slots=True)
 class RendezvousSettings:
     deadline: float = 30.0  # seconds a peer waits at the rendezvous for the others
@@ -79,18 +82,24 @@ class DHTGroup:
             return live
         return self.expected() if callable(self.expected) else self.expected
 
-    async def members(self, round_id: int, key: str) -> dict[str, str]:
+    async def members(self, round_id: int, key: str, wait_s: float | None = None) -> dict[str, str]:
+        """The round's members: waits up to the rendezvous deadline (or ``wait_s``) for the others."""
         view = self.view
         return await self.dht.arendezvous(
             round_id,
             key,
             self.address,
-            deadline=time.monotonic() + self.settings.deadline,
+            deadline=time.monotonic() + (self.settings.deadline if wait_s is None else wait_s),
             expected=self._expected,
             min_members=self.settings.min_members,
             extra={"incarnation": view.incarnation} if view is not None else None,
             keep=view.keeps if view is not None else None,
         )
+
+    async def current(self, round_id: int, key: str) -> dict[str, str]:
+        """Who is at the round's rendezvous now (a regroup mid-call: waiting the whole rendezvous
+        deadline there would leave this peer's attempts unserved, and the others drop it)."""
+        return await self.members(round_id, key, wait_s=REGROUP_WAIT_S)
 
     # -- what the exchange asks of a group that knows the live trainers ---------------------------
 

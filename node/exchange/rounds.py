@@ -68,9 +68,11 @@ class Rounds:
     def peer_id(self) -> str:
         return self.server.node_id
 
-    async def members(self, round_id: int, key: str, timeout: float) -> dict[str, str]:
-        """The round's members as the group shows them now (banned peers left out, this one in)."""
-        peers = await asyncio.wait_for(self.group.members(round_id, key), timeout)
+    async def members(self, round_id: int, key: str, timeout: float, regroup: bool = False) -> dict[str, str]:
+        """The round's members as the group shows them now (banned peers left out, this one in);
+        ``regroup``: a look mid-call, without waiting out the rendezvous (if the group can)."""
+        look = getattr(self.group, "current", None) if regroup else None
+        peers = await asyncio.wait_for((look or self.group.members)(round_id, key), timeout)
         peers = {n: a for n, a in peers.items() if not self.server.ban_list.is_banned(n)}
         peers[self.peer_id] = self.server.address
         return dict(sorted(peers.items()))
@@ -166,7 +168,7 @@ class Rounds:
         ``call.peers`` takes the new one, so the next attempt dials the live incarnation."""
         try:
             peers = await self.members(
-                call.round_id, call.key, max(call.deadline - asyncio.get_running_loop().time(), 0.001)
+                call.round_id, call.key, max(call.deadline - asyncio.get_running_loop().time(), 0.001), regroup=True
             )
         except Exception:  # noqa: BLE001 - a failed rendezvous read: keep what we have, retry later
             return members
