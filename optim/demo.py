@@ -5,7 +5,9 @@ mean of everyone's coefficients.
 Per parameter, each step:
     m = beta * m + lr * g
     C = DCT-II of m over chunks (c x c tiles for matrices, c-long pieces for vectors)
-    keep the k largest |C| of each chunk -> (int16 positions, bf16 values): the wire
+    keep the k largest |C| of each chunk -> (int16 positions, values): the wire
+        (values fp32 as the paper's algorithm has them, or bf16 with ``demo_values``: bf16 rounds
+        the small ones, and near zero a rounded mean can take the other sign)
     m = m - IDCT(sparse kept C)                       # what was sent leaves the momentum
     all-gather every member's wire; Q = IDCT(mean of the scattered coefficients, sorted peer order)
     p = p * (1 - lr * wd)  (matrices only);  p = p - lr * sign(Q)
@@ -95,10 +97,15 @@ def idct_chunked(coef: torch.Tensor, shape: tuple[int, ...], cr: int, cc: int) -
     return group_idct(coef.unsqueeze(0), shape, cr, cc)[0]
 
 
-def top_coefficients(coef: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The k largest |coefficients| of each chunk (last dim): sorted positions, bf16 values."""
+VALUE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def top_coefficients(
+    coef: torch.Tensor, k: int, dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k largest |coefficients| of each chunk (last dim): sorted positions, values as ``dtype``."""
     idx = coef.abs().topk(min(k, coef.shape[-1]), dim=-1, sorted=False).indices.sort(dim=-1).values
-    return idx, coef.gather(-1, idx).to(torch.bfloat16)
+    return idx, coef.gather(-1, idx).to(dtype)
 
 
 class DCTTopKCodec(Codec):
@@ -107,13 +114,15 @@ class DCTTopKCodec(Codec):
     name = "demo_dct"
     dense = False
 
-    def __init__(self, topk: int, chunk: int) -> None:
+    def __init__(self, topk: int, chunk: int, values: str = "fp32") -> None:
         super().__init__(error_feedback=False)
-        self.topk, self.chunk = topk, chunk
+        if values not in VALUE_DTYPES:
+            raise CodecError(f"DeMo values travel as {' or '.join(VALUE_DTYPES)}, not {values!r}")
+        self.topk, self.chunk, self.value_dtype = topk, chunk, VALUE_DTYPES[values]
 
     def _encode(self, x: torch.Tensor, key: str) -> WireTensor:
         cr, cc = chunk_shape(tuple(x.shape), self.chunk)
-        idx, values = top_coefficients(dct_chunked(x, cr, cc), self.topk)
+        idx, values = top_coefficients(dct_chunked(x, cr, cc), self.topk, self.value_dtype)
         parts = {"indices": idx.to(torch.int16), "values": values}
         return WireTensor(self.name, (), "", parts, {"chunk_rows": cr, "chunk_cols": cc})
 
@@ -166,7 +175,7 @@ class DeMo(SyncAlgorithm):
         super().__init__(params, sync_cfg, exchange, round_timeout_s=round_timeout_s)
         self.beta = sync_cfg.demo_beta
         self.weight_decay = weight_decay
-        self.codec = DCTTopKCodec(sync_cfg.demo_topk, sync_cfg.demo_chunk)
+        self.codec = DCTTopKCodec(sync_cfg.demo_topk, sync_cfg.demo_chunk, sync_cfg.demo_values)
         by_shape: dict[tuple, list[int]] = {}
         for i, p in enumerate(self.params):
             by_shape.setdefault((tuple(p.shape), p.device), []).append(i)
@@ -193,8 +202,8 @@ class DeMo(SyncAlgorithm):
                     if grad is not None:
                         g.add_(grad.float(), alpha=lr)
             coef = group_dct(grp.momentum, grp.shape, grp.cr, grp.cc)
-            idx, values = top_coefficients(coef, self.codec.topk)
-            # Error feedback: what was sent (as sent, bf16) leaves the momentum.
+            idx, values = top_coefficients(coef, self.codec.topk, self.codec.value_dtype)
+            # Error feedback: what was sent (as sent, in the wire's type) leaves the momentum.
             sent = torch.zeros_like(coef).scatter_(2, idx, values.float())
             grp.momentum.sub_(group_idct(sent, grp.shape, grp.cr, grp.cc))
             idx16 = idx.to(torch.int16)

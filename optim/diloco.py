@@ -5,15 +5,21 @@ DiLoCo keeps fp32 global parameters (on the CPU with ``global_on_cpu``). Every H
 delta = global - local; all-reduce delta; outer SGD step on global with the mean as gradient;
 local <- global.
 
-Streaming DiLoCo splits the parameters into P fragments of about equal size (in model order).
-Fragment p syncs once per H-step window, at step offset (p + 1) * H / P, so only 1/P of the model
+Streaming DiLoCo splits the parameters into P fragments: of about equal size in model order
+(``fragment_layout = "contiguous"``), or strided as the paper prefers (block l in fragment l mod P,
+so each fragment spans the depth; what comes before the blocks joins fragment 0, what comes after
+the last one). Fragment p syncs once per H-step window, at step offset (p + 1) * H / P, so only 1/P of the model
 is on the wire at a time. Its exchange is launched and training goes on for tau more inner steps
 before the result is applied: outer step on that fragment's global copy, then
 local = (1 - alpha) * global + alpha * local. DiLoCo is the case P = 1, tau = 0, alpha = 0.
+
+A run that ends between syncs calls `sync_now`: one last round for every fragment trained since
+its last launch, so the final model is the synced global one and not a replica's local drift.
 """
 
 from __future__ import annotations
 
+import re
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -39,6 +45,38 @@ def split_fragments(sizes: list[int], parts: int) -> list[list[int]]:
     return groups
 
 
+_BLOCK = re.compile(r"(?:^|\.)(?:blocks|layers)\.(\d+)\.")
+
+
+def strided_fragments(names: list[str], parts: int) -> list[list[int]]:
+    """Block l of the model in fragment l mod P (parameter names ``blocks.<l>.``/``layers.<l>.``);
+    parameters before the first block join fragment 0, those after the last one fragment P-1.
+    Without block names, the contiguous split by position."""
+    blocks = [int(m.group(1)) if (m := _BLOCK.search(n)) else None for n in names]
+    known = sorted({b for b in blocks if b is not None})
+    if not known:
+        return split_fragments([1] * len(names), parts)
+    parts = max(1, min(parts, len(known)))
+    rank = {b: i for i, b in enumerate(known)}
+    groups: list[list[int]] = [[] for _ in range(parts)]
+    seen_block = False
+    for i, b in enumerate(blocks):
+        if b is not None:
+            seen_block = True
+            groups[rank[b] % parts].append(i)
+        else:
+            groups[-1 if seen_block else 0].append(i)
+    return [sorted(g) for g in groups if g]
+
+
+def fragment_groups(names: list[str], sizes: list[int], parts: int, layout: str) -> list[list[int]]:
+    if layout == "strided":
+        return strided_fragments(names, parts)
+    if layout == "contiguous":
+        return split_fragments(sizes, parts)
+    raise ValueError(f"fragment layout must be contiguous or strided, got {layout!r}")
+
+
 @dataclass(slots=True)
 class _Fragment:
     index: int
@@ -47,6 +85,7 @@ class _Fragment:
     outer: torch.optim.SGD
     offset: int                   # launches after inner step s when (s + 1) % H == offset % H
     rounds: int = 0
+    last_launch: int = -1         # the inner step after which it last launched
 
 
 @dataclass(slots=True)
@@ -66,6 +105,7 @@ class StreamingDiLoCo(SyncAlgorithm):
         exchange: Exchange,
         *,
         fragments: int | None = None,
+        fragment_layout: str | None = None,
         overlap_steps: int | None = None,
         mix_alpha: float | None = None,
         round_timeout_s: float = ROUND_TIMEOUT_S,
@@ -76,7 +116,8 @@ class StreamingDiLoCo(SyncAlgorithm):
         self.tau = sync_cfg.overlap_steps if overlap_steps is None else overlap_steps
         self.alpha = sync_cfg.mix_alpha if mix_alpha is None else mix_alpha
         device = torch.device("cpu") if sync_cfg.global_on_cpu else self.params[0].device
-        groups = split_fragments([p.numel() for p in self.params], n_frag)
+        layout = getattr(sync_cfg, "fragment_layout", "contiguous") if fragment_layout is None else fragment_layout
+        groups = fragment_groups(self.names, [p.numel() for p in self.params], n_frag, layout)
         self.fragments: list[_Fragment] = []
         for i, members in enumerate(groups):
             globals_ = [
@@ -99,6 +140,7 @@ class StreamingDiLoCo(SyncAlgorithm):
         key = f"{self.name}/{frag.index}"
         fut = self.exchange.all_reduce(deltas, round_id=frag.rounds, key=key, weight=self.weight)
         frag.rounds += 1
+        frag.last_launch = step
         self.in_flight.append(_InFlight(frag, step + self.tau, fut))
 
     @torch.no_grad()
@@ -132,6 +174,24 @@ class StreamingDiLoCo(SyncAlgorithm):
         while self.in_flight:
             self._apply(self.in_flight.pop(0))
 
+    def sync_now(self, step: int) -> None:
+        """After inner step ``step``: apply what is in flight, then one round, applied at once, for
+        every fragment that trained since its last launch. Every member must call it at the same
+        step (the simulator does, at the end of a run that does not end on a sync)."""
+        self.finish()
+        for frag in self.fragments:
+            if frag.last_launch < step:
+                self._launch(frag, step)
+                self.finish()
+
+    def eval_tensors(self) -> list[torch.Tensor]:
+        """The global model (every fragment as of its last outer step), in parameter order."""
+        out: list[torch.Tensor] = [None] * len(self.params)
+        for frag in self.fragments:
+            for j, g in zip(frag.members, frag.globals_, strict=True):
+                out[j] = g
+        return out
+
 
 class DiLoCo(StreamingDiLoCo):
     """One fragment, no overlap, no mixing: the whole model syncs every H inner steps."""
@@ -139,7 +199,8 @@ class DiLoCo(StreamingDiLoCo):
     name = "diloco"
 
     def __init__(self, params: NamedParams, sync_cfg, exchange: Exchange, **kw) -> None:
-        super().__init__(params, sync_cfg, exchange, fragments=1, overlap_steps=0, mix_alpha=0.0, **kw)
+        super().__init__(params, sync_cfg, exchange, fragments=1, fragment_layout="contiguous", overlap_steps=0,
+                         mix_alpha=0.0, **kw)
 
     @property
     def global_params(self) -> list[torch.Tensor]:

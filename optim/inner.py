@@ -60,3 +60,21 @@ def lr_at(step: int, total_steps: int, optim_cfg) -> float:
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
     for group in optimizer.param_groups:
         group["lr"] = lr
+
+
+# Algorithms whose workers each step alone on their own batch (DDP and DeMo step one model on the
+# whole batch; their lr is the single model's).
+LOCAL_STEP_ALGORITHMS = ("diloco", "streaming")
+
+
+def inner_lr_for(lr: float, sync_cfg, workers: int) -> float:
+    """The inner lr of each of ``workers`` workers under ``sync.inner_lr_scale``: ``none`` keeps
+    ``lr``; ``sqrt_k`` multiplies it by sqrt(K) for DiLoCo and Streaming DiLoCo. Each worker's AdamW
+    normalises the noise of a gradient on 1/K of DDP's batch, so its useful step is about sqrt(K)
+    smaller than DDP's (the square-root batch-size rule for Adam)."""
+    rule = getattr(sync_cfg, "inner_lr_scale", "none")
+    if rule == "none" or sync_cfg.algorithm not in LOCAL_STEP_ALGORITHMS:
+        return lr
+    if rule == "sqrt_k":
+        return lr * math.sqrt(workers)
+    raise ValueError(f"inner_lr_scale must be none or sqrt_k, got {rule!r}")

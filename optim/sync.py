@@ -11,6 +11,7 @@ A training loop (the node's trainer, the simulator's workers) runs every inner s
     sync.after_optimizer_step(step)           # DiLoCo, Streaming DiLoCo: sync when due
     ...
     sync.finish()                             # at the end: apply what is still in flight
+                                              # (sync_now(step) first: a last round, if due)
 
 Each algorithm talks only to its `Exchange`; every wait is bounded by ``round_timeout_s``.
 A failed round raises `ExchangeError` before anything is applied, so no partial average ever
@@ -63,6 +64,15 @@ class SyncAlgorithm:
 
     def finish(self) -> None:
         pass
+
+    def sync_now(self, step: int) -> None:
+        """Bring the replicas together now, after inner step ``step`` (every member at the same
+        step). Nothing to do for algorithms whose replicas agree after every step."""
+
+    def eval_tensors(self) -> list[torch.Tensor] | None:
+        """The weights that stand for the run's model, in parameter order; None: the replica's own
+        (DDP and DeMo replicas agree after every step; DiLoCo's is the global copy)."""
+        return None
 
     def _wait(self, fut: Future) -> ReduceResult | GatherResult:
         try:

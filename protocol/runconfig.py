@@ -101,10 +101,17 @@ class SyncSection(Section):
     overlap_steps: int = Field(5, ge=0)  # Streaming DiLoCo: tau, below inner_steps (checked below)
     mix_alpha: float = Field(0.0, ge=0, le=1)  # Streaming DiLoCo: alpha
     global_on_cpu: bool = False
+    # Streaming DiLoCo: how the fragments are cut. contiguous: consecutive layers per fragment;
+    # strided: layer l in fragment l mod P (the paper's choice: each fragment spans the depth).
+    fragment_layout: Literal["contiguous", "strided"] = "contiguous"
+    # The inner lr for K workers: none keeps optim.lr; sqrt_k multiplies it by sqrt(K) (each
+    # worker's AdamW step on a 1/K batch is about sqrt(K) smaller than DDP's useful step).
+    inner_lr_scale: Literal["none", "sqrt_k"] = "none"
     # DeMo
     demo_beta: float = Field(0.999, ge=0, lt=1)
     demo_topk: int = Field(32, gt=0)
     demo_chunk: int = Field(64, gt=0)
+    demo_values: Literal["fp32", "bf16"] = "fp32"  # the DCT coefficients on the wire (the paper: fp32)
     # The codec of the exchanged update and the aggregation rule.
     codec: Codec = "fp32"
     codec_block: int = Field(64, gt=0)

@@ -51,8 +51,9 @@ def make_workers(cfg, k: int, same_data: bool = False) -> list[Worker]:
     return workers
 
 
-def run_workers(workers: list[Worker], steps: int) -> list[list[float]]:
-    """Each worker in its own thread, as the simulator runs them; per-worker losses."""
+def run_workers(workers: list[Worker], steps: int, final_sync: bool = False) -> list[list[float]]:
+    """Each worker in its own thread, as the simulator runs them; per-worker losses. With
+    ``final_sync``, the run ends as the simulator's does: a last sync if one is due."""
     losses: list[list[float]] = [[] for _ in workers]
     errors: list[BaseException] = []
 
@@ -60,6 +61,8 @@ def run_workers(workers: list[Worker], steps: int) -> list[list[float]]:
         try:
             for s in range(steps):
                 losses[i].append(float(w.step(s, steps)))
+            if final_sync:
+                w.sync.sync_now(steps - 1)
             w.sync.finish()
         except BaseException as err:  # noqa: BLE001 - reported below
             errors.append(err)

@@ -96,3 +96,25 @@ def test_init_from_a_mismatched_or_missing_checkpoint_is_one_line(byte_dataset, 
         rc = main([*base, "--init-from", str(path)])
         err = capsys.readouterr().err.strip()
         assert rc == 1 and err.startswith("error: ") and message in err and "\n" not in err, err
+
+
+def test_sim_seeds_report_mean_and_spread(byte_dataset, tmp_path, capsys):
+    out = tmp_path / "seeds"
+    rc = main(["sim", "--workers", "2", "-H", "2", "--steps", "2", "--seeds", "2", "--data", str(byte_dataset.root),
+               "--out", str(out), *SMALL])
+    assert rc == 0
+    assert "2 seeds (0, 1): val loss" in capsys.readouterr().out
+    data = json.loads((out / "sim.json").read_text())
+    losses = [r["val_loss"] for r in data["runs"]]
+    assert len(losses) == 2 and losses[0] != losses[1]  # other weights and other data
+    s = data["seeds"]
+    assert s["seeds"] == [0, 1]
+    assert s["val_loss_mean"] == pytest.approx(sum(losses) / 2)
+    assert s["val_loss_spread"] == pytest.approx(abs(losses[0] - losses[1]) / 2)
+
+
+@pytest.mark.parametrize("seeds,message", [("0", "at least 1"), ("a", "comma-separated"), ("1,1", "distinct")])
+def test_bad_seeds_are_one_line(byte_dataset, capsys, seeds, message):
+    rc = main(["sim", "--data", str(byte_dataset.root), "--steps", "2", "--seeds", seeds, *SMALL])
+    err = capsys.readouterr().err.strip()
+    assert rc == 1 and message in err and "\n" not in err, err

@@ -126,3 +126,22 @@ def test_a_warm_start_optimizer_of_another_model_is_one_error(byte_dataset, tmp_
     bad = WarmStart(weights, {"state": {}, "param_groups": [{"params": [0, 1]}]})
     with pytest.raises(SimError, match="optimizer state does not fit the configured model: the saved optimizer has 2"):
         run_sim(cfg, 2, CPU, ds, init=bad, log=lambda s: None)
+
+
+@pytest.mark.parametrize("engine", ["stacked", "threads"])
+def test_every_algorithm_evaluates_where_asked_and_ends_on_the_synced_model(byte_dataset, engine):
+    """DDP is evaluated at train.eval_every, not at multiples of H; a DiLoCo run of 5 steps with
+    H = 3 ends with a last sync (2 rounds), and its final evaluation is of that global model."""
+    ds = Dataset.open(byte_dataset.root)
+    ddp = tiny_cfg(byte_dataset.root, "ddp")
+    ddp.sync.inner_steps, ddp.train.eval_every, ddp.train.steps = 4, 3, 5
+    r = run_sim(ddp, 2, CPU, ds, engine=engine, log=lambda s: None)
+    assert [p.step for p in r.curve] == [0, 3, 5]
+    cfg = tiny_cfg(byte_dataset.root, "diloco", codec="fp32")
+    cfg.train.steps, cfg.train.eval_every = 5, 2
+    r = run_sim(cfg, 2, CPU, ds, engine=engine, log=lambda s: None)
+    assert [p.step for p in r.curve] == [0, 2, 4, 5]
+    per_round = 2 * (2 - 1) * 4 * r.n_params // 2
+    assert r.bytes_per_worker == 2 * per_round  # the sync after step 3, and the last one after step 5
+    assert r.curve[1].bytes_sent == 0  # step 2: evaluated before any sync, the initial global model
+    assert r.curve[1].val_loss == pytest.approx(r.curve[0].val_loss, abs=1e-6)

@@ -14,6 +14,10 @@ They agree to float rounding (tests/test_sim_stacked.py); stacked is many times 
 
 ``--out`` gets sim.json (config, curves of validation loss against steps, tokens and bytes, the
 summary) and sim.png (validation loss against bytes sent per worker, log scale).
+
+``--seeds 2`` (seeds 0 and 1) or ``--seeds 0,3,7`` runs the same configuration once per seed (the
+initial weights and each worker's data differ) and reports the mean validation loss and its
+spread, half the range, beside each seed's run.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import argparse
 from pathlib import Path
 
 from murmur.node.sim.replicas import SimError, read_warm_start
-from murmur.node.sim.report import format_table, write_outputs
+from murmur.node.sim.report import format_seeds, format_table, seed_summary, write_outputs
 from murmur.node.sim.run import ENGINES, run_sim
 from murmur.node.train.build import open_run_dataset, resolve_device
 from murmur.node.train.overrides import add_set_flag, config_from_args
@@ -51,8 +55,24 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="stacked: one vmapped step for all replicas (default); threads: a thread per replica")
     p.add_argument("--init-from", metavar="CKPT",
                    help="start every replica from a murmur train checkpoint (weights and AdamW state): a warm start")
+    p.add_argument("--seeds", help="N (seeds 0..N-1) or a comma-separated list: one run per seed, mean and spread")
     p.add_argument("--out", help="folder for sim.json and sim.png")
     p.set_defaults(func=_run)
+
+
+def parse_seeds(text: str) -> list[int]:
+    """``N`` -> 0..N-1; ``a,b,c`` -> those seeds (distinct)."""
+    try:
+        items = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise SimError(f"--seeds wants N or a comma-separated list of integers, got {text!r}") from None
+    if len(items) == 1:
+        if items[0] < 1:
+            raise SimError(f"--seeds N must be at least 1, got {items[0]}")
+        return list(range(items[0]))
+    if len(set(items)) != len(items) or min(items) < 0:
+        raise SimError(f"--seeds lists distinct non-negative seeds, got {text!r}")
+    return items
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -63,9 +83,17 @@ def _run(args: argparse.Namespace) -> int:
     device = resolve_device(args.device)
     dataset = open_run_dataset(cfg)
     init = read_warm_start(args.init_from) if args.init_from else None
-    result = run_sim(cfg, args.workers, device, dataset, engine=args.engine, init=init)
-    print(format_table([result]))
+    seeds = parse_seeds(args.seeds) if args.seeds else [cfg.seed]
+    results = []
+    for seed in seeds:
+        run_cfg = cfg.model_copy(deep=True)
+        run_cfg.seed = seed
+        results.append(run_sim(run_cfg, args.workers, device, dataset, engine=args.engine, init=init))
+    print(format_table(results))
+    summary = seed_summary(results, seeds) if args.seeds else None
+    if summary:
+        print(format_seeds(summary))
     if args.out:
-        write_outputs(Path(args.out), cfg, [result])
+        write_outputs(Path(args.out), cfg, results, summary)
         print(f"wrote {Path(args.out) / 'sim.json'} and {Path(args.out) / 'sim.png'}")
     return 0

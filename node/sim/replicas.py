@@ -90,19 +90,33 @@ def make_group(cfg: RunConfig, peers: list[str]) -> InProcessGroup:
     return InProcessGroup(peers, lambda: make_codec_for(cfg.sync), make_aggregator_for(cfg.sync))
 
 
-def worker_loaders(dataset: Dataset, batch: int, seq_len: int) -> BatchesFor:
+def worker_loaders(dataset: Dataset, batch: int, seq_len: int, seed: int = 0) -> BatchesFor:
     """Worker i of k reads shards i, i+k, ...; with fewer shards than workers, workers share a
-    shard and start at evenly spaced offsets of it (disjoint leases of one shard)."""
+    shard and start at evenly spaced offsets of it (disjoint leases of one shard). A ``seed`` other
+    than 0 deals the shards in a seeded random order and starts each worker a seeded share into
+    its first span, so runs that differ only in the seed (a warm start makes the weights the same)
+    still see different data."""
+    n = dataset.num_shards
+    deal = list(range(n))
+    shift = 0.0
+    if seed:
+        gen = torch.Generator().manual_seed(seed)
+        deal = torch.randperm(n, generator=gen).tolist()
+        shift = float(torch.rand((), generator=gen))
+
+    def start(shard: int, lo: int, length: int) -> int:
+        span = batch * seq_len
+        return (lo + int(shift * max(0, length - span - 1))) // span * span
 
     def make(i: int, k: int) -> Batches:
-        n = dataset.num_shards
         if n >= k:
-            return BatchLoader(dataset, list(range(i, n, k)), batch, seq_len)
-        shard, share = i % n, math.ceil(k / n)
-        slot = i // n
-        span = batch * seq_len
-        offset = (dataset.shard_size(shard) // share) * slot // span * span
-        order = [shard] + [s for s in range(n) if s != shard]
+            shards = deal[i::k]
+            pos = Position(shards[0], start(shards[0], 0, dataset.shard_size(shards[0])))
+            return BatchLoader(dataset, shards, batch, seq_len, position=pos)
+        shard, share = deal[i % n], math.ceil(k / n)
+        length = dataset.shard_size(shard) // share
+        offset = start(shard, length * (i // n), length)
+        order = [shard] + [s for s in deal if s != shard]
         return BatchLoader(dataset, order, batch, seq_len, position=Position(shard, offset))
 
     return make

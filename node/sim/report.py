@@ -55,13 +55,20 @@ class SimResult:
 
 
 def eval_points(cfg: RunConfig, steps: int) -> set[int]:
-    """Steps after which worker 0 evaluates: multiples of the eval period, which for the
-    DiLoCo family is rounded to whole windows (the replicas agree right after a sync)."""
+    """Steps after which the run's model is evaluated: the multiples of train.eval_every and the
+    last step, whatever the algorithm (what is evaluated is the synced model, `load_eval_weights`)."""
     every = cfg.train.eval_every
-    if cfg.sync.algorithm in ("diloco", "streaming"):
-        h = cfg.sync.inner_steps
-        every = max(h, round(every / h) * h)
-    return {s for s in range(every, steps + 1, every)} | {steps}
+    return set(range(every, steps + 1, every)) | {steps}
+
+
+@torch.no_grad()
+def load_eval_weights(module: torch.nn.Module, sync: SyncAlgorithm, own: list[torch.Tensor]) -> torch.nn.Module:
+    """``module`` holding the run's model: the sync's global weights (DiLoCo, Streaming DiLoCo:
+    each fragment as of its last outer step) or else ``own``, a replica's weights, in order."""
+    src = sync.eval_tensors() or own
+    for p, t in zip(module.parameters(), src, strict=True):
+        p.copy_(t)
+    return module
 
 
 class Progress:
@@ -90,9 +97,10 @@ class Progress:
         self.t0 = time.perf_counter()
 
     def step_done(self, s: int, loss: torch.Tensor, sync: SyncAlgorithm, model: Callable[[], torch.nn.Module]) -> None:
-        """After inner step ``s`` (0-based) of worker 0; ``model`` gives its module for evaluation."""
+        """After inner step ``s`` (0-based) of worker 0; ``model`` gives the module to evaluate.
+        A progress line after every H steps and after each evaluation."""
         self.window.append(loss)
-        if (s + 1) % self.h and s + 1 != self.steps:
+        if (s + 1) % self.h and s + 1 not in self.evals:
             return
         train = torch.stack(self.window).float().mean().item()
         self.window.clear()
@@ -128,6 +136,23 @@ class Progress:
             bytes_by_codec=dict(sync.bytes.sent),
             curve=self.curve,
         )
+
+
+def seed_summary(results: list[SimResult], seeds: list[int]) -> dict:
+    """One row's runs over several seeds: the mean validation loss and its spread, half the range
+    (mean +- spread covers every seed), with each seed's loss."""
+    losses = [r.val_loss for r in results]
+    return {
+        "seeds": list(seeds),
+        "val_losses": [round(v, 6) for v in losses],
+        "val_loss_mean": sum(losses) / len(losses),
+        "val_loss_spread": (max(losses) - min(losses)) / 2,
+    }
+
+
+def format_seeds(summary: dict) -> str:
+    return (f"{len(summary['seeds'])} seeds ({', '.join(map(str, summary['seeds']))}): val loss "
+            f"{summary['val_loss_mean']:.4f} +- {summary['val_loss_spread']:.4f}")
 
 
 def format_table(results: list[SimResult]) -> str:
@@ -179,8 +204,10 @@ def plot_loss_vs_bytes(
     plt.close(fig)
 
 
-def write_outputs(out: Path, cfg: RunConfig, results: list[SimResult]) -> None:
+def write_outputs(out: Path, cfg: RunConfig, results: list[SimResult], seeds: dict | None = None) -> None:
     out.mkdir(parents=True, exist_ok=True)
     data = {"config": cfg.to_dict(), "runs": [r.to_dict() for r in results]}
+    if seeds is not None:
+        data["seeds"] = seeds
     (out / "sim.json").write_text(json.dumps(data, indent=1) + "\n")
     plot_loss_vs_bytes(results, out / "sim.png", f"{cfg.name}: {results[0].workers} workers")

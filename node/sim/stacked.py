@@ -35,6 +35,7 @@ from torch.func import functional_call, vmap
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from murmur.node.sim.replicas import BatchesFor, WarmStart, build_replica_model, inner_state_for, make_group
+from murmur.node.sim.report import load_eval_weights
 from murmur.node.train.step import InnerStep
 from murmur.optim.factory import build_sync
 from murmur.optim.inner import adamw
@@ -121,8 +122,10 @@ class StackedReplicas:
         # it is queued like a kernel, so the CPU can run ahead of the GPU.
         return t.pin_memory() if self.device.type == "cuda" else t
 
-    def finish(self) -> None:
-        self.every.each(lambda s: s.finish())
+    def finish(self, step: int) -> None:
+        """The end of the run, after inner step ``step``: a last sync if one is due, then what is
+        still in flight."""
+        self.every.each(lambda s: (s.sync_now(step), s.finish()))
 
     @torch.no_grad()
     def _clip(self, max_norm: float) -> None:
@@ -143,6 +146,11 @@ class StackedReplicas:
         for n, p in self.model.named_parameters():
             p.copy_(self.stacked[n][0])
         return self.model
+
+    def eval_model(self) -> torch.nn.Module:
+        """The module holding the run's model as it stands: the lead sync's global copy, or
+        replica 0's weights."""
+        return load_eval_weights(self.model, self.syncs[0], [self.stacked[n].detach()[0] for n in self.names])
 
     @property
     def lead_sync(self) -> SyncAlgorithm:
