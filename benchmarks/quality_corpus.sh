@@ -4,8 +4,9 @@
 # (8.8 MB of POD, read as text) and git's manual (2.9 MB of AsciiDoc text): about 18M tokens by
 # the same ratio, still short of the 30M+ that issue 18's rows need without repeating data.
 # GPT-2 tokens in data/quality-gpt2, cut into ~16k-character pieces at paragraph breaks and
-# shuffled (seed 0) so every shard mixes the sources. The data is never committed. Needs apt (Debian/Ubuntu) and the network; run from the repository root after
-# `make install`. `murmur data prepare` prints the size it reaches.
+# shuffled (seed 0) so every shard mixes the sources. The data is never committed. Needs apt
+# (Debian/Ubuntu) and the network; run from the repository root after `make install`.
+# `murmur data prepare` prints the size it reaches.
 #   bash benchmarks/quality_corpus.sh [OUT_DIR]
 set -euo pipefail
 out="${1:-data/quality-gpt2}"
