@@ -34,8 +34,8 @@ def data(tmp_path_factory):
     return small_dataset(tmp_path_factory.mktemp("testnet-data"))
 
 
-def _start(tmp_path, data, n, *, min_peers=None):
-    net = make_testnet(tmp_path, data, node_args=FAST_NODE)
+def _start(tmp_path, data, n, *, min_peers=None, overrides=()):
+    net = make_testnet(tmp_path, data, overrides=list(overrides), node_args=FAST_NODE)
     net.coordinator_args = list(FAST_COORDINATOR)
     net.start_coordinator()
     net.create_run(token_uses=4 * n + 4)
@@ -102,7 +102,9 @@ def test_sigkill_mid_round_others_go_on_and_the_shard_is_leased_again(tmp_path, 
 
 
 def test_late_joiner_takes_the_state_from_peers(tmp_path, data):
-    with _start(tmp_path, data, 2, min_peers=2) as net:
+    # Steps to spare: on a loaded machine the joiner may take a minute to start, and it must find
+    # the others still training (a run that ended has no state to hand it).
+    with _start(tmp_path, data, 2, min_peers=2, overrides=["train.steps=2000"]) as net:
         for node in net.nodes:
             wait_rounds(node, 3, timeout_s=240)
         joiner = net.add_node(extra=["--min-peers", "1"])
