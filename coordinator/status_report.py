@@ -128,6 +128,7 @@ class StatusSource:
                     "bytes_sent": n.bytes_sent,
                     "restarts": max(0, int(e["joins"]) - 1) if e else 0,
                     "commits_refused": int(e["commits_refused"]) if e else 0,
+                    "updates_rejected": self.store.updates_rejected(n.node_id),  # rounds peers refused its update
                     "shards_held": list(n.shards_held),
                     "device": n.hardware.device,
                 }

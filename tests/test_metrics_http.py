@@ -106,7 +106,8 @@ def test_api_status_agrees_with_the_ledger_and_the_admin_cli(coord, tmp_path):
     [row] = page["nodes"]
     assert row["node_id"] == node_id and row["status"] == "active"
     assert (row["round"], row["tokens_committed"], row["bytes_sent"]) == (4, 500, 5096)
-    assert (row["restarts"], row["commits_refused"]) == (0, 1) and not row["heartbeat_late"]
+    assert (row["restarts"], row["commits_refused"], row["updates_rejected"]) == (0, 1, 0)
+    assert not row["heartbeat_late"]
     assert [(r["round"], r["loss"]) for r in page["rounds"]] == [(3, 2.5), (4, 2.25)]
     assert [(s["shard_id"], s["committed"], s["holder"]) for s in page["shards"]] == [(0, 500, ""), (1, 0, "")]
     kinds = [e["kind"] for e in page["events"]]

@@ -111,6 +111,7 @@ def test_status_page_shows_the_ledger_and_a_lost_node(tmp_path):
         ids = {n["node_id"] for n in after["nodes"]}
         assert set(page.rows) == ids == {n["node_id"] for n in before["nodes"]}
         assert all(r["status"] == r["row_status"] == "active" for r in page.rows.values()), page.rows
+        assert all(r["rejected"].isdigit() and r["refused"].isdigit() for r in page.rows.values()), page.rows
         rnd = int(page.by_id["run-round"]["data-value"])
         assert int(before["run"]["outer_step"]) <= rnd <= int(after["run"]["outer_step"])
         committed = int(page.by_id["run-tokens"]["data-committed"])
