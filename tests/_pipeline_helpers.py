@@ -33,6 +33,7 @@ class PeerProc:
     proc: subprocess.Popen[str]
     ready: dict
     stopped: dict = field(default_factory=dict)
+    lines: list[dict] = field(default_factory=list)  # everything it printed after "ready"
 
     @property
     def node_id(self) -> str:
@@ -65,11 +66,9 @@ def start_peer(ca: CertificateAuthority, folder: Path, stage: int, *extra: str,
 def stop_peer(p: PeerProc) -> None:
     if p.proc.poll() is None:
         p.proc.send_signal(signal.SIGTERM)
-        out, _ = p.proc.communicate(timeout=30)
-        for line in out.splitlines():
-            rec = json.loads(line)
-            if rec.get("event") == "stopped":
-                p.stopped = rec
+        out, _ = p.proc.communicate(timeout=60)  # a loaded 2-core machine
+        p.lines = [json.loads(line) for line in out.splitlines()]
+        p.stopped = next((r for r in p.lines if r.get("event") == "stopped"), {})
     else:
         p.proc.wait()
 
@@ -109,6 +108,17 @@ def start_driver(ca: CertificateAuthority, tmp_path: Path, data: Path, name: str
            "--peers", str(tmp_path / "peers.json"), *MODEL, "--data", str(data),
            "--microbatch-size", str(MICROBATCH), "--commit-log", str(tmp_path / f"{name}.commits"), *extra]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=python_env(), cwd=REPO)
+
+
+def finish(driver: subprocess.Popen[str]) -> str:
+    """The driver's output once it exits (killed if it runs past RUN_TIMEOUT)."""
+    try:
+        out, _ = driver.communicate(timeout=RUN_TIMEOUT)
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+            driver.wait()
+    return out
 
 
 def records(out: str, event: str) -> list[dict]:

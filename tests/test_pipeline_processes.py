@@ -14,6 +14,7 @@ from _pipeline_helpers import (
     TOKENS_PER_MB,
     check_commits,
     coordinator,
+    finish,
     ledger_tokens,
     records,
     stage_peers,
@@ -25,17 +26,7 @@ from murmur.node.net.loop import LoopThread
 from murmur.node.pipeline.client import StageClient, StagePeer
 
 # Five to seven processes, each importing torch, on a loaded 2-core machine: more than the default.
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
-
-
-def finish(driver) -> str:
-    try:
-        out, _ = driver.communicate(timeout=RUN_TIMEOUT)
-    finally:
-        if driver.poll() is None:
-            driver.kill()
-            driver.wait()
-    return out
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 
 def test_two_stages_of_two_peers_and_two_drivers_train_and_the_loss_falls(tmp_path, byte_dataset):

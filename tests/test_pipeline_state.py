@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 from _pipeline_helpers import (
-    RUN_TIMEOUT,
     TOKENS_PER_MB,
+    finish,
     records,
     stage_peers,
     start_driver,
@@ -14,17 +14,12 @@ from _pipeline_helpers import (
     write_peers,
 )
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 
 def run_driver(ca, tmp_path, data, name, count):
     d = start_driver(ca, tmp_path, data, name, "--microbatches", str(count), "--concurrency", "2")
-    try:
-        out, _ = d.communicate(timeout=RUN_TIMEOUT)
-    finally:
-        if d.poll() is None:
-            d.kill()
-            d.wait()
+    out = finish(d)
     assert d.returncode == 0, out
     return out
 
