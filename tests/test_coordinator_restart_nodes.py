@@ -109,7 +109,8 @@ def test_a_coordinator_that_just_started_lists_no_live_trainers_until_it_heard_f
     replies list no trainers for one heartbeat TTL (the node keeps the DHT's view meanwhile), then
     the whole list."""
     db = tmp_path / "coord.db"
-    coord = start_coordinator(db, "--heartbeat-ttl", "8", "--lease-ttl", "8")
+    # A TTL long enough that the join and the first heartbeat surely fall within it, loaded or not.
+    coord = start_coordinator(db, "--heartbeat-ttl", "30", "--lease-ttl", "30")
     try:
         config, manifest = write_run_files(tmp_path, [1000])
         admin_json(coord, "runs", "create", "--config", str(config), "--manifest", str(manifest))
