@@ -313,7 +313,8 @@ def plot(payload: dict, path: Path) -> None:
     a.set_xscale("log")
     a.set(xlabel="bytes sent per worker (log scale)", ylabel="validation loss", title="loss against bytes")
     a.grid(True, which="both", alpha=0.3)
-    a.legend(fontsize=5, ncol=2)
+    if a.lines:
+        a.legend(fontsize=5, ncol=2)
     gap = payload.get("gap_vs_batch") or []
     if gap:
         b.plot([p["per_worker_batch_tokens"] for p in gap], [p["loss_gap_pct"] for p in gap], marker="o",

@@ -93,12 +93,15 @@ def test_summary_picks_the_largest_reduction_within_3_and_5_pct(quality):
     assert s["int4_vs_fp32_H50_pct"] == pytest.approx(1.96)
 
 
+POINT = {"per_worker_batch_tokens": 8192, "loss_gap_pct": 4.0, "row": "avg-fp32-H50"}
+
+
 def test_combine_joins_calls_and_recomputes_gaps(quality, tmp_path):
     a = {"command": "a", "rows": [_row("avg-fp32-H50", 3.3, 250.0)], "curves": {"avg-fp32-H50": []}}
-    b = {"command": "b", "rows": [_row("ddp", 3.0, 1.0)], "curves": {"ddp": []}, "gap_vs_batch": [{"x": 1}]}
+    b = {"command": "b", "rows": [_row("ddp", 3.0, 1.0)], "curves": {"ddp": []}, "gap_vs_batch": [POINT]}
     for name, part in (("a", a), ("b", b)):
         (tmp_path / f"{name}.json").write_text(json.dumps(part))
     merged = quality.combine([tmp_path / "a.json", tmp_path / "b.json"], tmp_path / "out")
     assert [r["loss_gap_pct"] for r in merged["rows"]] == [10.0, 0.0]
-    assert merged["gap_vs_batch"] == [{"x": 1}] and merged["command"] == "a ; b"
+    assert merged["gap_vs_batch"] == [POINT] and merged["command"] == "a ; b"
     assert json.loads((tmp_path / "out" / "quality.json").read_text())["summary"] == merged["summary"]
