@@ -58,6 +58,24 @@ class PublishedState:
 ExchangeHandler = Callable[[str, grpc.aio.ServicerContext], Awaitable[None]]
 
 
+async def start_mtls_server(
+    add_servicer: Callable[[grpc.aio.Server], None],
+    ident: Identity,
+    host: str,
+    port: int,
+    options: list[tuple[str, int]],
+    what: str,
+) -> tuple[grpc.aio.Server, str]:
+    """Start a gRPC server that requires a certificate of the run's CA; (server, "host:port")."""
+    server = grpc.aio.server(options=options)
+    add_servicer(server)
+    bound = server.add_secure_port(f"{host}:{port}", tls.server_credentials(ident))
+    if bound == 0:
+        raise IdentityError(f"could not bind {what} to {host}:{port}")
+    await server.start()
+    return server, f"{host}:{bound}"
+
+
 class PeerServer(peer_pb2_grpc.PeerServicer):
     def __init__(
         self,
@@ -86,13 +104,10 @@ class PeerServer(peer_pb2_grpc.PeerServicer):
     async def start(self) -> str:
         s = self.settings
         options = [*tls.message_options(s.max_message_bytes), (STREAM_WINDOW_OPTION, s.stream_window_bytes)]
-        self._server = grpc.aio.server(options=options)
-        peer_pb2_grpc.add_PeerServicer_to_server(self, self._server)
-        port = self._server.add_secure_port(f"{s.host}:{s.port}", tls.server_credentials(self.identity))
-        if port == 0:
-            raise IdentityError(f"could not bind the peer server to {s.host}:{s.port}")
-        await self._server.start()
-        self.address = f"{s.host}:{port}"
+        self._server, self.address = await start_mtls_server(
+            lambda server: peer_pb2_grpc.add_PeerServicer_to_server(self, server),
+            self.identity, s.host, s.port, options, "the peer server",
+        )
         return self.address
 
     async def stop(self) -> None:

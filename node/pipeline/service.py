@@ -29,6 +29,7 @@ import grpc
 import torch
 
 from murmur.node.net.faults import FaultInjector
+from murmur.node.net.server import start_mtls_server
 from murmur.node.pipeline import codec
 from murmur.node.pipeline.worker import StageWorker
 from murmur.protocol import pipeline_pb2, pipeline_pb2_grpc, tls
@@ -85,13 +86,10 @@ class StageService(pipeline_pb2_grpc.StageServicer):
 
     async def start(self) -> str:
         s = self.settings
-        self._server = grpc.aio.server(options=tls.message_options(s.max_message_bytes))
-        pipeline_pb2_grpc.add_StageServicer_to_server(self, self._server)
-        port = self._server.add_secure_port(f"{s.host}:{s.port}", tls.server_credentials(self.identity))
-        if port == 0:
-            raise IdentityError(f"could not bind the stage service to {s.host}:{s.port}")
-        await self._server.start()
-        self.address = f"{s.host}:{port}"
+        self._server, self.address = await start_mtls_server(
+            lambda server: pipeline_pb2_grpc.add_StageServicer_to_server(self, server),
+            self.identity, s.host, s.port, tls.message_options(s.max_message_bytes), "the stage service",
+        )
         return self.address
 
     async def stop(self) -> None:
