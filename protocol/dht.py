@@ -392,6 +392,15 @@ class MurmurDHT:
             )
         return dict(sorted(members.items()))
 
+    def leave_round(self, round_id: int, key: str) -> None:
+        """Take this peer's entry out of a round's rendezvous (its call failed and it re-syncs).
+
+        Without this, a round tried again after a failure meets the entries of the failed try: the
+        rendezvous fills at once, nobody waits for the peers still re-syncing, and their inputs come
+        in later than the first owners' peer timeout, round after round. A newer entry with no
+        address replaces ours (the DHT keeps the newest) until we put a fresh one."""
+        self._store(round_key(self.run_id, round_id, key), {"address": "", "left": True}, self.settings.rendezvous_ttl)
+
     # asyncio variants: the DHT calls block on a pipe, so they run in a worker thread ------------
 
     async def aannounce(self, record: PeerRecord, ttl: float | None = None) -> bool:
@@ -399,6 +408,9 @@ class MurmurDHT:
 
     async def apeers(self, role: str | None = None, stage: int | None = None) -> list[PeerRecord]:
         return await asyncio.to_thread(self.peers, role, stage)
+
+    async def aleave_round(self, round_id: int, key: str) -> None:
+        await asyncio.to_thread(self.leave_round, round_id, key)
 
     async def arendezvous(self, round_id: int, key: str, address: str, **kwargs: object) -> dict[str, str]:
         return await asyncio.to_thread(self.rendezvous, round_id, key, address, **kwargs)  # type: ignore[arg-type]

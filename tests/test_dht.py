@@ -58,6 +58,24 @@ def test_records_are_signed_expire_and_say_goodbye(ca):
     assert p2pd_processes() == []
 
 
+def test_a_peer_that_left_a_round_no_longer_counts_at_its_rendezvous(ca):
+    """A failed call takes the peer's entry out (node/exchange/rounds.py): the round's retry waits
+    for it again instead of meeting its entry from the failed try."""
+    a, b = ca.issue(), ca.issue()
+    fast = D.DHTSettings(rendezvous_ttl=60.0, poll_interval=0.05)
+    with D.MurmurDHT("run", ca_cert_pem=ca.cert_pem, identity=a, settings=fast) as da:
+        with D.MurmurDHT("run", ca_cert_pem=ca.cert_pem, identity=b, initial_peers=da.addresses, settings=fast) as db:
+            soon = lambda: time.monotonic() + 5  # noqa: E731
+            db.rendezvous(7, "k", "127.0.0.1:2", deadline=soon(), expected=1)
+            met = da.rendezvous(7, "k", "127.0.0.1:1", deadline=soon(), expected=2)
+            assert met == {a.node_id: "127.0.0.1:1", b.node_id: "127.0.0.1:2"}
+            db.leave_round(7, "k")
+            again = da.rendezvous(7, "k", "127.0.0.1:1", deadline=time.monotonic() + 0.5, expected=2)
+            assert again == {a.node_id: "127.0.0.1:1"}
+            db.rendezvous(7, "k", "127.0.0.1:3", deadline=soon(), expected=1)  # back, at a new address
+            assert da.rendezvous(7, "k", "127.0.0.1:1", deadline=soon(), expected=2)[b.node_id] == "127.0.0.1:3"
+
+
 def test_start_errors_are_one_line(ca):
     bad = D.MurmurDHT(
         "run",

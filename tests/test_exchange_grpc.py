@@ -466,3 +466,49 @@ def test_a_peer_that_aborts_mid_stream_leaves_no_task_exception_unretrieved():
         assert all(not isinstance(r, Exception) for r in survivors), survivors
         assert_identical(survivors)
         assert victim.node_id not in survivors[0].members and victim.node_id in survivors[0].dropped
+
+
+def test_a_peer_the_others_did_not_meet_catches_up_and_does_not_stop_them():
+    """Regression (chaos test, round 1): three peers met at the rendezvous without the fourth, which
+    met all four. The fourth is no member of their attempts: being left out must neither end its
+    call (it adopts their result) nor abort their attempts."""
+    with peer_group(4, peer_timeout=2.0, round_deadline=30.0) as (_, peers, _):
+        three = {p.node_id: p.server.address for p in peers[:3]}
+        for p in peers[:3]:
+            p.exchange.group.peers = dict(three)
+        xs = inputs(4)
+        t0 = time.monotonic()
+        results = run_reduce(peers, xs)
+        assert all(not isinstance(r, Exception) for r in results), results
+        assert time.monotonic() - t0 < 20.0  # not the round deadline
+        assert_identical(results)
+        assert results[0].members == sorted(three)
+        for i, got in enumerate(results[0].tensors):
+            assert torch.allclose(got, sum(x[i] for x in xs[:3]) / 3, atol=1e-6)
+
+
+class _EntryComesLate:
+    """A group whose first look misses one rendezvous entry that every later look shows."""
+
+    def __init__(self, first: dict[str, str], later: dict[str, str]) -> None:
+        self.looks = [first]
+        self.later = later
+
+    async def members(self, round_id: int, key: str) -> dict[str, str]:
+        return dict(self.looks.pop() if self.looks else self.later)
+
+
+def test_member_lists_that_differ_converge_on_the_peers_someone_met():
+    """Regression (chaos test, round 1): two peers met three, two met all four. The owners' answers
+    name the fourth to the first two, who look again, learn its address and take it in: the lists
+    converge within a few attempts, not after a lost quorum or the round deadline."""
+    with peer_group(4, peer_timeout=2.0, round_deadline=30.0) as (_, peers, _):
+        every = {p.node_id: p.server.address for p in peers}
+        for p in peers[:2]:
+            p.exchange.rounds.group = _EntryComesLate(dict(list(every.items())[:3]), every)
+        t0 = time.monotonic()
+        results = run_reduce(peers, inputs(4))
+        assert all(not isinstance(r, Exception) for r in results), results
+        assert time.monotonic() - t0 < 10.0  # not the round deadline
+        assert_identical(results)
+        assert results[0].members == sorted(p.node_id for p in peers)

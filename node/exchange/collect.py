@@ -132,6 +132,11 @@ def _attempt_answer(
         why = f"member lists differ ({peer_id} has {len(h.members)}, this peer {len(att.members)})"
         att.disagree(why)
         return status(ABORT, reason=why, members=list(att.members), attempt=att.number)
+    if peer_id not in att.members:
+        # Left out of this attempt (it came late, or the owner regrouped without it): not a refusal
+        # of its input, so ABORT with this attempt's list and number; it may take part in a later one.
+        why = f"{peer_id} is not a member of round {att.round_id} attempt {att.number}"
+        return status(ABORT, reason=why, failed={peer_id: why}, members=list(att.members), attempt=att.number)
     reason = _header_problem(att, h, peer_id, s)
     if reason:
         att.reject(peer_id, reason)
@@ -140,8 +145,6 @@ def _attempt_answer(
 
 
 def _header_problem(att: Attempt, h: peer_pb2.ExchangeHeader, peer_id: str, s: ServeSettings) -> str:
-    if peer_id not in att.members:
-        return f"{peer_id} is not a member of round {att.round_id} attempt {att.number}"
     if h.op != att.op:
         return "operation differs (reduce vs gather)"
     if h.layout_hash != att.layout:

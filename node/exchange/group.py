@@ -101,6 +101,10 @@ class DHTGroup:
         deadline there would leave this peer's attempts unserved, and the others drop it)."""
         return await self.members(round_id, key, wait_s=REGROUP_WAIT_S)
 
+    async def leave(self, round_id: int, key: str) -> None:
+        """This peer's call of the round failed: its rendezvous entry must not count for the retry."""
+        await self.dht.aleave_round(round_id, key)
+
     # -- what the exchange asks of a group that knows the live trainers ---------------------------
 
     def quorum_base(self) -> int | None:

@@ -17,6 +17,7 @@ refuses a connection is dead: the group is told, and it is not met again at a re
 from __future__ import annotations
 
 import asyncio
+import logging
 from dataclasses import dataclass, field
 
 import torch
@@ -35,7 +36,17 @@ from murmur.optim.exchange import ExchangeError
 from murmur.protocol import peer_pb2
 from murmur.protocol.wire import wire_to_proto
 
+log = logging.getLogger(__name__)
+
 FIRST = "other peers completed this round first"
+
+
+@dataclass(frozen=True, slots=True)
+class Dropped:
+    """Why a member failed an attempt; ``refused``: an owner refused its input for what it holds."""
+
+    reason: str
+    refused: bool = False
 
 
 @dataclass(slots=True)
@@ -85,8 +96,22 @@ class Rounds:
                 return out.named, out.members, False
             named, members = await self.catchup.fetch(call, out.hints, out.why)
             return named, members, True
+        except ExchangeError:
+            await self._leave(call)
+            raise
         finally:
             self.book.forget(call.round_id, call.key)
+
+    async def _leave(self, call: Call) -> None:
+        """The call failed here: take this peer out of the round's rendezvous, so that the retry
+        after its re-sync meets only peers that are really there (node/exchange/group.py)."""
+        leave = getattr(self.group, "leave", None)
+        if leave is None:
+            return
+        try:
+            await asyncio.wait_for(leave(call.round_id, call.key), self.settings.peer_timeout)
+        except Exception as err:  # noqa: BLE001 - the entry then expires with its TTL
+            log.debug("round %d %r: could not leave the rendezvous: %s", call.round_id, call.key, err)
 
     async def _attempts(self, call: Call) -> Outcome:
         loop = asyncio.get_running_loop()
@@ -95,29 +120,62 @@ class Rounds:
         while loop.time() < call.deadline:
             if not self._quorum(call, members):
                 why = f"only {len(members)} of {self._quorum_base(call)} live peers here (no quorum)"
-                hints = await self._wait_for_quorum(call)
-                if hints:
-                    return Outcome(hints=hints, why=FIRST)
-                self._give_up_if_behind(call)
-                if hints is not None:
-                    return Outcome(hints=hints, why=why)
+                if (out := await self._meet_again(call, why)) is not None:
+                    return out
                 members, excluded = await self._regroup(call, members), {}
                 continue
             att = self.own.make(call, number, tuple(members))
             self.timeline.mark("attempt", number=number, members=len(members))
+            log.debug("round %d %r: attempt %d with %s", call.round_id, call.key, number, members)
             await self.book.register(att)
             out, failed, seen, at = await self._try(call, att)
             if out is not None:
+                ended = "completed" if out.named else out.why
+                log.debug("round %d %r: attempt %d: %s", call.round_id, call.key, number, ended)
                 return out
-            if self.peer_id in failed:
-                call.dropped[self.peer_id] = failed[self.peer_id]
-                return Outcome(why=f"this peer's input was refused: {failed[self.peer_id]}")
-            call.dropped.update(failed)
-            excluded.update(failed)
-            self._note_refusals(call, failed)
-            members = sorted((set(members) | (seen & set(call.peers))) - set(excluded))
+            log.debug("round %d %r: attempt %d failed: %s", call.round_id, call.key, number, failed)
+            mine = failed.pop(self.peer_id, None)
+            if mine is not None and mine.refused:  # for what it holds: this round goes on without it
+                call.dropped[self.peer_id] = mine.reason
+                return Outcome(why=f"this peer's input was refused: {mine.reason}")
+            if mine is not None:
+                # Left out for coming late or being unknown to an owner's attempt: as with a lost
+                # quorum, adopt a result if someone has one, else meet again. Waiting deaf for a
+                # result instead deadlocks a round whose members started far apart: each owner
+                # leaves the others out, each gives up, and nobody completes.
+                log.debug("round %d %r: left out of attempt %d: %s", call.round_id, call.key, number, mine.reason)
+                why = f"this peer was left out: {mine.reason}"
+                if (out := await self._meet_again(call, why)) is not None:
+                    return out
+                members, excluded, number = await self._regroup(call, members), {}, max(number + 1, at)
+                continue
+            others = {m: f.reason for m, f in failed.items()}
+            call.dropped.update(others)
+            excluded.update(others)
+            self._note_refusals(call, others)
+            members = await self._merged(call, members, seen, excluded)
             number = max(number + 1, at)
         return Outcome(why=why)
+
+    async def _merged(self, call: Call, members: list[str], seen: set[str], excluded: dict[str, str]) -> list[str]:
+        """The next attempt's members: ours and those the owners named, less the excluded. An owner
+        may name a peer this one did not meet (it reached the rendezvous after our look): look
+        again to learn its address. Leaving it out instead keeps the member lists apart, and every
+        attempt ends in a disagreement until someone loses quorum."""
+        if seen - set(call.peers) - set(excluded):
+            await self._regroup(call, members)
+        return sorted((set(members) | (seen & set(call.peers))) - set(excluded))
+
+    async def _meet_again(self, call: Call, why: str) -> Outcome | None:
+        """Before a regroup: the outcome that ends the call (someone completed it; the deadline is
+        near; ExchangeError when the run is rounds ahead), or None to meet again."""
+        hints = await self._wait_for_quorum(call)
+        if hints:
+            return Outcome(hints=hints, why=FIRST)
+        self._give_up_if_behind(call)
+        if hints is not None:
+            return Outcome(why=why)
+        return None
 
     def _quorum_base(self, call: Call) -> int:
         base = getattr(self.group, "quorum_base", None)
@@ -177,7 +235,7 @@ class Rounds:
 
     async def _try(
         self, call: Call, att: Attempt
-    ) -> tuple[Outcome | None, dict[str, str], set[str], int]:
+    ) -> tuple[Outcome | None, dict[str, Dropped], set[str], int]:
         """One attempt: (its outcome if it ended the call, else who failed, the members the
         owners know of, the attempt number they are at)."""
         replies = await self._attempt(call, att)
@@ -197,19 +255,25 @@ class Rounds:
 
     def _failures(
         self, call: Call, att: Attempt, replies: dict[str, Reply]
-    ) -> tuple[dict[str, str], set[str], int]:
-        me, failed, seen, at = self.peer_id, {}, set(), att.number
+    ) -> tuple[dict[str, Dropped], set[str], int]:
+        """(member -> why it failed this attempt, the members the owners know of, the attempt
+        number they are at). This peer's own entry is ``refused`` only when an owner refused its
+        input for what it holds (REFUSED); an owner's ABORT naming it means it came late, stalled
+        or is not in that owner's list: it may still take part in a later attempt."""
+        me, failed, seen, at = self.peer_id, dict[str, Dropped](), set(), att.number
         for o, r in replies.items():
             if r.code == ERROR:
-                failed[o] = r.reason
+                failed[o] = Dropped(r.reason)
             elif r.code == REFUSED:
-                failed[me] = f"{o} refused it: {r.reason}"
+                failed[me] = Dropped(f"{o} refused it: {r.reason}", refused=True)
             elif r.code == ABORT:
-                failed.update({k: v for k, v in r.failed.items() if k in call.peers})
+                for k, v in r.failed.items():
+                    if k in call.peers and not (k == me and me in failed):
+                        failed[k] = Dropped(f"{o} left it out: {v}" if k == me else v)
                 seen |= set(r.members)
                 at = max(at, r.attempt)
         if att.done.is_set():
-            failed.update({k: v for k, v in att.failed.items() if k in call.peers})
+            failed.update({k: Dropped(v) for k, v in att.failed.items() if k in call.peers and k not in failed})
         else:
             # We leave before our own inputs settled: say so to whoever still sends to us, without
             # blaming members that may simply not have reached us yet.
