@@ -17,6 +17,7 @@ configures it. ``--fault SPEC`` (repeatable, hidden) arms a fault of the product
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 from pathlib import Path
@@ -129,6 +130,21 @@ def _faults(specs: list[str]):
         raise MurmurError(f"--fault: {err}") from None
 
 
+def _debug_log(level: str | None) -> None:
+    """MURMUR_LOG_LEVEL=debug: the exchange's attempts (who met, who was left out and why) on
+    stderr with timestamps, for reading a stalled round after the fact."""
+    if not level:
+        return
+    name = level.upper()
+    if name not in logging.getLevelNamesMapping():
+        raise MurmurError(f"MURMUR_LOG_LEVEL={level!r} is not a logging level (debug, info, warning)")
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s: %(message)s"))
+    root = logging.getLogger("murmur")
+    root.addHandler(handler)
+    root.setLevel(name)
+
+
 def _run(args: argparse.Namespace) -> int:
     from murmur.node.daemon.node import NodeOptions, run_node  # grpc, torch: only when running
 
@@ -138,6 +154,7 @@ def _run(args: argparse.Namespace) -> int:
         raise MurmurError("--threads and --max-rounds must not be negative")
     settings = NodeSettings(**{name: getattr(args, name) for name in NodeSettings.names()})
     faults = _faults(args.fault)
+    _debug_log(_env("MURMUR_LOG_LEVEL"))
 
     def log(msg: str) -> None:
         print(msg, flush=True)

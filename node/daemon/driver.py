@@ -145,6 +145,11 @@ class TrainingDriver:
                 break
             if trainer.lease is not None and trainer.lease.lease_id in self.session.lost_leases:
                 trainer.lease, trainer.loader = None, None  # its work is refused: take a new lease
+            if self._run_moved_on():
+                # Live trainers completed the round this node would train next (it came late, or
+                # was left out and caught up): training it is wasted, its update would be left out
+                # again, and the others would wait for it in vain. Take the newest state instead.
+                self._resync_blocking(min_round=trainer.round + 1)
             try:
                 result = trainer.run_window(self._next_lease_blocking, self.stop.is_set)
             except ExchangeError as err:
@@ -163,22 +168,7 @@ class TrainingDriver:
             if result.round % eval_every == 0 or trainer.step >= cfg.train.steps:
                 v = evaluate(trainer.model, val, trainer.device, cfg.train.dtype)
             record = self._round_record(result, v)
-            spans = [seg for seg in result.segments if seg.end > seg.start]
-            sent = self._sent_since_commit() if spans else 0  # the first span carries the round's bytes
-            commits = [
-                PendingCommit(
-                    seg.lease.lease_id,
-                    seg.lease.shard_id,
-                    seg.start,
-                    seg.end,
-                    result.round,
-                    result.loss,
-                    sent if i == 0 else 0,
-                    result.seconds,
-                    self._round_members(),
-                )
-                for i, seg in enumerate(spans)
-            ]
+            commits = self._window_commits(result, record)
             shared = trainer.shared_tensors()
             if self.s.checkpoint_every_rounds and result.round % self.s.checkpoint_every_rounds == 0:
                 # Before the round is logged or committed: the checkpoint is never older than either.
@@ -187,6 +177,37 @@ class TrainingDriver:
             if self.max_rounds and rounds_here >= self.max_rounds:
                 self.loop.call_soon_threadsafe(self.stop.request, f"--max-rounds {self.max_rounds} reached")
                 break
+
+    def _window_commits(self, result: WindowResult, record: dict[str, Any]) -> list[PendingCommit]:
+        """What a completed window commits: its spans of leased shards, or nothing when the round
+        went on without this node's update (training thread)."""
+        if not record["contributed"]:
+            # Left out (it came late and caught up from the others): these tokens never reached
+            # the model, so nothing is committed, and the next window trains them again from the
+            # lease's committed offset (the coordinator hands the same lease back). Training on
+            # past them would have the next window's commit refused too.
+            self.trainer.lease, self.trainer.loader = None, None
+            self.loop.call_soon_threadsafe(
+                self.log, f"round {result.round}: this node's update was left out; its tokens are trained again"
+            )
+            return []
+        spans = [seg for seg in result.segments if seg.end > seg.start]
+        sent = self._sent_since_commit() if spans else 0  # the first span carries the round's bytes
+        members = self._round_members()
+        return [
+            PendingCommit(
+                seg.lease.lease_id,
+                seg.lease.shard_id,
+                seg.start,
+                seg.end,
+                result.round,
+                result.loss,
+                sent if i == 0 else 0,
+                result.seconds,
+                members,
+            )
+            for i, seg in enumerate(spans)
+        ]
 
     def _next_lease_blocking(self, done: Segment | None, loss: float) -> LeaseView | None:
         """From the training thread: commit the shard that ran out, then wait for a new lease."""
@@ -205,8 +226,13 @@ class TrainingDriver:
             self.loop.call_soon_threadsafe(self.session.queue_commits, [commit])
         return asyncio.run_coroutine_threadsafe(self.session.acquire(), self.loop).result()
 
-    def _resync_blocking(self) -> None:
-        coro = self.dataplane.fetch_state(min_round=self.trainer.round, timeout_s=self.s.state_fetch_timeout_s)
+    def _run_moved_on(self) -> bool:
+        """Whether a live trainer reports a round past this node's (training thread; plain reads)."""
+        return self.session.in_rounds and self.session.view.run_round() > self.trainer.round
+
+    def _resync_blocking(self, min_round: int | None = None) -> None:
+        at = self.trainer.round if min_round is None else min_round
+        coro = self.dataplane.fetch_state(min_round=at, timeout_s=self.s.state_fetch_timeout_s)
         state = asyncio.run_coroutine_threadsafe(coro, self.loop).result()
         if state is not None:
             self.trainer.load_shared_tensors(state)
@@ -233,6 +259,8 @@ class TrainingDriver:
             "bytes_received": t.sync.bytes.total_received,
             "compression": ddp / sent if sent else 0.0,
             "peers": len(peers),
+            # False: the round completed without this node's update (it caught up from peers)
+            "contributed": not self.session.in_rounds or self.session.info.node_id in peers,
             "hash": t.global_hash(),
             "shards": [s.lease.shard_id for s in result.segments],
         }
