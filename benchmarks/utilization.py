@@ -36,10 +36,10 @@ import torch
 
 from murmur.node.daemon.training import LeaseView, NodeTrainer
 from murmur.node.model.data import Dataset, prepare
-from murmur.optim.accounting import ddp_bytes
 from murmur.optim.exchange import Exchange
 from murmur.optim.factory import make_aggregator_for, make_codec_for
 from murmur.optim.inprocess import InProcessGroup
+from murmur.protocol.model_shape import ddp_bytes
 from murmur.protocol.runconfig import config_from_dict
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -12,6 +12,7 @@ from typing import Any
 
 from murmur.errors import MurmurError
 from murmur.protocol.jointoken import JoinToken, secret_hash
+from murmur.protocol.model_shape import ddp_bytes, model_config
 from murmur.protocol.runconfig import ConfigError, parse_config
 
 from .settings import CoordinatorSettings
@@ -158,3 +159,26 @@ def sync_of(config_toml: str) -> dict[str, Any]:
         return {"algorithm": sync.algorithm, "codec": sync.codec, "inner_steps": sync.inner_steps}
     except MurmurError:  # a stored config parsed when the run was created; only a newer schema fails
         return {"algorithm": "?", "codec": "?", "inner_steps": 0}
+
+
+def shape_of(config_toml: str) -> dict[str, int]:
+    """The run's parameter count and tokens per worker-step (batch x sequence), as its TOML says;
+    zeros for a config this coordinator cannot read."""
+    try:
+        cfg = parse_config(config_toml, "the run configuration")
+        m = cfg.model
+        shape = model_config(
+            m.preset, dim=m.dim, n_layers=m.n_layers, n_heads=m.n_heads, n_kv_heads=m.n_kv_heads,
+            hidden_dim=m.hidden_dim, vocab_size=m.vocab_size, seq_len=m.seq_len,
+        )
+    except (MurmurError, ValueError):
+        return {"n_params": 0, "tokens_per_step": 0}
+    return {"n_params": shape.num_params(), "tokens_per_step": cfg.train.batch_size * shape.seq_len}
+
+
+def ddp_equivalent_bytes(shape: dict[str, int], tokens: int, workers: int) -> int:
+    """What DDP would have sent, over all workers, to train ``tokens`` with ``workers`` of them at
+    this batch: every worker-step a ring all-reduce of fp32 gradients (protocol/model_shape.py)."""
+    if not shape["tokens_per_step"] or workers < 2:
+        return 0
+    return ddp_bytes(shape["n_params"], workers, tokens // shape["tokens_per_step"])

@@ -17,7 +17,7 @@ from google.protobuf.json_format import MessageToDict
 from murmur.protocol import coordinator_pb2 as pb
 
 from .membership import Membership
-from .runs import NotFound, RunError, Runs, sync_of
+from .runs import NotFound, RunError, Runs, ddp_equivalent_bytes, shape_of, sync_of
 from .settings import CoordinatorSettings
 from .store import Store
 
@@ -133,10 +133,20 @@ class StatusSource:
                     "device": n.hardware.device,
                 }
             )
+        # Each worker-step of DDP sends 2 (k - 1) / k of the fp32 gradient, k the workers that
+        # trained together: here, the nodes that committed tokens (a lower bound on the group).
+        workers = sum(1 for n in nodes if n["tokens_committed"] > 0)
+        ddp = ddp_equivalent_bytes(shape_of(reply.run.config_toml), reply.run.tokens_committed, workers)
         return {
             "now": now,
             "heartbeat_ttl_s": ttl,
-            "run": {**sync_of(reply.run.config_toml), "run_id": rid, "state": reply.run.state},
+            "run": {
+                **sync_of(reply.run.config_toml),
+                "run_id": rid,
+                "state": reply.run.state,
+                "ddp_bytes": ddp,
+                "reduction_vs_ddp": ddp / reply.bytes_sent if reply.bytes_sent and ddp else 0.0,
+            },
             # The very JSON `murmur admin status --output json` prints, for the same moment.
             "status": MessageToDict(
                 reply, preserving_proto_field_name=True, always_print_fields_with_no_presence=True

@@ -27,9 +27,3 @@ class ByteCounter:
     def to_dict(self) -> dict[str, object]:
         return {"sent": dict(self.sent), "received": dict(self.received), "rounds": self.rounds,
                 "total_sent": self.total_sent, "total_received": self.total_received}
-
-
-def ddp_bytes(n_params: int, k: int, steps: int) -> int:
-    """Bytes one of ``k`` workers sends over ``steps`` steps of DDP: a ring all-reduce of fp32
-    gradients every step, in which each worker sends 2 (k - 1) / k of the gradient."""
-    return steps * (2 * (k - 1) * 4 * n_params // k) if k > 1 else 0

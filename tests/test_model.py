@@ -16,6 +16,17 @@ def test_parameter_count_matches_the_formula(name):
     assert sum(p.numel() for p in model.parameters()) == cfg.num_params()
 
 
+def test_the_coordinators_parameter_count_is_the_models():
+    """The status page's "less than DDP" divides by the count the coordinator reads from the run's
+    TOML (torch-free); it must be the built model's."""
+    from murmur.coordinator.runs import shape_of
+
+    toml = '[model]\npreset = "tiny"\ndim = 64\nn_layers = 3\nseq_len = 32\n[train]\nbatch_size = 5\n'
+    model = Transformer(model_config("tiny", dim=64, n_layers=3, seq_len=32))
+    assert shape_of(toml) == {"n_params": sum(p.numel() for p in model.parameters()), "tokens_per_step": 5 * 32}
+    assert shape_of("[model]\npreset = 'tiny'\nn_heads = 5\n") == {"n_params": 0, "tokens_per_step": 0}
+
+
 def test_preset_sizes():
     millions = {name: cfg.num_params() / 1e6 for name, cfg in PRESETS.items()}
     assert 0.5 < millions["tiny"] < 1.5

@@ -12,11 +12,13 @@ import json
 import os
 import shutil
 import subprocess
+import urllib.request
 from pathlib import Path
 
 import pytest
 from _node_helpers import log, make_testnet, small_dataset, wait_rounds
 
+from murmur.coordinator.runs import ddp_equivalent_bytes, shape_of
 from murmur.node.testnet.procs import kill_group, wait_for
 
 pytestmark = pytest.mark.slow
@@ -117,6 +119,14 @@ def test_status_page_shows_the_ledger_and_a_lost_node(tmp_path):
         committed = int(page.by_id["run-tokens"]["data-committed"])
         assert int(before["run"]["tokens_committed"]) <= committed <= int(after["run"]["tokens_committed"])
         assert int(page.by_id["run-tokens"]["data-total"]) == int(after["run"]["tokens_total"])
+        # Less than DDP: DDP's bytes for the committed tokens at this batch, over the bytes sent.
+        api = json.loads(urllib.request.urlopen(url + "api/status", timeout=30).read())
+        shape = shape_of(api["status"]["run"]["config_toml"])
+        workers = sum(1 for n in api["nodes"] if n["tokens_committed"] > 0)
+        ddp = ddp_equivalent_bytes(shape, int(api["status"]["run"]["tokens_committed"]), workers)
+        assert ddp > 0 and api["run"]["ddp_bytes"] == ddp
+        assert api["run"]["reduction_vs_ddp"] == pytest.approx(ddp / int(api["status"]["bytes_sent"]))
+        assert float(page.by_id["run-reduction"]["data-value"]) > 1.0  # H steps per exchange: far less
         cli_tokens = {n["node_id"]: (int(b["tokens_committed"]), int(n["tokens_committed"]))
                       for b in before["nodes"] for n in after["nodes"] if b["node_id"] == n["node_id"]}
         for node_id, row in page.rows.items():

@@ -13,8 +13,8 @@ from pathlib import Path
 import torch
 
 from murmur.node.train.step import evaluate
-from murmur.optim.accounting import ddp_bytes
 from murmur.optim.sync import SyncAlgorithm
+from murmur.protocol.model_shape import ddp_bytes
 from murmur.protocol.runconfig import RunConfig
 
 
