@@ -101,8 +101,9 @@ def test_api_status_agrees_with_the_ledger_and_the_admin_cli(coord, tmp_path):
         for n in d["nodes"]:
             n.pop("last_heartbeat")
     assert page["status"] == cli
+    # One node committed: DDP with one worker sends nothing, so there is no ratio to show.
     assert page["run"] == {"algorithm": "diloco", "codec": "fp32", "inner_steps": 10, "run_id": "test-run",
-                           "state": "active"}
+                           "state": "active", "ddp_bytes": 0, "reduction_vs_ddp": 0.0}
     [row] = page["nodes"]
     assert row["node_id"] == node_id and row["status"] == "active"
     assert (row["round"], row["tokens_committed"], row["bytes_sent"]) == (4, 500, 5096)
@@ -198,7 +199,9 @@ def test_bad_clients_get_clear_errors_and_the_server_keeps_serving(coord):
 
 
 def test_node_metrics_escape_label_values():
-    m = NodeMetrics(round=7, bytes_sent_total=123, compute_seconds_total=3.0, wall_seconds_total=5.0)
+    m = NodeMetrics(
+        round=7, bytes_sent_total=123, compute_seconds_total=3.0, exchange_wait_seconds_total=1.5, wall_seconds_total=5.0
+    )
     families = list(NodeCollector(m, {"node": 'a"b\\c\nd', "run": "r"}).collect())
     from prometheus_client import CollectorRegistry, generate_latest
 
@@ -213,6 +216,6 @@ def test_node_metrics_escape_label_values():
     got = samples(text)
     labels = (("node", 'a"b\\c\nd'), ("run", "r"))
     assert got[("murmur_node_round", labels)] == 7
-    for phase, seconds in (("compute", 3.0), ("wait", 2.0)):
+    for phase, seconds in (("compute", 3.0), ("exchange", 1.5), ("wait", 0.5)):
         key = tuple(sorted((*labels, ("phase", phase))))
         assert got[("murmur_node_round_seconds_total", key)] == seconds

@@ -72,6 +72,11 @@ def test_three_nodes_learn_and_hold_the_same_state(tmp_path, data):
         for r in common:
             assert len(set(by_round[r].values())) == 1, f"round {r}: nodes disagree {by_round[r]}"
         assert max(trained(net.nodes[0])[-1]["peers"] for _ in [0]) == 3
+        for r in (r for node in net.nodes for r in trained(node)):
+            # A window's time splits into compute, blocked on the exchange (DiLoCo blocks at the
+            # end of every window) and the rest: the parts the metrics report.
+            assert r["compute_seconds"] > 0 and r["exchange_wait_seconds"] > 0, r
+            assert r["compute_seconds"] + r["exchange_wait_seconds"] <= r["seconds"] * 1.001, r
         for node in net.nodes:
             vals = [r["val_loss"] for r in trained(node) if r.get("val_loss") is not None]
             assert vals and vals[-1] < 5.0  # from ~5.5 (uniform over bytes) at round 0

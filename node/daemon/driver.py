@@ -31,8 +31,8 @@ from murmur.node.daemon.stop import StopSignal
 from murmur.node.daemon.training import LeaseView, NodeTrainer, Segment, WindowResult
 from murmur.node.model.data import Dataset, eval_batches
 from murmur.node.train.step import evaluate
-from murmur.optim.accounting import ddp_bytes
 from murmur.optim.exchange import ExchangeError
+from murmur.protocol.model_shape import ddp_bytes
 from murmur.protocol.runconfig import RunConfig
 
 
@@ -255,6 +255,7 @@ class TrainingDriver:
             "tokens_per_s": result.tokens / result.seconds if result.seconds > 0 else 0.0,
             "seconds": result.seconds,
             "compute_seconds": result.compute_seconds,
+            "exchange_wait_seconds": result.exchange_wait_seconds,
             "bytes_sent": sent,
             "bytes_received": t.sync.bytes.total_received,
             "compression": ddp / sent if sent else 0.0,
@@ -289,6 +290,7 @@ class TrainingDriver:
         m.bytes_sent_total, m.bytes_received_total = record["bytes_sent"], record["bytes_received"]
         m.compression_ratio, m.peers = record["compression"], record["peers"]
         m.compute_seconds_total += record["compute_seconds"]
+        m.exchange_wait_seconds_total += record["exchange_wait_seconds"]
         m.wall_seconds_total += record["seconds"]
         self.session.tokens_per_s = record["tokens_per_s"]
         self.session.queue_commits(commits)

@@ -33,6 +33,7 @@ _HELP = {
     "compression_ratio": ("gauge", "bytes fp32 data-parallel training would have sent / bytes sent"),
     "peers": ("gauge", "members of the last exchange round"),
     "compute_seconds_total": ("counter", "seconds spent computing (forward, backward, optimizer)"),
+    "exchange_wait_seconds_total": ("counter", "seconds training was blocked waiting for the exchange"),
     "wall_seconds_total": ("counter", "seconds spent in training windows"),
     "coordinator_up": ("gauge", "1 when the last coordinator call succeeded"),
     "pending_commits": ("gauge", "progress commits waiting for the coordinator"),
@@ -52,6 +53,7 @@ class NodeMetrics:
     compression_ratio: float = 0.0
     peers: int = 0
     compute_seconds_total: float = 0.0
+    exchange_wait_seconds_total: float = 0.0
     wall_seconds_total: float = 0.0
     coordinator_up: int = 0
     pending_commits: int = 0
@@ -72,14 +74,17 @@ class NodeCollector:
             metric = family(f"murmur_node_{f.name}", text, labels=self.names)
             metric.add_metric(self.values, getattr(m, f.name))
             yield metric
-        # Where a round's wall time went: computing, or everything else (mostly waiting for the exchange).
+        # Where a round's wall time went: computing, blocked on the exchange (what overlap did not
+        # hide), or the rest (data loading, leases, evaluation).
         phases = CounterMetricFamily(
             "murmur_node_round_seconds",
-            "seconds of training windows by phase: compute, or wait (exchange, data, leases)",
+            "seconds of training windows by phase: compute, exchange (blocked on it), wait (data, leases, eval)",
             labels=[*self.names, "phase"],
         )
+        exchange = m.exchange_wait_seconds_total
         phases.add_metric([*self.values, "compute"], m.compute_seconds_total)
-        phases.add_metric([*self.values, "wait"], max(0.0, m.wall_seconds_total - m.compute_seconds_total))
+        phases.add_metric([*self.values, "exchange"], exchange)
+        phases.add_metric([*self.values, "wait"], max(0.0, m.wall_seconds_total - m.compute_seconds_total - exchange))
         yield phases
 
 

@@ -69,6 +69,7 @@ class WindowResult:
     compute_seconds: float
     segments: list[Segment] = field(default_factory=list)
     stopped: bool = False  # the window ended early because a stop was asked for
+    exchange_wait_seconds: float = 0.0  # of ``seconds``: training blocked on the exchange
 
 
 class _MeteredFuture(Future):
@@ -218,7 +219,7 @@ class NodeTrainer:
 
     def run_window(self, next_lease: LeaseSource, stop: Callable[[], bool]) -> WindowResult:
         """H inner steps on the leased data (taking new leases as shards run out)."""
-        t0 = time.perf_counter()
+        t0, waited0 = time.perf_counter(), self.meter.waited_s
         losses: list[torch.Tensor] = []
         compute = 0.0
         segments: list[Segment] = []
@@ -262,7 +263,8 @@ class NodeTrainer:
             self._close_segment(segments)  # runs out exactly at the window's end: commit with it
         tokens = sum(s.end - s.start for s in segments + early)
         return WindowResult(
-            self.round, len(losses), mean, tokens, time.perf_counter() - t0, compute, segments
+            self.round, len(losses), mean, tokens, time.perf_counter() - t0, compute, segments,
+            exchange_wait_seconds=self.meter.waited_s - waited0,
         )
 
     def _close_segment(self, segments: list[Segment]) -> Segment | None:
