@@ -121,7 +121,9 @@ class StatusSource:
                     "node_id": n.node_id,
                     "status": n.status,
                     "heartbeat_age_s": age,
-                    "heartbeat_late": n.status == "active" and age > ttl,
+                    # Red past the TTL: an active node about to be declared lost, or a lost one
+                    # (a node that left or was banned is not expected to heartbeat).
+                    "heartbeat_late": n.status in ("active", "lost") and age > ttl,
                     "round": int(e["round"]) if e else 0,
                     "tokens_per_s": n.tokens_per_s,
                     "tokens_committed": n.tokens_committed,

@@ -200,7 +200,8 @@ def test_bad_clients_get_clear_errors_and_the_server_keeps_serving(coord):
 
 def test_node_metrics_escape_label_values():
     m = NodeMetrics(
-        round=7, bytes_sent_total=123, compute_seconds_total=3.0, exchange_wait_seconds_total=1.5, wall_seconds_total=5.0
+        round=7, bytes_sent_total=123, compute_seconds_total=3.0, exchange_wait_seconds_total=1.5,
+        wall_seconds_total=5.0,
     )
     families = list(NodeCollector(m, {"node": 'a"b\\c\nd', "run": "r"}).collect())
     from prometheus_client import CollectorRegistry, generate_latest

@@ -144,7 +144,8 @@ def test_status_page_shows_the_ledger_and_a_lost_node(tmp_path):
         wait_for(lost, 60, what="the coordinator to mark the killed node lost")
         page = read_page(tmp_path, url)
         assert page.rows[victim_id]["status"] == page.rows[victim_id]["row_status"] == "lost", page.rows
-        assert "st-lost" in _row_classes(tmp_path, url, victim_id)
+        row = _row_classes(tmp_path, url, victim_id)
+        assert "st-lost" in row and "heartbeat late" in row  # its heartbeat age is red: past the TTL
         shots = Path(os.environ.get("MURMUR_STATUS_SCREENSHOT") or tmp_path / "status-page.png")
         shots.parent.mkdir(parents=True, exist_ok=True)
         chromium(tmp_path, url, f"--screenshot={shots}", "--window-size=1280,1000", "--hide-scrollbars")
