@@ -30,7 +30,10 @@ ROUNDS_KEPT = 4096  # rounds whose completing group is remembered, per run
 
 
 class SplitRound(LeaseLost):
-    """A commit of tokens that reached a split's model, not the run's."""
+    """A commit of tokens that reached a split's model, not the run's. ABORTED, not
+    FAILED_PRECONDITION: the node must also re-sync its state from the run, not only drop a lease."""
+
+    code = "ABORTED"
 
 
 @dataclass(slots=True)

@@ -137,6 +137,43 @@ def test_silent_node_loses_its_lease_and_its_late_commit_is_refused(coord):
     assert "lost" in kinds and "lease_expired" in kinds
 
 
+def test_a_splits_commit_is_refused_as_aborted_so_the_node_re_syncs(coord):
+    """A commit of a round completed by a minority of the live trainers is a split's: refused with
+    ABORTED (the node takes the run's state again, node/daemon/driver.py), not with a lost lease's
+    FAILED_PRECONDITION (the node only takes a new lease)."""
+    token = new_token(coord, "--uses", "3")
+
+    async def scenario() -> None:
+        members = [await join(coord, token) for _ in range(3)]
+        clients = [c for c, _ in members]
+        ids = [n for _, n in members]
+
+        async def beat() -> None:
+            for i, c in enumerate(clients):
+                await c.heartbeat(peer=pb.HeartbeatRequest(
+                    incarnation=f"inc{i}", peer_address=f"127.0.0.1:{1000 + i}", round=3, state_hash="ab"
+                ))
+
+        try:
+            loop = asyncio.get_running_loop()
+            settled = loop.time() + 2 * 1.5 + 0.5  # trainers count against a commit once settled (2 TTLs)
+            while loop.time() < settled:
+                await beat()
+                await asyncio.sleep(0.2)
+            lease = (await clients[0].acquire()).lease
+            with pytest.raises(CoordinatorError, match="minority group is a split") as err:
+                await clients[0].commit(lease.lease_id, lease.shard_id, 0, 100, outer_step=4, round_members=ids[:1])
+            assert err.value.code == grpc.StatusCode.ABORTED
+            # The same window trained by a majority group is the run's progress.
+            await clients[0].commit(lease.lease_id, lease.shard_id, 0, 100, outer_step=4, round_members=ids[:2])
+        finally:
+            for c in clients:
+                await c.close()
+
+    asyncio.run(scenario())
+    assert admin_json(coord, "status")["run"]["tokens_committed"] == "100"
+
+
 def test_malformed_requests_get_clear_errors_and_change_nothing(coord):
     token = new_token(coord)
 

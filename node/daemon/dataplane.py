@@ -31,9 +31,11 @@ class DataPlane(Protocol):
         """Offer the global state of a round to joiners and laggards."""
         ...
 
-    async def fetch_state(self, *, min_round: int, timeout_s: float) -> dict[str, torch.Tensor] | None:
-        """The newest state of a round >= ``min_round`` from peers (verified against its hash), or
-        None when no peer is ahead."""
+    async def fetch_state(
+        self, *, min_round: int, timeout_s: float, exclude: frozenset[str] = frozenset()
+    ) -> dict[str, torch.Tensor] | None:
+        """The newest state of a round >= ``min_round`` from peers not in ``exclude`` (verified
+        against its hash), or None when no such peer is ahead."""
         ...
 
     async def wait_for_peers(self, count: int, timeout_s: float, stop: Callable[[], bool]) -> int:
@@ -96,7 +98,9 @@ class SoloDataPlane:
     def publish(self, round_id: int, tensors: list[tuple[str, torch.Tensor]]) -> None:
         """No one to offer it to."""
 
-    async def fetch_state(self, *, min_round: int, timeout_s: float) -> dict[str, torch.Tensor] | None:
+    async def fetch_state(
+        self, *, min_round: int, timeout_s: float, exclude: frozenset[str] = frozenset()
+    ) -> dict[str, torch.Tensor] | None:
         return None
 
     async def wait_for_peers(self, count: int, timeout_s: float, stop: Callable[[], bool]) -> int:

@@ -143,13 +143,7 @@ class TrainingDriver:
                 why = f"the run's schedule of {cfg.train.steps} steps is done"
                 self.loop.call_soon_threadsafe(self.stop.request, why)
                 break
-            if trainer.lease is not None and trainer.lease.lease_id in self.session.lost_leases:
-                trainer.lease, trainer.loader = None, None  # its work is refused: take a new lease
-            if self._run_moved_on():
-                # Live trainers completed the round this node would train next (it came late, or
-                # was left out and caught up): training it is wasted, its update would be left out
-                # again, and the others would wait for it in vain. Take the newest state instead.
-                self._resync_blocking(min_round=trainer.round + 1)
+            self._before_window()
             try:
                 result = trainer.run_window(self._next_lease_blocking, self.stop.is_set)
             except ExchangeError as err:
@@ -230,9 +224,40 @@ class TrainingDriver:
         """Whether a live trainer reports a round past this node's (training thread; plain reads)."""
         return self.session.in_rounds and self.session.view.run_round() > self.trainer.round
 
-    def _resync_blocking(self, min_round: int | None = None) -> None:
+    def _before_window(self) -> None:
+        """Before a window (training thread): drop a lease whose work was refused; leave a split's
+        state, or skip rounds the run has completed already, for the run's newest state."""
+        trainer = self.trainer
+        if trainer.lease is not None and trainer.lease.lease_id in self.session.lost_leases:
+            trainer.lease, trainer.loader = None, None  # its work is refused: take a new lease
+        split = self._split_group()
+        if split:
+            # The coordinator refused a commit as a split's: this node's state is that split's.
+            # Take the run's from the trainers outside the split group.
+            self.loop.call_soon_threadsafe(
+                self.log, f"a round of this node's group ({len(split)} members) was a split (its commits "
+                "were refused): re-syncing from the trainers outside it"
+            )
+            trainer.lease, trainer.loader = None, None
+            self._resync_blocking(min_round=0, exclude=split)
+        elif self._run_moved_on():
+            # Live trainers completed the round this node would train next (it came late, or
+            # was left out and caught up): training it is wasted, its update would be left out
+            # again, and the others would wait for it in vain. Take the newest state instead.
+            self._resync_blocking(min_round=trainer.round + 1)
+
+    def _split_group(self) -> frozenset[str]:
+        """The members of split rounds the coordinator refused since the last look (training
+        thread; the list is appended to on the loop, and list.pop is atomic)."""
+        groups = self.session.split_groups
+        out: frozenset[str] = frozenset()
+        while groups:
+            out |= groups.pop()
+        return out  # this node is in it: its own state is the split's
+
+    def _resync_blocking(self, min_round: int | None = None, exclude: frozenset[str] = frozenset()) -> None:
         at = self.trainer.round if min_round is None else min_round
-        coro = self.dataplane.fetch_state(min_round=at, timeout_s=self.s.state_fetch_timeout_s)
+        coro = self.dataplane.fetch_state(min_round=at, timeout_s=self.s.state_fetch_timeout_s, exclude=exclude)
         state = asyncio.run_coroutine_threadsafe(coro, self.loop).result()
         if state is not None:
             self.trainer.load_shared_tensors(state)

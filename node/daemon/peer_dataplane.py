@@ -202,8 +202,11 @@ class PeerDataPlane:
         await self.peer.exchange.faults.delay("peer_lookup", me, -1)  # a slow or unreachable DHT
         return [r for r in await self.dht.apeers(role=TRAINER) if r.node_id != me]
 
-    async def fetch_state(self, *, min_round: int, timeout_s: float) -> dict[str, torch.Tensor] | None:
-        """The newest global state some peers announce, if its round is at least ``min_round``."""
+    async def fetch_state(
+        self, *, min_round: int, timeout_s: float, exclude: frozenset[str] = frozenset()
+    ) -> dict[str, torch.Tensor] | None:
+        """The newest global state some peers (not in ``exclude``) announce, if its round is at
+        least ``min_round``."""
         # Right after joining the DHT a lookup may not see anyone yet: look again until some peer
         # shows up or the rendezvous deadline says this node is the first one.
         loop = asyncio.get_running_loop()
@@ -219,7 +222,7 @@ class PeerDataPlane:
             await asyncio.sleep(STATE_POLL_S)
         deadline = loop.time() + timeout_s
         while True:
-            others = [r for r in records if r.round >= min_round and r.state_hash]
+            others = [r for r in records if r.round >= min_round and r.state_hash and r.node_id not in exclude]
             if not others:
                 return None
             # The newest round; within it, the hash most peers hold (a lone liar is outvoted).

@@ -132,6 +132,9 @@ class CoordinatorSession:
         self.pending: deque[PendingCommit] = deque(state.load_pending())  # the journal, oldest first
         metrics.pending_commits = len(self.pending)
         self.lost_leases: set[str] = set()  # leases whose commits were refused (read by the training thread)
+        # The round groups of commits refused as a split: this node's state is the split's, not
+        # the run's; the training thread re-syncs from trainers outside the group (then clears it).
+        self.split_groups: list[frozenset[str]] = []
         self.current_lease: LeaseView | None = None
         self.coordinator_up = True
         self.tokens_per_s = 0.0  # what the heartbeats report; the driver sets it after each round
@@ -286,6 +289,8 @@ class CoordinatorSession:
                     # by whoever holds the shard now. Drop it and the lease's later commits.
                     self.log(f"commit of shard {c.shard_id} [{c.start_offset}, {c.end_offset}) refused: {err}")
                     self.lost_leases.add(c.lease_id)
+                    if err.code == grpc.StatusCode.ABORTED and c.round_members:  # a split's round
+                        self.split_groups.append(frozenset(c.round_members))
                 self.pending.popleft()
                 self._save_journal()
             return True
