@@ -12,7 +12,8 @@ the coordinator's ledger, and says what the issue-14 benchmark and the churn tes
   round numbers lag far behind theirs). A node that caught up (came late, took the result from
   the group that completed the round) records that group's hash: not a split;
 * the ledger: tokens committed equal the sum of the shards' committed offsets (every token counted
-  once) and never exceed the tokens the recorded rounds trained.
+  once) and never exceed the tokens the recorded rounds trained into the model (a window whose
+  update was left out is not counted: its tokens are trained again; ``windows_left_out``).
 
 Used by `murmur testnet chaos`, benchmarks/chaos.py and tests/test_churn_*.py.
 """
@@ -97,7 +98,9 @@ def analyze(net: Testnet, started_at: float, ended_at: float) -> dict:
     shards = net.admin("shards", "list", "--run", net.run_id)["shards"]
     committed = int(status["run"]["tokens_committed"])
     offsets = sum(int(s["committed_offset"]) for s in shards)
-    trained = sum(int(r.get("tokens", 0)) for r in recs)
+    # Tokens that reached the model: a window whose update a round left out trained tokens the
+    # ledger must not count (the node trains them again), so they are not counted here either.
+    trained = sum(int(r.get("tokens", 0)) for r in recs if r.get("contributed", True))
     return {
         "rounds": len(by_round),
         "max_round": max(by_round, default=0),
@@ -106,6 +109,7 @@ def analyze(net: Testnet, started_at: float, ended_at: float) -> dict:
         "split_brain_rounds": len(disagree),
         "tokens_committed": committed,
         "tokens_trained": trained,
+        "windows_left_out": sum(1 for r in recs if r.get("contributed") is False),
         "ledger_exact": committed == offsets and committed <= trained,
         "tokens_lost": max(0, trained - committed),
     }
