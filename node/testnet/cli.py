@@ -53,6 +53,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         )
         v.add_argument("--out", default="runs/testnet", help="folder for the ledger, node states, logs, PNG")
         v.add_argument("--threads", type=int, default=1, help="torch threads per node (default 1)")
+        v.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                       help="every node's --device (default auto: a GPU when there is one)")
         v.add_argument("--solo", action="store_true", help=argparse.SUPPRESS)  # nodes without peers
         if verb == "chaos":
             v.add_argument("--mtbf", type=float, default=30.0, help="mean seconds between kills (default 30)")
@@ -237,7 +239,7 @@ def _run(args: argparse.Namespace) -> int:
     fresh_folder(out)
     overrides = list(args.set) + ([f'sync.algorithm="{args.algo}"'] if args.algo else [])
     config_path, data = prepare_run(args.config, overrides, out)
-    node_args = ["--solo"] if args.solo else list(LOOPBACK_NODE)
+    node_args = (["--solo"] if args.solo else list(LOOPBACK_NODE)) + ["--device", args.device]
     net = Testnet(root=out, config_path=config_path, data=data, threads=args.threads, node_args=node_args,
                   coordinator_args=list(LOOPBACK_COORDINATOR))
     view = LiveView()
