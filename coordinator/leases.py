@@ -1,7 +1,9 @@
 """Shard leases and progress accounting: every token of the dataset is counted exactly once.
 
 Rules (each enforced inside one write transaction, so a crash leaves either all or none of it):
-* a shard has at most one holder, named by a fresh lease id each time it is leased;
+* a shard has at most one holder, named by a fresh lease id each time it is leased; a node holds
+  one lease to train on, plus those it named exhausted (no full batch left) while it trains the
+  window that ends them: they are committed with that window's round;
 * a lease lives until it expires (no renewal for ``lease_ttl_s``; heartbeats renew), is released,
   or its shard is done; then the shard goes back to the pool from its last committed offset;
 * a commit names its lease and the span ``[start, end)`` it trained on. It is accepted only if the
@@ -25,6 +27,10 @@ from murmur.errors import MurmurError
 
 from .settings import CoordinatorSettings
 from .store import Shard, Store
+
+# A window runs through a few shards at most (a shard holds many windows' tokens): more exhausted
+# leases held at once means a node that does not commit.
+MAX_EXHAUSTED_HELD = 8
 
 
 class LeaseError(MurmurError):
@@ -80,8 +86,12 @@ class Leases:
         stored = shard.lease_expiry or 0.0
         return max(stored, seen + self.settings.lease_ttl_s) if seen is not None else stored
 
-    def acquire(self, run_id: str, node_id: str) -> tuple[Shard | None, str]:
-        """The node's lease: the one it already holds, else a free shard. (None, why) when none."""
+    def acquire(self, run_id: str, node_id: str, exhausted: frozenset[str] = frozenset()) -> tuple[Shard | None, str]:
+        """The node's lease: the one it already holds, else a free shard. (None, why) when none.
+
+        Held leases named in ``exhausted`` (no full batch left; the node commits them with the
+        window it is training) are not handed back: they stay held, and a free shard is granted
+        beside them, at most MAX_EXHAUSTED_HELD of them."""
         run = self.store.run(run_id)
         if run is None:
             raise UnknownShard(f"run {run_id} does not exist")
@@ -89,9 +99,15 @@ class Leases:
             return None, f"run {run_id} is {run['state']}"
         now = self.clock()
         with self.store.write():
+            done_with = 0
             for held in self.store.shards_held(node_id):
-                if held.run_id == run_id:
+                if held.run_id != run_id:
+                    continue
+                if held.lease_id not in exhausted:
                     return held, ""
+                done_with += 1
+            if done_with > MAX_EXHAUSTED_HELD:
+                return None, f"this node holds {done_with} exhausted leases it has not committed; commit them first"
             shard = self.store.free_shard(run_id)
             if shard is None:
                 totals = self.store.run_totals(run_id)

@@ -187,7 +187,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
     ) -> pb.AcquireLeaseReply:
         def call() -> pb.AcquireLeaseReply:
             node_id, run_id = self._node(context)
-            shard, reason = self.leases.acquire(run_id, node_id)
+            shard, reason = self.leases.acquire(run_id, node_id, frozenset(list(request.exhausted)[:64]))
             if shard is None:
                 return pb.AcquireLeaseReply(granted=False, reason=reason)
             return pb.AcquireLeaseReply(

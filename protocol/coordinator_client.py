@@ -165,8 +165,10 @@ class MemberClient:
             self.ban_list_version = reply.ban_list.version
         return reply
 
-    async def acquire(self) -> pb.AcquireLeaseReply:
-        return await self._call("AcquireLease", pb.AcquireLeaseRequest())
+    async def acquire(self, exhausted: list[str] | tuple[str, ...] = ()) -> pb.AcquireLeaseReply:
+        """A lease: the one this node holds, else a free shard. ``exhausted``: held leases with no
+        full batch left (committed with the window under way): a free shard, they stay held."""
+        return await self._call("AcquireLease", pb.AcquireLeaseRequest(exhausted=list(exhausted)))
 
     async def commit(
         self,

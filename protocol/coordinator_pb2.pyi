@@ -111,8 +111,10 @@ class HeartbeatReply(_message.Message):
     def __init__(self, run_state: _Optional[str] = ..., leases_renewed: _Optional[int] = ..., heartbeat_interval_s: _Optional[float] = ..., lease_ttl_s: _Optional[float] = ..., ban_list: _Optional[_Union[BanList, _Mapping]] = ..., ban_list_changed: _Optional[bool] = ..., members: _Optional[_Iterable[_Union[LiveMember, _Mapping]]] = ..., run_round: _Optional[int] = ...) -> None: ...
 
 class AcquireLeaseRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("exhausted",)
+    EXHAUSTED_FIELD_NUMBER: _ClassVar[int]
+    exhausted: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, exhausted: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Lease(_message.Message):
     __slots__ = ("lease_id", "shard_id", "shard_name", "start_offset", "end_offset", "expires_at")

@@ -137,6 +137,31 @@ def test_silent_node_loses_its_lease_and_its_late_commit_is_refused(coord):
     assert "lost" in kinds and "lease_expired" in kinds
 
 
+def test_an_exhausted_lease_stays_held_beside_a_new_one_until_the_window_commits_it(coord):
+    """A shard that runs out mid-window is committed with the window's round (its tokens count
+    only if the round completes): meanwhile the node names it exhausted and gets another shard."""
+    token = new_token(coord)
+
+    async def scenario() -> int:
+        a, _ = await join(coord, token)
+        async with a:
+            first = (await a.acquire()).lease
+            again = (await a.acquire()).lease
+            assert again.lease_id == first.lease_id  # a held lease is handed back
+            second = (await a.acquire(exhausted=[first.lease_id])).lease
+            assert second.shard_id != first.shard_id
+            assert (await a.acquire()).lease.lease_id in {first.lease_id, second.lease_id}
+            # The window's round completed: both commits count, the exhausted one ends its shard.
+            done = await a.commit(first.lease_id, first.shard_id, 0, first.end_offset, outer_step=1, loss=3.0)
+            assert done.shard_done
+            await a.commit(second.lease_id, second.shard_id, 0, 100, outer_step=1, loss=3.0)
+            assert (await a.acquire()).lease.lease_id == second.lease_id
+            return int(first.end_offset) + 100
+
+    committed = asyncio.run(scenario())
+    assert admin_json(coord, "status")["run"]["tokens_committed"] == str(committed)
+
+
 def test_a_splits_commit_is_refused_as_aborted_so_the_node_re_syncs(coord):
     """A commit of a round completed by a minority of the live trainers is a split's: refused with
     ABORTED (the node takes the run's state again, node/daemon/driver.py), not with a lost lease's

@@ -72,7 +72,7 @@ def test_replicas_agree_after_every_window(dataset, algorithm):
     assert len(set(hashes[0])) == 3  # the state moves every round
 
 
-def test_a_shard_that_runs_out_mid_window_is_handed_back_whole(dataset):
+def test_a_shard_that_runs_out_mid_window_is_committed_with_the_window_whole(dataset):
     cfg = _cfg(dataset, "diloco")
     (trainer,) = _trainers(cfg, dataset, 1)
     span = trainer.span
@@ -88,9 +88,12 @@ def test_a_shard_that_runs_out_mid_window_is_handed_back_whole(dataset):
         return queue.pop(0) if queue else None
 
     result = trainer.run_window(next_lease, lambda: False)
+    # The next lease is asked for as it runs out (the node names it exhausted), but its span is
+    # the window's, committed with the round: counted only if the round completes.
     assert [(s.lease.lease_id, s.start, s.end, s.exhausted) for s in handed] == [("a", start, size, True)]
     rest = (cfg.sync.inner_steps - 2) * span
-    assert [(s.lease.lease_id, s.start, s.end) for s in result.segments] == [("b", 0, rest)]
+    got = [(s.lease.lease_id, s.start, s.end, s.exhausted) for s in result.segments]
+    assert got == [("a", start, size, True), ("b", 0, rest, False)]
     assert result.tokens == (size - start) + rest
 
 

@@ -14,7 +14,6 @@ offset and they are trained again.
 from __future__ import annotations
 
 import asyncio
-import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -153,6 +152,7 @@ class TrainingDriver:
                 # trained again (the lease restarts from its committed offset).
                 self.loop.call_soon_threadsafe(self.log, f"round {trainer.round + 1} failed ({err}); re-syncing")
                 trainer.lease, trainer.loader = None, None
+                self.session.exhausted.clear()  # held again: trained again from their committed offsets
                 self._resync_blocking()
                 continue
             if result.stopped:
@@ -175,6 +175,7 @@ class TrainingDriver:
     def _window_commits(self, result: WindowResult, record: dict[str, Any]) -> list[PendingCommit]:
         """What a completed window commits: its spans of leased shards, or nothing when the round
         went on without this node's update (training thread)."""
+        self.session.exhausted.clear()  # committed below, or held again and trained again
         if not record["contributed"]:
             # Left out (it came late and caught up from the others): these tokens never reached
             # the model, so nothing is committed, and the next window trains them again from the
@@ -204,20 +205,11 @@ class TrainingDriver:
         ]
 
     def _next_lease_blocking(self, done: Segment | None, loss: float) -> LeaseView | None:
-        """From the training thread: commit the shard that ran out, then wait for a new lease."""
-        if done is not None and done.end > done.start:
-            commit = PendingCommit(
-                done.lease.lease_id,
-                done.lease.shard_id,
-                done.start,
-                done.end,
-                self.trainer.round,
-                loss if math.isfinite(loss) else 0.0,
-                self._sent_since_commit(),
-                0.0,
-                self._round_members(),
-            )
-            self.loop.call_soon_threadsafe(self.session.queue_commits, [commit])
+        """From the training thread: wait for a new lease. A shard that ran out (``done``) is not
+        committed now but with the window's round, so its tokens count only if the round
+        completes: the coordinator keeps it held (``exhausted``) and grants another beside it."""
+        if done is not None:
+            self.session.exhausted.add(done.lease.lease_id)  # read by acquire while this thread waits
         return asyncio.run_coroutine_threadsafe(self.session.acquire(), self.loop).result()
 
     def _run_moved_on(self) -> bool:

@@ -136,6 +136,9 @@ class CoordinatorSession:
         # the run's; the training thread re-syncs from trainers outside the group (then clears it).
         self.split_groups: list[frozenset[str]] = []
         self.current_lease: LeaseView | None = None
+        # Held leases whose shard ran out in the window under way: committed with its round, so
+        # ``acquire`` asks for another shard beside them (the training thread fills it).
+        self.exhausted: set[str] = set()
         self.coordinator_up = True
         self.tokens_per_s = 0.0  # what the heartbeats report; the driver sets it after each round
         # This process's place on the data plane, reported with every heartbeat; the reply's live
@@ -304,12 +307,13 @@ class CoordinatorSession:
     async def acquire(self) -> LeaseView | None:
         """A lease to train on, waiting through outages and busy shards; None once the node stops."""
         while not self.stop.is_set():
-            # The coordinator hands back a held lease until its shard is done: commits first.
+            # The coordinator hands back a held lease until its shard is done (or is exhausted in
+            # the window under way): commits first.
             if not await self.flush_commits():
                 await self.stop.sleep(self.s.outage_retry_s)
                 continue
             try:
-                reply = await self.client.acquire()
+                reply = await self.client.acquire(sorted(self.exhausted))
                 self._mark(True)
             except CoordinatorError as err:
                 if not is_outage(err):

@@ -223,7 +223,6 @@ class NodeTrainer:
         losses: list[torch.Tensor] = []
         compute = 0.0
         segments: list[Segment] = []
-        early: list[Segment] = []  # shards that ran out mid-window (committed when they did)
         stopped = False
         for _ in range(self.h):
             if stop():
@@ -231,9 +230,10 @@ class NodeTrainer:
                 break
             while self.lease is None or not self._fits():
                 done = self._close_segment(segments) if self.lease is not None else None
-                if done is not None and done in segments:
-                    segments.remove(done)  # committed now, not with the window
-                    early.append(done)
+                if done is not None and done not in segments:
+                    segments.append(done)  # its tail only (nothing trained on it in this window)
+                # A shard that ran out is committed with the window's round, like the rest: its
+                # tokens count only if the round completes (the coordinator keeps it held).
                 running = torch.stack(losses).float().mean().item() if losses else math.nan
                 lease = next_lease(done, running)
                 if lease is None:
@@ -261,7 +261,7 @@ class NodeTrainer:
         self.round += 1
         if self.lease is not None and not self._fits():
             self._close_segment(segments)  # runs out exactly at the window's end: commit with it
-        tokens = sum(s.end - s.start for s in segments + early)
+        tokens = sum(s.end - s.start for s in segments)
         return WindowResult(
             self.round, len(losses), mean, tokens, time.perf_counter() - t0, compute, segments,
             exchange_wait_seconds=self.meter.waited_s - waited0,
