@@ -6,7 +6,11 @@ refused, disagreed on the member list) aborts the attempt everywhere; this peer 
 and why from the owners' answers and retries without them, so a dead peer's span is re-owned by
 the survivors and a result is never a partial average. An owner that already completed the call
 answers ALREADY_DONE: this peer then catches up from it (node/exchange/catchup.py), as it does
-when its own input was refused.
+when its own input was refused (REFUSED: for what it holds). Left out of an owner's attempt (it
+came late, or is not in that owner's list: ABORT naming it) it is not refused: it adopts a result
+if one exists, else meets again. An owner naming a member this peer did not meet makes it look at
+the rendezvous again, so member lists converge. A call that fails takes this peer's entry out of
+the round's rendezvous, so the retry after a re-sync does not meet the failed try's entries.
 
 Quorum: a call needs more than ``quorum`` of the run's live trainers when the group knows them (the
 coordinator's view: node/exchange/group.py), else of the peers it started with, so a cut-off
