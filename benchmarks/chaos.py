@@ -71,13 +71,29 @@ def _start(net) -> None:
              WARMUP_TIMEOUT_S, poll_s=1.0, what="every node's first round")
 
 
+def _start_or_keep(net, root: Path, name: str) -> None:
+    """Start the row's testnet; if it does not train, keep its folder (logs, ledger) for reading."""
+    import shutil
+
+    from murmur.node.testnet.procs import TestnetError
+
+    try:
+        _start(net)
+    except TestnetError:
+        kept = REPO / "runs" / f"chaos-failed-{name}"
+        shutil.rmtree(kept, ignore_errors=True)
+        shutil.copytree(root, kept, ignore=shutil.ignore_patterns("*.bin", "*.npy", "*.pt"))
+        print(f"the row did not start; its folder is kept in {kept}", file=sys.stderr, flush=True)
+        raise
+
+
 def chaos_row(mtbf: float | None, duration: float, seed: int, data: Path) -> dict:
     from murmur.node.testnet.chaos import Chaos, analyze
 
     with tempfile.TemporaryDirectory(prefix="murmur-chaos-") as tmp:
         net = _testnet(Path(tmp), data)
         with net:
-            _start(net)
+            _start_or_keep(net, Path(tmp), f"mtbf-{mtbf or 'clean'}")
             monkey = Chaos(net, mtbf, seed=seed) if mtbf else None
             t0 = time.time()
             while time.time() - t0 < duration:
