@@ -122,7 +122,7 @@ def run_config(cfg, dataset: Dataset, nodes: int, mbps: float, latency_ms: float
     def leases(i: int):
         shards = list(range(i, dataset.num_shards, nodes))
 
-        def next_lease(done, loss):  # noqa: ANN001
+        def next_lease(done):  # noqa: ANN001
             s = shards.pop(0)
             return LeaseView(f"{i}-{s}", s, 0, dataset.shard_size(s))
 

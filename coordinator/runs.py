@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import secrets
@@ -152,6 +153,7 @@ class Runs:
             self.store.event("token_revoked", run_id=row["run_id"], token=token_id)
 
 
+@functools.lru_cache(maxsize=32)  # a run's TOML never changes; the status page asks every few seconds
 def sync_of(config_toml: str) -> dict[str, Any]:
     """The run's algorithm, codec and H as its TOML says (the defaults of protocol/runconfig.py otherwise)."""
     try:
@@ -161,6 +163,7 @@ def sync_of(config_toml: str) -> dict[str, Any]:
         return {"algorithm": "?", "codec": "?", "inner_steps": 0}
 
 
+@functools.lru_cache(maxsize=32)
 def shape_of(config_toml: str) -> dict[str, int]:
     """The run's parameter count and tokens per worker-step (batch x sequence), as its TOML says;
     zeros for a config this coordinator cannot read."""

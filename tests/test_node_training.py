@@ -39,7 +39,7 @@ def _leases(shards):
     queue = list(shards)
     committed = []
 
-    def next_lease(done, loss):
+    def next_lease(done):
         if done is not None:
             committed.append(done)
         if not queue:
@@ -82,7 +82,7 @@ def test_a_shard_that_runs_out_mid_window_is_committed_with_the_window_whole(dat
     queue = [LeaseView("a", 0, start, size), LeaseView("b", 1, 0, dataset.shard_size(1))]
     handed = []
 
-    def next_lease(done, loss):
+    def next_lease(done):
         if done is not None:
             handed.append(done)
         return queue.pop(0) if queue else None

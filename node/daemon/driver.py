@@ -152,7 +152,6 @@ class TrainingDriver:
                 # trained again (the lease restarts from its committed offset).
                 self.loop.call_soon_threadsafe(self.log, f"round {trainer.round + 1} failed ({err}); re-syncing")
                 trainer.lease, trainer.loader = None, None
-                self.session.exhausted.clear()  # held again: trained again from their committed offsets
                 self._resync_blocking()
                 continue
             if result.stopped:
@@ -175,7 +174,6 @@ class TrainingDriver:
     def _window_commits(self, result: WindowResult, record: dict[str, Any]) -> list[PendingCommit]:
         """What a completed window commits: its spans of leased shards, or nothing when the round
         went on without this node's update (training thread)."""
-        self.session.exhausted.clear()  # committed below, or held again and trained again
         if not record["contributed"]:
             # Left out (it came late and caught up from the others): these tokens never reached
             # the model, so nothing is committed, and the next window trains them again from the
@@ -204,7 +202,7 @@ class TrainingDriver:
             for i, seg in enumerate(spans)
         ]
 
-    def _next_lease_blocking(self, done: Segment | None, loss: float) -> LeaseView | None:
+    def _next_lease_blocking(self, done: Segment | None) -> LeaseView | None:
         """From the training thread: wait for a new lease. A shard that ran out (``done``) is not
         committed now but with the window's round, so its tokens count only if the round
         completes: the coordinator keeps it held (``exhausted``) and grants another beside it."""
@@ -220,6 +218,9 @@ class TrainingDriver:
         """Before a window (training thread): drop a lease whose work was refused; leave a split's
         state, or skip rounds the run has completed already, for the run's newest state."""
         trainer = self.trainer
+        # The last window's exhausted leases are committed with it by now, or (a failed or left-out
+        # window) held again, to be handed back and trained again from their committed offsets.
+        self.session.exhausted.clear()
         if trainer.lease is not None and trainer.lease.lease_id in self.session.lost_leases:
             trainer.lease, trainer.loader = None, None  # its work is refused: take a new lease
         split = self._split_group()

@@ -139,9 +139,9 @@ class WaitMeter(Exchange):
 
 
 # Blocks until the coordinator grants a lease; None when the node should stop instead. It gets
-# the segment of the shard that just ran out (or None): that segment must be committed first,
-# because the coordinator hands a node its held lease again until the shard is done.
-LeaseSource = Callable[[Segment | None, float], LeaseView | None]
+# the segment of the shard that just ran out (or None): that lease stays held, exhausted, and is
+# committed with the window (the coordinator would otherwise hand it back until its shard is done).
+LeaseSource = Callable[[Segment | None], LeaseView | None]
 
 
 class NodeTrainer:
@@ -234,8 +234,7 @@ class NodeTrainer:
                     segments.append(done)  # its tail only (nothing trained on it in this window)
                 # A shard that ran out is committed with the window's round, like the rest: its
                 # tokens count only if the round completes (the coordinator keeps it held).
-                running = torch.stack(losses).float().mean().item() if losses else math.nan
-                lease = next_lease(done, running)
+                lease = next_lease(done)
                 if lease is None:
                     stopped = True
                     break
