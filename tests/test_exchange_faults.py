@@ -9,7 +9,7 @@ import pytest
 import torch
 from _net_helpers import no_lost_task_exceptions, peer_group  # noqa: F401 - a fixture
 
-from murmur.node.net.faults import POISON_SCALE, FaultError, FaultInjector
+from murmur.node.net.faults import POISON_FLIP_SCALE, POISON_SCALE, FaultError, FaultInjector
 from murmur.optim.codecs import make_codec
 from murmur.optim.exchange import ExchangeError
 
@@ -73,7 +73,7 @@ def _reduce(peers, xs, round_id=1):
     return out
 
 
-@pytest.mark.parametrize("kind", ["poison_scale", "poison_sign", "poison_random"])
+@pytest.mark.parametrize("kind", ["poison_scale", "poison_sign", "poison_flip", "poison_random"])
 def test_the_owners_aggregate_the_poisoned_update(kind):
     """Peer 2 poisons its update before encoding: every owner (peer 2's own span included) takes
     in the poisoned values, so the plain mean is the honest inputs' mean plus the poison's third."""
@@ -91,6 +91,8 @@ def test_the_owners_aggregate_the_poisoned_update(kind):
             torch.testing.assert_close(seen, xs[2] * POISON_SCALE, rtol=1e-4, atol=1e-2)
         elif kind == "poison_sign":
             torch.testing.assert_close(seen, -xs[2], rtol=1e-4, atol=1e-4)
+        elif kind == "poison_flip":
+            torch.testing.assert_close(seen, -POISON_FLIP_SCALE * xs[2], rtol=1e-4, atol=1e-3)
         else:  # noise of about the honest update's size, unrelated to it
             assert 0.5 < float(seen.std() / xs[2].std()) < 2.0
             assert abs(float(torch.corrcoef(torch.stack([seen, xs[2]]))[0, 1])) < 0.2

@@ -211,8 +211,11 @@ def test_a_robust_aggregator_keeps_the_honest_loss_within_2_percent(tmp_path, da
 
 @e2e
 @e2e_timeout
-def test_with_the_plain_mean_a_sign_flipped_update_shows_the_damage(tmp_path, data, clean):
+def test_with_the_plain_mean_a_flipped_update_under_the_norm_filter_shows_the_damage(tmp_path, data, clean):
+    """The attacker who knows the pre-filter flips its update and scales it 8x (the filter drops
+    10x the median): the plain mean then steps against the honest direction. A plain flip only
+    halves the step of four nodes, which 8 rounds cannot tell from run-to-run noise (1-4%)."""
     reference, _ = clean
-    losses, _ = _run(tmp_path, data, "mean", "poison_sign")
-    assert min(losses) > reference * 1.02, (losses, reference)
+    losses, _ = _run(tmp_path, data, "mean", "poison_flip")
+    assert all(not loss <= reference * 1.05 for loss in losses), (losses, reference)  # NaN is damage too
 

@@ -23,6 +23,8 @@ parts of their wire tensors). Its own error feedback stays that of its honest up
   poison_scale   its update multiplied by 1e4
   poison_nan     its update all NaN (owners refuse it: the decoded values are not finite)
   poison_sign    its update sign-flipped
+  poison_flip    its update sign-flipped and scaled 8x: the strongest flip that the norm pre-filter
+                 (optim/aggregate.py drops 10x the round's median norm) lets through
   poison_random  its update replaced by Gaussian noise of the same RMS (seeded by peer, round and
                  position, so every owner sees the same noise)
 Delays (``delay``: sleep SECONDS at a named point, each time the point is reached while armed):
@@ -55,7 +57,7 @@ from murmur.optim.exchange import ExchangeError
 from murmur.optim.wire import WireTensor
 from murmur.protocol import peer_pb2
 
-POISONS = ("poison_scale", "poison_nan", "poison_sign", "poison_random")
+POISONS = ("poison_scale", "poison_nan", "poison_sign", "poison_flip", "poison_random")
 CALL_FAULTS = (
     "nan",
     "wrong_shape",
@@ -72,6 +74,7 @@ FAULTS = (*CALL_FAULTS, "delay")
 DELAY_POINTS = ("rendezvous", "send_input", "snapshot_piece", "stage_compute", "peer_lookup")
 ANY = "*"
 POISON_SCALE = 1e4
+POISON_FLIP_SCALE = 8.0  # under the pre-filter's 10x the median norm, so the plain rules take it in
 NAN_BYTES = {"float32": b"\x00\x00\xc0\x7f", "float16": b"\x00\x7e", "bfloat16": b"\xc0\x7f"}
 FLOAT_PARTS = {"float32", "float16", "bfloat16"}
 
@@ -282,6 +285,8 @@ def poisoned(kind: str, x: torch.Tensor, seed: int) -> torch.Tensor:
         return torch.full_like(x, float("nan"))
     if kind == "poison_sign":
         return -x
+    if kind == "poison_flip":
+        return x * -POISON_FLIP_SCALE
     if kind == "poison_random":
         rms = float(x.float().pow(2).mean().sqrt()) if x.numel() else 0.0
         noise = torch.randn(x.shape, generator=torch.Generator().manual_seed(seed))
