@@ -20,6 +20,7 @@ import grpc
 from murmur.errors import MurmurError
 from murmur.protocol import coordinator_pb2 as pb
 from murmur.protocol import coordinator_pb2_grpc as pb_grpc
+from murmur.protocol.reachability import dial_back
 from murmur.protocol.version import VERSION_METADATA_KEY, VersionMismatch, check_version
 
 from .leases import Progress
@@ -305,6 +306,15 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             return pb.ReportRejectionsReply(recorded=recorded)
 
         return await self._run("ReportRejections", context, call)
+
+    async def CheckReachable(
+        self, request: pb.CheckReachableRequest, context: grpc.aio.ServicerContext
+    ) -> pb.CheckReachableReply:
+        """Dial the node back (members only: mTLS). A plain TCP connect of a few seconds and
+        nothing sent, so a member cannot use it for more than learning whether a port answers."""
+        await self._run("CheckReachable", context, lambda: self._node(context))
+        reachable, reason = await dial_back(request.peer_address)
+        return pb.CheckReachableReply(reachable=reachable, reason=reason)
 
     # --- admin ---------------------------------------------------------------------------------
 

@@ -206,6 +206,11 @@ class MemberClient:
         reply = await self._call("GetBootstrapPeers", pb.GetBootstrapPeersRequest())
         return list(reply.multiaddrs)
 
+    async def check_reachable(self, peer_address: str) -> tuple[bool, str]:
+        """(reachable, why not): the coordinator dials ``peer_address`` back."""
+        reply = await self._call("CheckReachable", pb.CheckReachableRequest(peer_address=peer_address))
+        return bool(reply.reachable), reply.reason
+
     async def report_rejections(self, rejected: list[tuple[int, str, str]]) -> int:
         """Report (round, sender, reason) of updates this node refused; how many were counted."""
         items = [pb.RejectedUpdate(sender_node_id=s, round=r, reason=why[:200]) for r, s, why in rejected]

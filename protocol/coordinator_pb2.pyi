@@ -220,6 +220,20 @@ class GetBootstrapPeersRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class CheckReachableRequest(_message.Message):
+    __slots__ = ("peer_address",)
+    PEER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    peer_address: str
+    def __init__(self, peer_address: _Optional[str] = ...) -> None: ...
+
+class CheckReachableReply(_message.Message):
+    __slots__ = ("reachable", "reason")
+    REACHABLE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    reachable: bool
+    reason: str
+    def __init__(self, reachable: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
+
 class BootstrapPeers(_message.Message):
     __slots__ = ("multiaddrs",)
     MULTIADDRS_FIELD_NUMBER: _ClassVar[int]

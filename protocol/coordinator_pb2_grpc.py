@@ -84,6 +84,11 @@ class CoordinatorStub:
                 request_serializer=murmur_dot_protocol_dot_coordinator__pb2.ReportRejectionsRequest.SerializeToString,
                 response_deserializer=murmur_dot_protocol_dot_coordinator__pb2.ReportRejectionsReply.FromString,
                 _registered_method=True)
+        self.CheckReachable = channel.unary_unary(
+                '/murmur.v1.Coordinator/CheckReachable',
+                request_serializer=murmur_dot_protocol_dot_coordinator__pb2.CheckReachableRequest.SerializeToString,
+                response_deserializer=murmur_dot_protocol_dot_coordinator__pb2.CheckReachableReply.FromString,
+                _registered_method=True)
         self.CreateRun = channel.unary_unary(
                 '/murmur.v1.Coordinator/CreateRun',
                 request_serializer=murmur_dot_protocol_dot_coordinator__pb2.CreateRunRequest.SerializeToString,
@@ -226,6 +231,14 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CheckReachable(self, request, context):
+        """Dial the address the node says its peer server listens on (a plain TCP connect): whether
+        peers could reach it, or it must take part in client mode (protocol/reachability.py).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def CreateRun(self, request, context):
         """---- admin (public address, admin secret in metadata)
         """
@@ -363,6 +376,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.ReportRejections,
                     request_deserializer=murmur_dot_protocol_dot_coordinator__pb2.ReportRejectionsRequest.FromString,
                     response_serializer=murmur_dot_protocol_dot_coordinator__pb2.ReportRejectionsReply.SerializeToString,
+            ),
+            'CheckReachable': grpc.unary_unary_rpc_method_handler(
+                    servicer.CheckReachable,
+                    request_deserializer=murmur_dot_protocol_dot_coordinator__pb2.CheckReachableRequest.FromString,
+                    response_serializer=murmur_dot_protocol_dot_coordinator__pb2.CheckReachableReply.SerializeToString,
             ),
             'CreateRun': grpc.unary_unary_rpc_method_handler(
                     servicer.CreateRun,
@@ -705,6 +723,33 @@ class Coordinator:
             '/murmur.v1.Coordinator/ReportRejections',
             murmur_dot_protocol_dot_coordinator__pb2.ReportRejectionsRequest.SerializeToString,
             murmur_dot_protocol_dot_coordinator__pb2.ReportRejectionsReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CheckReachable(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/murmur.v1.Coordinator/CheckReachable',
+            murmur_dot_protocol_dot_coordinator__pb2.CheckReachableRequest.SerializeToString,
+            murmur_dot_protocol_dot_coordinator__pb2.CheckReachableReply.FromString,
             options,
             channel_credentials,
             insecure,

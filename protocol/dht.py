@@ -72,6 +72,9 @@ class DHTSettings:
     request_timeout: float = 10.0  # one store or get
     reaper_interval: float = 0.5  # the orphan watcher's polling period
     identity_path: str = ""  # a libp2p key file (made if missing): the same peer id on every start
+    # hivemind's client mode: this node stores and reads through others and serves no DHT request
+    # (a node that nobody can dial; protocol/reachability.py). It needs a bootstrap peer.
+    client_mode: bool = False
 
     def __post_init__(self) -> None:
         for name in ("record_ttl", "rendezvous_ttl", "poll_interval", "start_timeout", "request_timeout"):
@@ -208,6 +211,7 @@ class MurmurDHT:
                 host_maddrs=[f"/ip4/{s.host}/tcp/{s.port}"],
                 record_validators=[SignedRecordValidator(self.ca_cert_pem)],
                 await_ready=False,
+                client_mode=s.client_mode,
                 **({"identity_path": s.identity_path} if s.identity_path else {}),
             )
             dht.wait_until_ready(timeout=s.start_timeout)

@@ -56,11 +56,13 @@ def start_peers(
     identities: list[Identity],
     codec: str = "fp32",
     ban_lists: list[BanList] | None = None,
+    clients: int = 0,
     **settings,
 ) -> list[Peer]:
     """One exchange peer per identity (node/exchange/peer.py's build_peer), each with its own
     fault injector and its own static group of every peer started here (tests may change a peer's
-    view through ``exchange.group.peers``)."""
+    view through ``exchange.group.peers``). The last ``clients`` are in client mode, with their
+    servers stopped: a peer that dialed one would fail."""
     peers: list[Peer] = []
     try:
         for i, ident in enumerate(identities):
@@ -73,8 +75,11 @@ def start_peers(
                 settings=ExchangeSettings(**{**FAST, **settings}),
                 ban_list=ban_lists[i] if ban_lists is not None else None,
                 faults=faults,
+                client_mode=i >= len(identities) - clients,
             )
             built = build_peer(spec, loop)
+            if built.client_mode:
+                loop.run(built.server.stop())
             peers.append(Peer(ident, built.server, built.exchange, faults))
     except BaseException:
         close_peers(loop, peers)
@@ -93,13 +98,13 @@ def close_peers(loop: LoopThread, peers: list[Peer]) -> None:
 
 @contextlib.contextmanager
 def peer_group(
-    n: int, codec: str = "fp32", ca: CertificateAuthority | None = None, **settings
+    n: int, codec: str = "fp32", ca: CertificateAuthority | None = None, clients: int = 0, **settings
 ) -> Iterator[tuple[LoopThread, list[Peer], CertificateAuthority]]:
     ca = ca or CertificateAuthority.create("test")
     loop = LoopThread()
     peers: list[Peer] = []
     try:
-        peers = start_peers(loop, [ca.issue() for _ in range(n)], codec, **settings)
+        peers = start_peers(loop, [ca.issue() for _ in range(n)], codec, clients=clients, **settings)
         yield loop, peers, ca
     finally:
         close_peers(loop, peers)

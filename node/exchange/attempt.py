@@ -62,6 +62,9 @@ class Attempt:
     number: int
     members: tuple[str, ...]
     layout: bytes
+    # The members that own a span (or, for a gather, take inputs): all but the client-mode ones,
+    # which nobody can dial (protocol/reachability.py). A client-mode peer's own attempt owns nothing.
+    owners: tuple[str, ...] = ()
     span: tuple[int, int] = (0, 0)  # reduce: the span this peer owns; gather: (0, 0)
     weights: dict[str, float] = field(default_factory=dict)
     failed: dict[str, str] = field(default_factory=dict)

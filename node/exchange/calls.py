@@ -23,6 +23,7 @@ from murmur.node.net.faults import CallFaults
 from murmur.optim.codecs import Codec
 from murmur.optim.wire import WireTensor
 from murmur.protocol import peer_pb2
+from murmur.protocol.reachability import is_client
 from murmur.protocol.version import PROTOCOL_VERSION
 
 ERROR = -1  # a call that produced no status at all (unreachable, refused at the door, stalled)
@@ -64,6 +65,11 @@ class Call:
     received: int = 0
     dropped: dict[str, str] = field(default_factory=dict)
 
+    def owners(self, members: Sequence[str]) -> tuple[str, ...]:
+        """The members that own a part of the result: those that can be dialed. Every member
+        derives the same list, since all read the same addresses from the rendezvous."""
+        return tuple(m for m in members if not is_client(self.peers.get(m, "")))
+
 
 @dataclass(kw_only=True, slots=True)
 class ReduceCall(Call):
@@ -79,9 +85,9 @@ class ReduceCall(Call):
     def numel(self) -> int:
         return self.x.numel()
 
-    def span_of(self, members: Sequence[str], owner: str) -> tuple[int, int]:
-        """[start, end) of the flat update that ``owner`` reduces among ``members``."""
-        return spans(self.numel, len(members), self.align)[list(members).index(owner)]
+    def span_of(self, owners: Sequence[str], owner: str) -> tuple[int, int]:
+        """[start, end) of the flat update that ``owner`` reduces among ``owners``."""
+        return spans(self.numel, len(owners), self.align)[list(owners).index(owner)]
 
     def ranges(self, span: tuple[int, int]) -> list[tuple[int, int]]:
         """The pipeline chunks of ``span``, relative to its start."""

@@ -22,6 +22,7 @@ from murmur.node.net.server import PeerServer, PublishedState
 from murmur.node.net.state_transfer import StateError, StateFetchSettings, afetch, result_name
 from murmur.optim.exchange import ExchangeError
 from murmur.protocol import peer_pb2, peer_pb2_grpc
+from murmur.protocol.reachability import dialable
 from murmur.protocol.version import PROTOCOL_VERSION, VERSION_METADATA_KEY
 from murmur.protocol.wire import tensors_hash
 
@@ -84,7 +85,7 @@ class CatchUp:
     async def ask_done(self, call: Call) -> dict[str, bytes]:
         """peer -> result hash, for the peers that say they completed this call."""
         me, bans = self.server.node_id, self.server.ban_list
-        others = [(n, a) for n, a in call.peers.items() if n != me and not bans.is_banned(n)]
+        others = [(n, a) for n, a in dialable(call.peers).items() if n != me and not bans.is_banned(n)]
         results = await asyncio.gather(*[self._hello(call, n, a) for n, a in others], return_exceptions=True)
         return {r[0]: r[1] for r in results if isinstance(r, tuple) and r[1]}
 

@@ -51,11 +51,17 @@ class OwnAttempts:
         )
         gather.started.add(self.peer_id)
         gather.add(self.peer_id, call.wires, call.weight)
+        if self.peer_id not in gather.owners:
+            gather.done.set()  # a client-mode peer takes no inputs: it fetches the result from an owner
         return gather
 
     def _reduce(self, call: ReduceCall, number: int, members: tuple[str, ...]) -> ReduceAttempt:
-        start, end = call.span_of(members, self.peer_id)
-        ranges = call.ranges((start, end))
+        owners = call.owners(members)
+        if self.peer_id in owners:
+            start, end = call.span_of(owners, self.peer_id)
+            ranges = call.ranges((start, end))
+        else:  # a client-mode peer owns no span: its attempt has no chunk and is done at once
+            start, end, ranges = 0, 0, []
         result, timeline = call.result, self.timeline
 
         def sink(j: int, value: torch.Tensor) -> None:
@@ -112,6 +118,7 @@ def _common(call: Call, number: int, members: tuple[str, ...], on_rejected: Reje
         key=call.key,
         number=number,
         members=members,
+        owners=call.owners(members),
         layout=call.layout,
     )
 

@@ -10,7 +10,7 @@ need that address, the exchange's handlers on the server) is the same for all.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from murmur.node.exchange.group import GroupProvider
@@ -21,6 +21,7 @@ from murmur.node.net.server import PeerServer, PeerServerSettings
 from murmur.optim.aggregate import Aggregator
 from murmur.optim.codecs import Codec
 from murmur.protocol.identity import BanList, Identity
+from murmur.protocol.reachability import CLIENT_ADDRESS, is_client
 
 
 @dataclass(kw_only=True, slots=True)
@@ -37,6 +38,10 @@ class PeerSpec:
     ban_list: BanList | None = None  # None: a ban list of its own, empty
     faults: FaultInjector | None = None  # None: no faults armed
     advertise_host: str = ""  # the host peers dial, when it is not the one the server listens on
+    # Client mode (protocol/reachability.py): True, False, or a check of the address peers would
+    # dial (the coordinator's dial-back) answering whether nobody can reach it. A client-mode peer
+    # advertises CLIENT_ADDRESS: it owns no span and serves nothing to peers.
+    client_mode: bool | Callable[[str], Awaitable[bool]] = False
 
 
 @dataclass(slots=True)
@@ -50,8 +55,12 @@ class ExchangePeer:
 
     @property
     def address(self) -> str:
-        """host:port as peers dial it."""
+        """host:port as peers dial it (CLIENT_ADDRESS in client mode: nobody dials it)."""
         return self.server.address
+
+    @property
+    def client_mode(self) -> bool:
+        return is_client(self.server.address)
 
     async def aclose(self) -> None:
         await self.exchange.aclose()
@@ -66,6 +75,9 @@ async def abuild_peer(spec: PeerSpec, loop: LoopHandle) -> ExchangePeer:
     if spec.advertise_host:
         server.address = f"{spec.advertise_host}:{bound.rpartition(':')[2]}"  # what the exchange tells peers
     try:
+        client = spec.client_mode if isinstance(spec.client_mode, bool) else await spec.client_mode(server.address)
+        if client:
+            server.address = CLIENT_ADDRESS
         group = spec.group(server.address) if callable(spec.group) else spec.group
         exchange = GrpcExchange(
             server,

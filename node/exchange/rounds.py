@@ -12,6 +12,11 @@ if one exists, else meets again. An owner naming a member this peer did not meet
 the rendezvous again, so member lists converge. A call that fails takes this peer's entry out of
 the round's rendezvous, so the retry after a re-sync does not meet the failed try's entries.
 
+Client mode (protocol/reachability.py): a member whose address is the client marker owns no span
+and takes no gather inputs. It sends its input to the owners, reads the reduced spans back on its
+own streams (a gather's result it fetches from an owner), and is never dialed. A round needs at
+least one owner: with none, the call meets again until the deadline and fails saying so.
+
 Quorum: a call needs more than ``quorum`` of the run's live trainers when the group knows them (the
 coordinator's view: node/exchange/group.py), else of the peers it started with, so a cut-off
 minority, or a joiner that sees nobody, can never finish on its own. A member whose address
@@ -124,6 +129,15 @@ class Rounds:
         while loop.time() < call.deadline:
             if not self._quorum(call, members):
                 why = f"only {len(members)} of {self._quorum_base(call)} live peers here (no quorum)"
+                if (out := await self._meet_again(call, why)) is not None:
+                    return out
+                members, excluded = await self._regroup(call, members), {}
+                continue
+            if not call.owners(members):
+                why = (
+                    f"none of the {len(members)} members of round {call.round_id} accepts connections "
+                    "(all are in client mode): a reachable peer must own the spans"
+                )
                 if (out := await self._meet_again(call, why)) is not None:
                     return out
                 members, excluded = await self._regroup(call, members), {}
@@ -250,6 +264,10 @@ class Rounds:
         if att.done.is_set() and not att.failed and all(r.code == OK for r in replies.values()):
             if isinstance(att, ReduceAttempt):  # as an owner it sent its span to every other member
                 call.sent += att.result_bytes * (len(att.members) - 1)
+            if isinstance(att, GatherAttempt) and self.peer_id not in att.owners:
+                # A client-mode peer took no inputs: every owner has them all, so it fetches the
+                # gathered payloads from one (node/exchange/catchup.py) once one has completed.
+                return Outcome(why="a client-mode peer takes a gather's result from its owners"), {}, set(), att.number
             self.timeline.mark("complete")
             named = await self._complete(call, att)
             return Outcome(named=named, members=list(att.members)), {}, set(), att.number
@@ -285,9 +303,9 @@ class Rounds:
         return {k: v for k, v in failed.items() if k in call.peers}, seen, at
 
     async def _attempt(self, call: Call, att: Attempt) -> dict[str, Reply]:
-        """Send our input to every other member and collect their answers, all bounded in time."""
+        """Send our input to every other owner and collect their answers, all bounded in time."""
         loop, s = asyncio.get_running_loop(), self.settings
-        others = [m for m in att.members if m != self.peer_id]
+        others = [m for m in att.owners if m != self.peer_id]
         progress = AttemptProgress(len(others))
         tasks = {o: loop.create_task(self.sender.call_owner(call, att, o, progress)) for o in others}
         expire = loop.call_later(s.peer_timeout, att.expire, s.peer_timeout)

@@ -42,7 +42,7 @@ class Sender:
 
     async def call_owner(self, call: Call, att: Attempt, owner: str, progress: AttemptProgress) -> Reply:
         """Our input of this attempt to ``owner``, and its answer."""
-        span = call.span_of(att.members, owner) if isinstance(call, ReduceCall) else (0, 0)
+        span = call.span_of(att.owners, owner) if isinstance(call, ReduceCall) else (0, 0)
         header = await self._header(call, att, span)
         rpc = None
         try:
