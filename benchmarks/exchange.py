@@ -1,7 +1,7 @@
 """Benchmark: the gRPC all-reduce over shaped links, and the CPU cost of encode/decode.
 
     sudo .venv/bin/python benchmarks/exchange.py [--peers 2,4,8] [--numel 100000000] [--rates 100,1000] \
-        [--codecs int8,fp32] [--chunk-mb 4] [--threads 1] [--congestion cubic,bbr]
+        [--codecs int8,fp32] [--chunk-mb 4] [--threads 1] [--congestion cubic,bbr] [--clients 0,1]
 
 Each peer is its own process in its own network namespace (veth into a bridge), with mutual TLS,
 and its upload shaped by ``tc tbf`` to the link rate (tbf works on these machines; their kernel has no netem).
@@ -22,6 +22,13 @@ last member joined). Rows:
   TLS, HTTP/2, protobuf and copies), peak_rss_mb (largest peer's peak resident memory)
 
 and cpu rows: encode/decode seconds of the update by codec on this machine (one thread).
+
+``--clients 0,1`` runs every group size once per count: the last K peers are in client mode (their
+namespaces drop inbound SYNs, as a NAT does; docs/protocol.md, "Client mode"). Those rows add
+clients, owner_sent_mb / client_sent_mb (payload one peer of each kind sends, mean) with their
+expected values, and owner_link_utilization / client_link_utilization. With K clients among N an
+owner sends its input to the other owners and its reduced span to every other member,
+(N-K-1)/(N-K) + (N-1)/(N-K) of the update; a client sends its whole update once.
 
 Diagnosis: ``--trace DIR`` writes every peer's per-chunk timeline (node/exchange/stats.py Timeline)
 and the bytes each peer's upload carried, sampled every 20 ms, per round (``--trace-tcp`` adds
@@ -153,16 +160,24 @@ def peer_main(args: argparse.Namespace) -> int:
     from murmur.node.net.server import PeerServerSettings
     from murmur.optim.codecs import make_codec
     from murmur.protocol.identity import Identity
+    from murmur.protocol.reachability import CLIENT_ADDRESS
 
     root = Path(args.dir)
     ident = Identity.load(root / str(args.peer))
     ids = [Identity.load(root / str(i)).node_id for i in range(args.n)]
     loop = LoopThread()
+    first_client = args.n - int(args.clients)  # the last peers are in client mode
+    client = args.peer >= first_client
+
+    def address(i: int) -> str:
+        return CLIENT_ADDRESS if i >= first_client else f"{SUBNET.format(i + 1)}:{PORT}"
+
     spec = PeerSpec(
         identity=ident,
         run_id="bench",
         codec=make_codec("fp32"),
-        group=StaticGroup({nid: f"{SUBNET.format(i + 1)}:{PORT}" for i, nid in enumerate(ids)}),
+        group=StaticGroup({nid: address(i) for i, nid in enumerate(ids)}),
+        client_mode=client,
         settings=ExchangeSettings(
             peer_timeout=120,
             round_deadline=1200,
@@ -357,10 +372,19 @@ def cpu_rows(numel: int, codecs: list[str]) -> list[dict]:
 
 
 def run_group(
-    n: int, plan: list[tuple[int, str, int]], root: Path, numel: int, env: dict, args: argparse.Namespace, cc: str
+    n: int,
+    plan: list[tuple[int, str, int]],
+    root: Path,
+    numel: int,
+    env: dict,
+    args: argparse.Namespace,
+    cc: str,
+    clients: int = 0,
 ) -> list[dict]:
     net_up(n, cc)
     cc = congestion_of(NS.format(0))  # what the peers really use ('' asked for the host's)
+    for i in range(n - clients, n):  # behind a NAT: replies get in, a SYN from outside does not
+        sh("ip", "netns", "exec", NS.format(i), "iptables", "-A", "INPUT", "-p", "tcp", "--syn", "-j", "DROP")
     procs = []
     rows = []
     try:
@@ -384,6 +408,8 @@ def run_group(
                 str(args.chunk_mb),
                 "--threads",
                 str(args.threads),
+                "--clients",
+                str(clients),
                 *(["--trace", args.trace] if args.trace else []),
             ]
             procs.append(
@@ -428,6 +454,21 @@ def run_group(
                 "congestion_control": cc,
                 "load": load(),
             }
+            if clients:
+                owners, mine = results[: n - clients], results[n - clients :]
+                k = n - clients
+                owner_sent = sum(r["sent"] for r in owners) / len(owners)
+                client_sent = sum(r["sent"] for r in mine) / len(mine)
+                row.update(
+                    clients=clients,
+                    expected_mb=None,  # the butterfly's bound does not apply: see the two below
+                    owner_sent_mb=round(owner_sent / 1e6, 1),
+                    owner_expected_mb=round(((k - 1) / k + (n - 1) / k) * wire_mb, 1),
+                    client_sent_mb=round(client_sent / 1e6, 1),
+                    client_expected_mb=round(wire_mb, 1),
+                    owner_link_utilization=round(owner_sent * 8 / seconds / 1e6 / rate, 3),
+                    client_link_utilization=round(client_sent * 8 / seconds / 1e6 / rate, 3),
+                )
             print(json.dumps(row), flush=True)
             rows.append(row)
         for p in procs:
@@ -451,6 +492,7 @@ def main() -> int:
     ap.add_argument("--n", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--dir", default="", help=argparse.SUPPRESS)
     ap.add_argument("--peers", default="2,4,8")
+    ap.add_argument("--clients", default="0", help="client-mode peers per group, comma-separated (a row each)")
     ap.add_argument("--numel", type=int, default=100_000_000, help="parameters of the update")
     ap.add_argument("--rates", default="100,1000", help="link rates, Mbit/s")
     ap.add_argument("--codecs", default="int8,fp32", help="codecs for every group size")
@@ -510,8 +552,9 @@ def main() -> int:
             if n in fp32_peers:
                 plan += [(r, "fp32", args.numel) for r in rates]
             for cc in congestions:
-                loads.append(f"{n} peers ({cc or 'host default'}): load {load()} before")
-                rows += run_group(n, plan, Path(tmp), args.numel, env, args, cc)
+                for k in [int(c) for c in str(args.clients).split(",") if c and int(c) < n]:
+                    loads.append(f"{n} peers, {k} in client mode ({cc or 'host default'}): load {load()} before")
+                    rows += run_group(n, plan, Path(tmp), args.numel, env, args, cc, clients=k)
     rows += cpu_rows(args.numel, sorted(set(codecs) | {"fp32"}))
     out = {
         "device": (

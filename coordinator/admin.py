@@ -281,7 +281,7 @@ def _tokens_revoke(client: Any, args: argparse.Namespace) -> None:
 
 def _node_rows(nodes: Sequence[Any]) -> str:
     return table(
-        ["NODE", "STATUS", "HEARTBEAT", "TOK/S", "TOKENS", "SENT", "SHARDS", "DEVICE"],
+        ["NODE", "STATUS", "HEARTBEAT", "TOK/S", "TOKENS", "SENT", "SHARDS", "REACH", "DEVICE"],
         [
             [
                 n.node_id,
@@ -291,6 +291,7 @@ def _node_rows(nodes: Sequence[Any]) -> str:
                 n.tokens_committed,
                 _bytes(n.bytes_sent),
                 ",".join(map(str, n.shards_held)) or "-",
+                n.reachability or "-",
                 n.hardware.device or "-",
             ]
             for n in nodes

@@ -176,6 +176,10 @@ class Membership:
         entry = self._seen.get(node_id)
         return entry[0] if entry else None
 
+    def peer_address(self, node_id: str) -> str:
+        """Where the node takes part in rounds from, per its latest heartbeat ("" if unknown)."""
+        return self.trainers.address(node_id)
+
     def tokens_per_s(self, node_id: str) -> float | None:
         entry = self._seen.get(node_id)
         return entry[1] if entry else None

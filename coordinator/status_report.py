@@ -15,6 +15,7 @@ from typing import Any
 from google.protobuf.json_format import MessageToDict
 
 from murmur.protocol import coordinator_pb2 as pb
+from murmur.protocol.reachability import is_client
 
 from .membership import Membership
 from .runs import NotFound, RunError, Runs, ddp_equivalent_bytes, shape_of, sync_of
@@ -63,6 +64,7 @@ class StatusSource:
         hw = json.loads(row["hardware_json"] or "{}")
         tokens, sent = self.store.node_totals(row["node_id"])
         seen = self.membership.last_seen(row["node_id"])
+        live = self.membership.peer_address(row["node_id"])
         info = pb.NodeInfo(
             node_id=row["node_id"],
             run_id=row["run_id"],
@@ -70,7 +72,8 @@ class StatusSource:
             joined_at=row["joined_at"],
             last_heartbeat=max(row["last_heartbeat"], seen or 0.0),
             tokens_per_s=self.membership.tokens_per_s(row["node_id"]) or row["tokens_per_s"],
-            peer_address=row["peer_address"],
+            peer_address=live or row["peer_address"],
+            reachability=("client mode" if is_client(live) else "direct") if live else "",
             tokens_committed=tokens,
             bytes_sent=sent,
             shards_held=[s.shard_id for s in self.store.shards_held(row["node_id"])],
@@ -133,6 +136,7 @@ class StatusSource:
                     "updates_rejected": self.store.updates_rejected(n.node_id),  # rounds peers refused its update
                     "shards_held": list(n.shards_held),
                     "device": n.hardware.device,
+                    "reachability": n.reachability,
                 }
             )
         # Each worker-step of DDP sends 2 (k - 1) / k of the fp32 gradient, k the workers that

@@ -68,6 +68,11 @@ class Trainers:
         self._by_node[node_id] = Trainer(run_id, incarnation, peer_address, round_id, state_hash, self.clock())
         return old is not None
 
+    def address(self, node_id: str) -> str:
+        """The peer address of the node's latest heartbeat ("" if none)."""
+        t = self._by_node.get(node_id)
+        return t.peer_address if t is not None else ""
+
     def drop(self, node_id: str) -> None:
         """The node is lost, left or banned: its incarnation stops counting at once."""
         self._by_node.pop(node_id, None)

@@ -389,7 +389,7 @@ class RevokeTokenRequest(_message.Message):
     def __init__(self, token_id: _Optional[str] = ...) -> None: ...
 
 class NodeInfo(_message.Message):
-    __slots__ = ("node_id", "run_id", "status", "joined_at", "last_heartbeat", "hardware", "tokens_per_s", "peer_address", "certificate_pem", "tokens_committed", "bytes_sent", "shards_held", "ban_reason", "updates_rejected")
+    __slots__ = ("node_id", "run_id", "status", "joined_at", "last_heartbeat", "hardware", "tokens_per_s", "peer_address", "certificate_pem", "tokens_committed", "bytes_sent", "shards_held", "ban_reason", "updates_rejected", "reachability")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
@@ -404,6 +404,7 @@ class NodeInfo(_message.Message):
     SHARDS_HELD_FIELD_NUMBER: _ClassVar[int]
     BAN_REASON_FIELD_NUMBER: _ClassVar[int]
     UPDATES_REJECTED_FIELD_NUMBER: _ClassVar[int]
+    REACHABILITY_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     run_id: str
     status: str
@@ -418,7 +419,8 @@ class NodeInfo(_message.Message):
     shards_held: _containers.RepeatedScalarFieldContainer[int]
     ban_reason: str
     updates_rejected: int
-    def __init__(self, node_id: _Optional[str] = ..., run_id: _Optional[str] = ..., status: _Optional[str] = ..., joined_at: _Optional[float] = ..., last_heartbeat: _Optional[float] = ..., hardware: _Optional[_Union[Hardware, _Mapping]] = ..., tokens_per_s: _Optional[float] = ..., peer_address: _Optional[str] = ..., certificate_pem: _Optional[str] = ..., tokens_committed: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., shards_held: _Optional[_Iterable[int]] = ..., ban_reason: _Optional[str] = ..., updates_rejected: _Optional[int] = ...) -> None: ...
+    reachability: str
+    def __init__(self, node_id: _Optional[str] = ..., run_id: _Optional[str] = ..., status: _Optional[str] = ..., joined_at: _Optional[float] = ..., last_heartbeat: _Optional[float] = ..., hardware: _Optional[_Union[Hardware, _Mapping]] = ..., tokens_per_s: _Optional[float] = ..., peer_address: _Optional[str] = ..., certificate_pem: _Optional[str] = ..., tokens_committed: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., shards_held: _Optional[_Iterable[int]] = ..., ban_reason: _Optional[str] = ..., updates_rejected: _Optional[int] = ..., reachability: _Optional[str] = ...) -> None: ...
 
 class ListNodesRequest(_message.Message):
     __slots__ = ("run_id", "status")

@@ -75,6 +75,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="the host peers should dial (default: the --listen host; env MURMUR_ADVERTISE_HOST)",
     )
     r.add_argument(
+        "--client-mode",
+        choices=("auto", "on", "off"),
+        default=_env("MURMUR_CLIENT_MODE", "auto"),
+        help="for a node nobody can dial (behind a NAT): own no span, serve no state. auto: the "
+        "coordinator dials the peer server back and decides; off: fail if it cannot "
+        "(default %(default)s; env MURMUR_CLIENT_MODE)",
+    )
+    r.add_argument(
         "--metrics-listen",
         default=_env("MURMUR_METRICS_LISTEN", "127.0.0.1:0"),
         help="Prometheus /metrics address, or 'off' (default %(default)s; env MURMUR_METRICS_LISTEN)",
@@ -173,6 +181,7 @@ def _run(args: argparse.Namespace) -> int:
         solo=args.solo,
         dht_peers=list(args.dht_peer),
         min_peers=max(1, args.min_peers),
+        client_mode=args.client_mode,
         settings=settings,
         faults=faults,
         log=log,

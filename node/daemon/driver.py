@@ -32,6 +32,7 @@ from murmur.node.model.data import Dataset, eval_batches
 from murmur.node.train.step import evaluate
 from murmur.optim.exchange import ExchangeError
 from murmur.protocol.model_shape import ddp_bytes
+from murmur.protocol.reachability import is_client
 from murmur.protocol.runconfig import RunConfig
 
 
@@ -317,9 +318,12 @@ class TrainingDriver:
         self.state.append_round(record)
         ratio = f"{record['compression']:,.0f}x" if record["compression"] else "-"
         val = f" | val {record['val_loss']:.4f}" if record["val_loss"] is not None else ""
+        # Which live trainers nobody can dial (the coordinator's view: their heartbeats' addresses).
+        clients = sum(1 for m in self.session.view.trainers() if is_client(m.address))
+        reach = f" ({clients} in client mode)" if clients else ""
         self.log(
             f"round {record['round']:4d} | loss {record['loss']:.4f}{val}"
             f" | {record['tokens_per_s']:,.0f} tok/s"
-            f" | sent {record['bytes_sent'] / 1e6:.2f} MB | {ratio} less than ddp | peers {record['peers']}"
+            f" | sent {record['bytes_sent'] / 1e6:.2f} MB | {ratio} less than ddp | peers {record['peers']}{reach}"
             f" | {'coordinator ok' if self.session.coordinator_up else 'coordinator DOWN'}"
         )

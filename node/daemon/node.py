@@ -70,6 +70,9 @@ class NodeOptions:
     solo: bool = False  # a one-member exchange: train alone against the coordinator, no peers
     dht_peers: list[str] = field(default_factory=list)  # extra DHT bootstrap multiaddrs
     min_peers: int = 1  # wait (up to peers_wait_s) for this many peers before the first round
+    # "auto": the coordinator dials the peer server back and the node takes client mode if nobody
+    # can reach it (protocol/reachability.py); "on": client mode; "off": fail if it is unreachable.
+    client_mode: str = "auto"
     settings: NodeSettings = field(default_factory=NodeSettings)
     faults: FaultInjector | None = None  # --fault: armed in this node's exchange (tests, chaos)
     log: Callable[[str], None] = print
@@ -186,6 +189,8 @@ class Node:
             faults=self.o.faults,
             refresh_bootstrap=self.session.bootstrap_peers if self.session is not None else None,
             view=self.session.view if self.session is not None else None,
+            client_mode=self.o.client_mode,
+            dial_back=self.session.check_reachable if self.session is not None else None,
         )
         if self.session is not None:
             plane.on_publish = self.session.published  # heartbeats report round, hash, address

@@ -33,6 +33,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from murmur.errors import MurmurError
 from murmur.node.daemon.dataplane import MemberTracker
 from murmur.node.daemon.run_view import RunView
 from murmur.node.daemon.settings import NodeSettings
@@ -46,6 +47,7 @@ from murmur.node.net.state_transfer import StateError, StateFetchSettings, afetc
 from murmur.optim.factory import make_aggregator_for, make_codec_for
 from murmur.protocol import identity
 from murmur.protocol.dht import DHTError, DHTSettings, MurmurDHT, PeerRecord
+from murmur.protocol.reachability import is_client
 from murmur.protocol.runconfig import RunConfig
 from murmur.protocol.wire import tensors_hash
 
@@ -59,6 +61,10 @@ STATE_POLL_S = 0.5  # how often a joiner looks for peers' records
 DHT_RETRY_S = 1.0  # pause between DHT start attempts
 DHT_REFRESH_S = 5.0  # while the DHT cannot start, ask the coordinator for its bootstrap peers this often
 DHT_GOODBYE_TIMEOUT_S = 5.0  # the "gone" record; past this, peers learn of the exit from the TTL
+
+
+class PeerDataPlaneError(MurmurError):
+    pass
 
 
 class RunningLoop:
@@ -222,7 +228,11 @@ class PeerDataPlane:
             await asyncio.sleep(STATE_POLL_S)
         deadline = loop.time() + timeout_s
         while True:
-            others = [r for r in records if r.round >= min_round and r.state_hash and r.node_id not in exclude]
+            others = [
+                r
+                for r in records
+                if r.round >= min_round and r.state_hash and r.node_id not in exclude and not is_client(r.address)
+            ]
             if not others:
                 return None
             # The newest round; within it, the hash most peers hold (a lone liar is outvoted).
@@ -287,6 +297,7 @@ async def _start_dht(
     settings: NodeSettings,
     log: Callable[[str], None],
     refresh_bootstrap: Callable[[], Awaitable[list[str] | None]] | None = None,
+    client_mode: bool = False,
 ) -> MurmurDHT:
     initial = list(info.bootstrap_peers) + list(dht_peers)
     dht = MurmurDHT(
@@ -298,6 +309,7 @@ async def _start_dht(
             host=host if host not in WILDCARDS else "0.0.0.0",
             record_ttl=settings.dht_record_ttl_s,
             start_timeout=settings.dht_start_timeout_s,
+            client_mode=client_mode,
         ),
     )
     loop = asyncio.get_running_loop()
@@ -339,6 +351,32 @@ async def _start_dht(
     return dht
 
 
+async def _settle_client_mode(
+    mode: str,
+    address: str,
+    dial_back: Callable[[str], Awaitable[tuple[bool, str] | None]] | None,
+    log: Callable[[str], None],
+) -> bool:
+    """Whether this node takes part in client mode: ``mode`` "on", or "auto" and the coordinator
+    could not dial ``address``. "off" with an address nobody can dial is a clear error, not a
+    node that every round waits for."""
+    if mode == "on":
+        return True
+    answer = await dial_back(address) if dial_back is not None else None
+    if answer is None:  # nobody could tell (no coordinator answer): take the address at its word
+        return False
+    reachable, why = answer
+    if reachable:
+        return False
+    if mode == "off":
+        raise PeerDataPlaneError(
+            f"peers cannot reach this node's peer server at {address}: {why}. Run with "
+            "--client-mode auto (or on) to take part without accepting connections, or open the port"
+        )
+    log(f"the coordinator cannot dial {address} ({why}): taking part in client mode")
+    return True
+
+
 async def open_peer_dataplane(
     *,
     ident: identity.Identity,
@@ -353,16 +391,30 @@ async def open_peer_dataplane(
     faults: FaultInjector | None = None,
     refresh_bootstrap: Callable[[], Awaitable[list[str] | None]] | None = None,
     view: RunView | None = None,
+    client_mode: str = "off",
+    dial_back: Callable[[str], Awaitable[tuple[bool, str] | None]] | None = None,
 ) -> PeerDataPlane:
-    """Start the DHT (the exchange's group needs it), then the peer server and the exchange on it;
-    on any failure, stop what was started."""
+    """Start the peer server, settle client mode (``dial_back``: the coordinator's check of the
+    address peers would dial), then the DHT (in hivemind's client mode too, for a client) and the
+    exchange on them; on any failure, stop what was started."""
     host, _, port = listen.rpartition(":")
     live = LivePeers()
+    dht: MurmurDHT | None = None
     async with contextlib.AsyncExitStack() as undo:
-        dht = await _start_dht(ident, info, host, dht_peers, settings, log, refresh_bootstrap)
-        undo.push_async_callback(asyncio.to_thread, dht.shutdown)
 
-        def group(address: str) -> DHTGroup:
+        async def unreachable(address: str) -> bool:
+            return await _settle_client_mode(client_mode, address, dial_back, log)
+
+        async def group(address: str) -> DHTGroup:
+            nonlocal dht
+            client = is_client(address)
+            if client and not (info.bootstrap_peers or dht_peers):
+                raise DHTError(
+                    "client mode needs a DHT bootstrap peer that others can dial: the coordinator runs "
+                    "no DHT here, so pass --dht-peer MULTIADDR of a reachable node"
+                )
+            dht = await _start_dht(ident, info, host, dht_peers, settings, log, refresh_bootstrap, client)
+            undo.push_async_callback(asyncio.to_thread, dht.shutdown)
             return DHTGroup(
                 dht,
                 address,
@@ -385,14 +437,19 @@ async def open_peer_dataplane(
             server=PeerServerSettings(host=host or "127.0.0.1", port=int(port or 0)),
             advertise_host=advertised(host, advertise_host),
             faults=faults,
+            client_mode=unreachable,
         )
         peer = await abuild_peer(spec, RunningLoop(asyncio.get_running_loop()))
         undo.push_async_callback(peer.aclose)
+        assert dht is not None  # the group factory started it
         plane = PeerDataPlane(ident, settings, log, dht=dht, peer=peer, live=live, view=view)
         # Where others can bootstrap from and dial us (read by `murmur testnet` and by operators).
         (state_dir / "peer.json").write_text(
             json.dumps({"node_id": ident.node_id, "address": plane.address, "dht": dht.addresses}) + "\n"
         )
-        log(f"peer server on {plane.address}; DHT on {', '.join(dht.addresses[:1]) or '?'}")
+        where = f"peer server on {plane.address}"
+        if peer.client_mode:
+            where = "client mode (this node owns no span and serves no state)"
+        log(f"{where}; DHT on {', '.join(dht.addresses[:1]) or '?'}")
         undo.pop_all()
     return plane

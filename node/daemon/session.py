@@ -225,6 +225,15 @@ class CoordinatorSession:
             self.state.save_join_info(self.info)
         return peers
 
+    async def check_reachable(self, peer_address: str) -> tuple[bool, str] | None:
+        """(reachable, why not) as the coordinator sees ``peer_address`` when it dials it back;
+        None when it cannot be asked (an outage, or a coordinator without the call), logged."""
+        try:
+            return await self.client.check_reachable(peer_address)
+        except CoordinatorError as err:
+            self.log(f"cannot ask the coordinator whether peers can reach {peer_address} ({err})")
+            return None
+
     def queue_rejections(self, rejected: Iterable[tuple[int, str, str]]) -> None:
         """Updates this node refused as an owner: logged, and reported after the next heartbeat."""
         for round_id, sender, reason in rejected:

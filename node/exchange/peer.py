@@ -10,6 +10,7 @@ need that address, the exchange's handlers on the server) is the same for all.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
@@ -29,9 +30,9 @@ class PeerSpec:
     identity: Identity
     run_id: str
     codec: Codec
-    # The round's members: a provider, or a function of the address peers dial this peer at (a
-    # DHT group announces it), called once the server is listening.
-    group: GroupProvider | Callable[[str], GroupProvider]
+    # The round's members: a provider, or a function (maybe async) of the address peers dial this
+    # peer at (a DHT group announces it), called once the server is listening.
+    group: GroupProvider | Callable[[str], GroupProvider | Awaitable[GroupProvider]]
     aggregator: Aggregator | None = None  # None: the plain mean
     settings: ExchangeSettings = field(default_factory=ExchangeSettings)
     server: PeerServerSettings = field(default_factory=PeerServerSettings)  # host, port (0: any)
@@ -79,6 +80,8 @@ async def abuild_peer(spec: PeerSpec, loop: LoopHandle) -> ExchangePeer:
         if client:
             server.address = CLIENT_ADDRESS
         group = spec.group(server.address) if callable(spec.group) else spec.group
+        if inspect.isawaitable(group):
+            group = await group
         exchange = GrpcExchange(
             server,
             loop,

@@ -76,6 +76,9 @@ class NodeProc:
     proc: subprocess.Popen | None = None
     starts: int = 0
     kills: int = 0
+    # What the command runs under, e.g. ["ip", "netns", "exec", NS]: a node on another host
+    # (a network namespace), kept across restarts.
+    prefix: list[str] = field(default_factory=list)
     _log: IO[bytes] | None = None
 
     @property
@@ -216,9 +219,12 @@ class Testnet:
 
     # -- nodes ------------------------------------------------------------------------------------
 
-    def add_node(self, start: bool = True, extra: list[str] | None = None) -> NodeProc:
+    def add_node(
+        self, start: bool = True, extra: list[str] | None = None, prefix: list[str] | None = None
+    ) -> NodeProc:
         i = len(self.nodes)
         node = NodeProc(i, self.root / "nodes" / f"node-{i}", self.root / "nodes" / f"node-{i}.log")
+        node.prefix = list(prefix or [])
         self.nodes.append(node)
         if start:
             self.start_node(node, extra)
@@ -278,7 +284,11 @@ class Testnet:
             *(extra or []),
         )
         node.proc = subprocess.Popen(
-            cmd, stdout=node._log, stderr=subprocess.STDOUT, env=_env(self.threads), start_new_session=True
+            [*node.prefix, *cmd],
+            stdout=node._log,
+            stderr=subprocess.STDOUT,
+            env=_env(self.threads),
+            start_new_session=True,
         )
         node.starts += 1
 
