@@ -45,6 +45,7 @@ import datetime as dt
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -91,6 +92,9 @@ def net_up(n: int, cc: str) -> None:
     net_down(n)
     sh("ip", "link", "add", BRIDGE, "type", "bridge")
     sh("ip", "link", "set", BRIDGE, "up")
+    # Hosts with Docker filter bridged traffic (br_netfilter, FORWARD policy DROP): without this
+    # every SYN between two namespaces is dropped and the peers wait forever.
+    sh(*forward_rule("-I"), check=False)
     for i in range(n):
         ns = NS.format(i)
         sh("ip", "netns", "add", ns)
@@ -132,7 +136,14 @@ def set_rate(n: int, mbps: int) -> None:
         )
 
 
+def forward_rule(op: str) -> list[str]:
+    """The iptables rule (``op``: -I inserts, -D deletes) that lets the bridge's own traffic through."""
+    return ["iptables", op, "FORWARD", "-i", BRIDGE, "-o", BRIDGE, "-j", "ACCEPT"]
+
+
 def net_down(n: int) -> None:
+    while shutil.which("iptables") and subprocess.run(forward_rule("-D"), capture_output=True).returncode == 0:
+        pass  # every copy a crashed run left behind
     for i in range(max(n, 8)):
         sh("ip", "netns", "del", NS.format(i), check=False)
         sh("ip", "link", "del", f"mxh{i}", check=False)
@@ -565,6 +576,9 @@ def main() -> int:
         ),
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "command": " ".join(["benchmarks/exchange.py", *sys.argv[1:]]),
+        "commit": subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=HERE
+        ).stdout.strip(),
         "notes": (
             "seconds: last peer's start to last peer's end. sent_mb: payload bytes a peer puts on the "
             "wire (its spans to the owners + its reduced span to the others); goodput counts payload "

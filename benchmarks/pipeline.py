@@ -53,10 +53,6 @@ MICROBATCH = 4
 START_TIMEOUT_S = 300
 
 
-def FORWARD_RULE(op: str) -> list[str]:  # noqa: N802 - reads as the rule it builds
-    return ["iptables", op, "FORWARD", "-i", shaped.BRIDGE, "-o", shaped.BRIDGE, "-j", "ACCEPT"]
-
-
 def ip(i: int) -> str:
     return shaped.SUBNET.format(i + 1)
 
@@ -133,9 +129,6 @@ def one_row(args, work: Path, data: Path, rate: int, codec: str, mtbf: float) ->
     n_peers = args.stages * args.peers_per_stage
     shaped.net_up(n_peers + 1, args.congestion)
     shaped.set_rate(n_peers + 1, rate)
-    # Hosts with Docker filter bridged traffic (br_netfilter, FORWARD policy DROP): let the
-    # bridge's own traffic through while the row runs.
-    shaped.sh(*FORWARD_RULE("-I"), check=False)
     ca = CertificateAuthority.create("bench")
     row_dir = Path(tempfile.mkdtemp(dir=work))
     for i in range(n_peers + 1):
@@ -174,7 +167,6 @@ def one_row(args, work: Path, data: Path, rate: int, codec: str, mtbf: float) ->
         for p in peers:
             p.stop()
             p.kill()
-        shaped.sh(*FORWARD_RULE("-D"), check=False)
         shaped.net_down(n_peers + 1)
     recs = [json.loads(line) for line in out.splitlines()]
     done = next(r for r in recs if r["event"] == "done")
