@@ -127,6 +127,8 @@ def test_status_page_shows_the_ledger_and_a_lost_node(tmp_path):
         assert ddp > 0 and api["run"]["ddp_bytes"] == ddp
         assert api["run"]["reduction_vs_ddp"] == pytest.approx(ddp / int(api["status"]["bytes_sent"]))
         assert float(page.by_id["run-reduction"]["data-value"]) > 1.0  # H steps per exchange: far less
+        # Both nodes train in rounds on loopback: peers dial them ("reached" column).
+        assert {n["reachability"] for n in api["nodes"]} == {"direct"}, api["nodes"]
         cli_tokens = {n["node_id"]: (int(b["tokens_committed"]), int(n["tokens_committed"]))
                       for b in before["nodes"] for n in after["nodes"] if b["node_id"] == n["node_id"]}
         for node_id, row in page.rows.items():
