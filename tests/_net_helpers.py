@@ -90,6 +90,17 @@ def start_peers(
     return peers
 
 
+class EntryComesLate:
+    """A group whose first look misses one rendezvous entry that every later look shows."""
+
+    def __init__(self, first: dict[str, str], later: dict[str, str]) -> None:
+        self.looks = [first]
+        self.later = later
+
+    async def members(self, round_id: int, key: str) -> dict[str, str]:
+        return dict(self.looks.pop() if self.looks else self.later)
+
+
 def close_peers(loop: LoopThread, peers: list[Peer]) -> None:
     for p in peers:
         loop.run(p.exchange.aclose())

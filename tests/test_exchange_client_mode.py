@@ -4,9 +4,11 @@ an owner. The client peers here have their servers stopped, so any dial towards 
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
-from _net_helpers import no_lost_task_exceptions, peer_group  # noqa: F401 - a fixture
+from _net_helpers import EntryComesLate, no_lost_task_exceptions, peer_group  # noqa: F401 - a fixture
 
 from murmur.optim.codecs import make_codec
 from murmur.optim.exchange import ExchangeError
@@ -56,3 +58,21 @@ def test_a_round_of_client_mode_peers_only_fails_saying_someone_must_own_the_spa
         for f in futs:
             with pytest.raises(ExchangeError, match="client mode"):
                 f.result(timeout=TIMEOUT)
+
+
+def test_an_owner_whose_only_other_member_is_a_client_learns_of_a_peer_it_missed():
+    """Regression (the NAT test under load, round 1): owner A met only itself and the client, so
+    it calls nobody and no owner's answer could name the reachable peer it missed. The client's
+    header lists that peer (and the peer calls A): A looks again and takes it in, instead of
+    failing attempt after attempt on the client's disagreement until the round deadline."""
+    with peer_group(3, codec="fp32", clients=1, peer_timeout=2.0, round_deadline=30.0) as (_, peers, _):
+        every = {p.node_id: p.server.address for p in peers}
+        a, missed, client = peers
+        a.exchange.rounds.group = EntryComesLate({k: v for k, v in every.items() if k != missed.node_id}, every)
+        t0 = time.monotonic()
+        xs = _inputs(3)
+        futs = [p.exchange.all_reduce([x], round_id=1, key="k") for p, x in zip(peers, xs, strict=True)]
+        results = [f.result(timeout=TIMEOUT) for f in futs]
+        assert time.monotonic() - t0 < 10.0  # not the round deadline
+        assert all(sorted(r.members) == sorted(every) for r in results), [r.members for r in results]
+        assert all(torch.equal(r.tensors[0], results[0].tensors[0]) for r in results)

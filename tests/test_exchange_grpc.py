@@ -9,7 +9,14 @@ from concurrent.futures import CancelledError
 
 import pytest
 import torch
-from _net_helpers import RUN, close_peers, no_lost_task_exceptions, peer_group, start_peers  # noqa: F401 - a fixture
+from _net_helpers import (  # noqa: F401 - a fixture
+    RUN,
+    EntryComesLate,
+    close_peers,
+    no_lost_task_exceptions,
+    peer_group,
+    start_peers,
+)
 
 from murmur.node.exchange.grpc_exchange import ExchangeSettings, ExchangeSettingsError, spans
 from murmur.node.exchange.settings import alignment, chunk_ranges
@@ -487,17 +494,6 @@ def test_a_peer_the_others_did_not_meet_catches_up_and_does_not_stop_them():
             assert torch.allclose(got, sum(x[i] for x in xs[:3]) / 3, atol=1e-6)
 
 
-class _EntryComesLate:
-    """A group whose first look misses one rendezvous entry that every later look shows."""
-
-    def __init__(self, first: dict[str, str], later: dict[str, str]) -> None:
-        self.looks = [first]
-        self.later = later
-
-    async def members(self, round_id: int, key: str) -> dict[str, str]:
-        return dict(self.looks.pop() if self.looks else self.later)
-
-
 def test_member_lists_that_differ_converge_on_the_peers_someone_met():
     """Regression (chaos test, round 1): two peers met three, two met all four. The owners' answers
     name the fourth to the first two, who look again, learn its address and take it in: the lists
@@ -505,7 +501,7 @@ def test_member_lists_that_differ_converge_on_the_peers_someone_met():
     with peer_group(4, peer_timeout=2.0, round_deadline=30.0) as (_, peers, _):
         every = {p.node_id: p.server.address for p in peers}
         for p in peers[:2]:
-            p.exchange.rounds.group = _EntryComesLate(dict(list(every.items())[:3]), every)
+            p.exchange.rounds.group = EntryComesLate(dict(list(every.items())[:3]), every)
         t0 = time.monotonic()
         results = run_reduce(peers, inputs(4))
         assert all(not isinstance(r, Exception) for r in results), results

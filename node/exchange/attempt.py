@@ -71,6 +71,10 @@ class Attempt:
     started: set[str] = field(default_factory=set)
     done: asyncio.Event = field(default_factory=asyncio.Event)
     bytes_received: int = 0  # inputs read from other members
+    # Peers that callers named and this attempt lacks (the caller itself, or members its header
+    # lists): the next attempt looks at the rendezvous again for them. An owner that calls no one
+    # (its only other members are in client mode) learns of them only here.
+    heard: set[str] = field(default_factory=set)
     changed: asyncio.Event = field(default_factory=asyncio.Event)  # set (and replaced) on every change
     # Where this owner records who sent an input it refused for its content (not finite, malformed,
     # an outlier the aggregator's pre-filter dropped): the exchange's `rejections`.

@@ -130,12 +130,14 @@ def _attempt_answer(
         return status(ABORT, reason=why, members=list(att.members), attempt=att.number)
     if peer_id in att.members and tuple(h.members) != att.members:
         why = f"member lists differ ({peer_id} has {len(h.members)}, this peer {len(att.members)})"
+        att.heard.update(set(h.members) - set(att.members))
         att.disagree(why)
         return status(ABORT, reason=why, members=list(att.members), attempt=att.number)
     if peer_id not in att.members:
         # Left out of this attempt (it came late, or the owner regrouped without it): not a refusal
         # of its input, so ABORT with this attempt's list and number; it may take part in a later one.
         why = f"{peer_id} is not a member of round {att.round_id} attempt {att.number}"
+        att.heard.add(peer_id)
         return status(ABORT, reason=why, failed={peer_id: why}, members=list(att.members), attempt=att.number)
     reason = _header_problem(att, h, peer_id, s)
     if reason:

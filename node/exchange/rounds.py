@@ -294,6 +294,7 @@ class Rounds:
                         failed[k] = Dropped(f"{o} left it out: {v}" if k == me else v)
                 seen |= set(r.members)
                 at = max(at, r.attempt)
+        seen |= att.heard  # callers that named peers this attempt lacks
         if att.done.is_set():
             failed.update({k: Dropped(v) for k, v in att.failed.items() if k in call.peers and k not in failed})
         else:
