@@ -508,3 +508,33 @@ def test_member_lists_that_differ_converge_on_the_peers_someone_met():
         assert time.monotonic() - t0 < 10.0  # not the round deadline
         assert_identical(results)
         assert results[0].members == sorted(p.node_id for p in peers)
+
+
+class _SeesOnlyItself:
+    """A rendezvous that shows this peer alone, while the DHT lists ``announced`` trainers and
+    the coordinator's view is not whole yet (no quorum base from it)."""
+
+    def __init__(self, me: dict[str, str], announced: int) -> None:
+        self.me, self.n = me, announced
+
+    async def members(self, round_id: int, key: str) -> dict[str, str]:
+        return dict(self.me)
+
+    def quorum_base(self) -> None:
+        return None
+
+    def announced(self) -> int:
+        return self.n
+
+
+def test_a_peer_alone_at_the_rendezvous_does_not_complete_while_the_dht_lists_others():
+    """Regression (test_poisoning under load, round 2): before the coordinator's view was whole,
+    the first peer at a rendezvous saw only itself, completed the round alone, and the three
+    others adopted that one-member result. The trainers the DHT lists count for the quorum."""
+    with peer_group(1, round_deadline=3.0) as (_, peers, _):
+        p = peers[0]
+        p.exchange.rounds.group = _SeesOnlyItself({p.node_id: p.server.address}, announced=4)
+        with pytest.raises(ExchangeError, match="no quorum"):
+            p.exchange.all_reduce([torch.ones(100)], round_id=2, key="k").result(timeout=30)
+        p.exchange.rounds.group = _SeesOnlyItself({p.node_id: p.server.address}, announced=1)
+        assert p.exchange.all_reduce([torch.ones(100)], round_id=3, key="k").result(timeout=30).members == [p.node_id]

@@ -108,8 +108,14 @@ class DHTGroup:
     # -- what the exchange asks of a group that knows the live trainers ---------------------------
 
     def quorum_base(self) -> int | None:
-        """A round group must be a strict majority of this many (None: of its starting members)."""
+        """A round group must be a strict majority of this many (None: the view is not fresh)."""
         return self.view.quorum_base() if self.view is not None else None
+
+    def announced(self) -> int | None:
+        """How many trainers the DHT holds records of, this one included (None: unknown). Without
+        a fresh view (a coordinator that just started or is down), a round group must be a strict
+        majority of these too: a peer whose rendezvous saw only itself must not complete alone."""
+        return self.expected() if callable(self.expected) else self.expected
 
     def behind(self, round_id: int) -> int | None:
         """The run's round when live trainers completed ``round_id`` already (the newest round

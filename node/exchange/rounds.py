@@ -18,8 +18,9 @@ own streams (a gather's result it fetches from an owner), and is never dialed. A
 least one owner: with none, the call meets again until the deadline and fails saying so.
 
 Quorum: a call needs more than ``quorum`` of the run's live trainers when the group knows them (the
-coordinator's view: node/exchange/group.py), else of the peers it started with, so a cut-off
-minority, or a joiner that sees nobody, can never finish on its own. A member whose address
+coordinator's view: node/exchange/group.py), else of the peers it started with or of the trainers
+the DHT lists, whichever is more, so a cut-off minority, a joiner that sees nobody, or the first
+peer at a rendezvous before the view is whole can never finish on its own. A member whose address
 refuses a connection is dead: the group is told, and it is not met again at a regroup.
 """
 
@@ -198,7 +199,14 @@ class Rounds:
     def _quorum_base(self, call: Call) -> int:
         base = getattr(self.group, "quorum_base", None)
         live = base() if base is not None else None
-        return live if live else call.start_members
+        if live:
+            return live
+        # No fresh view of the live trainers: the peers this call started with, or the trainers
+        # the DHT lists if more. The rendezvous alone is not enough: early in a run, before the
+        # coordinator's view is whole, a peer that reached it first saw only itself, completed a
+        # round alone, and the others adopted that one-member result (test_poisoning under load).
+        announced = getattr(self.group, "announced", None)
+        return max(call.start_members, (announced() if announced is not None else None) or 0)
 
     def _quorum(self, call: Call, members: list[str]) -> bool:
         return len(members) > self._quorum_base(call) * self.settings.quorum
