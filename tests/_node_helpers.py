@@ -38,6 +38,15 @@ def trained(node) -> list[dict]:
     return [r for r in read_rounds(node.state_dir) if "loss" in r]
 
 
+def hashes_by_round(nodes) -> dict[int, dict[str, str]]:
+    """round -> {node name: the state hash it recorded after that round}."""
+    out: dict[int, dict[str, str]] = {}
+    for node in nodes:
+        for r in trained(node):
+            out.setdefault(r["round"], {})[node.name] = r["hash"]
+    return out
+
+
 def wait_rounds(node, n: int, timeout_s: float = ROUND_WAIT_S) -> None:
     def ok() -> bool:
         if node.proc is not None and node.proc.poll() is not None:

@@ -15,7 +15,7 @@ import signal
 import subprocess
 
 import pytest
-from _node_helpers import ledger, log, make_testnet, small_dataset, trained, wait_log, wait_rounds
+from _node_helpers import hashes_by_round, ledger, log, make_testnet, small_dataset, trained, wait_log, wait_rounds
 
 from murmur.node.testnet.procs import wait_for
 
@@ -77,14 +77,6 @@ def _testnet(tmp_path, data, overrides=()):
     return net
 
 
-def _hashes_by_round(nodes):
-    out: dict[int, dict[str, str]] = {}
-    for node in nodes:
-        for r in trained(node):
-            out.setdefault(r["round"], {})[node.name] = r["hash"]
-    return out
-
-
 def test_a_node_behind_a_nat_trains_in_client_mode_and_its_death_does_not_stop_the_round(tmp_path, data, nat):
     with _testnet(tmp_path, data, overrides=["train.steps=2000"]) as net:
         reachable = [net.add_node(extra=["--listen", f"{HOST_IP}:0", "--min-peers", "3"]) for _ in range(2)]
@@ -93,7 +85,7 @@ def test_a_node_behind_a_nat_trains_in_client_mode_and_its_death_does_not_stop_t
         for node in net.nodes:
             wait_rounds(node, 4, timeout_s=240)
         # Same state after every round all three shared; the client was a member of them.
-        by_round = _hashes_by_round(net.nodes)
+        by_round = hashes_by_round(net.nodes)
         shared = [r for r, h in by_round.items() if len(h) == 3]
         assert len(shared) >= 3, by_round
         for r in shared:

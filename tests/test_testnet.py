@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 import pytest
-from _node_helpers import ledger, log, make_testnet, small_dataset, trained, wait_log, wait_rounds
+from _node_helpers import hashes_by_round, ledger, log, make_testnet, small_dataset, trained, wait_log, wait_rounds
 
 from murmur.node.testnet.procs import wait_for
 
@@ -50,14 +50,6 @@ def _start(tmp_path, data, n, *, min_peers=None, overrides=()):
     return net
 
 
-def _hashes_by_round(nodes):
-    out: dict[int, dict[str, str]] = {}
-    for node in nodes:
-        for r in trained(node):
-            out.setdefault(r["round"], {})[node.name] = r["hash"]
-    return out
-
-
 def test_three_nodes_learn_and_hold_the_same_state(tmp_path, data):
     with _start(tmp_path, data, 3) as net:
         for node in net.nodes:
@@ -66,7 +58,7 @@ def test_three_nodes_learn_and_hold_the_same_state(tmp_path, data):
             node.proc.send_signal(signal.SIGTERM)
         for node in net.nodes:
             assert node.proc.wait(60) == 0, log(node)[-2000:]
-        by_round = _hashes_by_round(net.nodes)
+        by_round = hashes_by_round(net.nodes)
         common = [r for r, h in by_round.items() if len(h) == 3]
         assert len(common) >= 4
         for r in common:
@@ -127,7 +119,7 @@ def test_late_joiner_takes_the_state_from_peers(tmp_path, data):
             node.proc.send_signal(signal.SIGTERM)
         for node in net.nodes:
             assert node.proc.wait(60) == 0, log(node)[-2000:]
-        by_round = _hashes_by_round(net.nodes)
+        by_round = hashes_by_round(net.nodes)
         joined = [r for r, h in by_round.items() if len(h) == 3]
         assert joined, "the joiner never shared a round with the others"
         for r in joined:

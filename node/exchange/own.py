@@ -42,11 +42,12 @@ class OwnAttempts:
     def make(self, call: Call, number: int, members: tuple[str, ...]) -> Attempt:
         """The attempt ``number`` of ``call`` among ``members``, with this peer's own input in (or
         on its way in, for a reduce: call it on the loop)."""
+        owners = call.owners(members)
         if isinstance(call, ReduceCall):
-            return self._reduce(call, number, members)
+            return self._reduce(call, number, members, owners)
         assert isinstance(call, GatherCall)
         gather = GatherAttempt(
-            **_common(call, number, members, self.on_rejected),
+            **_common(call, number, members, owners, self.on_rejected),
             validate=validate_gather(call.wires, call.codec, self.limits),
         )
         gather.started.add(self.peer_id)
@@ -55,8 +56,9 @@ class OwnAttempts:
             gather.done.set()  # a client-mode peer takes no inputs: it fetches the result from an owner
         return gather
 
-    def _reduce(self, call: ReduceCall, number: int, members: tuple[str, ...]) -> ReduceAttempt:
-        owners = call.owners(members)
+    def _reduce(
+        self, call: ReduceCall, number: int, members: tuple[str, ...], owners: tuple[str, ...]
+    ) -> ReduceAttempt:
         if self.peer_id in owners:
             start, end = call.span_of(owners, self.peer_id)
             ranges = call.ranges((start, end))
@@ -71,7 +73,7 @@ class OwnAttempts:
 
         reducer = chunk_reducer(call.codec, self.aggregator, call.key)
         att = ReduceAttempt(
-            **_common(call, number, members, self.on_rejected),
+            **_common(call, number, members, owners, self.on_rejected),
             span=(start, end),
             chunks=ranges,
             reduce_chunk=self.times.wrap("reduce", reducer),
@@ -109,7 +111,9 @@ class OwnAttempts:
         return True
 
 
-def _common(call: Call, number: int, members: tuple[str, ...], on_rejected: RejectionSink) -> dict:
+def _common(
+    call: Call, number: int, members: tuple[str, ...], owners: tuple[str, ...], on_rejected: RejectionSink
+) -> dict:
     """The fields every attempt of ``call`` has."""
     return dict(
         on_rejected=on_rejected,
@@ -118,7 +122,7 @@ def _common(call: Call, number: int, members: tuple[str, ...], on_rejected: Reje
         key=call.key,
         number=number,
         members=members,
-        owners=call.owners(members),
+        owners=owners,
         layout=call.layout,
     )
 

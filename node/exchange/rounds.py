@@ -128,17 +128,8 @@ class Rounds:
         members, excluded, number = sorted(call.peers), dict[str, str](), 0
         why = Outcome().why
         while loop.time() < call.deadline:
-            if not self._quorum(call, members):
-                why = f"only {len(members)} of {self._quorum_base(call)} live peers here (no quorum)"
-                if (out := await self._meet_again(call, why)) is not None:
-                    return out
-                members, excluded = await self._regroup(call, members), {}
-                continue
-            if not call.owners(members):
-                why = (
-                    f"none of the {len(members)} members of round {call.round_id} accepts connections "
-                    "(all are in client mode): a reachable peer must own the spans"
-                )
+            if cannot := self._cannot_start(call, members):
+                why = cannot
                 if (out := await self._meet_again(call, why)) is not None:
                     return out
                 members, excluded = await self._regroup(call, members), {}
@@ -175,6 +166,18 @@ class Rounds:
             members = await self._merged(call, members, seen, excluded)
             number = max(number + 1, at)
         return Outcome(why=why)
+
+    def _cannot_start(self, call: Call, members: list[str]) -> str:
+        """Why an attempt among ``members`` cannot start (no quorum, or nobody to own the spans),
+        or "": then meet again."""
+        if not self._quorum(call, members):
+            return f"only {len(members)} of {self._quorum_base(call)} live peers here (no quorum)"
+        if not call.owners(members):
+            return (
+                f"none of the {len(members)} members of round {call.round_id} accepts connections "
+                "(all are in client mode): a reachable peer must own the spans"
+            )
+        return ""
 
     async def _merged(self, call: Call, members: list[str], seen: set[str], excluded: dict[str, str]) -> list[str]:
         """The next attempt's members: ours and those the owners named, less the excluded. An owner
