@@ -9,6 +9,7 @@ whole allowed range, not the one bound that failed.
 from __future__ import annotations
 
 import difflib
+import typing
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
@@ -80,9 +81,14 @@ def _section(path: tuple[str, ...], root: type[BaseModel]) -> type[BaseModel] | 
     model: Any = root
     for part in path:
         field = model.model_fields.get(part)
-        if field is None or not (isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)):
+        if field is None:
             return None
-        model = field.annotation
+        # An optional table (``pipeline: PipelineSection | None``) is the table it may be.
+        options = typing.get_args(field.annotation) or (field.annotation,)
+        tables = [t for t in options if isinstance(t, type) and issubclass(t, BaseModel)]
+        if not tables:
+            return None
+        model = tables[0]
     return model
 
 

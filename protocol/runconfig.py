@@ -32,6 +32,10 @@ MODEL_PRESETS: tuple[str, ...] = typing.get_args(ModelPreset)
 Codec = Literal["fp32", "fp16", "bf16", "int8", "int4", "topk", "topk2bit", "sign", "powersgd"]
 CODECS: tuple[str, ...] = typing.get_args(Codec)
 
+# The activation codecs of node/pipeline/codec.py (which takes its list from here).
+ActivationCodec = Literal["fp32", "bf16", "int8"]
+ACTIVATION_CODECS: tuple[str, ...] = typing.get_args(ActivationCodec)
+
 # A pipeline chunk travels as one gRPC message, and peers accept messages of at most 8 MiB.
 MAX_EXCHANGE_CHUNK_MB = 8.0
 _CHUNK_WHY = {"why": "a chunk travels as one gRPC message of at most 8 MiB"}
@@ -136,6 +140,60 @@ class SyncSection(Section):
         return self
 
 
+class PipelineSection(Section):
+    """SWARM mode: the model cut into stages served by peers, microbatches sent through them by
+    drivers (docs/pipeline.md). Absent from a run config: the data-parallel mode."""
+
+    stages: int = Field(2, gt=0)
+    layers: list[int] | None = None  # blocks per stage; None: an even split
+    microbatch_size: int = Field(4, gt=0)  # rows (sequences) per microbatch
+    activation_codec: ActivationCodec = "bf16"  # for activations and their gradients
+    # The longest a hop may take (forward or backward of one stage, wire included). Deadlines
+    # adapt to each peer's measured latency below this; until a peer is measured this is its
+    # deadline. SWARM uses 30 s forward and 75 s backward; a tiny CPU model needs far less.
+    hop_timeout_s: float = Field(30.0, gt=0)
+    min_hop_timeout_s: float = Field(2.0, gt=0)  # adaptive deadlines never go below this (scheduler noise)
+    hop_attempts: int = Field(3, gt=0)  # peers tried per hop before the microbatch is given up
+    microbatch_attempts: int = Field(3, gt=0)  # times a driver runs a failing microbatch before stopping
+    # Pause before re-running a failed microbatch, doubling per failure, at most 30 s: a stage
+    # whose every peer is down needs time to be refilled, and re-running at once would only
+    # spend the attempts.
+    microbatch_retry_s: float = Field(1.0, ge=0)
+    target_samples: int = Field(16, gt=0)  # samples per stage peer per optimizer step
+    rebalance_every_s: float = Field(60.0, gt=0)  # the coordinator's bottleneck check
+    bench_s: float = Field(2.0, gt=0)  # a failed peer is benched this long, doubling per failure in a row
+    max_bench_s: float = Field(60.0, gt=0)
+    # Every peer of stage s keeps a copy of stage s+1's weights (the last stage: of stage 0),
+    # refreshed this often, so that a stage whose every peer dies is refilled with weights at
+    # most this old instead of the seed's. 0: no copies.
+    replica_every_s: float = Field(10.0, ge=0)
+    # Stage-mates sync their stage's weights (the run's codec, aggregator and outer step) every
+    # this many seconds of the clock, beside the compute (node/pipeline/stage_sync.py). 0: never.
+    sync_every_s: float = Field(30.0, ge=0)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> PipelineSection:
+        if self.layers is not None and (len(self.layers) != self.stages or min(self.layers) < 1):
+            raise PydanticCustomError(
+                "cross_field",
+                "must name at least one block for each of the pipeline.stages = {stages} stages, got {value}",
+                {"config_key": "layers", "stages": self.stages, "value": self.layers},
+            )
+        if self.min_hop_timeout_s > self.hop_timeout_s:
+            raise PydanticCustomError(
+                "cross_field",
+                "must be at most pipeline.hop_timeout_s = {hop}, got {value}",
+                {"config_key": "min_hop_timeout_s", "hop": self.hop_timeout_s, "value": self.min_hop_timeout_s},
+            )
+        if self.max_bench_s < self.bench_s:
+            raise PydanticCustomError(
+                "cross_field",
+                "must be at least pipeline.bench_s = {bench}, got {value}",
+                {"config_key": "max_bench_s", "bench": self.bench_s, "value": self.max_bench_s},
+            )
+        return self
+
+
 class RunConfig(Section):
     name: str = "murmur-run"
     seed: int = 0
@@ -144,6 +202,7 @@ class RunConfig(Section):
     optim: OptimSection = Field(default_factory=OptimSection)
     train: TrainSection = Field(default_factory=TrainSection)
     sync: SyncSection = Field(default_factory=SyncSection)
+    pipeline: PipelineSection | None = None  # absent: data parallel
 
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump()

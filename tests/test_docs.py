@@ -16,17 +16,24 @@ ROOT = Path(__file__).resolve().parent.parent
 DOC = (ROOT / "docs" / "configuration.md").read_text()
 
 
+def _table(annotation):
+    """The table a field holds, an optional one (``PipelineSection | None``) included; else None."""
+    options = typing.get_args(annotation) or (annotation,)
+    return next((t for t in options if isinstance(t, type) and issubclass(t, BaseModel)), None)
+
+
 def _keys(cls, prefix=""):
     for name, field in cls.model_fields.items():
-        if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
-            yield from _keys(field.annotation, f"{prefix}{name}.")
+        table = _table(field.annotation)
+        if table is not None:
+            yield from _keys(table, f"{prefix}{name}.")
         else:
             yield prefix + name
 
 
 def test_the_key_walk_sees_every_section():
     keys = list(_keys(RunConfig))
-    assert {"name", "model.preset", "train.steps", "sync.exchange_chunk_mb"} <= set(keys)
+    assert {"name", "model.preset", "train.steps", "sync.exchange_chunk_mb", "pipeline.stages"} <= set(keys)
 
 
 def test_every_config_key_is_documented():
@@ -39,17 +46,18 @@ _ROW = re.compile(r"^\| `([a-z_][a-z0-9_.]*)` \| ([^|]+) \| ([^\n]+) \|$", re.M)
 
 
 def _default(key):
-    value = RunConfig()
-    for part in key.split("."):
-        value = getattr(value, part)
-    return value
+    *sections, name = key.split(".")
+    cls = RunConfig
+    for section in sections:
+        cls = _table(cls.model_fields[section].annotation)
+    return getattr(cls(), name)  # an optional table's keys: their defaults once the table is there
 
 
 def _field(key):
     *sections, name = key.split(".")
     cls = RunConfig
     for section in sections:
-        cls = cls.model_fields[section].annotation
+        cls = _table(cls.model_fields[section].annotation)
     return cls.model_fields[name]
 
 

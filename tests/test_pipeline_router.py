@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from murmur.node.pipeline.client import StagePeer
-from murmur.node.pipeline.config import PipelineConfig
+from murmur.protocol.runconfig import PipelineSection
 from murmur.node.pipeline.driver import CommitWindow
 from murmur.node.pipeline.router import Router
 
@@ -24,7 +24,7 @@ def peers(stage: int, *names: str) -> list[StagePeer]:
 
 def make(**kw) -> tuple[Router, Clock]:
     clock = Clock()
-    cfg = PipelineConfig(stages=2, hop_timeout_s=30.0, min_hop_timeout_s=1.0, bench_s=2.0, max_bench_s=8.0, **kw)
+    cfg = PipelineSection(stages=2, hop_timeout_s=30.0, min_hop_timeout_s=1.0, bench_s=2.0, max_bench_s=8.0, **kw)
     return Router(cfg, clock=clock), clock
 
 

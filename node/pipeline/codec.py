@@ -19,9 +19,9 @@ import torch
 from murmur import kernels
 from murmur.optim.wire import WireTensor
 from murmur.protocol import tensor_pb2
+from murmur.protocol.runconfig import ACTIVATION_CODECS  # one list, in the run config
 from murmur.protocol.wire import WireError, WireLimits, check_finite, wire_from_proto, wire_to_proto
 
-ACTIVATION_CODECS = ("fp32", "bf16", "int8")
 INT8_BLOCK = 64  # elements per absmax scale
 
 

@@ -27,9 +27,9 @@ import torch
 
 from murmur.errors import MurmurError
 from murmur.node.pipeline.client import StageClient, StagePeer
-from murmur.node.pipeline.config import PipelineConfig
 from murmur.node.pipeline.router import Router
 from murmur.protocol.identity import BannedError
+from murmur.protocol.runconfig import PipelineSection
 from murmur.protocol.wire import WireError
 
 MAX_RETRY_PAUSE_S = 30.0  # the longest pause before a failed microbatch runs again
@@ -60,7 +60,7 @@ class MicrobatchResult:
 
 
 class Driver:
-    def __init__(self, client: StageClient, router: Router, cfg: PipelineConfig, *, dim: int) -> None:
+    def __init__(self, client: StageClient, router: Router, cfg: PipelineSection, *, dim: int) -> None:
         self.client, self.router, self.cfg, self.dim = client, router, cfg, dim
 
     async def _hop(

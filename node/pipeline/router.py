@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from murmur.node.pipeline.client import StagePeer
-from murmur.node.pipeline.config import PipelineConfig
+from murmur.protocol.runconfig import PipelineSection
 
 EMA_ALPHA = 0.1  # SWARM's throughput EMA
 RTT_ALPHA, RTT_BETA = 0.125, 0.25  # RFC 6298's gains
@@ -55,7 +55,7 @@ class PeerState:
 
 class Router:
     def __init__(
-        self, cfg: PipelineConfig, *, initial_throughput: float = 10.0, clock: Callable[[], float] = time.monotonic
+        self, cfg: PipelineSection, *, initial_throughput: float = 10.0, clock: Callable[[], float] = time.monotonic
     ) -> None:
         self.cfg, self.initial_throughput, self.clock = cfg, initial_throughput, clock
         self.stages: dict[int, dict[str, PeerState]] = {s: {} for s in range(cfg.stages)}
