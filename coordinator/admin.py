@@ -79,6 +79,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     shards = nouns.add_parser("shards", help="dataset shards").add_subparsers(dest="verb", required=True)
     leaf(shards, "list", _shards_list, "list shards, holders, offsets").add_argument("--run", default="")
 
+    p = leaf(nouns, "stages", _stages, "a pipelined run's stages: blocks, peers, samples/s, queue, last move")
+    p.add_argument("--run", default="")
+    p.add_argument("--peers", action="store_true", help="one row per stage peer instead")
+
     p = leaf(nouns, "events", _events, "the event log (joins, leaves, losses, bans, admin actions)")
     p.add_argument("--run", default="")
     p.add_argument("--kind", default="")
@@ -356,6 +360,37 @@ def _shards_list(client: Any, args: argparse.Namespace) -> None:
             ],
         ),
     )
+
+
+def _stages(client: Any, args: argparse.Namespace) -> None:
+    reply = client.call("ListStages", _pb().GetStagesRequest(run_id=args.run))
+    if not reply.stages:
+        raise SystemExit(f"error: run {reply.run_id} is not pipelined (its config has no [pipeline] section)")
+
+    def blocks(first: int, end: int) -> str:
+        return f"{first}-{end - 1}" if end > first >= 0 else "-"
+
+    def stage_rows() -> str:
+        rows = [
+            [s.stage, blocks(s.first_block, s.end_block), s.peers, f"{s.samples_per_s:.1f}", s.queue,
+             f"{s.last_move} {_ago(s.last_move_at)}" if s.last_move else "-"]
+            for s in reply.summary
+        ]
+        text = table(["STAGE", "BLOCKS", "PEERS", "SAMPLES/S", "QUEUE", "LAST MOVE"], rows)
+        return text + (f"\nmoving: {reply.pending_move}" if reply.pending_move else "")
+
+    def peer_rows() -> str:
+        return table(
+            ["NODE", "SERVES", "LEASE", "STATE", "SAMPLES/S", "QUEUE", "STEPS", "WEIGHTS FROM", "HEARD"],
+            [
+                [p.node_id, p.report.stage if p.report.stage >= 0 else "-", p.assigned_stage, p.assignment,
+                 f"{p.report.samples_per_s:.1f}", p.report.queue, p.report.optimizer_steps,
+                 p.report.state_source or "-", _ago(p.last_heartbeat)]
+                for p in reply.peers
+            ],
+        )
+
+    _emit(args, reply, peer_rows if args.peers else stage_rows)
 
 
 def _events(client: Any, args: argparse.Namespace) -> None:

@@ -33,6 +33,7 @@ from .metrics import LedgerCollector
 from .runs import Runs
 from .service import CoordinatorService
 from .settings import CoordinatorSettings
+from .stage_board import StageBoard
 from .status.http import StatusApp
 from .store import Store
 
@@ -87,6 +88,8 @@ class Coordinator:
         self.secrets = authority.load_or_create(options.db, [h for h in {host, options.advertise_host} if h])
         self.membership = Membership(self.store, self.settings, self.secrets.ca, clock=clock)
         self.runs = Runs(self.store, self.settings, self.secrets.ca_fingerprint, clock=clock)
+        # Stage leases of pipelined runs; moves wait until the view of live peers is whole.
+        self.stages = StageBoard(self.store, self.membership.is_live, self.membership.view_is_whole, clock=clock)
         self.service = CoordinatorService(
             self.store,
             self.settings,
@@ -94,6 +97,7 @@ class Coordinator:
             self.runs,
             self.secrets.admin_key,
             self.secrets.ca.cert_pem,
+            self.stages,
         )
         collector = LedgerCollector(
             self.store, self.service.stats, self.membership.pending_count, self.membership.tokens_per_s
@@ -186,6 +190,7 @@ class Coordinator:
                 await asyncio.wait_for(self._stop.wait(), self.settings.sweep_interval_s)
             try:
                 self.membership.sweep()
+                self.stages.tick()
             except Exception as err:  # noqa: BLE001 - a failed sweep must not kill the coordinator
                 print(f"warning: sweep failed: {err!r}", file=sys.stderr)
 

@@ -27,6 +27,7 @@ from .leases import Progress
 from .membership import Membership
 from .runs import NotFound, RunError, Runs
 from .settings import ADMIN_METADATA_KEY, TLS_SERVER_NAME, CoordinatorSettings
+from .stage_board import StageBoard
 from .status_report import StatusSource
 from .store import Store
 from .trainers import SplitRound
@@ -61,8 +62,10 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         runs: Runs,
         admin_key: str,
         ca_cert_pem: bytes,
+        stage_board: StageBoard,
     ) -> None:
         self.store = store
+        self.stage_board = stage_board
         self.settings = settings
         self.membership = membership
         self.leases = membership.leases
@@ -155,6 +158,9 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             if request.incarnation:
                 peer = (request.incarnation, request.peer_address, request.round, request.state_hash)
             self.membership.heartbeat(node_id, request.tokens_per_s, peer)
+            order = None
+            if request.HasField("stage_peer"):
+                order = self.stage_board.report(node_id, run_id, request.stage_peer)
             reply = pb.HeartbeatReply(
                 run_state=self.membership.run_states.get(run_id, "finished"),
                 heartbeat_interval_s=self.settings.heartbeat_interval_s,
@@ -174,6 +180,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                     for n, t in self.membership.live_trainers(run_id)
                 )
                 reply.run_round = self.membership.trainers.newest.get(run_id, -1)
+            if order is not None:
+                reply.stage_order.CopyFrom(order)
             version = self.membership.ban_version
             if version != request.ban_list_version:
                 reply.ban_list_changed = True
@@ -315,6 +323,13 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         await self._run("CheckReachable", context, lambda: self._node(context))
         reachable, reason = await dial_back(request.peer_address)
         return pb.CheckReachableReply(reachable=reachable, reason=reason)
+
+    async def GetStages(self, request: pb.GetStagesRequest, context: grpc.aio.ServicerContext) -> pb.StageMap:
+        def call() -> pb.StageMap:
+            _, run_id = self._node(context)
+            return self.stage_board.stage_map(run_id)
+
+        return await self._run("GetStages", context, call)
 
     # --- admin ---------------------------------------------------------------------------------
 
@@ -472,6 +487,14 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             )
 
         return await self._admin_call("ListEvents", context, call)
+
+    async def ListStages(self, request: pb.GetStagesRequest, context: grpc.aio.ServicerContext) -> pb.StageMap:
+        def call() -> pb.StageMap:
+            run_id = self._default_run(request.run_id)
+            self._run_info(run_id)  # an unknown run is refused by name
+            return self.stage_board.stage_map(run_id)
+
+        return await self._admin_call("ListStages", context, call)
 
     async def Status(self, request: pb.StatusRequest, context: grpc.aio.ServicerContext) -> pb.StatusReply:
         return await self._admin_call("Status", context, lambda: self.status.status_reply(request.run_id))

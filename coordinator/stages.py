@@ -1,11 +1,8 @@
 """Rebalancing of pipeline stages: which peer should move to which stage, decided centrally.
 
-NOT WIRED IN YET: the coordinator does not call this (stage leases in the ledger, per-stage
-throughput in heartbeats, `murmur admin stages` are still to build; docs/pipeline.md). This is
-the decision rule those will use, complete and tested on its own.
-
-Every ``rebalance_every_s`` the coordinator hands `Rebalancer.check` the live stage peers and the
-throughput (samples/s) each reported. The rule, after Petals and SWARM, with the fixes their users
+coordinator/stage_board.py keeps the stage leases and calls this: every ``rebalance_every_s``
+(and at once when a stage is left empty) it hands `Rebalancer.check` the live stage peers and
+the throughput (samples/s) each reported in its heartbeats. The rule, after Petals and SWARM, with the fixes their users
 asked for:
 
 - A stage with no peer is refilled at once: the peer whose departure costs the pipeline least
@@ -20,11 +17,13 @@ asked for:
   single noisy measurement must not cost a reload).
 - One move at a time: until the moving peer reports that it holds its new stage's state (it keeps
   serving its old stage meanwhile), no other move is issued.
+- A stage that a new peer is loading (``filling``) is not empty, and while any is loading no
+  bottleneck move is considered: its throughput is not known yet.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 BALANCE_QUALITY = 0.75  # Petals' default: move when old_min / new_min < this
@@ -52,12 +51,15 @@ class Rebalancer:
         self.pending: Move | None = None  # issued, not yet completed
         self._proposed: Move | None = None  # proposed by the last check, not yet confirmed
 
-    def check(self, stages: Mapping[int, Mapping[str, float]]) -> Move | None:
-        """The move to issue now, if any. ``stages``: stage -> {node id: samples/s}."""
+    def check(self, stages: Mapping[int, Mapping[str, float]], filling: Collection[int] = ()) -> Move | None:
+        """The move to issue now, if any. ``stages``: stage -> {node id: samples/s} of the peers
+        serving it; ``filling``: stages a new peer is loading the state of."""
         full = {s: dict(stages.get(s, {})) for s in range(self.n_stages)}
         if self.pending is not None:
             return None
-        move = self._refill(full) or self._rebalance(full)
+        move = self._refill(full, set(filling))
+        if move is None and not filling:
+            move = self._rebalance(full)
         if move is None:
             self._proposed = None
             return None
@@ -79,8 +81,8 @@ class Rebalancer:
 
     # -- the rule --------------------------------------------------------------------------------
 
-    def _refill(self, stages: dict[int, dict[str, float]]) -> Move | None:
-        empty = [s for s, peers in stages.items() if not peers]
+    def _refill(self, stages: dict[int, dict[str, float]], filling: set[int]) -> Move | None:
+        empty = [s for s, peers in stages.items() if not peers and s not in filling]
         if not empty:
             return None
         target = empty[0]

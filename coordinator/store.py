@@ -130,6 +130,19 @@ MIGRATIONS: list[str] = [
     ALTER TABLE nodes ADD COLUMN peer_address TEXT NOT NULL DEFAULT '';
     CREATE INDEX events_run ON events(run_id, seq);
     """,
+    # v3: stage leases of pipelined runs (which stage each stage peer serves, or is moving to)
+    """
+    CREATE TABLE stage_leases (
+        node_id TEXT PRIMARY KEY,
+        run_id TEXT NOT NULL,
+        stage INTEGER NOT NULL CHECK (stage >= 0),
+        state TEXT NOT NULL CHECK (state IN ('joining', 'serving', 'moving')),
+        from_stage INTEGER NOT NULL DEFAULT -1,
+        reason TEXT NOT NULL DEFAULT '',
+        since REAL NOT NULL
+    );
+    CREATE INDEX stage_leases_run ON stage_leases(run_id);
+    """,
 ]
 SCHEMA_VERSION = len(MIGRATIONS)
 
@@ -290,6 +303,27 @@ class Store:
         # The newest `limit` events, shown oldest first.
         rows = self._q(sql + " ORDER BY seq DESC LIMIT ?", (*args, limit))
         return list(reversed(rows))
+
+    # --- stage leases --------------------------------------------------------------------------
+
+    def stage_leases(self, run_id: str = "") -> list[sqlite3.Row]:
+        if run_id:
+            return self._q("SELECT * FROM stage_leases WHERE run_id = ? ORDER BY node_id", (run_id,))
+        return self._q("SELECT * FROM stage_leases ORDER BY node_id")
+
+    def put_stage_lease(
+        self, node_id: str, run_id: str, stage: int, state: str, from_stage: int, reason: str, since: float
+    ) -> None:
+        self.db.execute(
+            "INSERT INTO stage_leases(node_id, run_id, stage, state, from_stage, reason, since) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT(node_id) DO UPDATE SET run_id = excluded.run_id, "
+            "stage = excluded.stage, state = excluded.state, from_stage = excluded.from_stage, "
+            "reason = excluded.reason, since = excluded.since",
+            (node_id, run_id, stage, state, from_stage, reason, since),
+        )
+
+    def drop_stage_lease(self, node_id: str) -> None:
+        self.db.execute("DELETE FROM stage_leases WHERE node_id = ?", (node_id,))
 
     # --- runs ----------------------------------------------------------------------------------
 

@@ -206,6 +206,10 @@ class MemberClient:
         reply = await self._call("GetBootstrapPeers", pb.GetBootstrapPeersRequest())
         return list(reply.multiaddrs)
 
+    async def stages(self) -> pb.StageMap:
+        """The run's stage peers as the coordinator sees them (a pipelined run)."""
+        return await self._call("GetStages", pb.GetStagesRequest())
+
     async def check_reachable(self, peer_address: str) -> tuple[bool, str]:
         """(reachable, why not): the coordinator dials ``peer_address`` back."""
         reply = await self._call("CheckReachable", pb.CheckReachableRequest(peer_address=peer_address))

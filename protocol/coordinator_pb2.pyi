@@ -59,7 +59,7 @@ class JoinReply(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., run_id: _Optional[str] = ..., certificate_pem: _Optional[bytes] = ..., ca_certificate_pem: _Optional[bytes] = ..., config_toml: _Optional[str] = ..., bootstrap_peers: _Optional[_Iterable[str]] = ..., node_address: _Optional[str] = ..., heartbeat_interval_s: _Optional[float] = ..., heartbeat_ttl_s: _Optional[float] = ..., lease_ttl_s: _Optional[float] = ..., tls_server_name: _Optional[str] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("tokens_per_s", "ban_list_version", "state", "incarnation", "peer_address", "round", "state_hash")
+    __slots__ = ("tokens_per_s", "ban_list_version", "state", "incarnation", "peer_address", "round", "state_hash", "stage_peer")
     TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
     BAN_LIST_VERSION_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -67,6 +67,7 @@ class HeartbeatRequest(_message.Message):
     PEER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     STATE_HASH_FIELD_NUMBER: _ClassVar[int]
+    STAGE_PEER_FIELD_NUMBER: _ClassVar[int]
     tokens_per_s: float
     ban_list_version: int
     state: str
@@ -74,7 +75,48 @@ class HeartbeatRequest(_message.Message):
     peer_address: str
     round: int
     state_hash: str
-    def __init__(self, tokens_per_s: _Optional[float] = ..., ban_list_version: _Optional[int] = ..., state: _Optional[str] = ..., incarnation: _Optional[str] = ..., peer_address: _Optional[str] = ..., round: _Optional[int] = ..., state_hash: _Optional[str] = ...) -> None: ...
+    stage_peer: StageReport
+    def __init__(self, tokens_per_s: _Optional[float] = ..., ban_list_version: _Optional[int] = ..., state: _Optional[str] = ..., incarnation: _Optional[str] = ..., peer_address: _Optional[str] = ..., round: _Optional[int] = ..., state_hash: _Optional[str] = ..., stage_peer: _Optional[_Union[StageReport, _Mapping]] = ...) -> None: ...
+
+class StageReport(_message.Message):
+    __slots__ = ("stage", "first_block", "end_block", "address", "state_address", "samples_per_s", "queue", "optimizer_steps", "samples_total", "state_hash", "replica_stage", "replica_hash", "replica_at", "state_source")
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    END_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    STATE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_PER_S_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZER_STEPS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    STATE_HASH_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_STAGE_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_HASH_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_AT_FIELD_NUMBER: _ClassVar[int]
+    STATE_SOURCE_FIELD_NUMBER: _ClassVar[int]
+    stage: int
+    first_block: int
+    end_block: int
+    address: str
+    state_address: str
+    samples_per_s: float
+    queue: int
+    optimizer_steps: int
+    samples_total: int
+    state_hash: str
+    replica_stage: int
+    replica_hash: str
+    replica_at: float
+    state_source: str
+    def __init__(self, stage: _Optional[int] = ..., first_block: _Optional[int] = ..., end_block: _Optional[int] = ..., address: _Optional[str] = ..., state_address: _Optional[str] = ..., samples_per_s: _Optional[float] = ..., queue: _Optional[int] = ..., optimizer_steps: _Optional[int] = ..., samples_total: _Optional[int] = ..., state_hash: _Optional[str] = ..., replica_stage: _Optional[int] = ..., replica_hash: _Optional[str] = ..., replica_at: _Optional[float] = ..., state_source: _Optional[str] = ...) -> None: ...
+
+class StageOrder(_message.Message):
+    __slots__ = ("stage", "reason")
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    stage: int
+    reason: str
+    def __init__(self, stage: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class LiveMember(_message.Message):
     __slots__ = ("node_id", "incarnation", "peer_address", "round", "state_hash")
@@ -91,7 +133,7 @@ class LiveMember(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., peer_address: _Optional[str] = ..., round: _Optional[int] = ..., state_hash: _Optional[str] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
-    __slots__ = ("run_state", "leases_renewed", "heartbeat_interval_s", "lease_ttl_s", "ban_list", "ban_list_changed", "members", "run_round")
+    __slots__ = ("run_state", "leases_renewed", "heartbeat_interval_s", "lease_ttl_s", "ban_list", "ban_list_changed", "members", "run_round", "stage_order")
     RUN_STATE_FIELD_NUMBER: _ClassVar[int]
     LEASES_RENEWED_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
@@ -100,6 +142,7 @@ class HeartbeatReply(_message.Message):
     BAN_LIST_CHANGED_FIELD_NUMBER: _ClassVar[int]
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
     RUN_ROUND_FIELD_NUMBER: _ClassVar[int]
+    STAGE_ORDER_FIELD_NUMBER: _ClassVar[int]
     run_state: str
     leases_renewed: int
     heartbeat_interval_s: float
@@ -108,7 +151,8 @@ class HeartbeatReply(_message.Message):
     ban_list_changed: bool
     members: _containers.RepeatedCompositeFieldContainer[LiveMember]
     run_round: int
-    def __init__(self, run_state: _Optional[str] = ..., leases_renewed: _Optional[int] = ..., heartbeat_interval_s: _Optional[float] = ..., lease_ttl_s: _Optional[float] = ..., ban_list: _Optional[_Union[BanList, _Mapping]] = ..., ban_list_changed: _Optional[bool] = ..., members: _Optional[_Iterable[_Union[LiveMember, _Mapping]]] = ..., run_round: _Optional[int] = ...) -> None: ...
+    stage_order: StageOrder
+    def __init__(self, run_state: _Optional[str] = ..., leases_renewed: _Optional[int] = ..., heartbeat_interval_s: _Optional[float] = ..., lease_ttl_s: _Optional[float] = ..., ban_list: _Optional[_Union[BanList, _Mapping]] = ..., ban_list_changed: _Optional[bool] = ..., members: _Optional[_Iterable[_Union[LiveMember, _Mapping]]] = ..., run_round: _Optional[int] = ..., stage_order: _Optional[_Union[StageOrder, _Mapping]] = ...) -> None: ...
 
 class AcquireLeaseRequest(_message.Message):
     __slots__ = ("exhausted",)
@@ -544,3 +588,59 @@ class StatusReply(_message.Message):
     rounds: int
     nodes_by_status: _containers.ScalarMap[str, int]
     def __init__(self, run: _Optional[_Union[RunInfo, _Mapping]] = ..., nodes: _Optional[_Iterable[_Union[NodeInfo, _Mapping]]] = ..., last_loss: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., bytes_sent: _Optional[int] = ..., rounds: _Optional[int] = ..., nodes_by_status: _Optional[_Mapping[str, int]] = ...) -> None: ...
+
+class GetStagesRequest(_message.Message):
+    __slots__ = ("run_id",)
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    def __init__(self, run_id: _Optional[str] = ...) -> None: ...
+
+class StagePeerInfo(_message.Message):
+    __slots__ = ("node_id", "report", "assigned_stage", "assignment", "last_heartbeat")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    REPORT_FIELD_NUMBER: _ClassVar[int]
+    ASSIGNED_STAGE_FIELD_NUMBER: _ClassVar[int]
+    ASSIGNMENT_FIELD_NUMBER: _ClassVar[int]
+    LAST_HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    report: StageReport
+    assigned_stage: int
+    assignment: str
+    last_heartbeat: float
+    def __init__(self, node_id: _Optional[str] = ..., report: _Optional[_Union[StageReport, _Mapping]] = ..., assigned_stage: _Optional[int] = ..., assignment: _Optional[str] = ..., last_heartbeat: _Optional[float] = ...) -> None: ...
+
+class StageSummary(_message.Message):
+    __slots__ = ("stage", "first_block", "end_block", "peers", "samples_per_s", "queue", "last_move", "last_move_at")
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    END_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    PEERS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_PER_S_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_FIELD_NUMBER: _ClassVar[int]
+    LAST_MOVE_FIELD_NUMBER: _ClassVar[int]
+    LAST_MOVE_AT_FIELD_NUMBER: _ClassVar[int]
+    stage: int
+    first_block: int
+    end_block: int
+    peers: int
+    samples_per_s: float
+    queue: int
+    last_move: str
+    last_move_at: float
+    def __init__(self, stage: _Optional[int] = ..., first_block: _Optional[int] = ..., end_block: _Optional[int] = ..., peers: _Optional[int] = ..., samples_per_s: _Optional[float] = ..., queue: _Optional[int] = ..., last_move: _Optional[str] = ..., last_move_at: _Optional[float] = ...) -> None: ...
+
+class StageMap(_message.Message):
+    __slots__ = ("run_id", "stages", "peers", "summary", "pending_move", "rebalance_every_s")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    STAGES_FIELD_NUMBER: _ClassVar[int]
+    PEERS_FIELD_NUMBER: _ClassVar[int]
+    SUMMARY_FIELD_NUMBER: _ClassVar[int]
+    PENDING_MOVE_FIELD_NUMBER: _ClassVar[int]
+    REBALANCE_EVERY_S_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    stages: int
+    peers: _containers.RepeatedCompositeFieldContainer[StagePeerInfo]
+    summary: _containers.RepeatedCompositeFieldContainer[StageSummary]
+    pending_move: str
+    rebalance_every_s: float
+    def __init__(self, run_id: _Optional[str] = ..., stages: _Optional[int] = ..., peers: _Optional[_Iterable[_Union[StagePeerInfo, _Mapping]]] = ..., summary: _Optional[_Iterable[_Union[StageSummary, _Mapping]]] = ..., pending_move: _Optional[str] = ..., rebalance_every_s: _Optional[float] = ...) -> None: ...

@@ -89,6 +89,11 @@ class CoordinatorStub:
                 request_serializer=murmur_dot_protocol_dot_coordinator__pb2.CheckReachableRequest.SerializeToString,
                 response_deserializer=murmur_dot_protocol_dot_coordinator__pb2.CheckReachableReply.FromString,
                 _registered_method=True)
+        self.GetStages = channel.unary_unary(
+                '/murmur.v1.Coordinator/GetStages',
+                request_serializer=murmur_dot_protocol_dot_coordinator__pb2.GetStagesRequest.SerializeToString,
+                response_deserializer=murmur_dot_protocol_dot_coordinator__pb2.StageMap.FromString,
+                _registered_method=True)
         self.CreateRun = channel.unary_unary(
                 '/murmur.v1.Coordinator/CreateRun',
                 request_serializer=murmur_dot_protocol_dot_coordinator__pb2.CreateRunRequest.SerializeToString,
@@ -158,6 +163,11 @@ class CoordinatorStub:
                 '/murmur.v1.Coordinator/Status',
                 request_serializer=murmur_dot_protocol_dot_coordinator__pb2.StatusRequest.SerializeToString,
                 response_deserializer=murmur_dot_protocol_dot_coordinator__pb2.StatusReply.FromString,
+                _registered_method=True)
+        self.ListStages = channel.unary_unary(
+                '/murmur.v1.Coordinator/ListStages',
+                request_serializer=murmur_dot_protocol_dot_coordinator__pb2.GetStagesRequest.SerializeToString,
+                response_deserializer=murmur_dot_protocol_dot_coordinator__pb2.StageMap.FromString,
                 _registered_method=True)
 
 
@@ -234,6 +244,14 @@ class CoordinatorServicer:
     def CheckReachable(self, request, context):
         """Dial the address the node says its peer server listens on (a plain TCP connect): whether
         peers could reach it, or it must take part in client mode (protocol/reachability.py).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetStages(self, request, context):
+        """A pipelined run's stage peers as the coordinator sees them (drivers route by this; a peer
+        moving to a stage takes its donors from it).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -324,6 +342,12 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListStages(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -381,6 +405,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.CheckReachable,
                     request_deserializer=murmur_dot_protocol_dot_coordinator__pb2.CheckReachableRequest.FromString,
                     response_serializer=murmur_dot_protocol_dot_coordinator__pb2.CheckReachableReply.SerializeToString,
+            ),
+            'GetStages': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetStages,
+                    request_deserializer=murmur_dot_protocol_dot_coordinator__pb2.GetStagesRequest.FromString,
+                    response_serializer=murmur_dot_protocol_dot_coordinator__pb2.StageMap.SerializeToString,
             ),
             'CreateRun': grpc.unary_unary_rpc_method_handler(
                     servicer.CreateRun,
@@ -451,6 +480,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.Status,
                     request_deserializer=murmur_dot_protocol_dot_coordinator__pb2.StatusRequest.FromString,
                     response_serializer=murmur_dot_protocol_dot_coordinator__pb2.StatusReply.SerializeToString,
+            ),
+            'ListStages': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListStages,
+                    request_deserializer=murmur_dot_protocol_dot_coordinator__pb2.GetStagesRequest.FromString,
+                    response_serializer=murmur_dot_protocol_dot_coordinator__pb2.StageMap.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -750,6 +784,33 @@ class Coordinator:
             '/murmur.v1.Coordinator/CheckReachable',
             murmur_dot_protocol_dot_coordinator__pb2.CheckReachableRequest.SerializeToString,
             murmur_dot_protocol_dot_coordinator__pb2.CheckReachableReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetStages(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/murmur.v1.Coordinator/GetStages',
+            murmur_dot_protocol_dot_coordinator__pb2.GetStagesRequest.SerializeToString,
+            murmur_dot_protocol_dot_coordinator__pb2.StageMap.FromString,
             options,
             channel_credentials,
             insecure,
@@ -1128,6 +1189,33 @@ class Coordinator:
             '/murmur.v1.Coordinator/Status',
             murmur_dot_protocol_dot_coordinator__pb2.StatusRequest.SerializeToString,
             murmur_dot_protocol_dot_coordinator__pb2.StatusReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListStages(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/murmur.v1.Coordinator/ListStages',
+            murmur_dot_protocol_dot_coordinator__pb2.GetStagesRequest.SerializeToString,
+            murmur_dot_protocol_dot_coordinator__pb2.StageMap.FromString,
             options,
             channel_credentials,
             insecure,
