@@ -63,11 +63,29 @@ def start_peer(ca: CertificateAuthority, folder: Path, stage: int, *extra: str,
     return PeerProc(proc, json.loads(line))
 
 
+def start_run_peer(folder: Path, join: tuple[str, str], *extra: str) -> PeerProc:
+    """A stage peer of a pipelined run: the model, the pipeline and (without --stage) its stage
+    come from the coordinator."""
+    cmd = [PYTHON, "-m", "murmur.node.pipeline.peer", "--coordinator", join[0], "--token", join[1], *extra]
+    err = open(folder.with_suffix(".log"), "ab")  # noqa: SIM115 - the child holds it
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=python_env(), cwd=REPO)
+    before = []
+    while True:  # the stage it was assigned comes first
+        line = proc.stdout.readline()
+        if not line:
+            proc.wait(10)
+            raise RuntimeError(f"stage peer exited before it was ready (rc {proc.returncode}); see {err.name}")
+        record = json.loads(line)
+        if record.get("event") == "ready":
+            return PeerProc(proc, record, lines=before)
+        before.append(record)
+
+
 def stop_peer(p: PeerProc) -> None:
     if p.proc.poll() is None:
         p.proc.send_signal(signal.SIGTERM)
         out, _ = p.proc.communicate(timeout=60)  # a loaded 2-core machine
-        p.lines = [json.loads(line) for line in out.splitlines()]
+        p.lines += [json.loads(line) for line in out.splitlines()]
         p.stopped = next((r for r in p.lines if r.get("event") == "stopped"), {})
     else:
         p.proc.wait()
@@ -102,11 +120,18 @@ def stage_peers(
                 p.proc.wait()
 
 
-def start_driver(ca: CertificateAuthority, tmp_path: Path, data: Path, name: str, *extra: str,
+def start_driver(ca: CertificateAuthority | None, tmp_path: Path, data: Path, name: str, *extra: str,
                  join: tuple[str, str] | None = None) -> subprocess.Popen[str]:
-    cmd = [PYTHON, "-m", "murmur.node.pipeline.drive", *membership(ca, tmp_path / name, join),
-           "--peers", str(tmp_path / "peers.json"), *MODEL, "--data", str(data),
-           "--microbatch-size", str(MICROBATCH), "--commit-log", str(tmp_path / f"{name}.commits"), *extra]
+    """A driver; with ``ca`` None it drives a pipelined run (the run config and the coordinator
+    name the model, the pipeline and the peers)."""
+    if ca is None:
+        assert join is not None
+        shape = ["--coordinator", join[0], "--token", join[1]]
+    else:
+        shape = [*membership(ca, tmp_path / name, join), "--peers", str(tmp_path / "peers.json"), *MODEL,
+                 "--microbatch-size", str(MICROBATCH)]
+    cmd = [PYTHON, "-m", "murmur.node.pipeline.drive", *shape, "--data", str(data),
+           "--commit-log", str(tmp_path / f"{name}.commits"), *extra]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=python_env(), cwd=REPO)
 
 
@@ -138,9 +163,13 @@ def check_commits(commits: list[dict], total: int) -> None:
 
 
 @contextlib.contextmanager
-def coordinator(tmp_path: Path, data: Path, joins: int) -> Iterator[tuple[Testnet, tuple[str, str]]]:
-    """A real coordinator with a run on ``data`` and a token for ``joins`` members."""
-    net = make_testnet(tmp_path / "net", data)
+def coordinator(
+    tmp_path: Path, data: Path, joins: int, overrides: list[str] = (), coordinator_args: list[str] = ()
+) -> Iterator[tuple[Testnet, tuple[str, str]]]:
+    """A real coordinator with a run on ``data`` (the tiny testnet config with ``overrides``) and
+    a token for ``joins`` members."""
+    net = make_testnet(tmp_path / "net", data, overrides=list(overrides))
+    net.coordinator_args = list(coordinator_args)
     try:
         net.start_coordinator()
         token = net.create_run(joins)

@@ -4,6 +4,9 @@
         --stages 2 [model args] --data DATASET --shard 0 --microbatches 40 \
         [--microbatch-size 4] [--concurrency 2] [--codec bf16] [--commit-log FILE]
 
+Joined to a run whose config has a ``[pipeline]`` section, the run config names the model and the
+pipeline, and the stage peers come from the coordinator (``GetStages``, polled every
+``--peers-every`` seconds): each peer under the stage it serves now. Otherwise
 ``peers.json`` is ``{"peers": [{"node_id", "address", "stage"}, ...]}``, re-read every
 ``--peers-every`` seconds, so whoever launches the stage peers (a test, the testnet) may change
 it while the driver runs. Microbatch i holds the tokens [i*B*T, (i+1)*B*T] of the shard (wrapping
@@ -31,11 +34,15 @@ import torch
 
 from murmur.node.model.data import Dataset
 from murmur.node.pipeline.client import StageClient, StagePeer
-from murmur.node.pipeline.config import PipelineConfig, add_model_args, model_from_args
+from murmur.node.pipeline.config import add_model_args, log_to_stderr, model_from_args, model_from_run
 from murmur.node.pipeline.driver import Driver, MicrobatchFailed, MicrobatchResult, run_in_order
 from murmur.node.pipeline.membership import Membership
 from murmur.node.pipeline.router import Router
+from murmur.protocol.coordinator_client import CoordinatorError
 from murmur.protocol.identity import Identity
+from murmur.protocol.runconfig import PipelineSection, RunConfig, parse_config
+
+MODEL_ARGS = ("stages", "layers", "dim", "n_layers", "n_heads", "hidden_dim", "seq_len")
 
 
 def emit(**record: object) -> None:
@@ -69,37 +76,60 @@ def microbatch_source(dataset: Dataset, shard: int, rows: int, seq_len: int, bas
     return batch
 
 
-async def drive(args: argparse.Namespace) -> int:
+def pipeline_of(args: argparse.Namespace, run: RunConfig | None):
+    """(model, pipeline settings): the run config's when it has a [pipeline] section, else the command line's."""
+    if run is not None and run.pipeline is not None:
+        given = [f"--{k.replace('_', '-')}" for k in MODEL_ARGS if getattr(args, k) not in (None, "")]
+        if given:
+            raise SystemExit(f"error: the run config sets the model and the pipeline; drop {' '.join(given)}")
+        return model_from_run(run)
+    if args.stages is None or not args.peers:
+        raise SystemExit("error: --stages and --peers are needed unless the run config has a [pipeline] section")
     model_cfg, layers = model_from_args(args)
-    cfg = PipelineConfig(
+    cfg = PipelineSection(
         stages=args.stages, layers=layers, microbatch_size=args.microbatch_size,
         activation_codec=args.codec, hop_timeout_s=args.hop_timeout_s,
         min_hop_timeout_s=args.min_hop_timeout_s, hop_attempts=args.hop_attempts,
         microbatch_attempts=args.microbatch_attempts, microbatch_retry_s=args.microbatch_retry_s,
-        bench_s=args.bench_s,
+        bench_s=args.bench_s, max_bench_s=max(60.0, args.bench_s),
     )
-    member = lease = None
+    return model_cfg, cfg
+
+
+async def drive(args: argparse.Namespace) -> int:
+    member = lease = run = None
     if args.coordinator:
         member = await Membership.join(args.coordinator, args.token)
         identity = member.ident
-        lease = await member.acquire()
+        run = parse_config(member.info.config_toml, "the run config")
     else:
         identity = Identity.load(args.identity)
+    model_cfg, cfg = pipeline_of(args, run)
+    if member is not None:
+        lease = await member.acquire()
     client = StageClient(identity, run_id=member.info.run_id if member is not None else args.run)
     router = Router(cfg)
-    peers_path = Path(args.peers)
+    pipelined = run is not None and run.pipeline is not None
 
-    def refresh() -> None:
-        for stage, peers in read_peers(peers_path).items():
+    async def refresh() -> None:
+        if pipelined:  # the coordinator's view: each peer under the stage it serves now
+            view = await member.stages()
+            by_stage: dict[int, list[StagePeer]] = {s: [] for s in range(cfg.stages)}
+            for p in view.peers:
+                if 0 <= p.report.stage < cfg.stages and p.report.address:
+                    by_stage[p.report.stage].append(StagePeer(p.node_id, p.report.address, p.report.stage))
+        else:
+            by_stage = read_peers(Path(args.peers))
+        for stage, peers in by_stage.items():
             router.set_peers(stage, peers)
 
     async def keep_refreshing() -> None:
         while True:
             await asyncio.sleep(args.peers_every)
-            with contextlib.suppress(OSError, ValueError, KeyError):
-                refresh()
+            with contextlib.suppress(OSError, ValueError, KeyError, CoordinatorError):
+                await refresh()
 
-    refresh()
+    await refresh()
     driver = Driver(client, router, cfg, dim=model_cfg.dim)
     dataset = Dataset.open(args.data)
     tokens_per_mb = cfg.microbatch_size * model_cfg.seq_len
@@ -169,7 +199,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--coordinator", default="", help="join this coordinator, lease a shard, commit to its ledger")
     ap.add_argument("--token", default="", help="join token (with --coordinator)")
     ap.add_argument("--run", default="murmur-run")
-    ap.add_argument("--peers", required=True, help="JSON file naming the stage peers (see the module doc)")
+    ap.add_argument("--peers", default="",
+                    help="JSON file naming the stage peers (see the module doc); a pipelined run: the coordinator")
     ap.add_argument("--peers-every", type=float, default=1.0, help="seconds between re-reads of --peers")
     add_model_args(ap)
     ap.add_argument("--data", required=True, help="a prepared dataset folder")
@@ -189,6 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
+    log_to_stderr()
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # stop as Ctrl+C does
     try:
         return asyncio.run(drive(args))

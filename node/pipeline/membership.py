@@ -1,7 +1,10 @@
 """A pipeline process's membership of the run: join with a token, heartbeats, a driver's lease
 and its commits, through the coordinator's member protocol (protocol/coordinator_client.py).
 
-Stage peers join only for their certificate and heartbeat to stay members. A driver also leases
+Stage peers join for their certificate and heartbeat to stay members; in a pipelined run (a
+``[pipeline]`` section in the run config) each heartbeat carries the peer's `StageReport` and
+its reply may carry a `StageOrder` (coordinator/stage_board.py), handed to ``on_order``. A driver
+also leases
 a shard and commits the token ranges of completed microbatches, in order: the ledger's rule
 (a commit starts at the shard's committed offset) is the same one `CommitWindow` keeps.
 
@@ -14,11 +17,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from murmur.protocol import coordinator_pb2 as pb
 from murmur.protocol import identity
 from murmur.protocol.coordinator_client import CoordinatorError, JoinInfo, MemberClient, join_run
+
+log = logging.getLogger(__name__)
 
 COMMIT_RETRY_S = 1.0  # between attempts at a commit the coordinator did not take
 COMMIT_ATTEMPTS = 30
@@ -30,6 +37,9 @@ class Membership:
     info: JoinInfo
     client: MemberClient
     _beats: asyncio.Task | None = None
+    # A stage peer: what each heartbeat reports, and who hears the coordinator's orders.
+    report: Callable[[], pb.StageReport] | None = None
+    on_order: Callable[[pb.StageOrder], None] | None = None
 
     @classmethod
     async def join(cls, coordinator: str, token: str) -> Membership:
@@ -42,9 +52,22 @@ class Membership:
 
     async def _heartbeats(self) -> None:
         while True:
-            with contextlib.suppress(CoordinatorError):
-                await self.client.heartbeat(state="pipeline")
+            await self.beat()
             await asyncio.sleep(self.info.heartbeat_interval_s)
+
+    async def beat(self) -> None:
+        """One heartbeat now (a stage peer sends one as soon as its stage changes)."""
+        extra = pb.HeartbeatRequest(stage_peer=self.report()) if self.report is not None else None
+        try:
+            reply = await self.client.heartbeat(state="pipeline", peer=extra)
+        except CoordinatorError as err:
+            log.warning("heartbeat failed: %s", err)
+            return
+        if reply.HasField("stage_order") and self.on_order is not None:
+            self.on_order(reply.stage_order)
+
+    async def stages(self) -> pb.StageMap:
+        return await self.client.stages()
 
     async def acquire(self) -> pb.Lease:
         reply = await self.client.acquire()

@@ -1,13 +1,19 @@
-"""One stage peer as a process: the tests' multi-process pipelines and a manual check.
+"""One stage peer as a process: the tests' multi-process pipelines, the testnet and a manual check.
 
+    python -m murmur.node.pipeline.peer --coordinator HOST:PORT --token TOKEN [--stage S]
     python -m murmur.node.pipeline.peer --identity DIR --run RUN --stage 1 --stages 2 \
         [--layers 2,2] [--preset tiny --dim 64 ...] [--target-samples 16] [--lr 1e-3] \
         [--fault delay:stage_compute:0.2@x*]
 
-It builds its stage of the seed's model, starts the TLS stage service on a free port and prints
-one JSON line ``{"event": "ready", "node_id", "address", "stage", ...}``. On SIGTERM or SIGINT
-it stops serving and prints ``{"event": "stopped", ...}`` with what it computed (forwards,
-backwards, samples, optimizer steps, refusals).
+Joined to a run whose config has a ``[pipeline]`` section, the run config names the model and
+the pipeline (model arguments on the command line are refused), and without ``--stage`` the
+coordinator assigns the stage and may move the peer later (node/pipeline/stage_peer.py).
+Otherwise the model comes from the command line and ``--stage`` is required.
+
+It prints one JSON line ``{"event": "ready", "node_id", "address", "stage", ...}`` once it
+serves, one ``{"event": "stage", ...}`` per move, and on SIGTERM or SIGINT it stops serving and
+prints ``{"event": "stopped", ...}`` with what it computed (forwards, backwards, samples,
+optimizer steps, refusals).
 """
 
 from __future__ import annotations
@@ -16,67 +22,83 @@ import argparse
 import asyncio
 import json
 import signal
+import sys
 from pathlib import Path
 
 import torch
 
-from murmur.node.model.stages import build_stage, split_layers
 from murmur.node.net.faults import FaultInjector
-from murmur.node.net.server import PeerServer, PeerServerSettings
 from murmur.node.pipeline import stage_state
-from murmur.node.pipeline.config import add_model_args, model_from_args
+from murmur.node.pipeline.config import add_model_args, log_to_stderr, model_from_args, model_from_run
 from murmur.node.pipeline.membership import Membership
-from murmur.node.pipeline.service import StageService, StageServiceSettings
-from murmur.node.pipeline.worker import StageWorker
+from murmur.node.pipeline.stage_peer import StagePeer, StagePeerSettings
 from murmur.protocol.identity import Identity
-from murmur.protocol.runconfig import OptimSection
+from murmur.protocol.runconfig import OptimSection, parse_config
+
+MODEL_ARGS = ("stages", "layers", "dim", "n_layers", "n_heads", "hidden_dim", "seq_len")
 
 
 def emit(**record: object) -> None:
     print(json.dumps(record), flush=True)
 
 
+def settings_of(args: argparse.Namespace, member: Membership | None):
+    """(model, StagePeerSettings) from the run config when it is pipelined, else from the command line."""
+    run = parse_config(member.info.config_toml, "the run config") if member is not None else None
+    if run is not None and run.pipeline is not None:
+        given = [f"--{k.replace('_', '-')}" for k in MODEL_ARGS if getattr(args, k) not in (None, "")]
+        if given:
+            raise SystemExit(f"error: the run config sets the model and the pipeline; drop {' '.join(given)}")
+        model, pipe = model_from_run(run)
+        return model, StagePeerSettings(
+            stages=pipe.stages, layers=pipe.layers, seed=run.seed, optim=run.optim,
+            target_samples=pipe.target_samples, grad_clip=run.optim.grad_clip, replica_every_s=pipe.replica_every_s,
+            host=args.host, max_rows=args.max_rows, pipelined=True, sync=run.sync, sync_every_s=pipe.sync_every_s,
+        )
+    if args.stages is None or args.stage is None:
+        raise SystemExit("error: --stage and --stages are needed unless the run config has a [pipeline] section")
+    model, layers = model_from_args(args)
+    return model, StagePeerSettings(
+        stages=args.stages, layers=layers, seed=args.seed,
+        optim=OptimSection(lr=args.lr, warmup_steps=0, grad_clip=args.grad_clip),
+        target_samples=args.target_samples, grad_clip=args.grad_clip, host=args.host, max_rows=args.max_rows,
+    )
+
+
 async def serve(args: argparse.Namespace) -> None:
-    cfg, layers = model_from_args(args)
-    span = split_layers(cfg.n_layers, args.stages, layers)[args.stage]
-    optim = OptimSection(lr=args.lr, warmup_steps=0, grad_clip=args.grad_clip)
-    worker = StageWorker(build_stage(cfg, args.seed, span), optim, target_samples=args.target_samples,
-                         grad_clip=args.grad_clip)
-    settings = StageServiceSettings(host=args.host, max_rows=args.max_rows)
     member = await Membership.join(args.coordinator, args.token) if args.coordinator else None
+    model, settings = settings_of(args, member)
     ident = member.ident if member is not None else Identity.load(args.identity)
     run_id = member.info.run_id if member is not None else args.run
-    service = StageService(ident, worker, run_id=run_id, settings=settings,
-                           faults=FaultInjector.parse(args.fault))
-    # The peer server publishes this stage's state for peers that join the stage.
-    state_server = PeerServer(ident, run_id=run_id, settings=PeerServerSettings(host=args.host))
-    state_address = await state_server.start()
-    fetched: list[str] = []
+    donors = None
     if args.state_from:
         donors = {p["node_id"]: p["state_address"] for p in json.loads(Path(args.state_from).read_text())["peers"]
-                  if p["stage"] == span.index and p.get("state_address")}
-        fetched = await stage_state.fetch_into(worker.module, ident, donors)
+                  if p["stage"] == args.stage and p.get("state_address")}
+    elif member is None:
+        donors = {}
+    peer = StagePeer(ident, run_id, model, settings, member=member, faults=FaultInjector.parse(args.fault),
+                     on_event=emit)
+    await peer.start(args.stage, donors)
+    await peer.wait_serving()
     loop = asyncio.get_running_loop()
-    state_server.publish_state(stage_state.published(worker.module))
-    worker.on_step = lambda: loop.call_soon_threadsafe(
-        state_server.publish_state, stage_state.published(worker.module)
-    )
-    address = await service.start()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    emit(event="ready", node_id=service.identity.node_id, address=address, stage=span.index,
-         first_block=span.first_block, end_block=span.end_block, state_address=state_address,
-         state_hash=stage_state.state_hash(worker.module), fetched_from=fetched)
+    span = peer.service.span
+    emit(event="ready", node_id=ident.node_id, address=peer.service.address, stage=span.index,
+         first_block=span.first_block, end_block=span.end_block, state_address=peer.state_address,
+         state_hash=stage_state.state_hash(peer.worker.module), fetched_from=peer.fetched_from,
+         state_source=peer.state_source)
     await stop.wait()
-    await service.stop()
-    await state_server.stop()
+    worker, service = peer.worker, peer.service
+    await peer.stop()
     if member is not None:
         await member.close()
     st = worker.stats
-    emit(event="stopped", node_id=service.identity.node_id, stage=span.index, forwards=st.forwards,
+    emit(event="stopped", node_id=ident.node_id, stage=service.span.index, forwards=st.forwards,
          backwards=st.backwards, samples_total=st.samples_total, optimizer_steps=st.optimizer_steps,
-         compute_seconds=st.compute_seconds, refused=len(service.refusals),
+         compute_seconds=st.compute_seconds, refused=len(service.refusals), moves=peer.moves,
+         sync_rounds=peer.sync.rounds if peer.sync else 0, sync_failed=peer.sync.failed if peer.sync else 0,
          state_hash=stage_state.state_hash(worker.module))
 
 
@@ -86,7 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--coordinator", default="", help="join this coordinator for a certificate")
     ap.add_argument("--token", default="", help="join token (with --coordinator)")
     ap.add_argument("--run", default="murmur-run")
-    ap.add_argument("--stage", type=int, required=True)
+    ap.add_argument("--stage", type=int, default=None,
+                    help="the stage to serve (default in a pipelined run: the coordinator assigns it)")
     add_model_args(ap)
     ap.add_argument("--target-samples", type=int, default=16, help="samples per optimizer step")
     ap.add_argument("--lr", type=float, default=1e-3)
@@ -100,7 +123,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    asyncio.run(serve(args))
+    log_to_stderr()
+    try:
+        asyncio.run(serve(args))
+    except KeyboardInterrupt:
+        return 130
+    except Exception as err:  # noqa: BLE001 - one line, not a traceback, for a volunteer
+        print(f"error: {err}", file=sys.stderr)
+        return 1
     return 0
 
 

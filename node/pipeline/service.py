@@ -84,6 +84,12 @@ class StageService(pipeline_pb2_grpc.StageServicer):
     def span(self):
         return self.worker.span
 
+    def switch(self, worker: StageWorker) -> None:
+        """Serve another stage from the next call on (a call computing now finishes on the old
+        worker: its caller asked for that stage). The throughput estimate starts over."""
+        self.worker = worker
+        self._ema_raw, self._ema_n, self.samples_per_s = 0.0, 0, 0.0
+
     async def start(self) -> str:
         s = self.settings
         self._server, self.address = await start_mtls_server(

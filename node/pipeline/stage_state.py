@@ -46,6 +46,12 @@ async def fetch_into(
     """Load the stage's state from ``donors`` ({node id: peer server address}) into ``module``;
     raises StateError when no donor serves it or it does not fit this stage."""
     tensors, _ = await afetch(identity, donors, state_name(module.span.index), settings=settings)
+    load_into(module, tensors)
+    return sorted(donors)
+
+
+def load_into(module: StageModule, tensors: Mapping[str, torch.Tensor]) -> None:
+    """Copy a stage's state (from its peers, or a replica) into ``module``; StateError if it does not fit."""
     params = dict(module.named_stage_parameters())
     if list(tensors) != list(params):
         raise StateError(
@@ -58,4 +64,3 @@ async def fetch_into(
     with torch.no_grad():
         for name, t in tensors.items():
             params[name].copy_(t)
-    return sorted(donors)

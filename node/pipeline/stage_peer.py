@@ -1,0 +1,301 @@
+"""A stage peer: one stage of the model served over gRPC, moved between stages by the coordinator.
+
+The peer owns a stage service (node/pipeline/service.py) and a peer server on which it publishes
+its stage's parameters (node/pipeline/stage_state.py). In a pipelined run it heartbeats a
+`StageReport` and obeys the coordinator's `StageOrder`s (coordinator/stage_board.py):
+
+- **Becoming a stage** (at start, or ordered to move): the peer builds the stage from the seed
+  and loads its state, in this order of preference: from the peers serving it now (hash-verified,
+  in parallel); else from a replica (its own, or one a peer of the previous stage publishes);
+  else it keeps the seed's weights and says so (``state_source = "seed"``, a warning in the log).
+  A peer that moves keeps serving its old stage while it loads; then the service switches to the
+  new stage between two calls, and the next heartbeat goes out at once.
+- **Replicas**: every ``replica_every_s`` a peer of stage s copies the weights of stage s+1 (the
+  last stage: of stage 0) from that stage's peers, when they changed, and publishes the copy. A
+  stage whose every peer dies is then refilled with weights at most that old, not the seed's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from murmur.node.model.stages import build_stage, split_layers
+from murmur.node.model.transformer import ModelConfig
+from murmur.node.net.faults import FaultInjector
+from murmur.node.net.server import PeerServer, PeerServerSettings, PublishedState
+from murmur.node.net.state_transfer import StateError, afetch
+from murmur.node.pipeline import stage_state
+from murmur.node.pipeline.membership import Membership
+from murmur.node.pipeline.service import StageService, StageServiceSettings
+from murmur.node.pipeline.stage_sync import StageSync, outer_name
+from murmur.node.pipeline.worker import StageWorker
+from murmur.protocol import coordinator_pb2 as pb
+from murmur.protocol.identity import Identity
+from murmur.protocol.runconfig import OptimSection, SyncSection
+from murmur.protocol.wire import tensors_hash
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(kw_only=True, slots=True)
+class StagePeerSettings:
+    stages: int
+    layers: list[int] | None
+    seed: int
+    optim: OptimSection
+    target_samples: int
+    grad_clip: float = 1.0
+    replica_every_s: float = 0.0  # 0: keep no replica
+    pipelined: bool = False  # the run config has a [pipeline] section: report to the coordinator, obey it
+    sync: SyncSection | None = None  # the run's outer step, for the within-stage sync
+    sync_every_s: float = 0.0  # 0: stage-mates do not sync (node/pipeline/stage_sync.py)
+    host: str = "127.0.0.1"
+    max_rows: int = 64
+
+
+class StagePeer:
+    def __init__(
+        self,
+        ident: Identity,
+        run_id: str,
+        model: ModelConfig,
+        settings: StagePeerSettings,
+        *,
+        member: Membership | None = None,
+        faults: FaultInjector | None = None,
+        on_event: Callable[..., None] = lambda **_: None,
+    ) -> None:
+        self.ident, self.run_id, self.model, self.settings = ident, run_id, model, settings
+        self.member, self.faults, self.on_event = member, faults, on_event
+        self.spans = split_layers(model.n_layers, settings.stages, settings.layers)
+        self.state_server = PeerServer(ident, run_id=run_id, settings=PeerServerSettings(host=settings.host))
+        self.state_address = ""
+        self.service: StageService | None = None
+        self.state_source = ""
+        self.fetched_from: list[str] = []
+        self.moves = 0
+        self._moving: asyncio.Task | None = None
+        self._replica: PublishedState | None = None
+        self._replica_at = 0.0
+        self._tasks: list[asyncio.Task] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.sync: StageSync | None = None
+
+    @property
+    def stage(self) -> int:
+        return self.service.span.index if self.service is not None else -1
+
+    @property
+    def worker(self) -> StageWorker | None:
+        return self.service.worker if self.service is not None else None
+
+    # -- life --------------------------------------------------------------------------------------
+
+    async def start(self, stage: int | None, donors: dict[str, str] | None = None) -> None:
+        """Serve ``stage`` (None: wait for the coordinator's order). ``donors``: {node id: peer
+        server address} to load the stage's state from (None: ask the coordinator)."""
+        self._loop = asyncio.get_running_loop()
+        self.state_address = await self.state_server.start()
+        s = self.settings
+        if self.member is not None and s.pipelined and s.sync is not None and s.sync_every_s > 0 and s.stages:
+            self.sync = StageSync(self.state_server, s.sync, s.sync_every_s, self._mates)
+            self._tasks.append(asyncio.create_task(self.sync.run()))
+        if stage is not None:
+            await self._become(stage, donors)
+        if self.member is not None and self.settings.pipelined:
+            self.member.report = self.report
+            self.member.on_order = self._on_order
+            await self.member.beat()
+            if self.settings.replica_every_s > 0 and self.settings.stages > 1:
+                self._tasks.append(asyncio.create_task(self._keep_replica()))
+
+    async def wait_serving(self) -> None:
+        while self.service is None:
+            if self._moving is not None and self._moving.done():
+                self._moving.result()  # a failed first load raises here
+            await asyncio.sleep(0.05)
+
+    async def stop(self) -> None:
+        for task in [*self._tasks, *([self._moving] if self._moving else [])]:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        if self.sync is not None:
+            await self.sync.aclose()
+        if self.service is not None:
+            await self.service.stop()
+        await self.state_server.stop()
+
+    def report(self) -> pb.StageReport:
+        rep = pb.StageReport(stage=self.stage, state_address=self.state_address, state_source=self.state_source,
+                             replica_stage=-1)
+        if self.service is not None:
+            info = self.service.info()
+            rep.first_block, rep.end_block, rep.address = info.first_block, info.end_block, self.service.address
+            rep.samples_per_s, rep.queue = info.samples_per_s, info.queue
+            rep.optimizer_steps, rep.samples_total = info.optimizer_steps, info.samples_total
+            published = self.state_server.states.get(stage_state.state_name(self.stage))
+            if published is not None:
+                rep.state_hash = published.state_hash.hex()
+        if self._replica is not None:
+            rep.replica_stage = int(self._replica.name.split("/")[1])
+            rep.replica_hash, rep.replica_at = self._replica.state_hash.hex(), self._replica_at
+        return rep
+
+    # -- orders ------------------------------------------------------------------------------------
+
+    def _on_order(self, order: pb.StageOrder) -> None:
+        if order.stage == self.stage or (self._moving is not None and not self._moving.done()):
+            return
+        log.info("the coordinator moves this peer from stage %d to %d (%s)", self.stage, order.stage, order.reason)
+        self._moving = asyncio.create_task(self._move(order.stage, order.reason))
+
+    async def _move(self, stage: int, reason: str) -> None:
+        old = self.stage
+        t0 = time.monotonic()
+        await self._become(stage, None)
+        self.moves += old >= 0
+        self.on_event(event="stage", stage=stage, from_stage=old, reason=reason, source=self.state_source,
+                      seconds=round(time.monotonic() - t0, 3), state_hash=self.report().state_hash)
+        if self.member is not None and self.settings.pipelined:
+            await self.member.beat()
+
+    # -- becoming a stage --------------------------------------------------------------------------
+
+    async def _become(self, stage: int, donors: dict[str, str] | None) -> None:
+        span = self.spans[stage]
+        module = build_stage(self.model, self.settings.seed, span)
+        source = "seed"
+        outer = None
+        if donors is None:
+            donors, holders = await self._sources(stage)
+        else:
+            holders = {}
+        try:
+            if donors:
+                self.fetched_from = await stage_state.fetch_into(module, self.ident, donors)
+                source = "peers"
+                if self.sync is not None:  # the stage's anchor and outer momentum, to agree in its next round
+                    with contextlib.suppress(StateError):
+                        outer, _ = await afetch(self.ident, donors, outer_name(stage))
+        except StateError as err:
+            log.warning("stage %d: could not fetch the state from its peers: %s", stage, err)
+        if source == "seed":
+            source = await self._from_replica(module, stage, holders)
+        if source == "seed" and self.stage >= 0:  # a move (a first start from the seed is a new run's)
+            log.warning("stage %d has no live peer and no replica: it starts from the seed's weights", stage)
+        worker = StageWorker(module, self.settings.optim, target_samples=self.settings.target_samples,
+                             grad_clip=self.settings.grad_clip)
+        old = self.service.worker if self.service is not None else None
+        if self.service is None:
+            self.service = StageService(self.ident, worker, run_id=self.run_id, faults=self.faults,
+                                        settings=StageServiceSettings(host=self.settings.host,
+                                                                      max_rows=self.settings.max_rows))
+            await self.service.start()
+        else:
+            self.service.switch(worker)
+        if old is not None:
+            old.on_step = None
+            if old.span.index != stage:
+                self.state_server.unpublish_state(stage_state.state_name(old.span.index))
+        if self._replica is not None and self._replica.name == stage_state.state_name(stage):
+            self._replica = None  # it serves that stage now; the copy is its own state
+        self.state_source = source
+        self._publish(worker)
+        loop = asyncio.get_running_loop()
+        worker.on_step = lambda: loop.call_soon_threadsafe(self._publish_if_current, worker)
+        if self.sync is not None:
+            if old is not None and old.span.index != stage:
+                self.state_server.unpublish_state(outer_name(old.span.index))
+            self.sync.reset(worker, outer)
+
+    def _publish(self, worker: StageWorker) -> None:
+        self.state_server.publish_state(stage_state.published(worker.module))
+
+    def _publish_if_current(self, worker: StageWorker) -> None:
+        if self.service is not None and self.service.worker is worker:
+            self._publish(worker)
+
+    async def _mates(self, stage: int) -> dict[str, str]:
+        """{node: peer server address} of the peers serving ``stage`` now, this one included."""
+        view = await self.member.stages()
+        mates = {p.node_id: p.report.state_address for p in view.peers
+                 if p.report.stage == stage and p.report.state_address and p.report.address}
+        if self.stage == stage:
+            mates[self.ident.node_id] = self.state_address
+        return mates
+
+    async def _sources(self, stage: int) -> tuple[dict[str, str], dict[str, str]]:
+        """({node: state address} of the peers serving ``stage``, the same of those keeping a replica of it)."""
+        if self.member is None or not self.settings.pipelined:
+            return {}, {}
+        try:
+            view = await self.member.stages()
+        except Exception as err:  # noqa: BLE001 - the coordinator may be away; load from the seed
+            log.warning("could not ask the coordinator for stage %d's peers: %s", stage, err)
+            return {}, {}
+        me = self.ident.node_id
+        serving = {p.node_id: p.report.state_address for p in view.peers
+                   if p.node_id != me and p.report.stage == stage and p.report.state_address and p.report.state_hash}
+        holders = {p.node_id: p.report.state_address for p in view.peers
+                   if p.node_id != me and p.report.replica_stage == stage and p.report.state_address}
+        return serving, holders
+
+    async def _from_replica(self, module, stage: int, holders: dict[str, str]) -> str:
+        name = stage_state.state_name(stage)
+        tensors = None
+        if self._replica is not None and self._replica.name == name:
+            tensors = dict(self._replica.tensors)
+        else:
+            for node_id, address in holders.items():  # one at a time: replicas may differ in age
+                try:
+                    tensors, _ = await afetch(self.ident, {node_id: address}, name)
+                    break
+                except StateError as err:
+                    log.warning("stage %d: the replica of %s could not be fetched: %s", stage, node_id, err)
+        if tensors is None:
+            return "seed"
+        try:
+            stage_state.load_into(module, tensors)
+        except StateError as err:
+            log.warning("stage %d: a replica did not fit: %s", stage, err)
+            return "seed"
+        return "replica"
+
+    # -- replicas ----------------------------------------------------------------------------------
+
+    async def _keep_replica(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.replica_every_s)
+            if self.service is None:
+                continue
+            target = (self.stage + 1) % self.settings.stages
+            try:
+                await self._refresh_replica(target)
+            except Exception as err:  # noqa: BLE001 - a failed copy is retried at the next period
+                log.info("replica of stage %d not refreshed: %s", target, err)
+
+    async def _refresh_replica(self, target: int) -> None:
+        view = await self.member.stages()
+        peers = [p for p in view.peers if p.report.stage == target and p.report.state_hash and p.report.state_address]
+        if not peers:
+            return
+        newest = max(peers, key=lambda p: p.report.optimizer_steps)
+        name = stage_state.state_name(target)
+        if self._replica is not None and self._replica.name == name and \
+                self._replica.state_hash.hex() == newest.report.state_hash:
+            return
+        # No expected hash: the peer steps on, so the one it reported a moment ago may be gone;
+        # what arrives is checked against the hash it serves now.
+        tensors, _ = await afetch(self.ident, {newest.node_id: newest.report.state_address}, name)
+        if target == self.stage:  # moved meanwhile
+            return
+        items = list(tensors.items())
+        self._replica = PublishedState(name, items, tensors_hash(items))
+        self._replica_at = time.time()
+        self.state_server.publish_state(self._replica)
