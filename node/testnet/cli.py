@@ -2,12 +2,15 @@
 
     murmur testnet up --nodes 3 --config configs/testnet-small.toml --duration 180
     murmur testnet chaos --nodes 4 --mtbf 30 --duration 300
+    murmur testnet up --stages 2 --nodes 4 --config configs/testnet-tiny.toml --duration 120
 
 `up` starts a coordinator (its own CA, ledger and admin key under --out), creates the run and a
 join token, starts N nodes (one torch thread each), shows one live row per node, and at the end
 (after --duration, or when every node is done) stops everything with SIGTERM, prints a summary
 table and writes the loss curves to OUT/loss.png. `chaos` does the same and meanwhile SIGKILLs a
 random node now and then (exponential gaps with mean --mtbf) and restarts it from its state folder.
+With ``--stages S`` `up` brings up a pipelined run instead (node/testnet/pipeline_net.py): N
+stage peers the coordinator assigns to the S stages and ``--drivers`` drivers.
 If the run's dataset is missing, it is prepared from the bundled corpus first.
 """
 
@@ -24,6 +27,7 @@ from pathlib import Path
 from murmur.errors import MurmurError
 from murmur.node.daemon.state_dir import read_rounds
 from murmur.node.testnet.chaos import Chaos
+from murmur.node.testnet.pipeline_net import run_pipeline
 from murmur.node.testnet.procs import NodeProc, Testnet, TestnetError
 
 DEFAULT_CONFIG = "configs/testnet-small.toml"
@@ -56,6 +60,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         v.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                        help="every node's --device (default auto: a GPU when there is one)")
         v.add_argument("--solo", action="store_true", help=argparse.SUPPRESS)  # nodes without peers
+        if verb == "up":
+            v.add_argument("--stages", type=int, default=0,
+                           help="a pipelined run of S stages: --nodes stage peers and --drivers drivers")
+            v.add_argument("--drivers", type=int, default=1, help="with --stages: drivers (default 1)")
         if verb == "chaos":
             v.add_argument("--mtbf", type=float, default=30.0, help="mean seconds between kills (default 30)")
             v.add_argument("--restart-delay", type=float, default=3.0, help="seconds before a restart")
@@ -235,10 +243,17 @@ def _run(args: argparse.Namespace) -> int:
     chaos = args.verb == "chaos"
     if chaos and args.mtbf <= 0:
         raise MurmurError(f"--mtbf must be positive, got {args.mtbf}")
+    stages = getattr(args, "stages", 0)
+    if stages < 0 or (stages and args.drivers < 1):
+        raise MurmurError("--stages must be positive and --drivers at least 1")
     out = Path(args.out)
     fresh_folder(out)
     overrides = list(args.set) + ([f'sync.algorithm="{args.algo}"'] if args.algo else [])
+    if stages:
+        overrides.append(f"pipeline.stages={stages}")
     config_path, data = prepare_run(args.config, overrides, out)
+    if stages:  # stage peers find each other through the coordinator: no DHT
+        return run_pipeline(args, out, config_path, data, [a for a in LOOPBACK_COORDINATOR if a != "--dht"])
     node_args = (["--solo"] if args.solo else list(LOOPBACK_NODE)) + ["--device", args.device]
     net = Testnet(root=out, config_path=config_path, data=data, threads=args.threads, node_args=node_args,
                   coordinator_args=list(LOOPBACK_COORDINATOR))

@@ -1,0 +1,172 @@
+"""`murmur testnet up --stages S`: a pipelined local network, as real processes on loopback.
+
+    murmur testnet up --stages 2 --nodes 4 --drivers 1 --config configs/testnet-tiny.toml --duration 120
+
+The run config gains ``pipeline.stages = S`` (the other ``[pipeline]`` keys: the config's, or
+their defaults). The coordinator assigns each of the N stage peers a stage as it joins and
+rebalances them; the D drivers lease shards, send microbatches through the stages and commit
+the tokens of completed ones. A table of the stages (peers, samples/s, queue, last move) and of
+the drivers (microbatches committed, loss) is redrawn every few seconds; at the end everything
+is stopped with SIGTERM and OUT/summary.json holds the last view.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+from murmur.node.testnet.procs import Testnet, TestnetError, _env, stop_process
+
+VIEW_EVERY_S = 3.0  # each view is one `murmur admin stages` call
+READY_TIMEOUT_S = 180.0  # a stage peer imports torch and loads its stage
+DRIVER_MICROBATCHES = 10**9  # a driver runs until its lease's shard is used up or the testnet stops
+
+
+@dataclass(slots=True)
+class PipelineProc:
+    name: str
+    cmd: list[str]
+    out_path: Path
+    log_path: Path
+    proc: subprocess.Popen | None = None
+    _files: list[IO] = field(default_factory=list)
+
+    def start(self, threads: int) -> None:
+        self.out_path.parent.mkdir(parents=True, exist_ok=True)
+        out, log = open(self.out_path, "ab"), open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
+        self._files = [out, log]
+        self.proc = subprocess.Popen(self.cmd, stdout=out, stderr=log, env=_env(threads), start_new_session=True)
+
+    def records(self) -> list[dict]:
+        if not self.out_path.is_file():
+            return []
+        out = []
+        for line in self.out_path.read_text(errors="replace").splitlines():
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue  # a line being written
+        return out
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self) -> int | None:
+        code = stop_process(self.proc) if self.proc is not None else None
+        for f in self._files:
+            f.close()
+        return code
+
+
+def run_pipeline(args, out: Path, config_path: Path, data: Path, coordinator_args: list[str]) -> int:
+    if args.nodes < args.stages:
+        raise TestnetError(f"--nodes {args.nodes} cannot serve --stages {args.stages}: every stage needs a peer")
+    net = Testnet(root=out, config_path=config_path, data=data, threads=args.threads,
+                  coordinator_args=coordinator_args)
+    peers: list[PipelineProc] = []
+    drivers: list[PipelineProc] = []
+    t0 = time.monotonic()
+    view: dict = {}
+    try:
+        info = net.start_coordinator()
+        print(f"coordinator on {info['address']} (ledger {net.db}, admin key {info['admin_key_file']})")
+        token = net.create_run(token_uses=(args.nodes + args.drivers) * 4)
+        join = ["--coordinator", str(info["address"]), "--token", token]
+        py = [sys.executable, "-m"]
+        for i in range(args.nodes):
+            p = PipelineProc(f"peer-{i}", [*py, "murmur.node.pipeline.peer", *join, "--threads", str(args.threads)],
+                             out / "nodes" / f"peer-{i}.jsonl", out / "nodes" / f"peer-{i}.log")
+            p.start(args.threads)
+            peers.append(p)
+            _wait_ready(p)  # one at a time: each joins the emptiest stage
+        print(f"{args.nodes} stage peers serve {args.stages} stages; logs in {out / 'nodes'}; Ctrl+C stops everything")
+        for i in range(args.drivers):
+            d = PipelineProc(
+                f"driver-{i}",
+                [*py, "murmur.node.pipeline.drive", *join, "--data", str(data), "--microbatches",
+                 str(DRIVER_MICROBATCHES), "--threads", str(args.threads),
+                 "--commit-log", str(out / "nodes" / f"driver-{i}.commits")],
+                out / "nodes" / f"driver-{i}.jsonl", out / "nodes" / f"driver-{i}.log",
+            )
+            d.start(args.threads)
+            drivers.append(d)
+        while time.monotonic() - t0 < args.duration and any(d.alive() for d in drivers):
+            time.sleep(VIEW_EVERY_S)
+            try:
+                view = net.admin("stages")
+            except TestnetError as err:
+                print(f"(no view: {err})")
+                continue
+            _show(view, drivers, time.monotonic() - t0)
+    except KeyboardInterrupt:
+        print("\ninterrupted: stopping the drivers and the stage peers")
+    finally:
+        with_view = view
+        codes = {d.name: d.stop() for d in drivers}
+        codes.update({p.name: p.stop() for p in peers})
+        codes["coordinator"] = net.stop_coordinator()
+    return _summarize(out, with_view, drivers, codes, time.monotonic() - t0)
+
+
+def _wait_ready(p: PipelineProc) -> None:
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if any(r.get("event") == "ready" for r in p.records()):
+            return
+        if not p.alive():
+            raise TestnetError(f"{p.name} exited at start; see {p.log_path}")
+        time.sleep(0.2)
+    raise TestnetError(f"{p.name} was not serving after {READY_TIMEOUT_S:.0f} s; see {p.log_path}")
+
+
+def _driver_row(d: PipelineProc) -> dict:
+    recs = d.records()
+    losses = [r["loss"] for r in recs if r.get("event") == "microbatch"]
+    commits = [r for r in recs if r.get("event") == "commit"]
+    return {
+        "name": d.name,
+        "microbatches": len(losses),
+        "committed_tokens": sum(c["tokens"] for c in commits),
+        "first_loss": sum(losses[:8]) / len(losses[:8]) if losses else None,
+        "last_loss": sum(losses[-8:]) / len(losses[-8:]) if losses else None,
+        "retries": sum(r.get("retries", 0) for r in recs if r.get("event") == "microbatch"),
+    }
+
+
+def _show(view: dict, drivers: list[PipelineProc], elapsed: float) -> None:
+    print(f"\n{elapsed:5.0f}s  stage  blocks  peers  samples/s  queue  last move")
+    for s in view.get("summary", []):
+        blocks = f"{s['first_block']}-{s['end_block'] - 1}" if s["end_block"] > s["first_block"] >= 0 else "-"
+        print(f"       {s['stage']:5d}  {blocks:>6}  {s['peers']:5d}  {s['samples_per_s']:9.1f}  {s['queue']:5d}  "
+              f"{s['last_move'] or '-'}")
+    for d in drivers:
+        r = _driver_row(d)
+        loss = f"{r['last_loss']:.4f}" if r["last_loss"] is not None else "-"
+        print(f"       {r['name']}: {r['microbatches']} microbatches, {r['committed_tokens']:,} tokens committed, "
+              f"loss {loss}")
+
+
+def _summarize(out: Path, view: dict, drivers: list[PipelineProc], codes: dict, wall: float) -> int:
+    rows = [_driver_row(d) for d in drivers]
+    print(f"\nsummary after {wall:.0f}s")
+    for r in rows:
+        first = f"{r['first_loss']:.4f}" if r["first_loss"] is not None else "-"
+        last = f"{r['last_loss']:.4f}" if r["last_loss"] is not None else "-"
+        print(f"{r['name']}: {r['microbatches']} microbatches, {r['committed_tokens']:,} tokens committed, "
+              f"loss {first} -> {last}, {r['retries']} retried")
+    for s in view.get("summary", []):
+        print(f"stage {s['stage']}: {s['peers']} peers, {s['samples_per_s']:.1f} samples/s")
+    (out / "summary.json").write_text(
+        json.dumps({"wall_s": wall, "exit_codes": codes, "drivers": rows, "stages": view}, indent=1) + "\n"
+    )
+    # A stage peer or driver stopped by SIGTERM exits 0 (a driver interrupted mid-run: 130).
+    bad = {k: v for k, v in codes.items() if v not in (0, 130, None, -signal.SIGTERM)}
+    if bad:
+        raise TestnetError(f"some processes did not exit cleanly: {bad}; see the logs in {out / 'nodes'}")
+    return 0
