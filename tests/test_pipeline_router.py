@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from murmur.node.pipeline.client import StagePeer
-from murmur.protocol.runconfig import PipelineSection
 from murmur.node.pipeline.driver import CommitWindow
 from murmur.node.pipeline.router import Router
+from murmur.protocol.runconfig import PipelineSection
 
 
 class Clock:

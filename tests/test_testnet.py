@@ -5,6 +5,7 @@ run`), the way `murmur testnet up` and deploy/compose.yaml do."""
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import sys
@@ -140,3 +141,33 @@ def test_testnet_cli_refuses_bad_input(tmp_path):
         )
         assert done.returncode == 1
         assert needle in done.stderr and done.stderr.count("\n") == 1, done.stderr
+
+
+def test_testnet_up_with_stages_brings_up_a_pipelined_run_that_trains(tmp_path, data):
+    """`murmur testnet up --stages 2`: stage peers the coordinator assigns, a driver, a summary."""
+    from murmur.protocol.runconfig import load_config
+
+    config = tmp_path / "run.toml"
+    cfg = load_config("configs/testnet-tiny.toml", [f'data.path="{data}"'])
+    config.write_text(cfg.to_toml())
+    out = tmp_path / "o"
+    done = subprocess.run(
+        [sys.executable, "-m", "murmur.cli", "testnet", "up", "--stages", "2", "--nodes", "2", "--config",
+         str(config), "--duration", "15", "--out", str(out)],
+        capture_output=True, text=True, timeout=400,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    summary = json.loads((out / "summary.json").read_text())
+    (driver,) = summary["drivers"]
+    assert driver["committed_tokens"] > 0 and driver["last_loss"] < driver["first_loss"], driver
+    assert [s["peers"] for s in summary["stages"]["summary"]] == [1, 1]
+    assert all(code in (0, 130) for code in summary["exit_codes"].values()), summary["exit_codes"]
+
+
+def test_testnet_stages_refuses_fewer_nodes_than_stages(tmp_path):
+    done = subprocess.run(
+        [sys.executable, "-m", "murmur.cli", "testnet", "up", "--stages", "3", "--nodes", "2", "--out",
+         str(tmp_path / "o")], capture_output=True, text=True, timeout=120,
+    )
+    assert done.returncode == 1 and "every stage needs a peer" in done.stderr, done.stderr
+    assert done.stderr.count("\n") == 1 and not (tmp_path / "o").exists()  # refused before anything was made

@@ -246,6 +246,8 @@ def _run(args: argparse.Namespace) -> int:
     stages = getattr(args, "stages", 0)
     if stages < 0 or (stages and args.drivers < 1):
         raise MurmurError("--stages must be positive and --drivers at least 1")
+    if stages and args.nodes < stages:
+        raise MurmurError(f"--nodes {args.nodes} cannot serve --stages {stages}: every stage needs a peer")
     out = Path(args.out)
     fresh_folder(out)
     overrides = list(args.set) + ([f'sync.algorithm="{args.algo}"'] if args.algo else [])
