@@ -192,6 +192,95 @@ def one_row(args, work: Path, data: Path, rate: int, codec: str, mtbf: float) ->
     }
 
 
+RECOVERY_TTL_S = 3.0  # the coordinator's heartbeat TTL in the recovery rows: how soon a dead peer is lost
+
+
+def recovery_row(args, work: Path, data: Path, repeat: int) -> dict:
+    """Both peers of stage 1 SIGKILLed mid-run (loopback, a real coordinator, a pipelined run):
+    how long until the coordinator has refilled the stage and it serves again."""
+    from murmur.node.testnet.procs import Testnet, stop_process
+    from murmur.protocol.runconfig import load_config
+
+    root = work / f"recovery-{repeat}"
+    root.mkdir()
+    shape = [f"model.{k}={v}" for k, v in (("n_layers", 4), ("dim", 128), ("seq_len", 128), ("hidden_dim", 352))]
+    cfg = load_config(REPO / "configs" / "testnet-tiny.toml", [
+        f'data.path="{data}"', *shape, "seed=0", "pipeline.stages=2", "pipeline.microbatch_size=4",
+        "pipeline.target_samples=16", "pipeline.microbatch_attempts=8", "pipeline.hop_timeout_s=30.0",
+        f"pipeline.rebalance_every_s={args.rebalance_every}", f"pipeline.replica_every_s={args.replica_every}",
+        f"pipeline.sync_every_s={args.sync_every}",
+    ])
+    (root / "run.toml").write_text(cfg.to_toml())
+    net = Testnet(root=root, config_path=root / "run.toml", data=data, threads=args.threads,
+                  coordinator_args=["--heartbeat-ttl", str(RECOVERY_TTL_S), "--restart-grace", "1"])
+    info = net.start_coordinator()
+    join = ["--coordinator", str(info["address"]), "--token", net.create_run(token_uses=8)]
+    peers: list[subprocess.Popen] = []
+    ready: list[dict] = []
+    driver = None
+    try:
+        for _ in range(4):
+            p = subprocess.Popen([sys.executable, "-m", "murmur.node.pipeline.peer", *join, "--threads",
+                                  str(args.threads)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                                 env=env(args.threads), cwd=REPO)
+            peers.append(p)
+            while (rec := json.loads(p.stdout.readline() or '{"event": "exit"}'))["event"] not in ("ready", "exit"):
+                pass
+            ready.append(rec)
+        out_path = root / "driver.jsonl"
+        with open(out_path, "w") as out:
+            driver = subprocess.Popen([sys.executable, "-m", "murmur.node.pipeline.drive", *join, "--data", str(data),
+                                       "--microbatches", str(args.recovery_microbatches), "--concurrency",
+                                       str(args.concurrency), "--threads", str(args.threads)],
+                                      stdout=out, text=True, env=env(args.threads), cwd=REPO)
+
+            def records(kind: str) -> list[dict]:
+                return [r for r in map(json.loads, out_path.read_text().splitlines()) if r.get("event") == kind]
+
+            while len(records("microbatch")) < args.recovery_microbatches // 3 and driver.poll() is None:
+                time.sleep(0.2)
+            while not all(p["report"]["replica_stage"] == 1 for p in net.admin("stages", "--peers")["peers"]
+                          if p["report"]["stage"] == 0):
+                time.sleep(0.5)
+            killed_at = time.time()
+            for p, r in zip(peers, ready, strict=True):
+                if r.get("stage") == 1:
+                    p.send_signal(signal.SIGKILL)
+                    p.wait()
+            driver.wait(args.row_timeout)
+        events = net.admin("events", "--limit", "1000")["events"]
+        done = records("done")[0]
+        times = sorted(r["at"] for r in records("microbatch"))
+    finally:
+        if driver is not None and driver.poll() is None:
+            driver.kill()
+            driver.wait()
+        for p in peers:
+            stop_process(p)
+        net.stop_coordinator()
+
+    def first(kind: str, **match) -> dict:
+        return next(e for e in events if e["kind"] == kind and e["at"] >= killed_at
+                    and all(f'"{k}": {json.dumps(v)}' in e["detail"] for k, v in match.items()))
+
+    lost, move = first("stage_lost"), first("stage_move")
+    serving = next(e for e in events if e["kind"] == "stage_serving" and e["node_id"] == move["node_id"]
+                   and e["at"] >= move["at"])
+    gaps = [b - a for a, b in zip(times, times[1:], strict=False) if b >= killed_at]
+    return {
+        "stages": 2, "peers_per_stage": 2, "link_mbps": None, "activation_codec": "bf16",
+        "mtbf_s": None, "kills": 2, "scenario": "both peers of stage 1 SIGKILLed (loopback, coordinator)",
+        "repeat": repeat, "heartbeat_ttl_s": RECOVERY_TTL_S, "rebalance_every_s": args.rebalance_every,
+        "replica_every_s": args.replica_every, "sync_every_s": args.sync_every,
+        "lost_after_s": round(lost["at"] - killed_at, 2), "moved_after_s": round(move["at"] - killed_at, 2),
+        "rebalance_recovery_s": round(serving["at"] - killed_at, 2),
+        "state_source": json.loads(serving["detail"]).get("source"),
+        "driver_gap_s": round(max(gaps), 2) if gaps else None,
+        "microbatches": args.recovery_microbatches,
+        "microbatches_lost": args.recovery_microbatches - done["committed_end"], "load": shaped.load(),
+    }
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--stages", type=int, default=2)
@@ -205,6 +294,11 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--congestion", default="cubic")
     ap.add_argument("--row-timeout", type=float, default=900)
+    ap.add_argument("--recovery", type=int, default=3, help="repeats of the stage-refill row (0: none)")
+    ap.add_argument("--recovery-microbatches", type=int, default=240)
+    ap.add_argument("--rebalance-every", type=float, default=60.0)
+    ap.add_argument("--replica-every", type=float, default=5.0)
+    ap.add_argument("--sync-every", type=float, default=10.0)
     ap.add_argument("--out", default=str(HERE / "results" / "pipeline.json"))
     args = ap.parse_args()
     if os.geteuid() != 0:
@@ -225,14 +319,19 @@ def main() -> int:
         os.chmod(work, 0o755)
         data = work / "data"
         prepare(data, tokenizer="byte", shard_tokens=1 << 20)
-        for mtbf in [float(v) for v in args.mtbf.split(",")]:
-            for rate in [int(v) for v in args.rates.split(",")]:
+        for mtbf in [float(v) for v in args.mtbf.split(",") if v]:
+            for rate in [int(v) for v in args.rates.split(",") if v]:
                 for codec in args.codecs.split(","):
                     row = one_row(args, work, data, rate, codec, mtbf)
                     print(json.dumps(row), flush=True)
                     rows.append(row)
                     # after every row, so an interrupted run keeps what it measured
                     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+        for repeat in range(args.recovery):
+            row = recovery_row(args, work, data, repeat)
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+            Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     return 0
 
 

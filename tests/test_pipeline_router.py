@@ -85,3 +85,23 @@ def test_commit_window_commits_each_microbatch_once_in_order():
     for again in (0, 3):
         with pytest.raises(ValueError, match="twice"):
             w.complete(again)
+
+
+def test_a_retry_pause_ends_when_a_peer_enters_a_stage():
+    import asyncio
+
+    from murmur.node.pipeline.driver import _pause
+
+    router, _ = make()
+    router.set_peers(1, peers(1, "a"))
+    router.set_peers(1, peers(1, "a"))  # the same peers again: no arrival
+
+    async def main() -> None:
+        waiting = asyncio.create_task(_pause(router, 30.0))
+        await asyncio.sleep(0.2)
+        assert not waiting.done()
+        router.set_peers(1, peers(1, "a", "refill"))  # the coordinator refilled the stage
+        await asyncio.wait_for(waiting, 5.0)  # not the 30 s
+
+    asyncio.run(main())
+    assert router.arrivals == 2

@@ -151,7 +151,7 @@ async def drive(args: argparse.Namespace) -> int:
         nonlocal wire_bytes
         losses[i] = res.loss
         wire_bytes += res.wire_bytes
-        emit(event="microbatch", index=i, loss=res.loss, retries=res.retries, wire_bytes=res.wire_bytes,
+        emit(event="microbatch", index=i, at=time.time(), loss=res.loss, retries=res.retries, wire_bytes=res.wire_bytes,
              hops=[[h.stage, h.kind, h.node_id, h.attempts] for h in res.hops])
 
     async def on_commit(lo: int, hi: int) -> None:

@@ -33,6 +33,7 @@ from murmur.protocol.runconfig import PipelineSection
 from murmur.protocol.wire import WireError
 
 MAX_RETRY_PAUSE_S = 30.0  # the longest pause before a failed microbatch runs again
+RETRY_POLL_S = 0.1  # how often a pausing lane looks for a peer that entered a stage
 
 
 class MicrobatchFailed(MurmurError):
@@ -167,6 +168,14 @@ class CommitWindow:
         return start, self.committed
 
 
+async def _pause(router: Router, seconds: float) -> None:
+    """Wait ``seconds`` before re-running a failed microbatch, or less: until a peer enters a stage
+    (a refilled stage serves again at once, not at the end of a doubled pause)."""
+    seen, end = router.arrivals, time.monotonic() + seconds
+    while time.monotonic() < end and router.arrivals == seen:
+        await asyncio.sleep(min(RETRY_POLL_S, max(0.0, end - time.monotonic())))
+
+
 async def run_in_order(
     driver: Driver,
     batches: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
@@ -178,8 +187,8 @@ async def run_in_order(
     start: int = 0,
 ) -> int:
     """Microbatches ``start .. start+count-1`` with up to ``concurrency`` in flight; a failed one is
-    run again after a pause (``microbatch_retry_s``, doubling), ``microbatch_attempts`` times in
-    all, before the run stops. Returns the committed end."""
+    run again after a pause (``microbatch_retry_s``, doubling, cut short when a peer enters a stage),
+    ``microbatch_attempts`` times in all, before the run stops. Returns the committed end."""
     window = CommitWindow(start)
     queue: asyncio.Queue[int] = asyncio.Queue()
     for i in range(start, start + count):
@@ -201,7 +210,8 @@ async def run_in_order(
                     if attempt == driver.cfg.microbatch_attempts:
                         failure.append(err)
                         return
-                    await asyncio.sleep(min(MAX_RETRY_PAUSE_S, driver.cfg.microbatch_retry_s * 2 ** (attempt - 1)))
+                    pause = min(MAX_RETRY_PAUSE_S, driver.cfg.microbatch_retry_s * 2 ** (attempt - 1))
+                    await _pause(driver.router, pause)
             on_done(i, result)
             lo, hi = window.complete(i)
             if hi > lo:

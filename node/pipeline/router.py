@@ -59,6 +59,7 @@ class Router:
     ) -> None:
         self.cfg, self.initial_throughput, self.clock = cfg, initial_throughput, clock
         self.stages: dict[int, dict[str, PeerState]] = {s: {} for s in range(cfg.stages)}
+        self.arrivals = 0  # peers that entered a stage so far: a driver pausing after a failure stops waiting
 
     # -- membership ------------------------------------------------------------------------------
 
@@ -76,6 +77,7 @@ class Router:
                 known[node_id].peer = peer
             else:
                 known[node_id] = PeerState(peer, busy=floor)
+                self.arrivals += 1
 
     def peers(self, stage: int) -> list[PeerState]:
         return list(self.stages.get(stage, {}).values())
