@@ -37,6 +37,11 @@ from murmur.protocol.runconfig import ConfigError, PipelineSection, parse_config
 from .stages import Move, Rebalancer
 from .store import Store
 
+# A peer that has not reported its new stage this long after it was told to move has failed the
+# move (it could not load the state, or it ignores orders): the move is given up, its lease goes
+# back to the stage it serves, and the next move may come. Loading a stage takes seconds.
+MOVE_TIMEOUT_S = 120.0
+
 
 class NotPipelined(MurmurError):
     code = "FAILED_PRECONDITION"
@@ -64,8 +69,10 @@ class StageBoard:
         is_live: Callable[[str], bool],
         view_is_whole: Callable[[], bool],
         clock: Callable[[], float] = time.time,
+        move_timeout_s: float = MOVE_TIMEOUT_S,
     ) -> None:
         self.store, self.is_live, self.view_is_whole, self.clock = store, is_live, view_is_whole, clock
+        self.move_timeout_s = move_timeout_s
         self._leases: dict[str, StageLease] = {
             r["node_id"]: StageLease(
                 r["node_id"], r["run_id"], r["stage"], r["state"], r["from_stage"], r["reason"], r["since"]
@@ -171,6 +178,8 @@ class StageBoard:
             for lease in [x for x in self._leases.values() if x.run_id == run_id]:
                 if not self.is_live(lease.node_id):
                     self._drop(lease)
+                elif lease.state == "moving" and now - lease.since > self.move_timeout_s:
+                    self._give_up(lease, now)
             pipe = self.pipeline(run_id)
             if pipe is None:
                 continue
@@ -216,6 +225,17 @@ class StageBoard:
                 moves[d["to_stage"]] = (text, ev["at"])
             self._last_move[run_id] = moves
         return self._last_move[run_id]
+
+    def _give_up(self, lease: StageLease, now: float) -> None:
+        entry = self._reports.get(lease.node_id)
+        serves = entry[1].stage if entry is not None else -1
+        target = lease.stage
+        # back to what it serves (a peer that serves nothing joins its old stage again)
+        lease.stage, lease.state = (serves, "serving") if serves >= 0 else (lease.from_stage, "joining")
+        lease.reason, lease.since = "move given up", now
+        self._put(lease, "stage_move_abandoned", to_stage=target, serves=serves,
+                  waited_s=round(self.move_timeout_s, 1))
+        self._rebalancer(lease.run_id).abandoned(lease.node_id)
 
     def _drop(self, lease: StageLease) -> None:
         with self.store.write():

@@ -112,3 +112,16 @@ def test_reports_from_a_data_parallel_run_or_of_a_stage_that_does_not_exist_are_
     with pytest.raises(BadStageReport, match="stage 7 is not a stage of run pipe"):
         world.beat("y", 7)
     assert world.store.stage_leases() == []
+
+
+def test_a_move_the_peer_never_completes_is_given_up_and_the_next_one_may_come(world):
+    assert [world.join(n) for n in "abc"] == [0, 1, 0]
+    world.live.discard("b")
+    (move,) = world.board.tick()
+    world.beat(move.node_id, 0)  # it keeps serving stage 0 and never reports stage 1
+    world.now += world.board.move_timeout_s + 1
+    other = "c" if move.node_id == "a" else "a"
+    world.beat(other, 0)
+    (again,) = world.board.tick()  # given up; the refill is tried anew
+    assert [e["to_stage"] for e in world.events("stage_move_abandoned")] == [1]
+    assert again.to_stage == 1 and again.reason == "empty stage"
