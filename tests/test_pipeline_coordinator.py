@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import signal
+import subprocess
 import time
 
 import pytest
@@ -23,6 +24,8 @@ from _pipeline_helpers import (
     start_run_peer,
     stop_peer,
 )
+
+from murmur.node.testnet.procs import murmur_cmd
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -89,6 +92,10 @@ def test_stages_are_assigned_synced_and_refilled_after_their_peers_are_killed(tm
 
             view = wait_for("stage 0's peers to agree", agreed, timeout_s=60)
             events = net.admin("events", "--kind", "stage_move")["events"]
+            table = subprocess.run(
+                murmur_cmd("admin", "stages", "--coordinator", str(net.info["address"]), "--admin-key",
+                           str(net.info["admin_key_file"])), capture_output=True, text=True, timeout=120,
+            ).stdout
             serving = net.admin("events", "--kind", "stage_serving")["events"]
             tokens, _ = ledger_tokens(net)
         finally:
@@ -109,6 +116,10 @@ def test_stages_are_assigned_synced_and_refilled_after_their_peers_are_killed(tm
     assert (stage["from_stage"], stage["stage"], stage["source"]) == (0, 1, "replica")
     assert moved.stopped["stage"] == 1 and moved.stopped["moves"] == 1
     assert sorted(p["report"]["stage"] for p in view["peers"]) == [0, 0, 1]
+    header, row0, row1 = table.splitlines()[:3]  # the operator's table: stage, blocks, peers, ..., last move
+    assert header.split()[:3] == ["STAGE", "BLOCKS", "PEERS"] and "LAST MOVE" in header, table
+    assert row0.split()[:3] == ["0", "0-0", "2"] and row1.split()[:3] == ["1", "1-1", "1"], table
+    assert "stage 0 -> 1 (empty stage)" in row1, table
     stage0 = [p for p in peers if p.stopped.get("stage") == 0]
     assert len(stage0) == 2 and all(p.stopped["sync_rounds"] > 0 for p in stage0), [p.stopped for p in stage0]
     assert stage0[0].stopped["state_hash"] == stage0[1].stopped["state_hash"]

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import signal
 import sys
 from pathlib import Path
@@ -65,6 +66,18 @@ def settings_of(args: argparse.Namespace, member: Membership | None):
     )
 
 
+async def show_progress(peer: StagePeer, every_s: float) -> None:
+    """A line on stderr now and then: the stage it serves and how it goes."""
+    log = logging.getLogger("murmur.node.pipeline.peer")
+    while every_s > 0:
+        await asyncio.sleep(every_s)
+        rep = peer.report()
+        sync = f", {peer.sync.rounds} sync rounds ({peer.sync.failed} failed)" if peer.sync else ""
+        log.info("stage %d of %d (blocks %d-%d): %d samples, %d steps, %.1f samples/s, queue %d%s",
+                 rep.stage, peer.settings.stages, rep.first_block, rep.end_block - 1, rep.samples_total,
+                 rep.optimizer_steps, rep.samples_per_s, rep.queue, sync)
+
+
 async def serve(args: argparse.Namespace) -> None:
     member = await Membership.join(args.coordinator, args.token) if args.coordinator else None
     model, settings = settings_of(args, member)
@@ -89,7 +102,9 @@ async def serve(args: argparse.Namespace) -> None:
          first_block=span.first_block, end_block=span.end_block, state_address=peer.state_address,
          state_hash=stage_state.state_hash(peer.worker.module), fetched_from=peer.fetched_from,
          state_source=peer.state_source)
+    progress = asyncio.create_task(show_progress(peer, args.progress_every))
     await stop.wait()
+    progress.cancel()
     worker, service = peer.worker, peer.service
     await peer.stop()
     if member is not None:
@@ -121,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fault", action="append", default=[],
                     help="e.g. delay:stage_compute:0.3@x* (a slow peer), see node/net/faults.py")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    ap.add_argument("--progress-every", type=float, default=10.0, help="seconds between progress lines (0: none)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     log_to_stderr()

@@ -158,7 +158,14 @@ class StagePeer:
     async def _move(self, stage: int, reason: str) -> None:
         old = self.stage
         t0 = time.monotonic()
-        await self._become(stage, None)
+        try:
+            await self._become(stage, None)
+        except Exception as err:
+            if old < 0:
+                raise  # the first load: wait_serving reports it and the peer stops
+            # It keeps serving its old stage; the coordinator gives the move up after a while.
+            log.warning("could not move from stage %d to %d: %s", old, stage, err)
+            return
         self.moves += old >= 0
         self.on_event(event="stage", stage=stage, from_stage=old, reason=reason, source=self.state_source,
                       seconds=round(time.monotonic() - t0, 3), state_hash=self.report().state_hash)
