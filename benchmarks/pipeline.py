@@ -16,13 +16,16 @@ each second is rewritten when it is ready. Rows:
 
   stages, peers_per_stage, link_mbps, activation_codec, mtbf_s, kills,
   samples_per_s (rows the driver completed and committed per second of its run),
-  ideal_samples_per_s (the slowest stage's measured compute: per stage, the peers' compute seconds
-  per sample, from the peers that stopped cleanly, with P peers working in parallel),
+  ideal_samples_per_s (the slowest stage's measured compute: per stage, the peers' CPU seconds
+  per sample, from the peers that stopped cleanly, with P peers working in parallel; and no more
+  than cores_samples_per_s, every stage's CPU per sample spread over the machine's cores),
   efficiency (samples_per_s / ideal_samples_per_s), bytes_per_sample (wire bytes of the hops that
   succeeded, both ways, per row), microbatches_lost (asked for minus committed: 0 means every
   microbatch was eventually committed, once), retries (hop attempts beyond the first),
-  rebalance_recovery_s (null: the coordinator's rebalancing is not built yet), load (the
-  machine's load averages at the end of the row: other jobs share these cores).
+  rebalance_recovery_s (in the refill rows: seconds from killing both peers of stage 1 to the
+  moved peer serving it, from the ledger's events; with lost_after_s, moved_after_s,
+  driver_gap_s, the longest pause of the driver's completions), load (the machine's load
+  averages at the end of the row: other jobs share these cores).
 
 Writes benchmarks/results/pipeline.json. Needs root (namespaces); cleans up after itself.
 """
@@ -172,19 +175,25 @@ def one_row(args, work: Path, data: Path, rate: int, codec: str, mtbf: float) ->
     done = next(r for r in recs if r["event"] == "done")
     retries = sum(r["retries"] for r in recs if r["event"] == "microbatch")
     samples = done["committed_tokens"] / 128  # rows of seq_len 128
-    per_stage = []
+    # The ideal: each stage's P peers working in parallel at their measured cost per sample (CPU
+    # seconds of the computing thread, which other processes' load does not inflate), and no more
+    # than the machine's cores can do: all stages' CPU per sample spread over every core.
+    per_stage, cpu_per_sample = [], 0.0
     for s in range(args.stages):
         clean = [p.stopped for p in peers if p.stage == s and p.stopped.get("samples_total")]
-        secs = sum(c["compute_seconds"] for c in clean)
+        secs = sum(c["cpu_seconds"] for c in clean)
         rows = sum(c["samples_total"] for c in clean)
         per_stage.append(args.peers_per_stage * rows / secs if secs else float("nan"))
-    ideal = min(per_stage)
+        cpu_per_sample += secs / rows if rows else float("nan")
+    cores_bound = (os.cpu_count() or 1) / cpu_per_sample
+    ideal = min(*per_stage, cores_bound)
     rate_achieved = samples / done["seconds"]
     return {
         "stages": args.stages, "peers_per_stage": args.peers_per_stage, "link_mbps": rate,
         "activation_codec": codec, "mtbf_s": mtbf or None, "kills": len(kills),
         "microbatches": count, "samples_per_s": round(rate_achieved, 2),
         "ideal_samples_per_s": round(ideal, 2), "stage_samples_per_s": [round(v, 2) for v in per_stage],
+        "cores_samples_per_s": round(cores_bound, 2),
         "efficiency": round(rate_achieved / ideal, 3),
         "bytes_per_sample": round(done["wire_bytes"] / max(samples, 1)),
         "microbatches_lost": count - done["committed_end"], "retries": retries,

@@ -112,7 +112,8 @@ async def serve(args: argparse.Namespace) -> None:
     st = worker.stats
     emit(event="stopped", node_id=ident.node_id, stage=service.span.index, forwards=st.forwards,
          backwards=st.backwards, samples_total=st.samples_total, optimizer_steps=st.optimizer_steps,
-         compute_seconds=st.compute_seconds, refused=len(service.refusals), moves=peer.moves,
+         compute_seconds=st.compute_seconds, cpu_seconds=st.cpu_seconds, refused=len(service.refusals),
+         moves=peer.moves,
          sync_rounds=peer.sync.rounds if peer.sync else 0, sync_failed=peer.sync.failed if peer.sync else 0,
          state_hash=stage_state.state_hash(worker.module))
 

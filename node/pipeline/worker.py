@@ -42,7 +42,8 @@ class WorkerStats:
     samples_accumulated: int = 0
     optimizer_steps: int = 0
     samples_total: int = 0  # accumulated over the worker's life
-    compute_seconds: float = 0.0
+    compute_seconds: float = 0.0  # wall time in forward and backward (other processes' load included)
+    cpu_seconds: float = 0.0  # CPU time of the computing thread: what the work costs, load or not
     forwards: int = 0
     backwards: int = 0
 
@@ -73,9 +74,10 @@ class StageWorker:
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         with self.lock, torch.no_grad():
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             out = self.module(x)
             self.stats.compute_seconds += time.perf_counter() - t0
+            self.stats.cpu_seconds += time.thread_time() - c0
             self.stats.forwards += 1
             return out
 
@@ -90,7 +92,7 @@ class StageWorker:
         if last == (targets is None) or (not last) == (grad_outputs is None):
             raise ValueError("the last stage takes targets, the others an output gradient")
         with self.lock:
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             rows = x.shape[0]
             inputs = x if self.span.is_first else x.detach().requires_grad_(True)
             wrt = self.params if self.span.is_first else [inputs, *self.params]
@@ -105,6 +107,7 @@ class StageWorker:
             grad_inputs = None if self.span.is_first else grads[0]
             param_grads = grads if self.span.is_first else grads[1:]
             self.stats.compute_seconds += time.perf_counter() - t0
+            self.stats.cpu_seconds += time.thread_time() - c0
             self.stats.backwards += 1
             if not keep():
                 return BackwardResult(grad_inputs, _item(loss), kept=False, stepped=False)
