@@ -26,6 +26,7 @@ after it serves again) nothing is moved, so a peer not yet heard from is not tak
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -121,9 +122,7 @@ class StageBoard:
             if not -1 <= stage < pipe.stages:
                 raise BadStageReport(f"{what} {stage} is not a stage of run {run_id} (it has {pipe.stages})")
         now = self.clock()
-        kept = pb.StageReport()
-        kept.CopyFrom(rep)
-        self._reports[node_id] = (now, kept)
+        self._reports[node_id] = (now, _sane(rep))
         lease = self._leases.get(node_id)
         if lease is None:
             if rep.stage >= 0:
@@ -277,6 +276,22 @@ class StageBoard:
         if pending is not None:
             out.pending_move = _move_text(pending.node_id, pending.from_stage, pending.to_stage, pending.reason)
         return out
+
+
+def _sane(rep: pb.StageReport) -> pb.StageReport:
+    """A copy of a peer's report that other members and the rebalancing can trust to be small and
+    finite: strings capped, rates that are not finite non-negative numbers read as 0."""
+    kept = pb.StageReport()
+    kept.CopyFrom(rep)
+    for name, cap in (("address", 200), ("state_address", 200), ("state_hash", 128), ("replica_hash", 128),
+                      ("state_source", 20)):
+        setattr(kept, name, getattr(kept, name)[:cap])
+    for name in ("samples_per_s", "replica_at"):
+        value = getattr(kept, name)
+        if not math.isfinite(value) or value < 0:
+            setattr(kept, name, 0.0)
+    kept.queue = max(0, kept.queue)
+    return kept
 
 
 def _move_text(node_id: str, from_stage: int, to_stage: int, reason: str) -> str:

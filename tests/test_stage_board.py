@@ -125,3 +125,13 @@ def test_a_move_the_peer_never_completes_is_given_up_and_the_next_one_may_come(w
     (again,) = world.board.tick()  # given up; the refill is tried anew
     assert [e["to_stage"] for e in world.events("stage_move_abandoned")] == [1]
     assert again.to_stage == 1 and again.reason == "empty stage"
+
+
+def test_a_report_with_a_nan_rate_or_huge_strings_is_kept_small_and_finite(world):
+    world.live.add("z")
+    world.board.report("z", "pipe", pb.StageReport(stage=0, samples_per_s=float("nan"), queue=-5, replica_stage=-1,
+                                                   address="x" * 10_000, state_source="s" * 500))
+    (peer,) = world.board.stage_map("pipe").peers
+    assert peer.report.samples_per_s == 0.0 and peer.report.queue == 0
+    assert len(peer.report.address) == 200 and len(peer.report.state_source) == 20
+    assert world.board.tick() == []  # the rebalancing's arithmetic sees no NaN
