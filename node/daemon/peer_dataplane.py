@@ -98,6 +98,7 @@ class LivePeers:
     """How many trainers the DHT lists, this one included: what a round's rendezvous waits for."""
 
     count: int = 1
+    ids: frozenset[str] = frozenset()  # their node ids (the view counts those it never listed)
 
 
 class PeerDataPlane:
@@ -131,6 +132,7 @@ class PeerDataPlane:
         """The run's trainers in the DHT, this one included; also what rounds wait for."""
         peers = await self.dht.apeers(role=TRAINER)
         self.live.count = max(1, len(peers))
+        self.live.ids = frozenset(p.node_id for p in peers)
         return peers
 
     async def _announce(self) -> None:
@@ -419,6 +421,7 @@ async def open_peer_dataplane(
                 dht,
                 address,
                 expected=lambda: live.count,
+                announced_ids=lambda: live.ids,
                 settings=RendezvousSettings(deadline=settings.rendezvous_deadline_s),
                 view=view,
             )

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import secrets
 import time
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 
 from murmur.protocol import coordinator_pb2 as pb
@@ -77,14 +77,27 @@ class RunView:
 
     # -- what the exchange's group asks ----------------------------------------------------------
 
-    def quorum_base(self) -> int | None:
-        """How many trainers a round group must be a strict majority of; None when not fresh."""
+    def newcomers(self, announced: Collection[str]) -> set[str]:
+        """Trainers the DHT announces that no view has listed yet and none was seen dead: they
+        train already, and the coordinator's word on them is on its way (a trainer's heartbeat
+        names its peer address only after its first round). A node that was listed and is no
+        longer is gone, not new."""
+        dead = {node_id for node_id, _ in self._dead}
+        return {n for n in announced if n != self.node_id and n not in self._ever and n not in dead}
+
+    def quorum_base(self, announced: Collection[str] = ()) -> int | None:
+        """How many trainers a round group must be a strict majority of; None when not fresh.
+        The live trainers and the newcomers: early in a run, a fast node whose view listed only
+        itself completed rounds alone while a slower one trained (its first heartbeat as a
+        trainer not yet in), and the two trained apart from then on."""
         if not self.fresh():
             return None
-        return len({m.node_id for m in self.trainers()} | {self.node_id})
+        return len({m.node_id for m in self.trainers()} | {self.node_id} | self.newcomers(announced))
 
     def expected(self) -> int | None:
-        """How many members a rendezvous waits for: the live trainers not seen dead."""
+        """How many members a rendezvous waits for: the live trainers not seen dead. Not the
+        newcomers: one still loading the state would hold every round to the rendezvous
+        deadline; a round without it goes on if it has quorum, and meets again if not."""
         if not self.fresh():
             return None
         alive = {m.node_id for m in self.trainers() if (m.node_id, m.address) not in self._dead}

@@ -16,7 +16,7 @@ member's address refuses a connection (``saw_refusal``), so that entry stops cou
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -30,7 +30,7 @@ class LiveView(Protocol):
 
     incarnation: str
 
-    def quorum_base(self) -> int | None: ...
+    def quorum_base(self, announced: Collection[str] = ()) -> int | None: ...
 
     def expected(self) -> int | None: ...
 
@@ -67,12 +67,16 @@ class DHTGroup:
         address: str,
         *,
         expected: int | Callable[[], int | None] | None = None,
+        announced_ids: Callable[[], Collection[str]] | None = None,
         settings: RendezvousSettings | None = None,
         view: LiveView | None = None,
     ) -> None:
         self.dht = dht
         self.address = address
         self.expected = expected
+        # The trainers' node ids in the DHT: the view counts those it never listed (they started
+        # after the coordinator's last word, or their first heartbeat as trainers is on its way).
+        self.announced_ids = announced_ids or (lambda: ())
         self.settings = settings or RendezvousSettings()
         self.view = view
 
@@ -109,7 +113,7 @@ class DHTGroup:
 
     def quorum_base(self) -> int | None:
         """A round group must be a strict majority of this many (None: the view is not fresh)."""
-        return self.view.quorum_base() if self.view is not None else None
+        return self.view.quorum_base(self.announced_ids()) if self.view is not None else None
 
     def announced(self) -> int | None:
         """How many trainers the DHT holds records of, this one included (None: unknown). Without
