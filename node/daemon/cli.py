@@ -94,6 +94,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="torch threads (0: torch's default; env MURMUR_THREADS)",
     )
     r.add_argument(
+        "--gpus",
+        type=int,
+        default=int(_env("MURMUR_GPUS", "1") or 1),
+        help="local ranks training data parallel inside this node: one GPU each on a CUDA machine "
+        "(NCCL), CPU processes otherwise (gloo); one identity, lease and exchange (default 1; env MURMUR_GPUS)",
+    )
+    r.add_argument(
         "--max-rounds", type=int, default=0, help="stop after this many rounds (0: run to the end)"
     )
     r.add_argument("--solo", action="store_true", help="train alone: a one-member exchange, no peers")
@@ -160,6 +167,8 @@ def _run(args: argparse.Namespace) -> int:
         raise MurmurError("--coordinator HOST:PORT is required (or set MURMUR_COORDINATOR)")
     if args.threads < 0 or args.max_rounds < 0:
         raise MurmurError("--threads and --max-rounds must not be negative")
+    if args.gpus < 1:
+        raise MurmurError(f"--gpus must be at least 1, not {args.gpus}")
     settings = NodeSettings(**{name: getattr(args, name) for name in NodeSettings.names()})
     faults = _faults(args.fault)
     _debug_log(_env("MURMUR_LOG_LEVEL"))
@@ -182,6 +191,7 @@ def _run(args: argparse.Namespace) -> int:
         dht_peers=list(args.dht_peer),
         min_peers=max(1, args.min_peers),
         client_mode=args.client_mode,
+        gpus=args.gpus,
         settings=settings,
         faults=faults,
         log=log,

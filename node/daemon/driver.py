@@ -23,6 +23,7 @@ import torch
 from murmur.errors import MurmurError
 from murmur.node.daemon.dataplane import DataPlane
 from murmur.node.daemon.metrics import NodeMetrics
+from murmur.node.daemon.ranks import LocalRanks
 from murmur.node.daemon.session import CoordinatorSession
 from murmur.node.daemon.settings import NodeSettings
 from murmur.node.daemon.state_dir import PendingCommit, StateDir
@@ -55,6 +56,7 @@ class TrainingDriver:
         threads: int,
         max_rounds: int,
         log: Callable[[str], None],
+        ranks: LocalRanks | None = None,
     ) -> None:
         self.cfg, self.dataplane, self.session, self.state = cfg, dataplane, session, state
         self.metrics, self.stop, self.s, self.log = metrics, stop, settings, log
@@ -62,7 +64,9 @@ class TrainingDriver:
         self.loop = asyncio.get_running_loop()
         if threads:
             torch.set_num_threads(threads)
-        self.trainer = NodeTrainer(cfg, dataset, device, dataplane.exchange, round_timeout_s=settings.round_timeout_s)
+        self.trainer = NodeTrainer(
+            cfg, dataset, device, dataplane.exchange, round_timeout_s=settings.round_timeout_s, ranks=ranks
+        )
         # A step waiting for its exchange would wait up to round_timeout_s: a stop ends the wait.
         # Nothing partial is applied (the round fails as a whole) and the window is not committed.
         stop.on_request(lambda reason: self.trainer.meter.abort(f"the node is stopping ({reason})"))

@@ -40,6 +40,7 @@ from murmur.node.daemon.dataplane import DataPlane, SoloDataPlane
 from murmur.node.daemon.driver import TrainingDriver
 from murmur.node.daemon.metrics import MetricsServer, NodeMetrics
 from murmur.node.daemon.metrics import metrics_server as make_metrics_server
+from murmur.node.daemon.ranks import LocalRanks, RankError
 from murmur.node.daemon.session import CoordinatorSession, join
 from murmur.node.daemon.settings import NodeSettings
 from murmur.node.daemon.state_dir import JoinInfo, StateDir
@@ -73,6 +74,9 @@ class NodeOptions:
     # "auto": the coordinator dials the peer server back and the node takes client mode if nobody
     # can reach it (protocol/reachability.py); "on": client mode; "off": fail if it is unreachable.
     client_mode: str = "auto"
+    # Local ranks: this process and gpus-1 followers train data parallel (node/daemon/ranks.py):
+    # one GPU each on a CUDA node (NCCL), CPU processes otherwise (gloo; the tests).
+    gpus: int = 1
     settings: NodeSettings = field(default_factory=NodeSettings)
     faults: FaultInjector | None = None  # --fault: armed in this node's exchange (tests, chaos)
     log: Callable[[str], None] = print
@@ -91,6 +95,7 @@ class Node:
         self.metrics_server: MetricsServer | None = None
         self.dataplane: DataPlane | None = None
         self.driver: TrainingDriver | None = None
+        self.ranks: LocalRanks | None = None
         self.leave_on_exit = True  # say Leave (and forget the join record) when the node exits
 
     async def run(self) -> int:
@@ -110,7 +115,12 @@ class Node:
             if not started:
                 return 0
             assert self.session is not None and self.driver is not None
-            await asyncio.to_thread(self.driver.train)
+            try:
+                await asyncio.to_thread(self.driver.train)
+            except RankError:
+                # A local rank died: stop cleanly, keep the membership; a restart resumes from the checkpoint.
+                self.leave_on_exit = False
+                raise
             return 0
         finally:
             self.stop.settle("shutting down")  # the run ended or failed: no "stopping" line
@@ -141,6 +151,13 @@ class Node:
         # plane's rendezvous and a joiner's state fetch check the DHT against (run_view.py).
         self.session.start()
         device = resolve_device(self.o.device)
+        if self.o.gpus > 1:
+            self.ranks = await asyncio.to_thread(
+                LocalRanks, self.o.gpus, device, str(self.state.root / "config.toml"), dataset.vocab_size,
+                self.o.threads,
+            )
+            self.log(f"{self.o.gpus} local ranks ({'NCCL' if device.type == 'cuda' else 'gloo'}): "
+                     f"{cfg.train.batch_size} rows per rank per step")
         self.driver = TrainingDriver(
             cfg=cfg,
             dataset=dataset,
@@ -154,6 +171,7 @@ class Node:
             threads=self.o.threads,
             max_rounds=self.o.max_rounds,
             log=self.log,
+            ranks=self.ranks,
         )
         if self.o.min_peers > 1 and not self.stop.is_set():
             seen = await self.dataplane.wait_for_peers(self.o.min_peers, self.s.peers_wait_s, self.stop.is_set)
@@ -212,6 +230,10 @@ class Node:
                 print(f"warning: data plane did not close cleanly: {err!r}", file=sys.stderr)
         if self.metrics_server is not None:
             await self.metrics_server.stop()
+        if self.ranks is not None:
+            codes = await asyncio.to_thread(self.ranks.stop)
+            if any(codes):
+                self.log(f"local ranks exited with {codes}")
 
 
 def run_node(options: NodeOptions) -> int:

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from murmur.errors import MurmurError
+from murmur.node.daemon.ranks import LocalRanks, RankedSync
 from murmur.node.model.data import BatchLoader, Dataset, Position
 from murmur.node.train.build import build_model_from_config
 from murmur.node.train.step import InnerStep, clip_grad_norm
@@ -153,8 +154,10 @@ class NodeTrainer:
         exchange: Exchange,
         *,
         round_timeout_s: float,
+        ranks: LocalRanks | None = None,
     ) -> None:
         self.cfg, self.dataset, self.device = cfg, dataset, device
+        self.ranks = ranks  # local ranks beside this one (node/daemon/ranks.py): data parallel inside the node
         torch.manual_seed(cfg.seed)
         # Same seed, same initial weights on every node (node/model/transformer.py draws them on the CPU).
         self.model = build_model_from_config(cfg, dataset.vocab_size, device)
@@ -167,9 +170,11 @@ class NodeTrainer:
             weight_decay=cfg.optim.weight_decay,
             round_timeout_s=round_timeout_s,
         )
-        self.inner = InnerStep(self.model, self.opt, cfg, device, clip_grad_norm(self.model), self.sync)
+        hooks = RankedSync(self.sync, ranks, self.model) if ranks is not None else self.sync
+        self.inner = InnerStep(self.model, self.opt, cfg, device, clip_grad_norm(self.model), hooks)
         self.seq_len = self.model.cfg.seq_len
-        self.batch = cfg.train.batch_size
+        # With local ranks the node's batch is train.batch_size rows per rank, all from its lease.
+        self.batch = cfg.train.batch_size * (ranks.world if ranks is not None else 1)
         self.span = self.batch * self.seq_len
         self.h = cfg.sync.inner_steps
         self.step = 0  # inner steps done (drives the lr schedule and DeMo's round ids)
@@ -210,6 +215,8 @@ class NodeTrainer:
     def _inner_step(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, float]:
         """One step; returns (loss, seconds of compute): the step's time less its exchange waits."""
         t0, waited0 = time.perf_counter(), self.meter.waited_s
+        if self.ranks is not None:  # the other ranks take their slices (and this rank's weights)
+            x, y = self.ranks.begin_step(self.model, x, y)
         # DDP all-reduces in it, DeMo all-gathers, DiLoCo launches or applies an exchange.
         loss = self.inner(self.step, self.cfg.train.steps, x, y).loss
         if self.device.type == "cuda":

@@ -59,6 +59,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         v.add_argument("--threads", type=int, default=1, help="torch threads per node (default 1)")
         v.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                        help="every node's --device (default auto: a GPU when there is one)")
+        v.add_argument("--gpus", type=int, default=1,
+                       help="local ranks per node (murmur node run --gpus): one per GPU, CPU processes otherwise")
         v.add_argument("--solo", action="store_true", help=argparse.SUPPRESS)  # nodes without peers
         if verb == "up":
             v.add_argument("--stages", type=int, default=0,
@@ -256,7 +258,9 @@ def _run(args: argparse.Namespace) -> int:
     config_path, data = prepare_run(args.config, overrides, out)
     if stages:  # stage peers find each other through the coordinator: no DHT
         return run_pipeline(args, out, config_path, data, [a for a in LOOPBACK_COORDINATOR if a != "--dht"])
-    node_args = (["--solo"] if args.solo else list(LOOPBACK_NODE)) + ["--device", args.device]
+    if args.gpus < 1:
+        raise MurmurError(f"--gpus must be at least 1, got {args.gpus}")
+    node_args = (["--solo"] if args.solo else list(LOOPBACK_NODE)) + ["--device", args.device, "--gpus", str(args.gpus)]
     net = Testnet(root=out, config_path=config_path, data=data, threads=args.threads, node_args=node_args,
                   coordinator_args=list(LOOPBACK_COORDINATOR))
     view = LiveView()
