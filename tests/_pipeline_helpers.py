@@ -112,12 +112,17 @@ def stage_peers(
         write_peers(tmp_path / "peers.json", peers)
         yield ca, peers
     finally:
-        for p in peers:
-            with contextlib.suppress(Exception):
-                stop_peer(p)
-            if p.proc.poll() is None:
-                p.proc.kill()
-                p.proc.wait()
+        stop_all(peers)
+
+
+def stop_all(peers: list[PeerProc]) -> None:
+    """SIGTERM every peer (reading what it printed), SIGKILL any that does not stop."""
+    for p in peers:
+        with contextlib.suppress(Exception):
+            stop_peer(p)
+        if p.proc.poll() is None:
+            p.proc.kill()
+            p.proc.wait()
 
 
 def start_driver(ca: CertificateAuthority | None, tmp_path: Path, data: Path, name: str, *extra: str,

@@ -6,7 +6,6 @@ ledger's token count exact."""
 
 from __future__ import annotations
 
-import contextlib
 import signal
 import subprocess
 import time
@@ -22,7 +21,7 @@ from _pipeline_helpers import (
     records,
     start_driver,
     start_run_peer,
-    stop_peer,
+    stop_all,
 )
 
 from murmur.node.testnet.procs import murmur_cmd
@@ -99,12 +98,7 @@ def test_stages_are_assigned_synced_and_refilled_after_their_peers_are_killed(tm
             serving = net.admin("events", "--kind", "stage_serving")["events"]
             tokens, _ = ledger_tokens(net)
         finally:
-            for p in peers:
-                with contextlib.suppress(Exception):
-                    stop_peer(p)
-                if p.proc.poll() is None:
-                    p.proc.kill()
-                    p.proc.wait()
+            stop_all(peers)
     assert driver.returncode == 0, out[-3000:]
     check_commits(records(out, "commit"), MICROBATCHES)
     assert tokens == MICROBATCHES * TOKENS_PER_MB  # no microbatch lost or counted twice

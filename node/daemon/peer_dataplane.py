@@ -25,11 +25,9 @@ import contextlib
 import json
 import socket
 from collections import Counter
-from collections.abc import Awaitable, Callable, Coroutine
-from concurrent.futures import Future
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
 
 import torch
 
@@ -42,6 +40,7 @@ from murmur.node.exchange.group import DHTGroup, RendezvousSettings
 from murmur.node.exchange.peer import ExchangePeer, PeerSpec, abuild_peer
 from murmur.node.exchange.settings import ExchangeSettings
 from murmur.node.net.faults import FaultInjector
+from murmur.node.net.loop import RunningLoop
 from murmur.node.net.server import PeerServerSettings, PublishedState
 from murmur.node.net.state_transfer import StateError, StateFetchSettings, afetch, state_name
 from murmur.optim.factory import make_aggregator_for, make_codec_for
@@ -55,7 +54,6 @@ from murmur.protocol.wire import tensors_hash
 # "coordinator") as a bootstrap peer, and must not be counted as a member or asked for state.
 TRAINER = "trainer"
 
-T = TypeVar("T")
 WILDCARDS = ("0.0.0.0", "::", "[::]", "")
 STATE_POLL_S = 0.5  # how often a joiner looks for peers' records
 DHT_RETRY_S = 1.0  # pause between DHT start attempts
@@ -65,20 +63,6 @@ DHT_GOODBYE_TIMEOUT_S = 5.0  # the "gone" record; past this, peers learn of the 
 
 class PeerDataPlaneError(MurmurError):
     pass
-
-
-class RunningLoop:
-    """The exchange's `LoopHandle` on the daemon's own loop (the one ``asyncio.run`` runs): the
-    training thread hands it coroutines and gets ``concurrent.futures.Future`` back."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
-
-    def submit(self, coro: Coroutine[Any, Any, T]) -> Future[T]:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop)
-
-    def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
-        return self.submit(coro).result(timeout)
 
 
 def advertised(host: str, advertise_host: str) -> str:
@@ -95,10 +79,14 @@ def advertised(host: str, advertise_host: str) -> str:
 
 @dataclass(slots=True)
 class LivePeers:
-    """How many trainers the DHT lists, this one included: what a round's rendezvous waits for."""
+    """The trainers the DHT lists, this one included: their count is what a round's rendezvous
+    waits for, their ids let the view count those it never listed."""
 
-    count: int = 1
-    ids: frozenset[str] = frozenset()  # their node ids (the view counts those it never listed)
+    ids: frozenset[str] = frozenset()
+
+    @property
+    def count(self) -> int:
+        return max(1, len(self.ids))
 
 
 class PeerDataPlane:
@@ -131,7 +119,6 @@ class PeerDataPlane:
     async def _trainers(self) -> list[PeerRecord]:
         """The run's trainers in the DHT, this one included; also what rounds wait for."""
         peers = await self.dht.apeers(role=TRAINER)
-        self.live.count = max(1, len(peers))
         self.live.ids = frozenset(p.node_id for p in peers)
         return peers
 

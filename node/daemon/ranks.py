@@ -99,7 +99,6 @@ class LocalRanks:
             self.procs.append(subprocess.Popen(cmd, stdin=subprocess.DEVNULL))
         dist.init_process_group(_backend(device), init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=world,
                                 timeout=dt.timedelta(seconds=START_TIMEOUT_S))
-        self.rows_per_rank = 0
 
     def _check(self, what: str, err: BaseException) -> RankError:
         dead = [f"rank {i + 1} (exit {p.returncode})" for i, p in enumerate(self.procs) if p.poll() is not None]
@@ -112,8 +111,8 @@ class LocalRanks:
         if rows % self.world:
             raise RankError(f"a batch of {rows} rows does not split over {self.world} ranks")
         try:
-            dist.broadcast(torch.tensor([STEP, rows, t], dtype=torch.long, device=self._comm()), 0)
-            tokens = torch.stack([x, y]).to(self._comm())
+            dist.broadcast(torch.tensor([STEP, rows, t], dtype=torch.long, device=self.device), 0)
+            tokens = torch.stack([x, y]).to(self.device)
             dist.broadcast(tokens, 0)
             _broadcast_params(list(model.parameters()))
         except RuntimeError as err:
@@ -133,17 +132,14 @@ class LocalRanks:
         offset = 0
         for p in params:
             n = p.numel()
-            p.grad = flat[offset : offset + n].view_as(p).clone()
+            p.grad = flat[offset : offset + n].view_as(p)  # views of this step's own buffer
             offset += n
-
-    def _comm(self) -> torch.device:
-        return self.device if self.device.type == "cuda" else torch.device("cpu")
 
     def stop(self) -> list[int | None]:
         """Tell the followers to exit (when they can still hear it) and wait for them."""
         with contextlib.suppress(RuntimeError, ValueError):
             if all(p.poll() is None for p in self.procs):
-                dist.broadcast(torch.tensor([STOP, 0, 0], dtype=torch.long, device=self._comm()), 0)
+                dist.broadcast(torch.tensor([STOP, 0, 0], dtype=torch.long, device=self.device), 0)
         codes = []
         for p in self.procs:
             try:

@@ -51,3 +51,17 @@ class LoopThread:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+class RunningLoop:
+    """A `LoopHandle` on a loop that already runs (the daemon's, a stage peer's): callers in
+    other threads hand it coroutines and get ``concurrent.futures.Future`` back."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> Future[T]:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        return self.submit(coro).result(timeout)

@@ -21,6 +21,7 @@ from murmur.protocol.runconfig import PipelineSection, RunConfig
 
 __all__ = [
     "PipelineSection", "add_model_args", "log_to_stderr", "model_from_args", "model_from_run", "pipeline_model_config",
+    "refuse_model_args",
 ]
 
 
@@ -49,6 +50,17 @@ def add_model_args(ap: argparse.ArgumentParser) -> None:
     for name in ("dim", "n-layers", "n-heads", "hidden-dim", "seq-len"):
         ap.add_argument(f"--{name}", type=int, default=None)
     ap.add_argument("--seed", type=int, default=0)
+
+
+MODEL_ARGS = ("stages", "layers", "dim", "n_layers", "n_heads", "hidden_dim", "seq_len")
+
+
+def refuse_model_args(args: argparse.Namespace) -> None:
+    """A process joined to a pipelined run takes the model from the run config: model flags on its
+    command line would be silently ignored, so they are refused by name."""
+    given = [f"--{k.replace('_', '-')}" for k in MODEL_ARGS if getattr(args, k) not in (None, "")]
+    if given:
+        raise SystemExit(f"error: the run config sets the model and the pipeline; drop {' '.join(given)}")
 
 
 def model_from_args(args: argparse.Namespace) -> tuple[ModelConfig, list[int] | None]:

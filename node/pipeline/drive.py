@@ -34,15 +34,19 @@ import torch
 
 from murmur.node.model.data import Dataset
 from murmur.node.pipeline.client import StageClient, StagePeer
-from murmur.node.pipeline.config import add_model_args, log_to_stderr, model_from_args, model_from_run
+from murmur.node.pipeline.config import (
+    add_model_args,
+    log_to_stderr,
+    model_from_args,
+    model_from_run,
+    refuse_model_args,
+)
 from murmur.node.pipeline.driver import Driver, MicrobatchFailed, MicrobatchResult, run_in_order
 from murmur.node.pipeline.membership import Membership
 from murmur.node.pipeline.router import Router
 from murmur.protocol.coordinator_client import CoordinatorError
 from murmur.protocol.identity import Identity
 from murmur.protocol.runconfig import PipelineSection, RunConfig, parse_config
-
-MODEL_ARGS = ("stages", "layers", "dim", "n_layers", "n_heads", "hidden_dim", "seq_len")
 
 
 def emit(**record: object) -> None:
@@ -79,9 +83,7 @@ def microbatch_source(dataset: Dataset, shard: int, rows: int, seq_len: int, bas
 def pipeline_of(args: argparse.Namespace, run: RunConfig | None):
     """(model, pipeline settings): the run config's when it has a [pipeline] section, else the command line's."""
     if run is not None and run.pipeline is not None:
-        given = [f"--{k.replace('_', '-')}" for k in MODEL_ARGS if getattr(args, k) not in (None, "")]
-        if given:
-            raise SystemExit(f"error: the run config sets the model and the pipeline; drop {' '.join(given)}")
+        refuse_model_args(args)
         return model_from_run(run)
     if args.stages is None or not args.peers:
         raise SystemExit("error: --stages and --peers are needed unless the run config has a [pipeline] section")

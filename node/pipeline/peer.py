@@ -30,13 +30,17 @@ import torch
 
 from murmur.node.net.faults import FaultInjector
 from murmur.node.pipeline import stage_state
-from murmur.node.pipeline.config import add_model_args, log_to_stderr, model_from_args, model_from_run
+from murmur.node.pipeline.config import (
+    add_model_args,
+    log_to_stderr,
+    model_from_args,
+    model_from_run,
+    refuse_model_args,
+)
 from murmur.node.pipeline.membership import Membership
 from murmur.node.pipeline.stage_peer import StagePeer, StagePeerSettings
 from murmur.protocol.identity import Identity
 from murmur.protocol.runconfig import OptimSection, parse_config
-
-MODEL_ARGS = ("stages", "layers", "dim", "n_layers", "n_heads", "hidden_dim", "seq_len")
 
 
 def emit(**record: object) -> None:
@@ -47,9 +51,7 @@ def settings_of(args: argparse.Namespace, member: Membership | None):
     """(model, StagePeerSettings) from the run config when it is pipelined, else from the command line."""
     run = parse_config(member.info.config_toml, "the run config") if member is not None else None
     if run is not None and run.pipeline is not None:
-        given = [f"--{k.replace('_', '-')}" for k in MODEL_ARGS if getattr(args, k) not in (None, "")]
-        if given:
-            raise SystemExit(f"error: the run config sets the model and the pipeline; drop {' '.join(given)}")
+        refuse_model_args(args)
         model, pipe = model_from_run(run)
         return model, StagePeerSettings(
             stages=pipe.stages, layers=pipe.layers, seed=run.seed, optim=run.optim,

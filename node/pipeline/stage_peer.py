@@ -83,7 +83,6 @@ class StagePeer:
         self._replica: PublishedState | None = None
         self._replica_at = 0.0
         self._tasks: list[asyncio.Task] = []
-        self._loop: asyncio.AbstractEventLoop | None = None
         self.sync: StageSync | None = None
 
     @property
@@ -99,7 +98,6 @@ class StagePeer:
     async def start(self, stage: int | None, donors: dict[str, str] | None = None) -> None:
         """Serve ``stage`` (None: wait for the coordinator's order). ``donors``: {node id: peer
         server address} to load the stage's state from (None: ask the coordinator)."""
-        self._loop = asyncio.get_running_loop()
         self.state_address = await self.state_server.start()
         s = self.settings
         if self.member is not None and s.pipelined and s.sync is not None and s.sync_every_s > 0 and s.stages:
@@ -230,9 +228,7 @@ class StagePeer:
 
     async def _mates(self, stage: int) -> dict[str, str]:
         """{node: peer server address} of the peers serving ``stage`` now, this one included."""
-        view = await self.member.stages()
-        mates = {p.node_id: p.report.state_address for p in view.peers
-                 if p.report.stage == stage and p.report.state_address and p.report.address}
+        mates = {p.node_id: p.report.state_address for p in serving(await self.member.stages(), stage)}
         if self.stage == stage:
             mates[self.ident.node_id] = self.state_address
         return mates
@@ -247,11 +243,10 @@ class StagePeer:
             log.warning("could not ask the coordinator for stage %d's peers: %s", stage, err)
             return {}, {}
         me = self.ident.node_id
-        serving = {p.node_id: p.report.state_address for p in view.peers
-                   if p.node_id != me and p.report.stage == stage and p.report.state_address and p.report.state_hash}
+        donors = {p.node_id: p.report.state_address for p in serving(view, stage) if p.node_id != me}
         holders = {p.node_id: p.report.state_address for p in view.peers
                    if p.node_id != me and p.report.replica_stage == stage and p.report.state_address}
-        return serving, holders
+        return donors, holders
 
     async def _from_replica(self, module, stage: int, holders: dict[str, str]) -> str:
         name = stage_state.state_name(stage)
@@ -288,8 +283,7 @@ class StagePeer:
                 log.info("replica of stage %d not refreshed: %s", target, err)
 
     async def _refresh_replica(self, target: int) -> None:
-        view = await self.member.stages()
-        peers = [p for p in view.peers if p.report.stage == target and p.report.state_hash and p.report.state_address]
+        peers = serving(await self.member.stages(), target)
         if not peers:
             return
         newest = max(peers, key=lambda p: p.report.optimizer_steps)
@@ -306,3 +300,8 @@ class StagePeer:
         self._replica = PublishedState(name, items, tensors_hash(items))
         self._replica_at = time.time()
         self.state_server.publish_state(self._replica)
+
+
+def serving(view: pb.StageMap, stage: int) -> list[pb.StagePeerInfo]:
+    """The peers of the coordinator's view that serve ``stage`` and publish its state."""
+    return [p for p in view.peers if p.report.stage == stage and p.report.state_address and p.report.state_hash]

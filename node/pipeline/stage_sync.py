@@ -27,14 +27,13 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, Coroutine
-from concurrent.futures import Future
-from typing import Any
+from collections.abc import Awaitable, Callable
 
 import torch
 
 from murmur.node.exchange.grpc_exchange import GrpcExchange
 from murmur.node.exchange.settings import ExchangeSettings
+from murmur.node.net.loop import RunningLoop
 from murmur.node.net.server import PeerServer, PublishedState
 from murmur.node.pipeline.worker import StageWorker
 from murmur.optim.factory import make_aggregator_for, make_codec_for
@@ -48,19 +47,6 @@ ANCHOR, MOMENTUM = "anchor/", "momentum/"
 
 def outer_name(stage: int) -> str:
     return f"stage/{stage}/outer"
-
-
-class _ThisLoop:
-    """The exchange's LoopHandle when its caller already runs on the loop (the stage peer's)."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
-
-    def submit(self, coro: Coroutine[Any, Any, Any]) -> Future[Any]:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop)
-
-    def run(self, coro: Coroutine[Any, Any, Any], timeout: float | None = None) -> Any:
-        return self.submit(coro).result(timeout)
 
 
 class StageGroup:
@@ -92,7 +78,7 @@ class StageSync:
         self._group = StageGroup(mates, lambda: self.worker.span.index if self.worker is not None else -1)
         deadline = 0.75 * every_s  # a round ends before the next one starts: stage-mates stay in step
         self.exchange = GrpcExchange(
-            server, _ThisLoop(asyncio.get_running_loop()), self._group, make_codec_for(sync),
+            server, RunningLoop(asyncio.get_running_loop()), self._group, make_codec_for(sync),
             aggregator=make_aggregator_for(sync),
             settings=ExchangeSettings(peer_timeout=deadline, round_deadline=deadline,
                                       chunk_mb=sync.exchange_chunk_mb),

@@ -105,11 +105,10 @@ def run_pipeline(args, out: Path, config_path: Path, data: Path, coordinator_arg
     except KeyboardInterrupt:
         print("\ninterrupted: stopping the drivers and the stage peers")
     finally:
-        with_view = view
         codes = {d.name: d.stop() for d in drivers}
         codes.update({p.name: p.stop() for p in peers})
         codes["coordinator"] = net.stop_coordinator()
-    return _summarize(out, with_view, drivers, codes, time.monotonic() - t0)
+    return _summarize(out, view, drivers, codes, time.monotonic() - t0)
 
 
 def _wait_ready(p: PipelineProc) -> None:
