@@ -34,6 +34,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Sequence
 
 import torch
@@ -46,6 +47,7 @@ STEP, STOP = 1, 2
 # import and the model build on a loaded machine).
 COLLECTIVE_TIMEOUT_S = 300.0
 START_TIMEOUT_S = 300.0
+REAP_WAIT_S = 2.0  # after a failed collective, how long to wait to name the rank that died
 
 
 class RankError(MurmurError):
@@ -101,6 +103,10 @@ class LocalRanks:
                                 timeout=dt.timedelta(seconds=START_TIMEOUT_S))
 
     def _check(self, what: str, err: BaseException) -> RankError:
+        # The collective may fail a moment before the dead rank's exit can be read: give it that moment.
+        deadline = time.monotonic() + REAP_WAIT_S
+        while time.monotonic() < deadline and all(p.poll() is None for p in self.procs):
+            time.sleep(0.05)
         dead = [f"rank {i + 1} (exit {p.returncode})" for i, p in enumerate(self.procs) if p.poll() is not None]
         who = ", ".join(dead) or "a rank"
         return RankError(f"{who} of this node's {self.world} failed during {what}: {err}")
