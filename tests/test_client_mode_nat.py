@@ -9,7 +9,6 @@ root), else these tests skip. Only this test's own namespace and veth pair are t
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import signal
 import subprocess
@@ -91,7 +90,9 @@ def test_a_node_behind_a_nat_trains_in_client_mode_and_its_death_does_not_stop_t
         for r in shared:
             assert len(set(by_round[r].values())) == 1, f"round {r}: nodes disagree {by_round[r]}"
         assert any(r["peers"] == 3 and r["contributed"] for r in trained(behind)), trained(behind)[-3:]
-        assert re.search(r"peers 3 \(1 in client mode\)", log(reachable[0])), log(reachable[0])[-1500:]
+        # The count comes from the coordinator's view, which a node refreshes on its own cadence:
+        # on a loaded machine the first rounds can close before the view names the client.
+        wait_log(reachable[0], r"peers 3 \(1 in client mode\)", timeout_s=120)
         # The operator sees who is behind a NAT; its tokens are in the ledger.
         rows = {n["node_id"]: n for n in net.admin("nodes", "list", "--run", net.run_id)["nodes"]}
         me = trained(behind)[-1]["node"]
