@@ -10,7 +10,11 @@ choice (MURMUR_COMPILE) and torch.compile state never leak between rows:
   compile+xent   the references under torch.compile, but the fused linear + cross-entropy
                  (MURMUR_KERNELS=linear_cross_entropy)
   default        nothing forced: what `murmur train` / `node run --device cuda` / `sim` run
-                 (the model compiles its forward itself, Triton only where it beats Inductor)
+                 (the model compiles its forward itself, Triton only where it beats Inductor,
+                 and murmur's AdamW: fused on a GPU)
+Every row but default steps torch.optim.AdamW as torch makes it by default (foreach on a GPU), so
+"compile" is what a user gets from torch.compile alone; compile+fused_adamw is compile with
+murmur's AdamW, to tell the optimizer's share of default's lead from the kernels'.
 
     source benchmarks/gpu_env.sh && python3 benchmarks/train_throughput.py --preset base \\
         --impls eager,compile,fused,fused+compile,default --repeats 2
@@ -39,7 +43,7 @@ RESULTS = Path(__file__).resolve().parent / "results" / "train_throughput.json"
 # the datasheet's 989 TFLOP/s is kept beside it in the JSON.
 MEASURED_TFLOPS = {"NVIDIA H200": 790.0}
 DATASHEET_TFLOPS = {"NVIDIA H200": 989.0}
-IMPLS = ("eager", "compile", "fused", "fused+compile", "compile+xent", "default")
+IMPLS = ("eager", "compile", "fused", "fused+compile", "compile+xent", "compile+fused_adamw", "default")
 
 
 def impl_env(impl: str) -> dict[str, str]:
@@ -47,6 +51,8 @@ def impl_env(impl: str) -> dict[str, str]:
     if impl != "default":
         env["MURMUR_KERNELS"] = ("triton" if impl.startswith("fused") else
                                  "linear_cross_entropy" if impl == "compile+xent" else "torch")
+    if impl == "compile+fused_adamw":
+        env.pop("MURMUR_KERNELS")  # the model's own choice under compile, as default
         env["MURMUR_COMPILE"] = "off"   # the whole-model torch.compile below, or none
     return env
 
@@ -56,14 +62,26 @@ def measure(preset: str, impl: str, batch: int, steps: int, warmup: int, data: s
     import torch
 
     from murmur.node.model.transformer import Transformer, model_config
-    from murmur.optim.inner import make_inner_optimizer as make_optimizer
+    from murmur.optim.inner import make_inner_optimizer
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cfg = model_config(preset)
     model = Transformer(cfg, seed=0).to(device)
     # The run config's optimizer defaults (protocol.runconfig.OptimSection), spelled out so the
     # benchmark needs nothing beyond torch and triton on the GPU machine.
-    opt = make_optimizer(model, SimpleNamespace(lr=4e-4, weight_decay=0.1, beta1=0.9, beta2=0.95, eps=1e-8))
+    optim_cfg = SimpleNamespace(lr=4e-4, weight_decay=0.1, beta1=0.9, beta2=0.95, eps=1e-8)
+    if impl in ("default", "compile+fused_adamw"):
+        opt = make_inner_optimizer(model, optim_cfg)
+    else:  # torch's AdamW with its own implementation choice, over the same parameter groups
+        params = [p for p in model.parameters() if p.requires_grad]
+        opt = torch.optim.AdamW(
+            [{"params": [p for p in params if p.dim() >= 2], "weight_decay": optim_cfg.weight_decay},
+             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
+            lr=optim_cfg.lr, betas=(optim_cfg.beta1, optim_cfg.beta2), eps=optim_cfg.eps)
+    group = opt.param_groups[0]
+    # torch takes foreach on a GPU when the optimizer is not told
+    adamw_impl = ("fused" if group.get("fused") else
+                  "foreach" if group.get("foreach") or device.type == "cuda" else "for-loop")
     fwd = torch.compile(model) if "compile" in impl else model
     if data:
         from murmur.node.model.data import BatchLoader, Dataset
@@ -136,6 +154,7 @@ def measure(preset: str, impl: str, batch: int, steps: int, warmup: int, data: s
         "recompiles": sum(v for k, v in counters["stats"].items() if k == "unique_graphs"),
         "warmup_s": round(t_warm, 1),
         "final_loss": round(final_loss, 4),
+        "adamw": adamw_impl,
         "device": name,
     }
     if profile and cuda:
@@ -174,6 +193,26 @@ def max_batch(args, impl: str, start: int) -> int:
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if "error" not in run_one(args, impl, mid) else (lo, mid)
     return lo
+
+
+def summary(rows: list[dict]) -> dict:
+    """default against compile alone and eager, per preset at batch 16, with the issue's targets."""
+    out: dict = {}
+    for preset in sorted({r["preset"] for r in rows}):
+        tps = {r["impl"]: r["tokens_per_s"] for r in rows
+               if r["preset"] == preset and r.get("batch") == 16 and "tokens_per_s" in r}
+        if "default" not in tps:
+            continue
+        for base in ("compile", "eager"):
+            if base in tps:
+                out[f"default_over_{base}_{preset}"] = round(tps["default"] / tps[base], 3)
+    targets = {}
+    if "default_over_compile_base" in out:
+        targets["default >= 1.15x compile (base)"] = out["default_over_compile_base"] >= 1.15
+    if "default_over_eager_base" in out:
+        targets["default >= 1.5x eager (base)"] = out["default_over_eager_base"] >= 1.5
+    out["targets"] = targets
+    return out
 
 
 def git_commit() -> str | None:
@@ -233,19 +272,28 @@ def main() -> None:
     keep = [r for r in old.get("rows", []) if (r.get("preset"), r.get("impl"), r.get("batch")) not in new_keys]
     import torch
 
+    commit = git_commit()
+    for r in rows:
+        r.setdefault("commit", commit)
+    commands = dict(old.get("commands", {}))
+    commands.setdefault(commit or "unknown", []).append("python3 " + " ".join(sys.argv))
+    all_rows = keep + rows
     result = {
         "benchmark": "train_throughput",
         "device": next((r["device"] for r in rows if "device" in r), old.get("device", "unknown")),
         "date": dt.date.today().isoformat(),
-        "command": "python3 " + " ".join(sys.argv),
-        "commit": git_commit(),
+        "commands": commands,
+        "commit": commit,
         "torch": torch.__version__,
         "peak_tflops": {"measured": MEASURED_TFLOPS, "datasheet": DATASHEET_TFLOPS},
-        "notes": "tokens/s of AdamW(foreach) training steps with grad clipping, bf16 autocast on a GPU, "
-                 "random tokens; mfu against the measured dense bf16 matrix rate (790 TFLOP/s); "
-                 "tokens_per_s is the median of runs_tokens_per_s (fresh processes), spread_pct their "
-                 "range over the median; eager = pure-torch reference ops",
-        "rows": keep + rows,
+        "notes": "tokens/s of AdamW training steps with grad clipping, bf16 autocast on a GPU, random "
+                 "tokens; adamw names the AdamW implementation of the row (torch's default, foreach, "
+                 "for every row but default and compile+fused_adamw); mfu against the measured dense "
+                 "bf16 matrix rate (790 TFLOP/s); tokens_per_s is the median of runs_tokens_per_s "
+                 "(fresh processes), spread_pct their range over the median; eager = pure-torch "
+                 "reference ops; each row names the commit it ran from",
+        "summary": summary(all_rows),
+        "rows": all_rows,
     }
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
