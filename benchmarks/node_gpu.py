@@ -49,6 +49,9 @@ CONFIG = "configs/testnet-gpu.toml"
 # `murmur train`'s progress line: "step   12/200 | loss 7.1234 | lr 1.00e-04 | 123,456 tok/s | 130 ms"
 STEP_LINE = re.compile(r"^step\s+(\d+)/\d+ \| loss \S+ \| lr \S+ \| ([\d,]+) tok/s \| (\d+) ms")
 NO_EVAL = "train.eval_every=1000000000"  # validation is neither side's work in this comparison
+# `python -m murmur.cli` puts its working directory first on sys.path, and in the repository root
+# the folder murmur/ (the CLI alone) would hide the package gpu_env.sh lays out: run elsewhere.
+WORK_DIR = Path("/")
 
 
 def murmur(*args: str) -> list[str]:
@@ -60,7 +63,7 @@ def run_logged(cmd: list[str], log: Path, timeout_s: float) -> tuple[int, str]:
     print("$ " + shlex.join(cmd), flush=True)
     t0 = time.monotonic()
     with log.open("w") as f:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=WORK_DIR)
         assert proc.stdout is not None
         lines = []
         for line in proc.stdout:
@@ -84,7 +87,7 @@ def prepare_data(path: Path, copies: int, shard_tokens: int) -> None:
     cmd = murmur("data", "prepare", "--out", str(path), "--tokenizer", "gpt2",
                  "--shard-tokens", str(shard_tokens), *[a for _ in range(copies) for a in ("--source", src)])
     print("$ murmur data prepare ... (" + f"{copies} copies of {src})", flush=True)
-    subprocess.run(cmd, check=True, cwd=ROOT)
+    subprocess.run(cmd, check=True, cwd=WORK_DIR)
 
 
 def train_alone(args: argparse.Namespace, data: Path, sets: list[str]) -> dict:
@@ -219,6 +222,8 @@ def main() -> None:
     ap.add_argument("--commit", help="the commit of the tree that runs (default: git rev-parse HEAD)")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    args.out = args.out.resolve()
+    args.config_name, args.config = args.config, str((ROOT / args.config).resolve())  # runs are not in ROOT
     runs = [(int(n), float(s)) for n, s in (item.split(":") for item in args.durations.split(","))]
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
 
@@ -259,7 +264,7 @@ def write_results(args: argparse.Namespace, alone: dict, rows: list[dict]) -> No
         "date": dt.date.today().isoformat(),
         "command": "python3 " + shlex.join(sys.argv),
         "commit": git_commit(args.commit),
-        "config": args.config,
+        "config": args.config_name,
         "train_alone": alone,
         "rows": rows,
         "notes": (
