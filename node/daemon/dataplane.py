@@ -27,8 +27,9 @@ class DataPlane(Protocol):
         """The run's exchange (all_reduce / all_gather returning futures), for the training thread."""
         ...
 
-    def publish(self, round_id: int, tensors: list[tuple[str, torch.Tensor]]) -> None:
-        """Offer the global state of a round to joiners and laggards."""
+    def publish(self, round_id: int, tensors: list[tuple[str, torch.Tensor]], digest: bytes | None = None) -> None:
+        """Offer the global state of a round to joiners and laggards (``digest``: its
+        `tensors_hash`, when the caller computed it already)."""
         ...
 
     async def fetch_state(
@@ -95,7 +96,7 @@ class SoloDataPlane:
         group = InProcessGroup([node_id], lambda: make_codec_for(cfg.sync), make_aggregator_for(cfg.sync))
         self.exchange = MemberTracker(group.exchange(node_id))
 
-    def publish(self, round_id: int, tensors: list[tuple[str, torch.Tensor]]) -> None:
+    def publish(self, round_id: int, tensors: list[tuple[str, torch.Tensor]], digest: bytes | None = None) -> None:
         """No one to offer it to."""
 
     async def fetch_state(

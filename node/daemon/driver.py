@@ -24,6 +24,7 @@ from murmur.errors import MurmurError
 from murmur.node.daemon.dataplane import DataPlane
 from murmur.node.daemon.metrics import NodeMetrics
 from murmur.node.daemon.ranks import LocalRanks
+from murmur.node.daemon.round_finish import RoundFinisher, cpu_snapshot
 from murmur.node.daemon.session import CoordinatorSession
 from murmur.node.daemon.settings import NodeSettings
 from murmur.node.daemon.state_dir import PendingCommit, StateDir
@@ -141,6 +142,16 @@ class TrainingDriver:
         if trainer.round == 0:
             v = evaluate(trainer.model, val, trainer.device, cfg.train.dtype)
             self.loop.call_soon_threadsafe(self._record_start, v)
+        finisher = RoundFinisher(self.state.save_checkpoint, self._hand_over)
+        try:
+            self._windows(finisher, val, eval_every)
+        except BaseException:
+            finisher.close(raise_failure=False)
+            raise
+        finisher.close()  # every finished round checkpointed and handed to the loop
+
+    def _windows(self, finisher: RoundFinisher, val: list, eval_every: int) -> None:
+        trainer, cfg = self.trainer, self.cfg
         rounds_here = 0
         while not self.stop.is_set():
             if trainer.step >= cfg.train.steps:
@@ -167,11 +178,15 @@ class TrainingDriver:
                 v = evaluate(trainer.model, val, trainer.device, cfg.train.dtype)
             record = self._round_record(result, v)
             commits = self._window_commits(result, record)
-            shared = trainer.shared_tensors()
+            # Copies the next window cannot touch; hashing, the checkpoint and the hand-over to
+            # the loop happen beside it, in order (node/daemon/round_finish.py): the round is
+            # logged and committed only once its checkpoint is on disk.
+            state = trainer.shared_state()
+            shared = trainer.shared_tensors(state)
+            checkpoint = None
             if self.s.checkpoint_every_rounds and result.round % self.s.checkpoint_every_rounds == 0:
-                # Before the round is logged or committed: the checkpoint is never older than either.
-                self.state.save_checkpoint(trainer.state_dict())
-            self.loop.call_soon_threadsafe(self._after_round, record, commits, shared)
+                checkpoint = cpu_snapshot(trainer.state_dict(shared=state))
+            finisher.submit(record, commits, shared, checkpoint)
             if self.max_rounds and rounds_here >= self.max_rounds:
                 self.loop.call_soon_threadsafe(self.stop.request, f"--max-rounds {self.max_rounds} reached")
                 break
@@ -285,7 +300,7 @@ class TrainingDriver:
             "peers": len(peers),
             # False: the round completed without this node's update (it caught up from peers)
             "contributed": not self.session.in_rounds or self.session.info.node_id in peers,
-            "hash": t.global_hash(),
+            "hash": None,  # the global state's, set off the training thread (RoundFinisher)
             "shards": [s.lease.shard_id for s in result.segments],
         }
 
@@ -304,8 +319,22 @@ class TrainingDriver:
         )
         self.log(f"round    0 | val {val:.4f}")
 
+    def _hand_over(
+        self,
+        record: dict[str, Any],
+        commits: list[PendingCommit],
+        shared: list[tuple[str, torch.Tensor]],
+        digest: bytes,
+    ) -> None:
+        """From the round finisher's thread: the rest of the round happens on the loop."""
+        self.loop.call_soon_threadsafe(self._after_round, record, commits, shared, digest)
+
     def _after_round(
-        self, record: dict[str, Any], commits: list[PendingCommit], shared: list[tuple[str, torch.Tensor]]
+        self,
+        record: dict[str, Any],
+        commits: list[PendingCommit],
+        shared: list[tuple[str, torch.Tensor]],
+        digest: bytes,
     ) -> None:
         m = self.metrics
         m.round, m.steps, m.loss = record["round"], record["step"], record["loss"]
@@ -318,7 +347,7 @@ class TrainingDriver:
         self.session.tokens_per_s = record["tokens_per_s"]
         self.session.queue_commits(commits)
         self.session.queue_rejections(self.dataplane.take_rejections())
-        self.dataplane.publish(record["round"], shared)
+        self.dataplane.publish(record["round"], shared, digest)
         self.state.append_round(record)
         ratio = f"{record['compression']:,.0f}x" if record["compression"] else "-"
         val = f" | val {record['val_loss']:.4f}" if record["val_loss"] is not None else ""

@@ -158,9 +158,10 @@ class PeerDataPlane:
 
     # -- state -----------------------------------------------------------------------------------
 
-    def publish(self, round_id: int, tensors: list[tuple[str, torch.Tensor]]) -> None:
+    def publish(self, round_id: int, tensors: list[tuple[str, torch.Tensor]], digest: bytes | None = None) -> None:
         """Serve this round's global state to joiners and announce (round, hash) in the DHT."""
-        digest = tensors_hash(tensors)
+        if digest is None:
+            digest = tensors_hash(tensors)
         members = list(self.exchange.members)
         self.peer.server.publish_state(PublishedState(state_name(round_id), tensors, digest, members))
         self.record = PeerRecord(

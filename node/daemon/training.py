@@ -345,9 +345,11 @@ class NodeTrainer:
 
     # -- the shared state as named tensors (what peers publish and joiners fetch) ------------------
 
-    def shared_tensors(self) -> list[tuple[str, torch.Tensor]]:
-        """The shared state flattened to named CPU tensors, in a fixed order (its hash is the state's)."""
-        state = self.shared_state()
+    def shared_tensors(self, state: dict[str, Any] | None = None) -> list[tuple[str, torch.Tensor]]:
+        """The shared state (``state``, a `shared_state` just taken, or a new one) flattened to named
+        CPU tensors, in a fixed order (its hash is the state's)."""
+        if state is None:
+            state = self.shared_state()
         out = list(state["tensors"].items())
         counters = [state["step"], state["round"]]
         for i, frag in enumerate(state.get("fragments", [])):
@@ -387,12 +389,14 @@ class NodeTrainer:
 
     # -- local checkpoint --------------------------------------------------------------------------
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self, shared: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The local checkpoint (``shared``: a `shared_state` just taken, to copy the state once).
+        Its tensors are the live ones: `round_finish.cpu_snapshot` it before training on."""
         state = {
             "config": self.cfg.to_dict(),
             "model": self.model.state_dict(),
             "optimizer": self.opt.state_dict(),
-            "shared": self.shared_state(),
+            "shared": shared if shared is not None else self.shared_state(),
             "bytes": self.sync.bytes.to_dict(),
         }
         if isinstance(self.sync, DeMo):

@@ -1,0 +1,116 @@
+"""The round finisher: a round reaches the loop only after its checkpoint is on disk, in order, and a
+failed write stops the node without handing over that round or any later one."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from murmur.node.daemon.round_finish import RoundFinisher, cpu_snapshot, global_hash
+from murmur.node.daemon.state_dir import StateDir
+from murmur.protocol.wire import tensors_hash
+
+
+def _shared(value: float) -> list[tuple[str, torch.Tensor]]:
+    return [("param/w", torch.full((4,), value)), ("counters", torch.tensor([1, 2]))]
+
+
+def test_rounds_are_handed_over_in_order_each_after_its_checkpoint_with_both_hashes(tmp_path):
+    state = StateDir(tmp_path)
+    events: list[tuple[str, int]] = []
+
+    def save(ckpt):
+        state.save_checkpoint(ckpt)
+        events.append(("saved", ckpt["round"]))
+
+    def hand_over(record, commits, shared, digest):
+        # The checkpoint of this round is readable from disk when the loop gets the round.
+        if record["round"] % 2 == 0:
+            assert state.load_checkpoint()["round"] == record["round"]
+        assert record["hash"] == global_hash(shared) == tensors_hash(shared[:1]).hex()
+        assert digest == tensors_hash(shared)
+        events.append(("handed", record["round"]))
+
+    finisher = RoundFinisher(save, hand_over)
+    for r in range(1, 7):
+        ckpt = {"round": r, "w": torch.ones(3)} if r % 2 == 0 else None
+        finisher.submit({"round": r, "hash": None}, [], _shared(float(r)), ckpt)
+    finisher.close()
+    handed = [r for kind, r in events if kind == "handed"]
+    assert handed == [1, 2, 3, 4, 5, 6]
+    for r in (2, 4, 6):
+        assert events.index(("saved", r)) < events.index(("handed", r))
+
+
+def test_a_failed_checkpoint_write_hands_over_neither_its_round_nor_later_ones_and_raises(tmp_path):
+    handed: list[int] = []
+    written = threading.Event()
+
+    def save(ckpt):
+        written.set()
+        raise OSError(28, "No space left on device")
+
+    finisher = RoundFinisher(save, lambda record, *_: handed.append(record["round"]))
+    finisher.submit({"round": 1}, [], _shared(1.0), None)
+    finisher.submit({"round": 2}, [], _shared(2.0), {"round": 2})
+    finisher.submit({"round": 3}, [], _shared(3.0), None)
+    assert written.wait(30)
+    with pytest.raises(OSError, match="No space left"):
+        finisher.close()
+    assert handed == [1]
+
+
+def test_the_next_submit_raises_the_earlier_failure(tmp_path):
+    failed = threading.Event()
+
+    def save(ckpt):
+        failed.set()
+        raise OSError(5, "Input/output error")
+
+    finisher = RoundFinisher(save, lambda *_: None)
+    finisher.submit({"round": 1}, [], _shared(1.0), {"round": 1})
+    assert failed.wait(30)
+    finisher._pool.submit(lambda: None).result()  # the failing job has returned
+    with pytest.raises(OSError, match="Input/output"):
+        finisher.submit({"round": 2}, [], _shared(2.0), None)
+    finisher.close(raise_failure=False)
+
+
+def test_a_snapshot_is_not_moved_by_later_in_place_updates():
+    live = {"model": {"w": torch.zeros(3)}, "opt": [torch.ones(2)], "step": 4, "pair": (torch.ones(1), "x")}
+    snap = cpu_snapshot(live)
+    live["model"]["w"].add_(5)
+    live["opt"][0].mul_(3)
+    live["pair"][0].sub_(1)
+    assert torch.equal(snap["model"]["w"], torch.zeros(3))
+    assert torch.equal(snap["opt"][0], torch.ones(2))
+    assert torch.equal(snap["pair"][0], torch.ones(1)) and snap["pair"][1] == "x" and snap["step"] == 4
+
+
+def test_at_most_two_checkpoints_wait_while_one_write_is_stuck(tmp_path):
+    release = threading.Event()
+    started = threading.Event()
+
+    def save(ckpt):
+        started.set()
+        release.wait(30)
+
+    finisher = RoundFinisher(save, lambda *_: None)
+    finisher.submit({"round": 1}, [], _shared(1.0), {"round": 1})
+    assert started.wait(30)
+    finisher.submit({"round": 2}, [], _shared(2.0), {"round": 2})
+    third_in = threading.Event()
+
+    def third():
+        finisher.submit({"round": 3}, [], _shared(3.0), {"round": 3})
+        third_in.set()
+
+    t = threading.Thread(target=third)
+    t.start()
+    assert not third_in.wait(0.5)  # blocked: two snapshots held already
+    release.set()
+    assert third_in.wait(30)
+    t.join(30)
+    finisher.close()
