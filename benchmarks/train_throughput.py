@@ -48,12 +48,13 @@ IMPLS = ("eager", "compile", "fused", "fused+compile", "compile+xent", "compile+
 
 def impl_env(impl: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("MURMUR_KERNELS", "MURMUR_COMPILE")}
-    if impl != "default":
-        env["MURMUR_KERNELS"] = ("triton" if impl.startswith("fused") else
-                                 "linear_cross_entropy" if impl == "compile+xent" else "torch")
-    if impl == "compile+fused_adamw":
-        env.pop("MURMUR_KERNELS")  # the model's own choice under compile, as default
-        env["MURMUR_COMPILE"] = "off"   # the whole-model torch.compile below, or none
+    if impl == "default":
+        return env
+    env["MURMUR_COMPILE"] = "off"  # the whole-model torch.compile below, or none
+    if impl != "compile+fused_adamw":  # that row keeps the model's own kernel choice, as default
+        env["MURMUR_KERNELS"] = (
+            "triton" if impl.startswith("fused") else "linear_cross_entropy" if impl == "compile+xent" else "torch"
+        )
     return env
 
 
