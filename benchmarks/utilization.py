@@ -16,7 +16,20 @@ compute_utilization = sum over nodes of compute seconds / sum of wall seconds, w
 forward + backward + optimizer and wall is the whole run of the node's windows.
 
 Writes benchmarks/results/utilization.json with rows
-{algo, codec, nodes, link_mbps, latency_ms, compute_utilization, bytes_per_node, ddp_bytes_per_node}.
+{algo, codec, nodes, link_mbps, latency_ms, compute_utilization, bytes_per_node, ddp_bytes_per_node,
+mode: "threads"}.
+
+``--mode processes`` (root: network namespaces) measures the same thing with nothing modelled:
+a real coordinator on the host and ``--nodes`` node daemons (`murmur node run`), each in its own
+network namespace on one bridge with its upload shaped by ``tc tbf`` to ``--link-mbps`` (the
+namespaces of benchmarks/exchange.py, reused: do not run both at once), exchanging over gRPC
+through the hivemind DHT. A node's compute time is its own timer (rounds.jsonl's compute_seconds:
+the steps less their exchange waits); its wall time runs from its first kept round record to its
+last (the daemon's work between windows counted), the first ``--warmup-rounds`` left out:
+
+    sudo .venv/bin/python benchmarks/utilization.py --mode processes --link-mbps 100,1000 --rounds 8
+
+Those rows carry mode "processes" and sit beside the thread rows, which are kept.
 """
 
 from __future__ import annotations
@@ -24,8 +37,11 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import os
 import platform
+import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Sequence
@@ -183,10 +199,142 @@ def base_config(data: Path, inner_steps: int, preset: str) -> dict:
     }
 
 
+# -- processes on shaped links ------------------------------------------------------------------
+
+HOST_IP = "10.77.0.254"  # the host's address on the benchmark bridge: the coordinator and its DHT
+PROCESS_PLANS = [("diloco", "int8"), ("streaming", "int8"), ("demo", "fp32")]
+
+
+def process_row(args, data: Path, work: Path, algo: str, codec: str, mbps: int) -> dict:
+    """One configuration: a coordinator and ``args.nodes`` daemons in shaped namespaces."""
+    import exchange as shaped  # benchmarks/exchange.py: the namespaces and their shaping
+
+    from murmur.node.daemon.state_dir import read_rounds
+    from murmur.node.testnet.procs import Testnet, wait_for
+
+    raw = base_config(data, args.inner_steps, args.preset)
+    raw["sync"].update(algorithm=algo, codec=codec)
+    cfg = config_from_dict(raw)
+    root = work / f"{algo}-{codec}-{mbps}"
+    root.mkdir(parents=True)
+    config = root / "run.toml"
+    config.write_text(cfg.to_toml())
+    shaped.net_up(args.nodes, "")
+    shaped.set_rate(args.nodes, mbps)
+    shaped.sh("ip", "addr", "add", f"{HOST_IP}/24", "dev", shaped.BRIDGE)
+    net = Testnet(root=root, config_path=config, data=data, threads=1,
+                  node_args=["--round-timeout", "300", "--min-peers", str(args.nodes)])
+    net.coordinator_args = ["--dht", "--dht-listen", f"{HOST_IP}:0", "--node-listen", f"{HOST_IP}:0"]
+    want = args.warmup_rounds + args.rounds
+    try:
+        with net:
+            net.start_coordinator(listen=f"{HOST_IP}:0")
+            net.create_run(token_uses=args.nodes)
+            nodes = [
+                net.add_node(extra=["--listen", f"{shaped.SUBNET.format(i + 1)}:0"],
+                             prefix=["ip", "netns", "exec", shaped.NS.format(i)])
+                for i in range(args.nodes)
+            ]
+
+            def done() -> bool:
+                for n in nodes:
+                    if n.proc is not None and n.proc.poll() is not None:
+                        raise SystemExit(f"error: {n.name} exited with {n.proc.returncode}: see {n.log_path}")
+                return all(sum(1 for r in read_rounds(n.state_dir) if "loss" in r) >= want for n in nodes)
+
+            wait_for(done, args.row_timeout, poll_s=1.0, what=f"{want} rounds on every node")
+            net.stop_nodes()
+    finally:
+        shaped.net_down(args.nodes)
+    compute = wall = 0.0
+    per_node, hashes = [], []
+    for n in nodes:
+        recs = sorted((r for r in read_rounds(n.state_dir) if "loss" in r), key=lambda r: r["round"])
+        kept = recs[args.warmup_rounds:]
+        c = sum(r["compute_seconds"] for r in kept[1:])
+        w = kept[-1]["time"] - kept[0]["time"]
+        compute, wall = compute + c, wall + w
+        per_node.append({"rounds": len(recs), "compute_utilization": round(c / w, 4),
+                         "peers": max(r["peers"] for r in kept), "bytes_sent": recs[-1]["bytes_sent"]})
+        hashes.append({r["round"]: r["hash"] for r in recs})
+    common = set.intersection(*(set(h) for h in hashes))
+    agree = sum(1 for k in common if len({h[k] for h in hashes}) == 1)
+    return {
+        "mode": "processes",
+        "algo": algo,
+        "codec": "demo_dct" if algo == "demo" else codec,
+        "nodes": args.nodes,
+        "link_mbps": mbps,
+        "latency_ms": None,
+        "compute_utilization": round(compute / wall, 4),
+        "inner_steps": cfg.sync.inner_steps,
+        "fragments": cfg.sync.fragments if algo == "streaming" else 1,
+        "overlap_steps": cfg.sync.overlap_steps if algo == "streaming" else 0,
+        "rounds_measured": args.rounds,
+        "hash_agreement": f"{agree}/{len(common)} rounds",
+        "per_node": per_node,
+        "load": shaped.load(),
+    }
+
+
+def main_processes(args) -> int:
+    if os.geteuid() != 0:
+        raise SystemExit("error: --mode processes needs root (network namespaces and tc): run it with sudo")
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    data = Path(args.data)
+    if not (data / "manifest.json").is_file():
+        prepare(data, tokenizer="byte")
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="murmur-util-") as tmp:
+        for mbps in [int(float(x)) for x in args.link_mbps.split(",")]:
+            for algo, codec in PROCESS_PLANS:
+                row = process_row(args, data, Path(tmp), algo, codec, mbps)
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    out = Path(args.out)
+    old = json.loads(out.read_text()) if out.exists() else {"rows": []}
+    threads = [dict(r, mode=r.get("mode", "threads")) for r in old.get("rows", []) if r.get("mode") != "processes"]
+    old.setdefault("thread_rows", {k: old[k] for k in ("device", "date", "command", "notes") if k in old})
+    old["processes"] = {
+        "device": f"cpu: {platform.machine()}, {os.cpu_count()} cores shared by {args.nodes} node processes "
+        "(1 torch thread each) and the coordinator",
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "command": "sudo .venv/bin/python benchmarks/utilization.py " + " ".join(sys.argv[1:]),
+        "commit": git_commit(),
+        "notes": "real node daemons in network namespaces, uploads shaped by tc tbf (no added latency), the "
+        "gRPC exchange and the hivemind DHT; compute = the nodes' own compute_seconds, wall = time between "
+        f"their round records, the first {args.warmup_rounds} rounds left out; the machine's cores are shared "
+        "by every node, so a node's compute is slower than alone, which the ratio does not hide or inflate",
+    }
+    old["rows"] = threads + rows
+    out.write_text(json.dumps(old, indent=1) + "\n")
+    print(f"wrote {out}")
+    return 0
+
+
+def kept_process_rows(path: Path) -> list[dict]:
+    """The process rows of an earlier --mode processes run (a thread run keeps them)."""
+    if not path.is_file():
+        return []
+    return [r for r in json.loads(path.read_text()).get("rows", []) if r.get("mode") == "processes"]
+
+
+def git_commit() -> str | None:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--mode", choices=("threads", "processes"), default="threads")
+    p.add_argument("--rounds", type=int, default=8, help="processes: measured rounds per node")
+    p.add_argument("--warmup-rounds", type=int, default=1, help="processes: first rounds not counted")
+    p.add_argument("--row-timeout", type=float, default=900.0, help="processes: seconds one row may take")
     p.add_argument("--nodes", type=int, default=4)
-    p.add_argument("--link-mbps", type=float, default=100.0)
+    p.add_argument("--link-mbps", default="100", help="Mbit/s (processes: a comma-separated list)")
     p.add_argument("--latency-ms", type=float, default=50.0)
     p.add_argument("--inner-steps", type=int, default=30, help="H")
     p.add_argument("--windows", type=int, default=3, help="outer rounds per configuration")
@@ -195,6 +343,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="a smoke run: tiny model, 1 window, nothing written")
     p.add_argument("--out", default=str(RESULTS))
     args = p.parse_args(argv)
+    if args.mode == "processes":
+        return main_processes(args)
     data = Path(args.data)
     if not (data / "manifest.json").is_file():
         prepare(data, tokenizer="byte")
@@ -215,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
             raw["sync"]["overlap_steps"] = 1
         cfg = config_from_dict(raw)
         # DeMo syncs every step: fewer steps keep its run as long as the others'.
-        row = run_config(cfg, dataset, args.nodes, args.link_mbps, args.latency_ms, windows)
+        row = run_config(cfg, dataset, args.nodes, float(args.link_mbps), args.latency_ms, windows)
         rows.append(row)
         print(json.dumps(row), flush=True)
     if args.quick:
@@ -233,8 +383,10 @@ def main(argv: list[str] | None = None) -> int:
         "utilization = compute / wall summed over nodes. Streaming DiLoCo launches each fragment's "
         "exchange and trains overlap_steps more steps before applying it. Target: >= 0.95 with "
         "Streaming DiLoCo's overlap (OpenDiLoCo reports 0.90-0.95).",
-        "rows": rows,
+        "rows": [dict(r, mode="threads") for r in rows] + kept_process_rows(Path(args.out)),
     }
+    if kept_process_rows(Path(args.out)):
+        out["processes"] = json.loads(Path(args.out).read_text())["processes"]
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
     print(f"wrote {args.out}")
