@@ -284,13 +284,18 @@ def main_processes(args) -> int:
     data = Path(args.data)
     if not (data / "manifest.json").is_file():
         prepare(data, tokenizer="byte")
-    rows = []
+    rows: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="murmur-util-") as tmp:
         for mbps in [int(float(x)) for x in args.link_mbps.split(",")]:
             for algo, codec in PROCESS_PLANS:
                 row = process_row(args, data, Path(tmp), algo, codec, mbps)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
+                write_process_rows(args, rows)  # after every row: a run cut short keeps its rows
+    return 0
+
+
+def write_process_rows(args, rows: list[dict]) -> None:
     out = Path(args.out)
     old = json.loads(out.read_text()) if out.exists() else {"rows": []}
     threads = [dict(r, mode=r.get("mode", "threads")) for r in old.get("rows", []) if r.get("mode") != "processes"]
@@ -308,8 +313,7 @@ def main_processes(args) -> int:
     }
     old["rows"] = threads + rows
     out.write_text(json.dumps(old, indent=1) + "\n")
-    print(f"wrote {out}")
-    return 0
+    print(f"wrote {out}", flush=True)
 
 
 def kept_process_rows(path: Path) -> list[dict]:
