@@ -24,6 +24,7 @@ from pathlib import Path
 
 from murmur.errors import MurmurError
 from murmur.node.daemon.settings import NodeSettings
+from murmur.node.train.gpu_path import add_gpu_path_flags, apply_gpu_path_flags
 
 DEFAULT_STATE_DIR = "~/.murmur/node"
 
@@ -130,6 +131,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         flag = "--" + name.removesuffix("_s").replace("_", "-")
         kind = type(getattr(d, name))
         r.add_argument(flag, dest=name, type=kind, default=getattr(d, name), help=argparse.SUPPRESS)
+    add_gpu_path_flags(r)
     r.set_defaults(func=_run)
 
 
@@ -163,6 +165,7 @@ def _debug_log(level: str | None) -> None:
 def _run(args: argparse.Namespace) -> int:
     from murmur.node.daemon.node import NodeOptions, run_node  # grpc, torch: only when running
 
+    apply_gpu_path_flags(args)
     if not args.coordinator:
         raise MurmurError("--coordinator HOST:PORT is required (or set MURMUR_COORDINATOR)")
     if args.threads < 0 or args.max_rounds < 0:

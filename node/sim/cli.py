@@ -29,6 +29,7 @@ from murmur.node.sim.replicas import SimError, read_warm_start
 from murmur.node.sim.report import format_seeds, format_table, seed_summary, write_outputs
 from murmur.node.sim.run import ENGINES, run_sim
 from murmur.node.train.build import open_run_dataset, resolve_device
+from murmur.node.train.gpu_path import add_gpu_path_flags, apply_gpu_path_flags
 from murmur.node.train.overrides import add_set_flag, config_from_args
 from murmur.optim.factory import check_sync_config
 
@@ -57,6 +58,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="start every replica from a murmur train checkpoint (weights and AdamW state): a warm start")
     p.add_argument("--seeds", help="N (seeds 0..N-1) or a comma-separated list: one run per seed, mean and spread")
     p.add_argument("--out", help="folder for sim.json and sim.png")
+    add_gpu_path_flags(p)
     p.set_defaults(func=_run)
 
 
@@ -76,6 +78,7 @@ def parse_seeds(text: str) -> list[int]:
 
 
 def _run(args: argparse.Namespace) -> int:
+    apply_gpu_path_flags(args)
     if args.workers < 1:
         raise SimError(f"--workers must be at least 1, got {args.workers}")
     cfg = config_from_args(args, SHORTCUTS)

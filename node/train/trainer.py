@@ -19,6 +19,7 @@ import torch
 from murmur.errors import MurmurError
 from murmur.node.model.data import BatchLoader, Dataset, Position, eval_batches
 from murmur.node.train.build import build_model_from_config, open_run_dataset, resolve_device
+from murmur.node.train.gpu_path import add_gpu_path_flags, apply_gpu_path_flags
 from murmur.node.train.overrides import add_set_flag, config_from_args
 from murmur.node.train.step import InnerStep, clip_grad_norm, evaluate
 from murmur.optim.inner import make_inner_optimizer
@@ -113,6 +114,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", default="auto", help="auto, cpu or cuda")
     p.add_argument("--out", help="run folder for checkpoints (default runs/<name>)")
     p.add_argument("--resume", action="store_true", help="continue from the run folder's checkpoint")
+    add_gpu_path_flags(p)
     p.set_defaults(func=_run)
 
 
@@ -121,6 +123,7 @@ SHORTCUTS = {"steps": "train.steps", "data": "data.path", "preset": "model.prese
 
 
 def _run(args: argparse.Namespace) -> int:
+    apply_gpu_path_flags(args)
     cfg = config_from_args(args, SHORTCUTS)
     device = resolve_device(args.device)
     dataset = open_run_dataset(cfg)
