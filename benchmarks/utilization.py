@@ -309,7 +309,7 @@ def write_process_rows(args, rows: list[dict]) -> None:
         "notes": "real node daemons in network namespaces, uploads shaped by tc tbf (no added latency), the "
         "gRPC exchange and the hivemind DHT; compute = the nodes' own compute_seconds, wall = time between "
         f"their round records, the first {args.warmup_rounds} rounds left out; the machine's cores are shared "
-        "by every node, so a node's compute is slower than alone, which the ratio does not hide or inflate",
+        "by every node, so a node computes slower than it would alone, and its exchange work competes with its compute",
     }
     old["rows"] = threads + rows
     out.write_text(json.dumps(old, indent=1) + "\n")
