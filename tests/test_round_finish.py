@@ -114,3 +114,26 @@ def test_at_most_two_checkpoints_wait_while_one_write_is_stuck(tmp_path):
     assert third_in.wait(30)
     t.join(30)
     finisher.close()
+
+
+def test_drain_returns_once_every_submitted_round_is_handed_over(tmp_path):
+    # The training thread drains before asking for a lease: the coordinator must see the last
+    # window's commits first (a shard that ran out is handed back until its commit says so).
+    release = threading.Event()
+    handed: list[int] = []
+
+    def save(ckpt):
+        release.wait(30)
+
+    finisher = RoundFinisher(save, lambda record, *_: handed.append(record["round"]))
+    finisher.submit({"round": 1}, [], _shared(1.0), {"round": 1})
+    finisher.submit({"round": 2}, [], _shared(2.0), None)
+    drained = threading.Event()
+    t = threading.Thread(target=lambda: (finisher.drain(), drained.set()))
+    t.start()
+    assert not drained.wait(0.5) and handed == []
+    release.set()
+    assert drained.wait(30)
+    assert handed == [1, 2]
+    t.join(30)
+    finisher.close()

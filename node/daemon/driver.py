@@ -75,6 +75,7 @@ class TrainingDriver:
         # Commits carry the bytes sent since the previous commit (the coordinator sums them): the
         # counter's value at the last commit, set again once a checkpoint restored the counter.
         self._committed_sent = 0
+        self._finisher: RoundFinisher | None = None  # set while the training thread runs
 
     # -- on the loop: before training -------------------------------------------------------------
 
@@ -142,7 +143,7 @@ class TrainingDriver:
         if trainer.round == 0:
             v = evaluate(trainer.model, val, trainer.device, cfg.train.dtype)
             self.loop.call_soon_threadsafe(self._record_start, v)
-        finisher = RoundFinisher(self.state.save_checkpoint, self._hand_over)
+        finisher = self._finisher = RoundFinisher(self.state.save_checkpoint, self._hand_over)
         try:
             self._windows(finisher, val, eval_every)
         except BaseException:
@@ -228,6 +229,9 @@ class TrainingDriver:
         completes: the coordinator keeps it held (``exhausted``) and grants another beside it."""
         if done is not None:
             self.session.exhausted.add(done.lease.lease_id)  # read by acquire while this thread waits
+        if self._finisher is not None:
+            # The last windows' commits reach the loop first (acquire sends them before asking).
+            self._finisher.drain()
         return asyncio.run_coroutine_threadsafe(self.session.acquire(), self.loop).result()
 
     def _run_moved_on(self) -> bool:

@@ -74,6 +74,13 @@ class RoundFinisher:
             self._checkpoint_slot.acquire()
         self._pool.submit(self._finish, record, commits, shared, checkpoint)
 
+    def drain(self) -> None:
+        """Wait until every round submitted so far is handed over (training thread). A lease
+        request must come after the last window's commits: the coordinator hands a shard that
+        ran out back until its commit says so. Raises the error of a failed write."""
+        self._pool.submit(lambda: None).result()  # one FIFO worker: everything before it is done
+        self._raise_failure()
+
     def close(self, *, raise_failure: bool = True) -> None:
         """Wait for every submitted round (its checkpoint, then its hand-over); raise a failure
         unless the caller is already leaving with an error of its own."""
