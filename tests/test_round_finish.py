@@ -8,8 +8,9 @@ import threading
 import pytest
 import torch
 
-from murmur.node.daemon.round_finish import RoundFinisher, cpu_snapshot, global_hash
+from murmur.node.daemon.round_finish import RoundFinisher
 from murmur.node.daemon.state_dir import StateDir
+from murmur.node.daemon.training import cpu_snapshot, shared_state_hash
 from murmur.protocol.wire import tensors_hash
 
 
@@ -29,7 +30,7 @@ def test_rounds_are_handed_over_in_order_each_after_its_checkpoint_with_both_has
         # The checkpoint of this round is readable from disk when the loop gets the round.
         if record["round"] % 2 == 0:
             assert state.load_checkpoint()["round"] == record["round"]
-        assert record["hash"] == global_hash(shared) == tensors_hash(shared[:1]).hex()
+        assert record["hash"] == shared_state_hash(shared) == tensors_hash(shared[:1]).hex()
         assert digest == tensors_hash(shared)
         events.append(("handed", record["round"]))
 

@@ -14,6 +14,7 @@ offset and they are trained again.
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import Callable
 from typing import Any
@@ -24,7 +25,7 @@ from murmur.errors import MurmurError
 from murmur.node.daemon.dataplane import DataPlane
 from murmur.node.daemon.metrics import NodeMetrics
 from murmur.node.daemon.ranks import LocalRanks
-from murmur.node.daemon.round_finish import RoundFinisher, cpu_snapshot
+from murmur.node.daemon.round_finish import RoundFinisher
 from murmur.node.daemon.session import CoordinatorSession
 from murmur.node.daemon.settings import NodeSettings
 from murmur.node.daemon.state_dir import PendingCommit, StateDir
@@ -143,7 +144,9 @@ class TrainingDriver:
         if trainer.round == 0:
             v = evaluate(trainer.model, val, trainer.device, cfg.train.dtype)
             self.loop.call_soon_threadsafe(self._record_start, v)
-        finisher = self._finisher = RoundFinisher(self.state.save_checkpoint, self._hand_over)
+        # The finisher's thread hands each round to the loop, where `_after_round` logs and commits it.
+        hand_over = functools.partial(self.loop.call_soon_threadsafe, self._after_round)
+        finisher = self._finisher = RoundFinisher(self.state.save_checkpoint, hand_over)
         try:
             self._windows(finisher, val, eval_every)
         except BaseException:
@@ -186,7 +189,7 @@ class TrainingDriver:
             shared = trainer.shared_tensors(state)
             checkpoint = None
             if self.s.checkpoint_every_rounds and result.round % self.s.checkpoint_every_rounds == 0:
-                checkpoint = cpu_snapshot(trainer.state_dict(shared=state))
+                checkpoint = trainer.state_dict(shared=state)
             finisher.submit(record, commits, shared, checkpoint)
             if self.max_rounds and rounds_here >= self.max_rounds:
                 self.loop.call_soon_threadsafe(self.stop.request, f"--max-rounds {self.max_rounds} reached")
@@ -322,16 +325,6 @@ class TrainingDriver:
             }
         )
         self.log(f"round    0 | val {val:.4f}")
-
-    def _hand_over(
-        self,
-        record: dict[str, Any],
-        commits: list[PendingCommit],
-        shared: list[tuple[str, torch.Tensor]],
-        digest: bytes,
-    ) -> None:
-        """From the round finisher's thread: the rest of the round happens on the loop."""
-        self.loop.call_soon_threadsafe(self._after_round, record, commits, shared, digest)
 
     def _after_round(
         self,

@@ -25,32 +25,11 @@ from typing import Any
 
 import torch
 
+from murmur.node.daemon.training import shared_state_hash
 from murmur.protocol.wire import tensors_hash
-
-GLOBAL_PREFIXES = ("global/", "param/")  # the replicated tensors of NodeTrainer.shared_tensors
 
 # (record, commits, shared tensors, their digest): what the loop takes from a finished round.
 HandOver = Callable[[dict[str, Any], list, list[tuple[str, torch.Tensor]], bytes], None]
-
-
-def cpu_snapshot(obj: Any) -> Any:
-    """``obj`` with every tensor in it copied to the CPU (CPU tensors cloned): a value the next
-    window's in-place updates cannot reach."""
-    if isinstance(obj, torch.Tensor):
-        t = obj.detach()
-        return t.to("cpu", copy=True) if t.device.type != "cpu" else t.clone()
-    if isinstance(obj, dict):
-        return {k: cpu_snapshot(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [cpu_snapshot(v) for v in obj]
-    if isinstance(obj, tuple):
-        return tuple(cpu_snapshot(v) for v in obj)
-    return obj
-
-
-def global_hash(shared: list[tuple[str, torch.Tensor]]) -> str:
-    """The round's state hash (NodeTrainer.global_hash) from the shared tensors' global entries."""
-    return tensors_hash((n, t) for n, t in shared if n.startswith(GLOBAL_PREFIXES)).hex()
 
 
 class RoundFinisher:
@@ -68,7 +47,7 @@ class RoundFinisher:
         checkpoint: dict[str, Any] | None,
     ) -> None:
         """Finish a round (training thread). ``shared`` must be tensors nobody writes any more and
-        ``checkpoint`` a `cpu_snapshot`; raises the error of an earlier round's failed write."""
+        ``checkpoint`` a `NodeTrainer.state_dict` (a CPU copy); raises the error of an earlier round's failed write."""
         self._raise_failure()
         if checkpoint is not None:
             self._checkpoint_slot.acquire()
@@ -97,7 +76,7 @@ class RoundFinisher:
         try:
             if self._failed is not None:
                 return  # a round after a failed write is not handed over either
-            record["hash"] = global_hash(shared)
+            record["hash"] = shared_state_hash(shared)
             digest = tensors_hash(shared)
             if checkpoint is not None:
                 self._save(checkpoint)

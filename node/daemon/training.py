@@ -35,6 +35,28 @@ from murmur.optim.inner import make_inner_optimizer
 from murmur.protocol.runconfig import RunConfig
 from murmur.protocol.wire import tensors_hash
 
+GLOBAL_PREFIXES = ("global/", "param/")  # the names of the replicated tensors in `shared_tensors`
+
+
+def cpu_snapshot(obj: Any) -> Any:
+    """``obj`` with every tensor in it copied once to the CPU (CPU tensors cloned): a value the next
+    window's in-place updates cannot reach."""
+    if isinstance(obj, torch.Tensor):
+        t = obj.detach()
+        return t.to("cpu", copy=True) if t.device.type != "cpu" else t.clone()
+    if isinstance(obj, dict):
+        return {k: cpu_snapshot(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [cpu_snapshot(v) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(cpu_snapshot(v) for v in obj)
+    return obj
+
+
+def shared_state_hash(shared: list[tuple[str, torch.Tensor]]) -> str:
+    """`NodeTrainer.global_hash`, read from `shared_tensors`' copies instead of the live state."""
+    return tensors_hash((n, t) for n, t in shared if n.startswith(GLOBAL_PREFIXES)).hex()
+
 
 class TrainingError(MurmurError):
     pass
@@ -309,15 +331,16 @@ class NodeTrainer:
         return tensors_hash((n, t.detach().cpu()) for n, t in self.global_tensors()).hex()
 
     def shared_state(self) -> dict[str, Any]:
-        """What a joiner needs to take part from the next round: global copy, outer momentum, counters."""
+        """What a joiner needs to take part from the next round: global copy, outer momentum,
+        counters. A CPU copy, made once: the next window and outer step do not move it."""
         state: dict[str, Any] = {
             "step": self.step,
             "round": self.round,
-            "tensors": {n: t.detach().cpu().clone() for n, t in self.global_tensors()},
+            "tensors": {n: cpu_snapshot(t) for n, t in self.global_tensors()},
         }
         if isinstance(self.sync, StreamingDiLoCo):
             state["fragments"] = [
-                {"rounds": f.rounds, "outer": f.outer.state_dict()} for f in self.sync.fragments
+                {"rounds": f.rounds, "outer": cpu_snapshot(f.outer.state_dict())} for f in self.sync.fragments
             ]
         return state
 
@@ -357,8 +380,7 @@ class NodeTrainer:
             for j, entry in sorted(frag["outer"]["state"].items()):
                 buf = entry.get("momentum_buffer")
                 if buf is not None:
-                    # A snapshot: the live buffer moves on with the next outer step.
-                    out.append((f"outer/{i}/{j}", buf.detach().cpu().clone()))
+                    out.append((f"outer/{i}/{j}", buf))  # shared_state's copy, not the live buffer
         out.append(("counters", torch.tensor(counters, dtype=torch.int64)))
         return out
 
@@ -370,7 +392,7 @@ class NodeTrainer:
         state: dict[str, Any] = {
             "step": counters[0],
             "round": counters[1],
-            "tensors": {n: t for n, t in tensors.items() if n.startswith(("global/", "param/"))},
+            "tensors": {n: t for n, t in tensors.items() if n.startswith(GLOBAL_PREFIXES)},
         }
         if isinstance(self.sync, StreamingDiLoCo):
             if len(counters) != 2 + len(self.sync.fragments):
@@ -390,17 +412,17 @@ class NodeTrainer:
     # -- local checkpoint --------------------------------------------------------------------------
 
     def state_dict(self, shared: dict[str, Any] | None = None) -> dict[str, Any]:
-        """The local checkpoint (``shared``: a `shared_state` just taken, to copy the state once).
-        Its tensors are the live ones: `round_finish.cpu_snapshot` it before training on."""
+        """The local checkpoint, a CPU copy the next window does not move (``shared``: a
+        `shared_state` just taken, so the global state is copied once)."""
         state = {
             "config": self.cfg.to_dict(),
-            "model": self.model.state_dict(),
-            "optimizer": self.opt.state_dict(),
+            "model": cpu_snapshot(self.model.state_dict()),
+            "optimizer": cpu_snapshot(self.opt.state_dict()),
             "shared": shared if shared is not None else self.shared_state(),
             "bytes": self.sync.bytes.to_dict(),
         }
         if isinstance(self.sync, DeMo):
-            state["demo_momentum"] = [m.cpu() for m in self.sync.momentum]
+            state["demo_momentum"] = cpu_snapshot(list(self.sync.momentum))
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
