@@ -58,6 +58,14 @@ class CatchUp:
                     return await self._fetch_most_common(call, hints)
                 except StateError as err:
                     why = f"catching up failed: {err}"
+                if await self._result_dropped(call):
+                    # Its completers serve only their last keep_results results: polling until the
+                    # deadline would hold this peer out of the run (and the others' rendezvous
+                    # would wait for it each round). Fail now; the caller re-syncs to the newest state.
+                    raise ExchangeError(
+                        f"round {call.round_id} {call.key!r} did not complete: the peers that completed it "
+                        "moved on and no longer serve its result"
+                    )
                 hints = {}
             if loop.time() + self.settings.catch_up_poll >= call.deadline:
                 raise ExchangeError(f"round {call.round_id} {call.key!r} did not complete: {why}")
@@ -84,19 +92,29 @@ class CatchUp:
 
     async def ask_done(self, call: Call) -> dict[str, bytes]:
         """peer -> result hash, for the peers that say they completed this call."""
+        return {node_id: digest for node_id, digest, _ in await self._ask(call) if digest}
+
+    async def _result_dropped(self, call: Call) -> bool:
+        """Whether a peer has completed keep_results later calls of this key: it published their
+        results and unpublished this one (``publish`` above), so no one serves it any more."""
+        newest = max((n for _, _, n in await self._ask(call)), default=-1)
+        return newest >= call.round_id + self.settings.keep_results
+
+    async def _ask(self, call: Call) -> list[tuple[str, bytes, int]]:
+        """(peer, its result hash for this call or b"", the newest round of this key it completed)
+        for every peer of the call that answers."""
         me, bans = self.server.node_id, self.server.ban_list
         others = [(n, a) for n, a in dialable(call.peers).items() if n != me and not bans.is_banned(n)]
         results = await asyncio.gather(*[self._hello(call, n, a) for n, a in others], return_exceptions=True)
-        return {r[0]: r[1] for r in results if isinstance(r, tuple) and r[1]}
+        return [r for r in results if isinstance(r, tuple)]
 
-    async def _hello(self, call: Call, node_id: str, address: str) -> tuple[str, bytes]:
+    async def _hello(self, call: Call, node_id: str, address: str) -> tuple[str, bytes, int]:
         stub = peer_pb2_grpc.PeerStub(self.channels.get(node_id, address))
         reply = await stub.Hello(
             peer_pb2.HelloRequest(protocol_version=PROTOCOL_VERSION, run_id=self.server.run_id),
             metadata=((VERSION_METADATA_KEY, str(PROTOCOL_VERSION)),),
             timeout=self.settings.peer_timeout,
         )
-        for d in reply.done:
-            if d.round == call.round_id and d.key == call.key:
-                return node_id, d.result_hash
-        return node_id, b""
+        mine = [d for d in reply.done if d.key == call.key]
+        digest = next((d.result_hash for d in mine if d.round == call.round_id), b"")
+        return node_id, digest, max((d.round for d in mine), default=-1)
