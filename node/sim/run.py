@@ -64,7 +64,8 @@ def _run_stacked(
 ) -> SimResult:
     reps = StackedReplicas(cfg, k, device, loaders, vocab_size, peer_names(k), init)
     try:
-        progress.start(reps.lead_model(), "stacked")
+        engine = "stacked+compile" if reps.compiled else "stacked"
+        progress.start(reps.lead_model(), engine)
         steps = cfg.train.steps
         for s in range(steps):
             losses = reps.step(s, steps)
@@ -75,7 +76,7 @@ def _run_stacked(
         raise SimError(f"a replica's exchange failed: {err}") from err
     finally:
         reps.close()
-    return progress.result(reps.lead_sync, "stacked")
+    return progress.result(reps.lead_sync, engine)
 
 
 def _run_threads(

@@ -34,6 +34,7 @@ import torch
 from torch.func import functional_call, vmap
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from murmur.kernels.dispatch import compile_requested
 from murmur.node.sim.replicas import BatchesFor, WarmStart, build_replica_model, inner_state_for, make_group
 from murmur.node.sim.report import load_eval_weights
 from murmur.node.train.step import InnerStep
@@ -89,6 +90,8 @@ class StackedReplicas:
         ]
         self.batches = [batches_for(i, k) for i in range(k)]
         self.every = _EverySync(self.syncs, self.views, self.stacked, self.group)
+        self.compiled = stacked_compile(device)
+        self._forward = torch.compile(self._stacked_loss) if self.compiled else self._stacked_loss
         self.inner = InnerStep(self._loss, self.opt, cfg, device, self._clip, self.every)
 
     def close(self) -> None:
@@ -98,8 +101,13 @@ class StackedReplicas:
 
     def _loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """The K replicas' losses on their K batches ([K, batch, seq] inputs)."""
+        return self._forward(self.stacked, x, y)
+
+    def _stacked_loss(self, params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        # What torch.compile traces when it is on: the vmapped forward, the backend choice inside
+        # it so the trace records the same attention kernel as the eager path.
         with self._attention_backends():
-            return vmap(self._replica_loss, randomness="error")(self.stacked, x, y)
+            return vmap(self._replica_loss, randomness="error")(params, x, y)
 
     def _replica_loss(self, params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return functional_call(self.model, params, (x, y))
@@ -155,6 +163,14 @@ class StackedReplicas:
     @property
     def lead_sync(self) -> SyncAlgorithm:
         return self.syncs[0]
+
+
+def stacked_compile(device: torch.device) -> bool:
+    """Whether the stacked step runs through torch.compile: MURMUR_COMPILE (`murmur sim --compile`)
+    as for the model's own forward, `auto` meaning on CUDA. Under vmap the model never compiles
+    itself (kernels.dispatch.compile_enabled), so this is the only compile of the stacked step."""
+    choice = compile_requested()
+    return choice == "on" or (choice == "auto" and device.type == "cuda")
 
 
 class _EverySync:
