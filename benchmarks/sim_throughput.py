@@ -142,10 +142,11 @@ def main(argv: list[str] | None = None) -> int:
     for batch, compiled, sync in plan:
         try:
             row = measure(regime, data, device, k, batch, compiled, sync, warmup, steps)
-        except torch.cuda.OutOfMemoryError as err:
+        except Exception as err:  # noqa: BLE001 - a row that fails (out of memory, a compile error) is a result
             row = {"workers": k, "per_worker_batch": batch, "compile": compiled, "sync": sync,
-                   "error": f"out of memory: {str(err).splitlines()[0]}"}
-            torch.cuda.empty_cache()
+                   "error": f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0][:300]}"}
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
         payload["rows"].append(row)
         print(json.dumps(row), flush=True)
         for d in dirs:

@@ -91,7 +91,9 @@ class StackedReplicas:
         self.batches = [batches_for(i, k) for i in range(k)]
         self.every = _EverySync(self.syncs, self.views, self.stacked, self.group)
         self.compiled = stacked_compile(device)
-        self._forward = torch.compile(self._stacked_loss) if self.compiled else self._stacked_loss
+        # Static shapes: on an H200 (torch 2.11) the recompile for a second batch size with
+        # automatic dynamic shapes failed inside vmap; one graph per batch size costs seconds.
+        self._forward = torch.compile(self._stacked_loss, dynamic=False) if self.compiled else self._stacked_loss
         self.inner = InnerStep(self._loss, self.opt, cfg, device, self._clip, self.every)
 
     def close(self) -> None:
