@@ -369,6 +369,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warm-start-steps", type=int, help="warm start steps at DDP's batch (default 1000; smoke 2)")
     p.add_argument("--seeds", type=int, default=2, help="seeds per variant (default 2)")
     p.add_argument("--rows", help="comma-separated subset of the rows (default all)")
+    p.add_argument("--sweep", help="lr multiples for DDP's and the rows' lr sweeps, comma-separated (default: the "
+                                   "regime's, 0.5,1,2,4 for the main rows and 1,2 for the others): to fit a budget")
     p.add_argument("--no-curve", action="store_true", help="skip the gap-vs-batch curve")
     p.add_argument("--init-from", help="a warm start made earlier (instead of training one)")
     p.add_argument("--warm-dir", default="/tmp/murmur-quality", help="where the warm start is saved")
@@ -376,12 +378,16 @@ def main(argv: list[str] | None = None) -> int:
                    help="the previous table to keep as the old_table section")
     p.add_argument("--results-dir", default=str(RESULTS))
     p.add_argument("--partial-dir", help="also write the JSON/PNG here after every row (e.g. $OUT)")
+    p.add_argument("--commit", help="the commit measured, where the tree has no .git (the GPU machine)")
     p.add_argument("--combine", metavar="JSON[,JSON...]", help="merge calls' JSONs into --results-dir")
     args = p.parse_args(argv)
     if args.combine:
         combine([Path(x) for x in args.combine.split(",")], Path(args.results_dir))
         return 0
-    regime = SMOKE if args.smoke else FULL
+    regime = dict(SMOKE if args.smoke else FULL)
+    if args.sweep:
+        mults = tuple(float(x) for x in args.sweep.split(","))
+        regime["lr_sweep"] = regime["short_sweep"] = mults
     data = args.data or ("data/shakespeare-byte" if args.smoke else "data/quality-gpt2")
     steps = args.steps or (4 if args.smoke else 1000)
     warm_steps = args.warm_start_steps if args.warm_start_steps is not None else (2 if args.smoke else 1000)
@@ -407,8 +413,9 @@ def main(argv: list[str] | None = None) -> int:
     argv_text = " ".join(sys.argv[1:] if argv is None else argv)
     payload = {
         "device": device_name(device), "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "command": f"python3 benchmarks/quality.py {argv_text}", "commit": commit(),
+        "command": f"python3 benchmarks/quality.py {argv_text}", "commit": args.commit or commit(),
         "regime": {"workers": regime["workers"], "steps_after_warm_start": steps, "seeds": seeds,
+                   "lr_sweep": regime["lr_sweep"], "short_sweep": regime["short_sweep"],
                    "model": regime["base"]["model"], "optim": regime["base"]["optim"], "train": regime["base"]["train"],
                    "corpus": f"{data}: {sum(dataset.shard_size(i) for i in range(dataset.num_shards)):,} train tokens",
                    "smoke": args.smoke},

@@ -6,7 +6,7 @@ This times `StackedReplicas.step` (node/sim/stacked.py), the step `murmur sim` a
 benchmarks/quality.py run, for the quality regime's model (benchmarks/quality.py FULL) with K=4,
 eager and through torch.compile (MURMUR_COMPILE, `murmur sim --compile`), at several per-worker
 batches. The sync is DiLoCo with H past the timed window (the inner step alone), plus one row with
-an int4 sync every 50 steps inside the window (what a row's outer steps add).
+an int4 sync every 25 steps inside the window (what a row's outer steps add).
 
 MFU: the model's training FLOPs per token (6N plus attention, protocol/model_shape.py) times the
 tokens/s, against the measured bf16 matrix rate of the device (790 TFLOP/s on an H200).
@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     steps, warmup = args.steps or (2 if args.smoke else 30), args.warmup or (1 if args.smoke else 8)
     long_h = {"algorithm": "diloco", "inner_steps": 10 ** 6, "codec": "fp32"}
     plan = [(b, c, long_h) for c in modes for b in batches]
-    h = 2 if args.smoke else 50
+    h = 2 if args.smoke else 25  # a sync inside the timed window (steps warmup..warmup+steps)
     plan += [(batches[min(1, len(batches) - 1)], c, {"algorithm": "diloco", "inner_steps": h, "codec": "int4"})
              for c in modes]
     argv_text = " ".join(sys.argv[1:] if argv is None else argv)
