@@ -494,6 +494,29 @@ def test_a_peer_the_others_did_not_meet_catches_up_and_does_not_stop_them():
             assert torch.allclose(got, sum(x[i] for x in xs[:3]) / 3, atol=1e-6)
 
 
+def test_a_peer_later_than_the_served_results_fails_at_once_instead_of_polling_to_the_deadline():
+    """Regression (chaos round read by hand, issue 14): a restarted node came to round r when its
+    peers had completed r + keep_results. They list r among their completed calls, but serve only
+    their last keep_results results, so it polled for a result nobody served until the round
+    deadline (and every other node's rendezvous waited for it). It must fail at once, saying why,
+    so the daemon re-syncs to the newest state."""
+    with peer_group(3, round_deadline=60.0, keep_results=2) as (_, peers, _):
+        two, late = peers[:2], peers[2]
+        for p in two:
+            p.exchange.group.peers = {q.node_id: q.server.address for q in two}
+        for r in (1, 2, 3):
+            assert all(not isinstance(x, Exception) for x in run_reduce(two, inputs(2, seed=r), round_id=r))
+        assert all((1, "k") in p.exchange.book.done for p in two)  # still listed as completed
+        t0 = time.monotonic()
+        with pytest.raises(ExchangeError, match="no longer serve its result"):
+            late.exchange.all_reduce(inputs(1)[0], round_id=1, key="k").result(timeout=TIMEOUT)
+        assert time.monotonic() - t0 < 20.0  # not the 60 s round deadline
+        # A round the peers still serve is caught up as before.
+        got = late.exchange.all_reduce(inputs(1)[0], round_id=3, key="k").result(timeout=TIMEOUT)
+        assert (3, "k") in late.exchange.caught_up
+        assert got.members == sorted(p.node_id for p in two)
+
+
 def test_member_lists_that_differ_converge_on_the_peers_someone_met():
     """Regression (chaos test, round 1): two peers met three, two met all four. The owners' answers
     name the fourth to the first two, who look again, learn its address and take it in: the lists
