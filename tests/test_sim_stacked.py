@@ -145,3 +145,24 @@ def test_every_algorithm_evaluates_where_asked_and_ends_on_the_synced_model(byte
     assert r.bytes_per_worker == 2 * per_round  # the sync after step 3, and the last one after step 5
     assert r.curve[1].bytes_sent == 0  # step 2: evaluated before any sync, the initial global model
     assert r.curve[1].val_loss == pytest.approx(r.curve[0].val_loss, abs=1e-6)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_warm_starts_adamw_step_is_placed_as_the_optimizer_needs(fused):
+    """A warm start is read onto the CPU. Fused (or capturable) AdamW wants ``step`` as a float32
+    tensor beside its parameter (on a GPU it refused a CPU step: the quality run on the H200
+    failed at its first step); the for-loop and foreach AdamW keep it on the CPU."""
+    from murmur.node.sim.replicas import placed_adamw_state
+
+    p = torch.zeros(3, 4)
+    saved = {"step": torch.tensor(7.0), "exp_avg": torch.ones(4), "exp_avg_sq": torch.full((4,), 2.0)}
+    placed = placed_adamw_state(saved, p, {"fused": fused}, k=3)
+    assert placed["step"].dtype == torch.float32 and float(placed["step"]) == 7.0
+    assert placed["exp_avg"].shape == (3, 4) and torch.equal(placed["exp_avg_sq"][2], saved["exp_avg_sq"])
+    placed["exp_avg"][0].add_(1)  # copies: one replica's update leaves the others and the saved state
+    assert torch.equal(placed["exp_avg"][1], saved["exp_avg"]) and torch.equal(saved["exp_avg"], torch.ones(4))
+    opt = torch.optim.AdamW([p.requires_grad_()], lr=0.1, fused=fused)
+    opt.state[p] = placed
+    p.grad = torch.ones(3, 4)
+    opt.step()
+    assert float(opt.state[p]["step"]) == 8.0

@@ -66,6 +66,25 @@ def inner_state_for(init: WarmStart | None, params: list[torch.Tensor]) -> list[
         raise SimError(f"the initial optimizer state does not fit the configured model: {err}") from None
 
 
+def placed_adamw_state(
+    state: dict[str, torch.Tensor], param: torch.Tensor, group: dict, k: int | None = None
+) -> dict[str, torch.Tensor]:
+    """One parameter's saved AdamW state as its optimizer must hold it: moments on the parameter's
+    device (``k``: repeated for K stacked replicas), each a copy since AdamW updates them in
+    place; ``step`` on the CPU unless the optimizer is fused or capturable, which wants it as a
+    float32 tensor beside the parameter (torch's own load_state_dict rule; the saved step was
+    loaded to the CPU, and fused AdamW on a GPU refused it there)."""
+    on_device = bool(group.get("fused") or group.get("capturable"))
+    out = {}
+    for name, v in state.items():
+        if name == "step":
+            out[name] = v.to(device=param.device, dtype=torch.float32).clone() if on_device else v.clone()
+        else:
+            v = v.to(param.device)
+            out[name] = (v.unsqueeze(0).expand(k, *v.shape) if k else v).clone()
+    return out
+
+
 def build_replica_model(
     cfg: RunConfig, vocab_size: int, device: torch.device | str, init: dict[str, torch.Tensor] | None = None
 ) -> torch.nn.Module:

@@ -35,7 +35,14 @@ from torch.func import functional_call, vmap
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from murmur.kernels.dispatch import compile_requested
-from murmur.node.sim.replicas import BatchesFor, WarmStart, build_replica_model, inner_state_for, make_group
+from murmur.node.sim.replicas import (
+    BatchesFor,
+    WarmStart,
+    build_replica_model,
+    inner_state_for,
+    make_group,
+    placed_adamw_state,
+)
 from murmur.node.sim.report import load_eval_weights
 from murmur.node.train.step import InnerStep
 from murmur.optim.factory import build_sync
@@ -75,12 +82,10 @@ class StackedReplicas:
         vectors = [self.stacked[n] for n, p in named if p.dim() < 2]
         self.opt = adamw(matrices, vectors, cfg.optim)
         saved = inner_state_for(init, [t[0] for t in matrices + vectors])  # one replica's shapes
+        group = self.opt.param_groups[0]
         for t, st in zip(matrices + vectors, saved or [], strict=False):
             if st:  # the one saved state, repeated for each of the K replicas
-                self.opt.state[t] = {
-                    n: v.clone() if n == "step" else v.to(device).unsqueeze(0).expand(k, *v.shape).clone()
-                    for n, v in st.items()
-                }
+                self.opt.state[t] = placed_adamw_state(st, t, group, k)
         self.group = make_group(cfg, peers)
         # Replica i's parameters: views of slice i, which the sync reads and writes in place.
         self.views = [[(n, self.stacked[n].detach()[i]) for n in self.names] for i in range(k)]

@@ -16,6 +16,7 @@ from murmur.node.sim.replicas import (
     inner_state_for,
     make_group,
     peer_names,
+    placed_adamw_state,
 )
 from murmur.node.train.step import InnerStep, clip_grad_norm
 from murmur.optim.factory import build_sync
@@ -68,7 +69,7 @@ def build_workers(
         if saved:
             for p, st in zip(in_order, saved, strict=True):
                 if st:  # each replica its own copy: AdamW updates its state in place
-                    opt.state[p] = {k: v.to(p.device if k != "step" else v.device).clone() for k, v in st.items()}
+                    opt.state[p] = placed_adamw_state(st, p, opt.param_groups[0])
         sync = build_sync(
             cfg.sync, list(model.named_parameters()), group.exchange(peer), weight_decay=cfg.optim.weight_decay
         )
