@@ -320,6 +320,8 @@ def plot(payload: dict, path: Path) -> None:
         b.plot([p["per_worker_batch_tokens"] for p in gap], [p["loss_gap_pct"] for p in gap], marker="o",
                label=gap[0]["row"])
         b.legend(fontsize=7)
+    else:
+        b.text(0.5, 0.5, "not run", transform=b.transAxes, ha="center", va="center", fontsize=14, color="gray")
     b.set_xscale("log")
     b.set(xlabel="tokens per worker-step (log scale)", ylabel="gap to DDP (%)", title="gap against the batch")
     b.grid(True, which="both", alpha=0.3)
@@ -346,12 +348,26 @@ def old_table(path: Path | None) -> dict | None:
 
 
 def combine(paths: list[Path], out: Path) -> dict:
-    """Calls that ran different --rows, as one result: rows and curves joined, gaps recomputed."""
+    """Calls that ran different --rows or different --sweep values, as one result: a row that
+    several calls ran is the best of them, with every call's variants listed (and its curve from
+    the best); gaps and the summary are recomputed. Each call's command and warm start are kept
+    under ``parts``: calls that trained their own warm start did not start from the same weights."""
     parts = [json.loads(p.read_text()) for p in paths]
     merged = dict(parts[0])
-    seen: set[str] = set()
-    merged["rows"] = [r for p in parts for r in p["rows"] if not (r["name"] in seen or seen.add(r["name"]))]
-    merged["curves"] = {k: v for p in parts for k, v in p["curves"].items()}
+    best: dict[str, dict] = {}
+    curves: dict[str, list] = {}
+    for part in parts:
+        for r in part["rows"]:
+            kept = best.get(r["name"])
+            tried = (kept["variants"] if kept else []) + r.get("variants", [])
+            if kept is None or r["val_loss_mean"] < kept["val_loss_mean"]:
+                best[r["name"]] = dict(r)
+                curves[r["name"]] = part["curves"].get(r["name"], [])
+            best[r["name"]]["variants"] = tried
+    merged["rows"] = list(best.values())
+    merged["curves"] = curves
+    merged["parts"] = [{"command": p["command"], "warm_start": p.get("warm_start"),
+                        "rows": [r["name"] for r in p["rows"]]} for p in parts]
     merged["gap_vs_batch"] = next((p["gap_vs_batch"] for p in parts if p.get("gap_vs_batch")), [])
     merged["command"] = " ; ".join(p["command"] for p in parts)
     add_gaps(merged["rows"])

@@ -105,3 +105,23 @@ def test_combine_joins_calls_and_recomputes_gaps(quality, tmp_path):
     assert [r["loss_gap_pct"] for r in merged["rows"]] == [10.0, 0.0]
     assert merged["gap_vs_batch"] == [POINT] and merged["command"] == "a ; b"
     assert json.loads((tmp_path / "out" / "quality.json").read_text())["summary"] == merged["summary"]
+
+
+def test_combine_keeps_the_best_of_a_row_run_by_several_calls_with_every_variant(quality, tmp_path):
+    """Two calls swept DDP's lr over different values: one row, at the best, listing all four."""
+    def ddp(loss, mults):
+        return {**_row("ddp", loss, 1.0), "variants": [{"variant": {"optim.lr": m}, "val_loss_mean": loss + i / 10}
+                                                        for i, m in enumerate(mults)]}
+
+    a = {"command": "a", "warm_start": {"val_loss": 3.41}, "rows": [ddp(2.76, (2.0, 1.0)), _row("avg", 3.0, 350.0)],
+         "curves": {"ddp": [[0, 0, 0, 3.41]], "avg": []}}
+    b = {"command": "b", "warm_start": None, "rows": [ddp(2.77, (4.0, 8.0))], "curves": {"ddp": [[0, 0, 0, 3.39]]}}
+    for name, part in (("a", a), ("b", b)):
+        (tmp_path / f"{name}.json").write_text(json.dumps(part))
+    merged = quality.combine([tmp_path / "a.json", tmp_path / "b.json"], tmp_path / "out")
+    rows = {r["name"]: r for r in merged["rows"]}
+    assert list(rows) == ["ddp", "avg"]
+    assert rows["ddp"]["val_loss_mean"] == 2.76 and merged["curves"]["ddp"] == [[0, 0, 0, 3.41]]
+    assert [v["variant"]["optim.lr"] for v in rows["ddp"]["variants"]] == [2.0, 1.0, 4.0, 8.0]
+    assert rows["avg"]["loss_gap_pct"] == pytest.approx(8.7, abs=0.01)
+    assert [p["rows"] for p in merged["parts"]] == [["ddp", "avg"], ["ddp"]]

@@ -166,3 +166,21 @@ def test_a_warm_starts_adamw_step_is_placed_as_the_optimizer_needs(fused):
     p.grad = torch.ones(3, 4)
     opt.step()
     assert float(opt.state[p]["step"]) == 8.0
+
+
+def test_the_compiled_stacked_step_trains_as_the_eager_one(byte_dataset, monkeypatch):
+    """`murmur sim --compile on` (auto: on CUDA) runs the vmapped step through torch.compile. On
+    the CPU it must train the replicas as the eager step does: same losses, same bytes."""
+    cfg = tiny_cfg(byte_dataset.root, "diloco", codec="int8")
+    cfg.model.n_layers = 1
+    cfg.train.steps = 4
+    ds = Dataset.open(byte_dataset.root)
+    monkeypatch.setenv("MURMUR_COMPILE", "off")
+    eager = run_sim(cfg, 2, CPU, ds, engine="stacked", log=lambda s: None)
+    monkeypatch.setenv("MURMUR_COMPILE", "on")
+    compiled = run_sim(cfg, 2, CPU, ds, engine="stacked", log=lambda s: None)
+    assert (eager.engine, compiled.engine) == ("stacked", "stacked+compile")
+    assert compiled.bytes_per_worker == eager.bytes_per_worker > 0
+    for a, b in zip(eager.curve, compiled.curve, strict=True):
+        assert b.val_loss == pytest.approx(a.val_loss, abs=1e-4), (a, b)
+    assert compiled.curve[-1].val_loss < compiled.curve[0].val_loss
