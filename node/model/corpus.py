@@ -12,8 +12,11 @@ import re
 from collections.abc import Iterator
 from pathlib import Path
 
+from murmur.node.model.html_text import html_text
+
 ASSETS = Path(__file__).resolve().parent.parent / "murmur" / "assets"
-TEXT_SUFFIXES = (".txt", ".md", ".rst")
+TEXT_SUFFIXES = (".txt", ".md", ".rst", ".html", ".htm")
+HTML_SUFFIXES = (".html", ".htm")
 
 
 def assets_dir() -> Path:
@@ -42,12 +45,18 @@ def clean_play(markdown: str) -> str:
 
 
 def iter_text_files(sources: list[Path]) -> Iterator[Path]:
-    """Every .txt/.md/.rst file below the sources, in a fixed (sorted) order."""
+    """Every .txt/.md/.rst/.html file below the sources, in a fixed (sorted) order."""
     for src in sources:
         if src.is_file():
             yield src
             continue
         yield from sorted(p for p in src.rglob("*") if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES)
+
+
+def read_source(path: Path) -> str:
+    """A source file's text: HTML pages as their prose (node/model/html_text.py), the rest as is."""
+    text = path.read_text(encoding="utf-8", errors="replace")
+    return html_text(text) if path.suffix.lower() in HTML_SUFFIXES else text
 
 
 def _main() -> None:

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from murmur.errors import MurmurError
-from murmur.node.model.corpus import bundled_corpus, iter_text_files
+from murmur.node.model.corpus import bundled_corpus, iter_text_files, read_source
 from murmur.node.model.tokenizer import get_tokenizer
 
 MANIFEST = "manifest.json"
@@ -111,8 +111,8 @@ def prepare(
             raise DataError(f"source {p} does not exist")
     files = list(iter_text_files(paths))
     if not files:
-        raise DataError(f"no .txt, .md or .rst files under {', '.join(map(str, paths))}")
-    texts = [f.read_text(encoding="utf-8", errors="replace") for f in files]
+        raise DataError(f"no .txt, .md, .rst or .html files under {', '.join(map(str, paths))}")
+    texts = [read_source(f) for f in files]
     docs = texts
     if shuffle_seed is not None:
         if piece_chars < 256:

@@ -16,7 +16,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     prep.add_argument("--out", required=True, help="dataset folder to write")
     prep.add_argument(
         "--source", action="append", default=None,
-        help="a folder of .txt/.md/.rst files (or one file); repeatable; default: the bundled Shakespeare",
+        help="a folder of .txt/.md/.rst/.html files (or one file; HTML is read as its prose); repeatable; "
+        "default: the bundled Shakespeare",
     )
     prep.add_argument("--tokenizer", choices=["byte", "gpt2"], default="byte")
     prep.add_argument("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS)
