@@ -23,7 +23,6 @@ import datetime
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -31,7 +30,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from quality import FULL, SMOKE  # noqa: E402  (the regimes this benchmark times)
+from quality import FULL, SMOKE, commit, device_name  # noqa: E402  (the regimes this benchmark times)
+from train_throughput import MEASURED_TFLOPS  # noqa: E402
 
 from murmur.node.model.data import Dataset  # noqa: E402
 from murmur.node.sim.replicas import peer_names, worker_loaders  # noqa: E402
@@ -40,25 +40,23 @@ from murmur.node.train.build import resolve_device  # noqa: E402
 from murmur.protocol.runconfig import config_from_dict  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
-MEASURED_TFLOPS = {"NVIDIA H200": 790.0}
 
 
-def measure(regime: dict, data: str, device: torch.device, k: int, batch: int, compiled: bool,
+def measure(regime: dict, data: str, ds: Dataset, device: torch.device, k: int, batch: int, compiled: bool,
             sync: dict, warmup: int, steps: int) -> dict:
     os.environ["MURMUR_COMPILE"] = "on" if compiled else "off"
     d = copy.deepcopy(regime["base"])
     d["data"]["path"] = data
     d["train"]["batch_size"] = batch
-    d["train"]["steps"] = warmup + steps
+    total = warmup + steps
+    d["train"]["steps"] = total
     d["sync"].update(sync)
     cfg = config_from_dict(d)
-    ds = Dataset.open(data)
     torch.manual_seed(0)
     reps = StackedReplicas(cfg, k, device, worker_loaders(ds, batch, regime["base"]["model"]["seq_len"]), ds.vocab_size,
                            peer_names(k))
     cuda = device.type == "cuda"
     try:
-        total = warmup + steps
         t_warm = time.perf_counter()
         for s in range(warmup):
             reps.step(s, total)
@@ -76,11 +74,11 @@ def measure(regime: dict, data: str, device: torch.device, k: int, batch: int, c
         seconds = time.perf_counter() - t0
         mcfg = reps.model.cfg
         tokens_per_s = steps * k * batch * mcfg.seq_len / seconds
-        name = torch.cuda.get_device_name(device) if cuda else "cpu"
+        name = device_name(device)
         peak = MEASURED_TFLOPS.get(name)
         return {
             "workers": k, "per_worker_batch": batch, "per_worker_batch_tokens": batch * mcfg.seq_len,
-            "compile": compiled, "engine": "stacked+compile" if reps.compiled else "stacked",
+            "compile": compiled, "engine": reps.engine,
             "sync": sync, "steps": steps, "params_m": round(mcfg.num_params() / 1e6, 1),
             "tokens_per_s": round(tokens_per_s, 1), "tokens_per_s_per_worker": round(tokens_per_s / k, 1),
             "ms_per_step": round(1000 * seconds / steps, 2),
@@ -91,16 +89,6 @@ def measure(regime: dict, data: str, device: torch.device, k: int, batch: int, c
         }
     finally:
         reps.close()
-
-
-def commit(given: str | None) -> str:
-    if given:
-        return given
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=RESULTS.parent.parent, capture_output=True,
-                              text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -131,17 +119,18 @@ def main(argv: list[str] | None = None) -> int:
              for c in modes]
     argv_text = " ".join(sys.argv[1:] if argv is None else argv)
     payload = {
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "device": device_name(device),
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "command": f"python3 benchmarks/sim_throughput.py {argv_text}", "commit": commit(args.commit),
+        "command": f"python3 benchmarks/sim_throughput.py {argv_text}", "commit": args.commit or commit(),
         "model": regime["base"]["model"], "torch": torch.__version__,
         "note": "tokens_per_s counts all K workers; mfu against the measured bf16 matrix rate",
         "rows": [],
     }
     dirs = [Path(args.results_dir)] + ([Path(args.out)] if args.out else [])
+    ds = Dataset.open(data)
     for batch, compiled, sync in plan:
         try:
-            row = measure(regime, data, device, k, batch, compiled, sync, warmup, steps)
+            row = measure(regime, data, ds, device, k, batch, compiled, sync, warmup, steps)
         except Exception as err:  # noqa: BLE001 - a row that fails (out of memory, a compile error) is a result
             row = {"workers": k, "per_worker_batch": batch, "compile": compiled, "sync": sync,
                    "error": f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0][:300]}"}

@@ -15,8 +15,8 @@ from pathlib import Path
 from murmur.node.model.html_text import html_text
 
 ASSETS = Path(__file__).resolve().parent.parent / "murmur" / "assets"
-TEXT_SUFFIXES = (".txt", ".md", ".rst", ".html", ".htm")
 HTML_SUFFIXES = (".html", ".htm")
+TEXT_SUFFIXES = (".txt", ".md", ".rst", *HTML_SUFFIXES)
 
 
 def assets_dir() -> Path:

@@ -64,8 +64,7 @@ def _run_stacked(
 ) -> SimResult:
     reps = StackedReplicas(cfg, k, device, loaders, vocab_size, peer_names(k), init)
     try:
-        engine = "stacked+compile" if reps.compiled else "stacked"
-        progress.start(reps.lead_model(), engine)
+        progress.start(reps.lead_model(), reps.engine)
         steps = cfg.train.steps
         for s in range(steps):
             losses = reps.step(s, steps)
@@ -76,7 +75,7 @@ def _run_stacked(
         raise SimError(f"a replica's exchange failed: {err}") from err
     finally:
         reps.close()
-    return progress.result(reps.lead_sync, engine)
+    return progress.result(reps.lead_sync, reps.engine)
 
 
 def _run_threads(

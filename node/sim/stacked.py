@@ -101,6 +101,11 @@ class StackedReplicas:
         self._forward = torch.compile(self._stacked_loss, dynamic=False) if self.compiled else self._stacked_loss
         self.inner = InnerStep(self._loss, self.opt, cfg, device, self._clip, self.every)
 
+    @property
+    def engine(self) -> str:
+        """The engine's name in results: ``stacked``, or ``stacked+compile``."""
+        return "stacked+compile" if self.compiled else "stacked"
+
     def close(self) -> None:
         self.every.close()
 
