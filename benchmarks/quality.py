@@ -28,7 +28,8 @@ in the JSON under ``old_table``.
 
 JSON rows: {name, algo, codec, H, workers, per_worker_batch_tokens, tokens, inner_lr, outer,
 seeds, val_loss_mean, val_loss_spread, loss_gap_pct, bytes_per_worker, reduction_vs_ddp}, plus
-``variants`` (every variant's mean); ``gap_vs_batch`` is the curve; quality.png plots loss against
+``variants`` (every variant's mean); ``init`` names the warm start file (path, sha256) the rows
+started from; ``gap_vs_batch`` is the curve; quality.png plots loss against
 bytes and the gap against the batch.
 """
 from __future__ import annotations
@@ -36,6 +37,7 @@ from __future__ import annotations
 import argparse
 import copy
 import datetime
+import hashlib
 import json
 import subprocess
 import sys
@@ -127,17 +129,22 @@ def build_rows(regime: dict, smoke: bool) -> list[Row]:
                             variants=sweep if codec == "fp32" else short))
         rows.append(Row(f"avg-fp32-H{h}-innerlr-sqrtk",
                         {"algorithm": "diloco", "inner_steps": h, "codec": "fp32", "inner_lr_scale": "sqrt_k", **AVG}))
-        rows.append(Row(f"nesterov0.7m0.9-fp32-H{h}", {"algorithm": "diloco", "inner_steps": h, **NESTEROV},
-                        variants=short))
-        rows.append(Row(f"outer1-nesterov0.5-fp32-H{h}",
-                        {"algorithm": "diloco", "inner_steps": h, "outer_lr": 1.0, "outer_momentum": 0.5,
-                         "nesterov": True}, variants=short))
+        for codec in ("fp32", "int4"):
+            rows.append(Row(f"nesterov0.7m0.9-{codec}-H{h}",
+                            {"algorithm": "diloco", "inner_steps": h, "codec": codec, **NESTEROV}, variants=short))
+            rows.append(Row(f"outer1-nesterov0.5-{codec}-H{h}",
+                            {"algorithm": "diloco", "inner_steps": h, "codec": codec, "outer_lr": 1.0,
+                             "outer_momentum": 0.5, "nesterov": True}, variants=short))
         if smoke:
             break  # one H is enough to exercise every kind of row
+    # The outer lr swept under Nesterov 0.9 (each outer lr at each of the short sweep's inner lrs):
+    # fp32 at H100, int4 at H50 (the H of the 250x target's row).
+    for codec, h in (("fp32", hs[min(2, len(hs) - 1)]), ("int4", hs[min(1, len(hs) - 1)])):
+        rows.append(Row(f"outer-lr-sweep-nesterov0.9-{codec}-H{h}",
+                        {"algorithm": "diloco", "inner_steps": h, "codec": codec, "outer_momentum": 0.9,
+                         "nesterov": True},
+                        variants=[{"sync.outer_lr": x, **v} for x in regime["outer_sweep"] for v in short]))
     h = hs[min(2, len(hs) - 1)]
-    rows.append(Row(f"outer-lr-sweep-nesterov0.9-fp32-H{h}",
-                    {"algorithm": "diloco", "inner_steps": h, "outer_momentum": 0.9, "nesterov": True},
-                    variants=[{"sync.outer_lr": x} for x in regime["outer_sweep"]]))
     for layout in ("contiguous", "strided"):
         rows.append(Row(f"streaming-int4-{layout}-H{h}",
                         {"algorithm": "streaming", "inner_steps": h, "codec": "int4", "fragments": 2 if smoke else 3,
@@ -286,6 +293,15 @@ def warm_start(regime, data, steps, device, path: Path) -> dict:
             "val_set": f"the rows': {len(val)} batches of {rows_batch}", "seconds": round(time.perf_counter() - t0, 1)}
 
 
+def sha256(path: Path) -> str:
+    """The warm start file's hash: calls that name the same one started from the same weights."""
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 24):
+            h.update(chunk)
+    return h.hexdigest()
+
+
 def device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({torch.get_num_threads()} threads)"
 
@@ -366,8 +382,9 @@ def combine(paths: list[Path], out: Path) -> dict:
             best[r["name"]]["variants"] = tried
     merged["rows"] = list(best.values())
     merged["curves"] = curves
-    merged["parts"] = [{"command": p["command"], "warm_start": p.get("warm_start"),
+    merged["parts"] = [{"command": p["command"], "warm_start": p.get("warm_start"), "init": p.get("init"),
                         "rows": [r["name"] for r in p["rows"]]} for p in parts]
+    merged["warm_start"] = next((p["warm_start"] for p in parts if p.get("warm_start")), None)
     merged["gap_vs_batch"] = next((p["gap_vs_batch"] for p in parts if p.get("gap_vs_batch")), [])
     merged["command"] = " ; ".join(p["command"] for p in parts)
     add_gaps(merged["rows"])
@@ -387,6 +404,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rows", help="comma-separated subset of the rows (default all)")
     p.add_argument("--sweep", help="lr multiples for DDP's and the rows' lr sweeps, comma-separated (default: the "
                                    "regime's, 0.5,1,2,4 for the main rows and 1,2 for the others): to fit a budget")
+    p.add_argument("--outer-sweep", help="outer lrs of the outer-lr-sweep rows, comma-separated (default 0.4,0.7,1)")
     p.add_argument("--no-curve", action="store_true", help="skip the gap-vs-batch curve")
     p.add_argument("--init-from", help="a warm start made earlier (instead of training one)")
     p.add_argument("--warm-dir", default="/tmp/murmur-quality", help="where the warm start is saved")
@@ -404,6 +422,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.sweep:
         mults = tuple(float(x) for x in args.sweep.split(","))
         regime["lr_sweep"] = regime["short_sweep"] = mults
+    if args.outer_sweep:
+        regime["outer_sweep"] = tuple(float(x) for x in args.outer_sweep.split(","))
     data = args.data or ("data/shakespeare-byte" if args.smoke else "data/quality-gpt2")
     steps = args.steps or (4 if args.smoke else 1000)
     warm_steps = args.warm_start_steps if args.warm_start_steps is not None else (2 if args.smoke else 1000)
@@ -425,6 +445,7 @@ def main(argv: list[str] | None = None) -> int:
         warm = warm_start(regime, data, warm_steps, device, init_path)
         print(f"warm start: {json.dumps(warm)}", flush=True)
     init = read_warm_start(init_path) if init_path else None
+    init_file = {"path": str(init_path), "sha256": sha256(Path(init_path))} if init_path else None
     quiet = (lambda s: None) if args.smoke else (lambda s: print(s, flush=True))
     argv_text = " ".join(sys.argv[1:] if argv is None else argv)
     payload = {
@@ -435,7 +456,7 @@ def main(argv: list[str] | None = None) -> int:
                    "model": regime["base"]["model"], "optim": regime["base"]["optim"], "train": regime["base"]["train"],
                    "corpus": f"{data}: {sum(dataset.shard_size(i) for i in range(dataset.num_shards)):,} train tokens",
                    "smoke": args.smoke},
-        "warm_start": warm, "rows": [], "summary": {}, "curves": {},
+        "warm_start": warm, "init": init_file, "rows": [], "summary": {}, "curves": {},
         "curve_columns": ["step", "tokens", "bytes_sent_per_worker", "val_loss"], "gap_vs_batch": [],
     }
     if old is not None:

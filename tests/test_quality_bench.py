@@ -49,6 +49,22 @@ def test_the_full_regime_has_the_rows_the_issue_asks_for(quality):
     assert quality.FULL["batch_tokens"] == (2048, 8192, 32768, 65536)
 
 
+def test_the_outer_steps_run_with_int4_and_the_outer_lr_sweep_crosses_the_inner_lr(quality):
+    """DiLoCo's Nesterov step and lr 1 + Nesterov 0.5 with int4 updates at every H (the codec of the
+    traffic targets), and the outer-lr sweep under Nesterov 0.9 at each outer lr x each inner lr."""
+    by = {r.name: r for r in quality.build_rows(quality.FULL, smoke=False)}
+    for h in (25, 50, 100, 250):
+        for name, outer in ((f"nesterov0.7m0.9-int4-H{h}", "lr 0.7, nesterov 0.9"),
+                            (f"outer1-nesterov0.5-int4-H{h}", "lr 1, nesterov 0.5")):
+            cfg = quality.row_config(quality.FULL, by[name], by[name].variants[0], "d", 1000, 0)
+            assert (cfg.sync.codec, cfg.sync.inner_steps, quality.describe_outer(cfg.sync)) == ("int4", h, outer)
+    sweep = by["outer-lr-sweep-nesterov0.9-int4-H50"]
+    assert len(sweep.variants) == len(quality.FULL["outer_sweep"]) * len(quality.FULL["short_sweep"])
+    cfg = quality.row_config(quality.FULL, sweep, {"sync.outer_lr": 0.4, "optim.lr": 2.0}, "d", 1000, 0)
+    assert (cfg.sync.codec, cfg.sync.outer_lr, cfg.sync.outer_momentum, cfg.optim.lr) == ("int4", 0.4, 0.9, 2e-3)
+    assert quality.describe_outer(cfg.sync) == "lr 0.4, nesterov 0.9"
+
+
 def test_smoke_run_writes_the_table(quality, byte_dataset, tmp_path):
     old = tmp_path / "old.json"
     old.write_text(json.dumps({"rows": [{"name": "ddp", "val_loss": 3.27}], "workers": 8}))
@@ -59,6 +75,7 @@ def test_smoke_run_writes_the_table(quality, byte_dataset, tmp_path):
     data = json.loads((out / "quality.json").read_text())
     assert (out / "quality.png").read_bytes()[:4] == b"\x89PNG"
     assert data["old_table"] == json.loads(old.read_text())
+    assert data["init"]["path"].endswith("warm-smoke.pt") and len(data["init"]["sha256"]) == 64
     rows = {r["name"]: r for r in data["rows"]}
     assert list(rows) == ["ddp", "single-worker", "avg-fp32-H2", "avg-int4-H2"]
     for r in rows.values():
@@ -115,7 +132,8 @@ def test_combine_keeps_the_best_of_a_row_run_by_several_calls_with_every_variant
 
     a = {"command": "a", "warm_start": {"val_loss": 3.41}, "rows": [ddp(2.76, (2.0, 1.0)), _row("avg", 3.0, 350.0)],
          "curves": {"ddp": [[0, 0, 0, 3.41]], "avg": []}}
-    b = {"command": "b", "warm_start": None, "rows": [ddp(2.77, (4.0, 8.0))], "curves": {"ddp": [[0, 0, 0, 3.39]]}}
+    b = {"command": "b", "warm_start": None, "init": {"path": "w.pt", "sha256": "ab"}, "rows": [ddp(2.77, (4.0, 8.0))],
+         "curves": {"ddp": [[0, 0, 0, 3.39]]}}
     for name, part in (("a", a), ("b", b)):
         (tmp_path / f"{name}.json").write_text(json.dumps(part))
     merged = quality.combine([tmp_path / "a.json", tmp_path / "b.json"], tmp_path / "out")
@@ -125,3 +143,5 @@ def test_combine_keeps_the_best_of_a_row_run_by_several_calls_with_every_variant
     assert [v["variant"]["optim.lr"] for v in rows["ddp"]["variants"]] == [2.0, 1.0, 4.0, 8.0]
     assert rows["avg"]["loss_gap_pct"] == pytest.approx(8.7, abs=0.01)
     assert [p["rows"] for p in merged["parts"]] == [["ddp", "avg"], ["ddp"]]
+    assert [p["init"] for p in merged["parts"]] == [None, {"path": "w.pt", "sha256": "ab"}]
+    assert merged["warm_start"] == {"val_loss": 3.41}
