@@ -180,6 +180,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                     for n, t in self.membership.live_trainers(run_id)
                 )
                 reply.run_round = self.membership.trainers.newest.get(run_id, -1)
+                reply.view_whole = True
             if order is not None:
                 reply.stage_order.CopyFrom(order)
             version = self.membership.ban_version
@@ -246,6 +247,22 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                     "commit_refused", run_id=run_id, node_id=node_id, shard=request.shard_id, why=str(err)[:200]
                 )
             raise
+
+    async def ClaimRound(self, request: pb.ClaimRoundRequest, context: grpc.aio.ServicerContext) -> pb.ClaimRoundReply:
+        def call() -> pb.ClaimRoundReply:
+            node_id, run_id = self._node(context)
+            members = list(request.members)[:10_000]
+            try:
+                decided = self.membership.claim_round(run_id, request.round, request.key[:200], members)
+            except SplitRound as err:
+                with self.store.write():
+                    self.store.event(
+                        "round_refused", run_id=run_id, node_id=node_id, round=request.round, why=str(err)[:200]
+                    )
+                raise
+            return pb.ClaimRoundReply(decided=decided)
+
+        return await self._run("ClaimRound", context, call)
 
     async def ReleaseLease(
         self, request: pb.ReleaseLeaseRequest, context: grpc.aio.ServicerContext

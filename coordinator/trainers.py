@@ -9,12 +9,20 @@ a trainer silent for ``heartbeat_ttl_s`` is lost. The heartbeat reply hands each
 strict majority of the live trainers, a rendezvous entry of an incarnation that is not the live one
 is dead, and a joiner that sees no peer record fetches the state from the trainers listed here.
 
+Before a node applies an exchange round's result it claims the round for its group (the
+ClaimRound call): the first group granted a round is the run's, and a group that shares no member
+with it, or is a minority of the live trainers, is refused, so two lineages of the run can never
+both apply a round (a node alone from an old checkpoint, two halves that cannot see each other).
+The nodes' own quorum rules keep working through a coordinator outage; this check makes them
+exact while it is up.
+
 A commit names the members of the round its tokens reached the global model in. It is a split,
 and refused, when that group is not a strict majority of the trainers that were live a while
 before the commit (new joiners are left out, so a round completed just before they came is not
 refused), or when it shares no member with the group the run completed that round with (two
 groups cannot both have completed round r). Group records live in memory: after a coordinator
-restart only the majority rule applies until the rounds move on.
+restart only the majority rule applies until the rounds move on, and claims are undecided until
+the view is whole again (one heartbeat TTL).
 """
 
 from __future__ import annotations
@@ -51,7 +59,9 @@ class Trainers:
         self.settle_s = settle_s  # a trainer live for less than this is not counted against a commit
         self.clock = clock
         self._by_node: dict[str, Trainer] = {}
-        self._groups: dict[str, OrderedDict[int, frozenset[str]]] = {}
+        self._groups: dict[str, OrderedDict[int, frozenset[str]]] = {}  # run -> round -> its commits' group
+        # run -> (round, key) of an exchange call -> the group granted to apply its result
+        self._claims: dict[str, OrderedDict[tuple[int, str], frozenset[str]]] = {}
         self.newest: dict[str, int] = {}  # run -> the newest round a trainer reported
 
     def update(
@@ -95,12 +105,46 @@ class Trainers:
                 f"{node_id} is not in the group that completed round {round_id} (its update was left out "
                 "and it caught up): these tokens never reached the model; train them again"
             )
-        groups = self._groups.setdefault(run_id, OrderedDict())
-        known = groups.get(round_id)
+        self._judge(self._groups.setdefault(run_id, OrderedDict()), round_id, f"round {round_id}", run_id, group,
+                    is_live)
+
+    def claim(
+        self,
+        run_id: str,
+        round_id: int,
+        key: str,
+        members: list[str],
+        is_live: Callable[[str], bool],
+        *,
+        whole: bool = True,
+    ) -> bool:
+        """Whether the group ``members`` may apply its result of exchange call (round, key): True
+        granted, SplitRound refused, False undecided (``whole`` is False, a view not yet whole after
+        a restart, and nobody claimed the call since: the claimant decides on its own quorum)."""
+        claims = self._claims.setdefault(run_id, OrderedDict())
+        what = f"round {round_id} {key!r}" if key else f"round {round_id}"
+        if not whole and (round_id, key) not in claims:
+            return False
+        self._judge(claims, (round_id, key), what, run_id, frozenset(members), is_live)
+        return True
+
+    def _judge(
+        self,
+        groups: OrderedDict,
+        at: object,
+        what: str,
+        run_id: str,
+        group: frozenset[str],
+        is_live: Callable[[str], bool],
+    ) -> None:
+        """The split rules for the group of ``at`` (a round, or an exchange call): it must share a
+        member with the group the run was granted ``at`` with; the first group must be a strict
+        majority of the trainers live for a while (and of its own members). SplitRound if not."""
+        known = groups.get(at)
         if known is not None:
             if not known & group:
                 raise SplitRound(
-                    f"round {round_id} of run {run_id} was completed by {len(known)} other members; this "
+                    f"{what} of run {run_id} was completed by {len(known)} other members; this "
                     f"group of {len(group)} trained apart from the run (a split): drop this work and re-sync"
                 )
             return
@@ -108,9 +152,9 @@ class Trainers:
         counted = [n for n, t in self.live(run_id, is_live) if t.since <= settled or n in group]
         if 2 * len(group) <= len(counted):
             raise SplitRound(
-                f"round {round_id} had {len(group)} member(s) but run {run_id} has {len(counted)} live trainers: "
+                f"{what} had {len(group)} member(s) but run {run_id} has {len(counted)} live trainers: "
                 "a minority group is a split; drop this work and re-sync"
             )
-        groups[round_id] = group
+        groups[at] = group
         while len(groups) > ROUNDS_KEPT:
             groups.popitem(last=False)

@@ -215,6 +215,13 @@ class MemberClient:
         reply = await self._call("CheckReachable", pb.CheckReachableRequest(peer_address=peer_address))
         return bool(reply.reachable), reply.reason
 
+    async def claim_round(self, round_id: int, key: str, members: list[str] | tuple[str, ...]) -> bool:
+        """May this node apply its group's result of exchange call (round, key)? True granted,
+        False undecided (the coordinator just restarted); a refusal (a split) is a
+        CoordinatorError with code ABORTED and the reason."""
+        reply = await self._call("ClaimRound", pb.ClaimRoundRequest(round=round_id, key=key, members=list(members)))
+        return bool(reply.decided)
+
     async def report_rejections(self, rejected: list[tuple[int, str, str]]) -> int:
         """Report (round, sender, reason) of updates this node refused; how many were counted."""
         items = [pb.RejectedUpdate(sender_node_id=s, round=r, reason=why[:200]) for r, s, why in rejected]

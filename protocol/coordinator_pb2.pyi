@@ -133,7 +133,7 @@ class LiveMember(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., peer_address: _Optional[str] = ..., round: _Optional[int] = ..., state_hash: _Optional[str] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
-    __slots__ = ("run_state", "leases_renewed", "heartbeat_interval_s", "lease_ttl_s", "ban_list", "ban_list_changed", "members", "run_round", "stage_order")
+    __slots__ = ("run_state", "leases_renewed", "heartbeat_interval_s", "lease_ttl_s", "ban_list", "ban_list_changed", "members", "run_round", "stage_order", "view_whole")
     RUN_STATE_FIELD_NUMBER: _ClassVar[int]
     LEASES_RENEWED_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
@@ -143,6 +143,7 @@ class HeartbeatReply(_message.Message):
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
     RUN_ROUND_FIELD_NUMBER: _ClassVar[int]
     STAGE_ORDER_FIELD_NUMBER: _ClassVar[int]
+    VIEW_WHOLE_FIELD_NUMBER: _ClassVar[int]
     run_state: str
     leases_renewed: int
     heartbeat_interval_s: float
@@ -152,7 +153,8 @@ class HeartbeatReply(_message.Message):
     members: _containers.RepeatedCompositeFieldContainer[LiveMember]
     run_round: int
     stage_order: StageOrder
-    def __init__(self, run_state: _Optional[str] = ..., leases_renewed: _Optional[int] = ..., heartbeat_interval_s: _Optional[float] = ..., lease_ttl_s: _Optional[float] = ..., ban_list: _Optional[_Union[BanList, _Mapping]] = ..., ban_list_changed: _Optional[bool] = ..., members: _Optional[_Iterable[_Union[LiveMember, _Mapping]]] = ..., run_round: _Optional[int] = ..., stage_order: _Optional[_Union[StageOrder, _Mapping]] = ...) -> None: ...
+    view_whole: bool
+    def __init__(self, run_state: _Optional[str] = ..., leases_renewed: _Optional[int] = ..., heartbeat_interval_s: _Optional[float] = ..., lease_ttl_s: _Optional[float] = ..., ban_list: _Optional[_Union[BanList, _Mapping]] = ..., ban_list_changed: _Optional[bool] = ..., members: _Optional[_Iterable[_Union[LiveMember, _Mapping]]] = ..., run_round: _Optional[int] = ..., stage_order: _Optional[_Union[StageOrder, _Mapping]] = ..., view_whole: _Optional[bool] = ...) -> None: ...
 
 class AcquireLeaseRequest(_message.Message):
     __slots__ = ("exhausted",)
@@ -305,6 +307,22 @@ class ReportRejectionsReply(_message.Message):
     RECORDED_FIELD_NUMBER: _ClassVar[int]
     recorded: int
     def __init__(self, recorded: _Optional[int] = ...) -> None: ...
+
+class ClaimRoundRequest(_message.Message):
+    __slots__ = ("round", "key", "members")
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    key: str
+    members: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, round: _Optional[int] = ..., key: _Optional[str] = ..., members: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ClaimRoundReply(_message.Message):
+    __slots__ = ("decided",)
+    DECIDED_FIELD_NUMBER: _ClassVar[int]
+    decided: bool
+    def __init__(self, decided: _Optional[bool] = ...) -> None: ...
 
 class BanList(_message.Message):
     __slots__ = ("version", "node_ids")

@@ -94,6 +94,11 @@ class CoordinatorStub:
                 request_serializer=murmur_dot_protocol_dot_coordinator__pb2.GetStagesRequest.SerializeToString,
                 response_deserializer=murmur_dot_protocol_dot_coordinator__pb2.StageMap.FromString,
                 _registered_method=True)
+        self.ClaimRound = channel.unary_unary(
+                '/murmur.v1.Coordinator/ClaimRound',
+                request_serializer=murmur_dot_protocol_dot_coordinator__pb2.ClaimRoundRequest.SerializeToString,
+                response_deserializer=murmur_dot_protocol_dot_coordinator__pb2.ClaimRoundReply.FromString,
+                _registered_method=True)
         self.CreateRun = channel.unary_unary(
                 '/murmur.v1.Coordinator/CreateRun',
                 request_serializer=murmur_dot_protocol_dot_coordinator__pb2.CreateRunRequest.SerializeToString,
@@ -257,6 +262,16 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ClaimRound(self, request, context):
+        """Before a node applies (or serves) an exchange round's result: may this group's result be the
+        run's for that round? The first group the coordinator grants a round is the run's; a group
+        that shares no member with it, or is a minority of the run's live trainers, is a split and is
+        refused (ABORTED, with the reason), so no two lineages of the run ever apply the same round.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def CreateRun(self, request, context):
         """---- admin (public address, admin secret in metadata)
         """
@@ -410,6 +425,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.GetStages,
                     request_deserializer=murmur_dot_protocol_dot_coordinator__pb2.GetStagesRequest.FromString,
                     response_serializer=murmur_dot_protocol_dot_coordinator__pb2.StageMap.SerializeToString,
+            ),
+            'ClaimRound': grpc.unary_unary_rpc_method_handler(
+                    servicer.ClaimRound,
+                    request_deserializer=murmur_dot_protocol_dot_coordinator__pb2.ClaimRoundRequest.FromString,
+                    response_serializer=murmur_dot_protocol_dot_coordinator__pb2.ClaimRoundReply.SerializeToString,
             ),
             'CreateRun': grpc.unary_unary_rpc_method_handler(
                     servicer.CreateRun,
@@ -811,6 +831,33 @@ class Coordinator:
             '/murmur.v1.Coordinator/GetStages',
             murmur_dot_protocol_dot_coordinator__pb2.GetStagesRequest.SerializeToString,
             murmur_dot_protocol_dot_coordinator__pb2.StageMap.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ClaimRound(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/murmur.v1.Coordinator/ClaimRound',
+            murmur_dot_protocol_dot_coordinator__pb2.ClaimRoundRequest.SerializeToString,
+            murmur_dot_protocol_dot_coordinator__pb2.ClaimRoundReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -56,11 +56,13 @@ def wait_rounds(node, n: int, timeout_s: float = ROUND_WAIT_S) -> None:
     wait_for(ok, timeout_s, what=f"{node.name} to finish {n} rounds")
 
 
-def wait_log(node, pattern: str, timeout_s: float = ROUND_WAIT_S) -> re.Match:
+def wait_log(node, pattern: str, timeout_s: float = ROUND_WAIT_S, since: int = 0) -> re.Match:
+    """The first match of ``pattern`` in the node's log past its first ``since`` characters
+    (``len(log(node))`` before a restart: what this incarnation wrote), once there is one."""
     found: list[re.Match] = []
 
     def ok() -> bool:
-        m = re.search(pattern, log(node))
+        m = re.search(pattern, log(node)[since:])
         if m:
             found.append(m)
         return bool(m)

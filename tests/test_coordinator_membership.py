@@ -199,6 +199,75 @@ def test_a_splits_commit_is_refused_as_aborted_so_the_node_re_syncs(coord):
     assert admin_json(coord, "status")["run"]["tokens_committed"] == "100"
 
 
+def test_a_round_is_granted_to_one_group_before_anyone_applies_it(coord):
+    """ClaimRound: the first group the coordinator grants a round holds it; a group that shares no
+    member with it, or a minority of the live trainers, is refused (ABORTED, saying why) before
+    it applies anything; a group that overlaps the granted one (the same round, caught up) is
+    granted. Heartbeat replies say their view is whole, an empty one included."""
+    token = new_token(coord, "--uses", "3")
+
+    async def scenario() -> None:
+        members = [await join(coord, token) for _ in range(3)]
+        clients = [c for c, _ in members]
+        ids = [n for _, n in members]
+
+        async def beat() -> list[pb.HeartbeatReply]:
+            return [
+                await c.heartbeat(peer=pb.HeartbeatRequest(
+                    incarnation=f"inc{i}", peer_address=f"127.0.0.1:{1000 + i}", round=3, state_hash="ab"
+                ))
+                for i, c in enumerate(clients)
+            ]
+
+        try:
+            loop = asyncio.get_running_loop()
+            settled = loop.time() + 2 * 1.5 + 0.5  # trainers count against a group once settled (2 TTLs)
+            while loop.time() < settled:
+                replies = await beat()
+                await asyncio.sleep(0.2)
+            assert all(r.view_whole and len(r.members) == 3 for r in replies)
+            with pytest.raises(CoordinatorError, match="minority group is a split") as err:
+                await clients[0].claim_round(4, "diloco/0", ids[:1])
+            assert err.value.code == grpc.StatusCode.ABORTED
+            assert await clients[0].claim_round(4, "diloco/0", ids[:2]) is True
+            assert await clients[1].claim_round(4, "diloco/0", ids[:2]) is True  # the same group again
+            assert await clients[2].claim_round(4, "diloco/0", ids[1:]) is True  # overlaps: caught up
+            with pytest.raises(CoordinatorError, match="completed by 2 other members") as err:
+                await clients[2].claim_round(4, "diloco/0", ids[2:])
+            assert err.value.code == grpc.StatusCode.ABORTED
+            # Another key of the same round (a Streaming DiLoCo fragment) is a call of its own.
+            assert await clients[2].claim_round(4, "streaming/1", ids[1:]) is True
+        finally:
+            for c in clients:
+                await c.close()
+
+    asyncio.run(scenario())
+    refused = admin_json(coord, "events", "--kind", "round_refused")["events"]
+    assert len(refused) == 2 and {json.loads(e["detail"])["round"] for e in refused} == {4}
+
+
+def test_a_view_with_no_trainer_is_whole_and_says_so(coord):
+    """A trainer that is the only one heartbeating still learns the run's newest round: the reply
+    is whole with an empty list (a restarting node must not mistake it for no view at all). Not
+    within the first heartbeat TTL after the coordinator started: it has not heard everyone yet."""
+    token = new_token(coord, "--uses", "1")
+
+    async def scenario() -> pb.HeartbeatReply:
+        client, _ = await join(coord, token)
+        try:
+            for _ in range(100):  # the TTL is 1.5 s
+                reply = await client.heartbeat(peer=pb.HeartbeatRequest(incarnation="a", round=-1))
+                if reply.view_whole:
+                    return reply
+                await asyncio.sleep(0.1)
+            return reply
+        finally:
+            await client.close()
+
+    reply = asyncio.run(scenario())
+    assert reply.view_whole and not reply.members
+
+
 def test_malformed_requests_get_clear_errors_and_change_nothing(coord):
     token = new_token(coord)
 

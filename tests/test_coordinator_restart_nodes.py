@@ -119,7 +119,8 @@ def test_a_coordinator_that_just_started_lists_no_live_trainers_until_it_heard_f
     """Right after a (re)start the coordinator has heard from some live trainers only: a list of
     those would tell each of them that the others are gone and let it train alone. Its heartbeat
     replies list no trainers for one heartbeat TTL (the node keeps the DHT's view meanwhile), then
-    the whole list."""
+    the whole list. Meanwhile it cannot judge a round's group either: a claim is undecided (the
+    node's own quorum decides), not granted."""
     db = tmp_path / "coord.db"
     # A TTL long enough that the join and the first heartbeat surely fall within it, loaded or not.
     coord = start_coordinator(db, "--heartbeat-ttl", "30", "--lease-ttl", "30")
@@ -132,10 +133,13 @@ def test_a_coordinator_that_just_started_lists_no_live_trainers_until_it_heard_f
             client, node_id = await join(coord, token)
             me = pb.HeartbeatRequest(incarnation="a1", peer_address="127.0.0.1:1", round=3, state_hash="ab")
             first = await client.heartbeat(0.0, "training", peer=me)
-            assert list(first.members) == [], first
+            assert list(first.members) == [] and not first.view_whole, first
+            assert await client.claim_round(4, "diloco/0", [node_id]) is False
             while not (reply := await client.heartbeat(0.0, "training", peer=me)).members:
                 await asyncio.sleep(0.5)  # a heartbeat period; the test's own timeout bounds it
             assert [(m.node_id, m.incarnation, m.round) for m in reply.members] == [(node_id, "a1", 3)]
+            assert reply.view_whole
+            assert await client.claim_round(4, "diloco/0", [node_id]) is True
             await client.close()
 
         asyncio.run(scenario())

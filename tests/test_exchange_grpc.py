@@ -242,6 +242,40 @@ def test_a_strangers_certificate_fails_the_handshake_and_the_round_completes():
         loop.stop()
 
 
+class Arbiter:
+    """The exchange's RoundGate as the coordinator answers it (ClaimRound), for the rounds listed
+    in ``refuse``: a split's group. The real one is the node's session, tested with real processes
+    (tests/test_churn_restart.py)."""
+
+    def __init__(self, refuse: set[int]) -> None:
+        self.refuse = refuse
+        self.claims: list[tuple[int, str, tuple[str, ...]]] = []
+
+    async def claim(self, round_id: int, key: str, members: list[str]) -> None:
+        self.claims.append((round_id, key, tuple(members)))
+        if round_id in self.refuse:
+            raise ExchangeError(f"the coordinator refused this group's round {round_id}: a split")
+
+
+def test_a_round_the_run_refuses_is_neither_applied_nor_served():
+    """A completed call whose group the run's arbiter refuses ends in ExchangeError on every
+    member (nothing is applied) and is not served to peers catching up (no ALREADY_DONE, no
+    result): a split's result can never spread. The next round, granted, completes as usual."""
+    with peer_group(3) as (_, peers, _):
+        arbiter = Arbiter(refuse={1})
+        for p in peers:
+            p.exchange.rounds.catchup.gate = arbiter
+        refused = run_reduce(peers, inputs(3), round_id=1)
+        assert all(isinstance(r, ExchangeError) and "refused this group's round 1" in str(r) for r in refused)
+        assert all(not p.exchange.done_list() for p in peers)
+        granted = run_reduce(peers, inputs(3), round_id=2)
+        assert all(not isinstance(r, Exception) for r in granted), granted
+        assert_identical(granted)
+        ids = tuple(sorted(p.node_id for p in peers))
+        assert {c for c in arbiter.claims if c[0] == 2} == {(2, "k", ids)}  # every member claimed its group
+        assert [d.round for d in peers[0].exchange.done_list()] == [2]
+
+
 def test_two_peers_need_each_other_no_split_brain():
     with peer_group(2, peer_timeout=0.5, round_deadline=4.0) as (loop, peers, _):
         loop.run(peers[1].server.stop())

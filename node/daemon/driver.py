@@ -77,6 +77,9 @@ class TrainingDriver:
         # counter's value at the last commit, set again once a checkpoint restored the counter.
         self._committed_sent = 0
         self._finisher: RoundFinisher | None = None  # set while the training thread runs
+        # The shared state (a CPU copy) of this node's last round: a window whose round failed,
+        # with no newer state to take, is undone from it. Set by restore and after every round.
+        self._last_shared: dict[str, Any] = {}
 
     # -- on the loop: before training -------------------------------------------------------------
 
@@ -111,6 +114,19 @@ class TrainingDriver:
             self.trainer.load_shared_tensors(state)
             self._ratio_base_step = self.trainer.step  # this node's bytes count from here
             self.log(f"took the global state of round {self.trainer.round} from peers")
+        elif self.session.in_rounds and self.session.view.newest > self.trainer.round:
+            # Every holder of the run's newer rounds is gone (state_fetch_timeout_s passed): their
+            # rounds are lost with them. Go on from this node's state under the run's newest round
+            # number, so no round of the run ever has two states (a holder that comes back later
+            # takes this lineage, which is ahead of it).
+            newest, mine = self.session.view.newest, self.trainer.round
+            self.log(
+                f"nobody serves the run's rounds {mine + 1}-{newest} any more (waited "
+                f"{self.s.state_fetch_timeout_s:g}s): they are lost; going on from this node's round {mine} as "
+                f"round {newest}"
+            )
+            self.trainer.renumber(newest)
+        self._last_shared = self.trainer.shared_state()
         self.dataplane.publish(self.trainer.round, self.trainer.shared_tensors())
         self._committed_sent = self.trainer.sync.bytes.total_sent  # earlier bytes were committed before
 
@@ -172,7 +188,11 @@ class TrainingDriver:
                 # trained again (the lease restarts from its committed offset).
                 self.loop.call_soon_threadsafe(self.log, f"round {trainer.round + 1} failed ({err}); re-syncing")
                 trainer.lease, trainer.loader = None, None
-                self._resync_blocking()
+                if not self._resync_blocking():
+                    # Nobody serves this round's state or a newer one: the failed window is undone
+                    # here too (global copy, counters, the fragments' exchange round ids), so the
+                    # retry is the same exchange round as the peers', not the next one.
+                    trainer.load_shared_state(self._last_shared)
                 continue
             if result.stopped:
                 break
@@ -185,7 +205,7 @@ class TrainingDriver:
             # Copies the next window cannot touch; hashing, the checkpoint and the hand-over to
             # the loop happen beside it, in order (node/daemon/round_finish.py): the round is
             # logged and committed only once its checkpoint is on disk.
-            state = trainer.shared_state()
+            state = self._last_shared = trainer.shared_state()
             shared = trainer.shared_tensors(state)
             checkpoint = None
             if self.s.checkpoint_every_rounds and result.round % self.s.checkpoint_every_rounds == 0:
@@ -275,13 +295,18 @@ class TrainingDriver:
             out |= groups.pop()
         return out  # this node is in it: its own state is the split's
 
-    def _resync_blocking(self, min_round: int | None = None, exclude: frozenset[str] = frozenset()) -> None:
+    def _resync_blocking(self, min_round: int | None = None, exclude: frozenset[str] = frozenset()) -> bool:
+        """Take the newest state of a round >= ``min_round`` (default: this node's) from peers not
+        in ``exclude``; False when nobody serves one (training thread)."""
         at = self.trainer.round if min_round is None else min_round
         coro = self.dataplane.fetch_state(min_round=at, timeout_s=self.s.state_fetch_timeout_s, exclude=exclude)
         state = asyncio.run_coroutine_threadsafe(coro, self.loop).result()
-        if state is not None:
-            self.trainer.load_shared_tensors(state)
-            self.loop.call_soon_threadsafe(self.log, f"re-synced to round {self.trainer.round} from peers")
+        if state is None:
+            return False
+        self.trainer.load_shared_tensors(state)
+        self._last_shared = self.trainer.shared_state()
+        self.loop.call_soon_threadsafe(self.log, f"re-synced to round {self.trainer.round} from peers")
+        return True
 
     def _round_record(self, result: WindowResult, val: float | None) -> dict[str, Any]:
         t = self.trainer

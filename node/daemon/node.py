@@ -209,6 +209,7 @@ class Node:
             view=self.session.view if self.session is not None else None,
             client_mode=self.o.client_mode,
             dial_back=self.session.check_reachable if self.session is not None else None,
+            gate=self.session,  # the coordinator grants each round's group before it is applied
         )
         if self.session is not None:
             plane.on_publish = self.session.published  # heartbeats report round, hash, address

@@ -36,7 +36,7 @@ from murmur.node.daemon.dataplane import MemberTracker
 from murmur.node.daemon.run_view import RunView
 from murmur.node.daemon.settings import NodeSettings
 from murmur.node.daemon.state_dir import JoinInfo
-from murmur.node.exchange.group import DHTGroup, RendezvousSettings
+from murmur.node.exchange.group import DHTGroup, RendezvousSettings, RoundGate
 from murmur.node.exchange.peer import ExchangePeer, PeerSpec, abuild_peer
 from murmur.node.exchange.settings import ExchangeSettings
 from murmur.node.net.faults import FaultInjector
@@ -383,6 +383,7 @@ async def open_peer_dataplane(
     view: RunView | None = None,
     client_mode: str = "off",
     dial_back: Callable[[str], Awaitable[tuple[bool, str] | None]] | None = None,
+    gate: RoundGate | None = None,
 ) -> PeerDataPlane:
     """Start the peer server, settle client mode (``dial_back``: the coordinator's check of the
     address peers would dial), then the DHT (in hivemind's client mode too, for a client) and the
@@ -429,6 +430,7 @@ async def open_peer_dataplane(
             advertise_host=advertised(host, advertise_host),
             faults=faults,
             client_mode=unreachable,
+            gate=gate,
         )
         peer = await abuild_peer(spec, RunningLoop(asyncio.get_running_loop()))
         undo.push_async_callback(peer.aclose)

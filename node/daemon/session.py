@@ -27,6 +27,7 @@ from murmur.node.daemon.settings import NodeSettings
 from murmur.node.daemon.state_dir import JoinInfo, PendingCommit, StateDir
 from murmur.node.daemon.stop import StopSignal
 from murmur.node.daemon.training import LeaseView
+from murmur.optim.exchange import ExchangeError
 from murmur.protocol import coordinator_pb2 as pb
 from murmur.protocol import identity
 from murmur.protocol.coordinator_client import CoordinatorError, MemberClient, join_run
@@ -191,7 +192,7 @@ class CoordinatorSession:
                         state_hash=self.state_hash,
                     )
                 reply = await self.client.heartbeat(self.tokens_per_s, "training", peer=peer)
-                if reply.members:  # none: the coordinator has no whole view yet (it just restarted)
+                if reply.view_whole:  # not yet right after a coordinator restart: it means nothing then
                     self.view.update(reply.members, reply.run_round)
                 self.viewed.set()
                 self._mark(True)
@@ -209,6 +210,26 @@ class CoordinatorSession:
                 else:
                     self.log(f"heartbeat refused: {err}")
             await self.stop.sleep(interval)
+
+    # -- the arbiter of round groups -------------------------------------------------------------
+
+    async def claim(self, round_id: int, key: str, members: list[str]) -> None:
+        """The exchange's RoundGate (node/exchange/group.py): before this node applies or serves a
+        round's result, the coordinator must grant the round to its group. A refusal (a split:
+        another group holds the round, or this one is a minority of the live trainers) raises
+        ExchangeError, so the round fails here and the node re-syncs from the run. Through an
+        outage, or while a restarted coordinator cannot judge yet, the exchange's quorum decides."""
+        if not self.coordinator_up:
+            return
+        try:
+            await self.client.claim_round(round_id, key, members)
+        except CoordinatorError as err:
+            if err.code == grpc.StatusCode.ABORTED:
+                raise ExchangeError(f"the coordinator refused this group's round {round_id}: {err}") from None
+            if is_outage(err):
+                self._mark(False, err)
+            else:
+                self.log(f"the coordinator could not judge round {round_id}'s group ({err}); the quorum decides")
 
     # -- bootstrap peers and rejected updates ----------------------------------------------------
 

@@ -366,6 +366,19 @@ class NodeTrainer:
             self.sync.in_flight.clear()
         self.step, self.round = int(state["step"]), int(state["round"])
 
+    def renumber(self, round_id: int) -> None:
+        """Go on from this state as round ``round_id``: the run got that far, and every holder of
+        the rounds between is gone (node/daemon/driver.py's restore). The counters move as if those
+        rounds were trained here (steps for the schedule and DeMo's round ids, the fragments'
+        exchange round ids), so no round number of the run is ever used for two states."""
+        gap = round_id - self.round
+        if gap <= 0:
+            return
+        self.round, self.step = round_id, self.step + gap * self.h
+        if isinstance(self.sync, StreamingDiLoCo):
+            for frag in self.sync.fragments:
+                frag.rounds += gap
+
     # -- the shared state as named tensors (what peers publish and joiners fetch) ------------------
 
     def shared_tensors(self, state: dict[str, Any] | None = None) -> list[tuple[str, torch.Tensor]]:

@@ -1,6 +1,8 @@
 """Completed results: publishing them, and catching up from the peers that completed a call.
 
-A peer that completed a call publishes the result (``GetState`` name ``result/<round>/<key>``)
+A peer that completed a call first claims it for its group with the run's arbiter, if it has one
+(``gate``: node/exchange/group.py's RoundGate; a refusal ends the call with ExchangeError, and the
+result is neither served nor applied), then publishes the result (``GetState`` name ``result/<round>/<key>``)
 and its hash (``Hello`` lists the calls it completed; later attempts are answered ALREADY_DONE).
 A peer whose round did not complete (it lost a reply, its input was refused, it came late) asks
 who completed, fetches the result from the peers that agree on the most common hash, verifies
@@ -17,6 +19,7 @@ import torch
 from murmur.node.exchange.attempt import DoneRecord, RoundBook
 from murmur.node.exchange.calls import Call
 from murmur.node.exchange.channels import Channels
+from murmur.node.exchange.group import RoundGate
 from murmur.node.exchange.settings import ExchangeSettings
 from murmur.node.net.server import PeerServer, PublishedState
 from murmur.node.net.state_transfer import StateError, StateFetchSettings, afetch, result_name
@@ -30,13 +33,24 @@ from murmur.protocol.wire import tensors_hash
 class CatchUp:
     """Publishes this peer's completed results, and fetches the results it missed from its peers."""
 
-    def __init__(self, server: PeerServer, book: RoundBook, channels: Channels, settings: ExchangeSettings) -> None:
-        self.server, self.book, self.channels, self.settings = server, book, channels, settings
+    def __init__(
+        self,
+        server: PeerServer,
+        book: RoundBook,
+        channels: Channels,
+        settings: ExchangeSettings,
+        gate: RoundGate | None = None,
+    ) -> None:
+        self.server, self.book, self.channels, self.settings, self.gate = server, book, channels, settings, gate
         self.fetch_settings = StateFetchSettings(
             call_timeout=max(settings.peer_timeout, 1.0), max_message_bytes=settings.max_message_bytes
         )
 
     async def publish(self, call: Call, named: dict[str, torch.Tensor], members: list[str]) -> None:
+        """Claim the call's result for ``members`` (ExchangeError if the run refuses it), then
+        serve it and answer ALREADY_DONE for the call from now on."""
+        if self.gate is not None:
+            await self.gate.claim(call.round_id, call.key, members)
         digest = await asyncio.to_thread(tensors_hash, list(named.items()))  # an update-sized hash: off the loop
         self.book.mark_done(call.round_id, call.key, DoneRecord(digest, members))
         self.server.publish_state(

@@ -41,6 +41,16 @@ class LiveView(Protocol):
     def saw_refusal(self, node_id: str, address: str, reason: str) -> bool: ...
 
 
+class RoundGate(Protocol):
+    """The run's arbiter of which group's result a round applies (the coordinator's ClaimRound,
+    through the node's session). A peer asks it after its call completed (or caught up) and
+    before it applies, serves or announces the result: returning grants it; ExchangeError (with
+    the reason) refuses it, as a split of the run. A gate that cannot be asked (an outage)
+    returns: the exchange's own quorum rules decide then."""
+
+    async def claim(self, round_id: int, key: str, members: list[str]) -> None: ...
+
+
 class StaticGroup:
     def __init__(self, peers: Mapping[str, str]) -> None:
         self.peers = dict(peers)

@@ -17,7 +17,9 @@ owner and every owner answered OK after its last chunk. Anything else (a peer di
 refused, disagreed on the member list) aborts the attempt everywhere; the callers learn who
 failed and why from the owners' answers and retry without them, so a dead peer's span is
 re-owned by the survivors and a result is never a partial average (chunks of an aborted attempt
-are overwritten by the attempt that completes). A peer that completed a round answers later
+are overwritten by the attempt that completes). With a ``gate`` (the run's arbiter: the
+coordinator), a completed call's result is claimed for its group before anything is applied or
+served: a group the run refuses (a split) ends the call with ExchangeError. A peer that completed a round answers later
 attempts with ALREADY_DONE and publishes the result; a peer whose round did not complete catches
 up from the peers that did (node/exchange/catchup.py). A round needs more than ``quorum`` of the
 peers it started with, so a cut-off minority can never finish on its own. Every wait is bounded
@@ -45,7 +47,7 @@ from murmur.node.exchange.calls import Call, GatherCall, ReduceCall
 from murmur.node.exchange.catchup import CatchUp
 from murmur.node.exchange.channels import Channels
 from murmur.node.exchange.collect import ServeSettings, serve_exchange
-from murmur.node.exchange.group import GroupProvider
+from murmur.node.exchange.group import GroupProvider, RoundGate
 from murmur.node.exchange.own import OwnAttempts
 from murmur.node.exchange.rounds import Rounds
 from murmur.node.exchange.send import Sender
@@ -90,6 +92,7 @@ class GrpcExchange(Exchange):
         aggregator: Aggregator | None = None,
         settings: ExchangeSettings | None = None,
         faults: FaultInjector | None = None,
+        gate: RoundGate | None = None,
     ) -> None:
         self.server = server
         self.loop = loop  # where the calls of the training thread run (submit, run)
@@ -121,7 +124,7 @@ class GrpcExchange(Exchange):
                 on_rejected=self._record_rejection,
             ),
             sender=Sender(peer_id=server.node_id, run_id=server.run_id, channels=self.channels, env=env),
-            catchup=CatchUp(server, self.book, self.channels, self.settings),
+            catchup=CatchUp(server, self.book, self.channels, self.settings, gate),
             timeline=self.timeline,
         )
         serve = ServeSettings(

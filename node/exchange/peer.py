@@ -14,7 +14,7 @@ import inspect
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-from murmur.node.exchange.group import GroupProvider
+from murmur.node.exchange.group import GroupProvider, RoundGate
 from murmur.node.exchange.grpc_exchange import GrpcExchange, LoopHandle
 from murmur.node.exchange.settings import ExchangeSettings
 from murmur.node.net.faults import FaultInjector
@@ -43,6 +43,7 @@ class PeerSpec:
     # dial (the coordinator's dial-back) answering whether nobody can reach it. A client-mode peer
     # advertises CLIENT_ADDRESS: it owns no span and serves nothing to peers.
     client_mode: bool | Callable[[str], Awaitable[bool]] = False
+    gate: RoundGate | None = None  # the run's arbiter of round groups (a node's coordinator session)
 
 
 @dataclass(slots=True)
@@ -90,6 +91,7 @@ async def abuild_peer(spec: PeerSpec, loop: LoopHandle) -> ExchangePeer:
             aggregator=spec.aggregator,
             settings=spec.settings,
             faults=spec.faults,
+            gate=spec.gate,
         )
     except BaseException:
         await server.stop()
