@@ -106,7 +106,7 @@ class Trainers:
                 "and it caught up): these tokens never reached the model; train them again"
             )
         self._judge(self._groups.setdefault(run_id, OrderedDict()), round_id, f"round {round_id}", run_id, group,
-                    is_live)
+                    is_live, settle_s=self.settle_s)
 
     def claim(
         self,
@@ -125,7 +125,9 @@ class Trainers:
         what = f"round {round_id} {key!r}" if key else f"round {round_id}"
         if not whole and (round_id, key) not in claims:
             return False
-        self._judge(claims, (round_id, key), what, run_id, frozenset(members), is_live)
+        # Every live trainer counts, the newest too: a claim comes right after its call completed,
+        # and a trainer that came in meanwhile holds the state and meets the next attempt.
+        self._judge(claims, (round_id, key), what, run_id, frozenset(members), is_live, settle_s=0.0)
         return True
 
     def _judge(
@@ -136,10 +138,14 @@ class Trainers:
         run_id: str,
         group: frozenset[str],
         is_live: Callable[[str], bool],
+        *,
+        settle_s: float,
     ) -> None:
         """The split rules for the group of ``at`` (a round, or an exchange call): it must share a
         member with the group the run was granted ``at`` with; the first group must be a strict
-        majority of the trainers live for a while (and of its own members). SplitRound if not."""
+        majority of the trainers live for ``settle_s`` or more and of its own members (a commit
+        comes a while after its round: trainers newer than that may have joined after the round
+        was completed). SplitRound if not."""
         known = groups.get(at)
         if known is not None:
             if not known & group:
@@ -148,7 +154,7 @@ class Trainers:
                     f"group of {len(group)} trained apart from the run (a split): drop this work and re-sync"
                 )
             return
-        settled = self.clock() - self.settle_s
+        settled = self.clock() - settle_s
         counted = [n for n, t in self.live(run_id, is_live) if t.since <= settled or n in group]
         if 2 * len(group) <= len(counted):
             raise SplitRound(

@@ -221,7 +221,13 @@ def test_a_round_is_granted_to_one_group_before_anyone_applies_it(coord):
 
         try:
             loop = asyncio.get_running_loop()
-            settled = loop.time() + 2 * 1.5 + 0.5  # trainers count against a group once settled (2 TTLs)
+            while not all(r.view_whole for r in await beat()):  # the TTL after the coordinator started
+                await asyncio.sleep(0.2)
+            # A claim comes right after its call: trainers that just came in count already (a
+            # commit's check leaves them out for two TTLs; see the test above).
+            with pytest.raises(CoordinatorError, match="minority group is a split"):
+                await clients[0].claim_round(3, "diloco/0", ids[:1])
+            settled = loop.time() + 2 * 1.5 + 0.5
             while loop.time() < settled:
                 replies = await beat()
                 await asyncio.sleep(0.2)
@@ -243,7 +249,7 @@ def test_a_round_is_granted_to_one_group_before_anyone_applies_it(coord):
 
     asyncio.run(scenario())
     refused = admin_json(coord, "events", "--kind", "round_refused")["events"]
-    assert len(refused) == 2 and {json.loads(e["detail"])["round"] for e in refused} == {4}
+    assert len(refused) == 3 and {json.loads(e["detail"])["round"] for e in refused} == {3, 4}
 
 
 def test_a_view_with_no_trainer_is_whole_and_says_so(coord):
