@@ -595,3 +595,31 @@ def test_a_peer_alone_at_the_rendezvous_does_not_complete_while_the_dht_lists_ot
             p.exchange.all_reduce([torch.ones(100)], round_id=2, key="k").result(timeout=30)
         p.exchange.rounds.group = _SeesOnlyItself({p.node_id: p.server.address}, announced=1)
         assert p.exchange.all_reduce([torch.ones(100)], round_id=3, key="k").result(timeout=30).members == [p.node_id]
+
+
+def test_a_caller_at_a_later_attempt_ends_the_owners_current_one_at_once():
+    """Two peers one attempt apart used to wait out each other's peer_timeout in every attempt
+    and step on together, one apart again, until the round's deadline (a poisoning run under
+    load). A caller that comes with a later attempt ends the owner's current one at once, and the
+    owner's next attempt is the caller's number."""
+    from murmur.node.exchange.attempt import Attempt, RoundBook
+
+    class Pending(Attempt):
+        def complete(self, member: str) -> bool:
+            return False
+
+    async def scenario() -> None:
+        book = RoundBook()
+        rk = (5, "k")
+        att = Pending(op=0, round_id=5, key="k", number=2, members=("a", "b"), layout=b"")
+        await book.register(att)
+        book.saw_attempt(rk, 2, "b")  # the same attempt: nothing changes
+        book.saw_attempt(rk, 1, "b")  # an older one: nothing changes
+        assert not att.done.is_set() and rk not in book.ahead
+        book.saw_attempt(rk, 3, "b")
+        assert att.done.is_set() and "b is at attempt 3" in att.failed["*"]
+        assert book.ahead[rk] == 3
+        book.forget(*rk)
+        assert rk not in book.ahead
+
+    asyncio.run(scenario())

@@ -274,6 +274,8 @@ class RoundBook:
         self.attempts: dict[tuple[int, str], dict[int, Attempt]] = {}
         self.current: dict[tuple[int, str], int] = {}
         self.done: OrderedDict[tuple[int, str], DoneRecord] = OrderedDict()
+        # The highest attempt number a caller came with, past this peer's own (see saw_attempt).
+        self.ahead: dict[tuple[int, str], int] = {}
         self.keep_done = keep_done
         self._changed = asyncio.Condition()
         self.stalled = asyncio.Event()  # fault injection: hold every reply (a stalled machine)
@@ -289,6 +291,23 @@ class RoundBook:
         for att in self.attempts.pop((round_id, key), {}).values():
             att.close()
         self.current.pop((round_id, key), None)
+        self.ahead.pop((round_id, key), None)
+
+    def saw_attempt(self, rk: tuple[int, str], number: int, caller: str) -> None:
+        """A caller is at attempt ``number`` of ``rk``. Past this peer's current attempt, that one
+        cannot complete (the caller never sends for it): end it now, so this peer moves on to
+        ``number`` rather than wait ``peer_timeout`` for an input that never comes; the next
+        attempt this peer starts is ``number`` at least (the caller may come before this peer
+        started the attempt it ends). Without this, two peers one attempt apart each waited out
+        the other in every attempt and stepped on together, one apart again, until the round's
+        deadline (a poisoning run under load)."""
+        current = self.current.get(rk)
+        if current is None or number <= current:
+            return
+        self.ahead[rk] = max(self.ahead.get(rk, -1), number)
+        att = self.attempts.get(rk, {}).get(current)
+        if att is not None:
+            att.disagree(f"{caller} is at attempt {number} already")
 
     def mark_done(self, round_id: int, key: str, record: DoneRecord) -> None:
         self.done[(round_id, key)] = record

@@ -111,6 +111,7 @@ async def _admit(
     rk = (int(h.round), h.key)
     if rk in book.done:
         return None, status(DONE, result_hash=book.done[rk].result_hash)
+    book.saw_attempt(rk, int(h.attempt), peer_id)
     att = await book.wait_attempt(rk, int(h.attempt), s.peer_timeout)
     if att is None:
         if rk in book.done:

@@ -134,6 +134,8 @@ class Rounds:
                     return out
                 members, excluded = await self._regroup(call, members), {}
                 continue
+            # A caller already came with a later attempt (it started this one before we did): join it.
+            number = max(number, self.book.ahead.get((call.round_id, call.key), -1))
             att = self.own.make(call, number, tuple(members))
             self.timeline.mark("attempt", number=number, members=len(members))
             log.debug("round %d %r: attempt %d with %s", call.round_id, call.key, number, members)
@@ -306,6 +308,7 @@ class Rounds:
                 seen |= set(r.members)
                 at = max(at, r.attempt)
         seen |= att.heard  # callers that named peers this attempt lacks
+        at = max(at, self.book.ahead.get((call.round_id, call.key), -1))  # callers already past it
         if att.done.is_set():
             failed.update({k: Dropped(v) for k, v in att.failed.items() if k in call.peers and k not in failed})
         else:
