@@ -126,6 +126,11 @@ ROUNDS = 8
 # Several 4-node runs: slow, and the first one also runs the clean reference (a module fixture).
 e2e = pytest.mark.slow
 e2e_timeout = pytest.mark.timeout(900)
+# What makes the final loss a measure of the aggregator and not of the run's luck: with the testnet's
+# Nesterov 0.9 outer step over 8 rounds the validation loss swings by 3-4% from round to round (the
+# same clean run: 3.40, 3.54, 3.47, 3.40, ...), so where round 8 lands on the swing decided the
+# check; plain averaging does not swing. And 16 validation batches instead of 4.
+STEADY = ["sync.outer_lr=1.0", "sync.outer_momentum=0.0", "train.eval_batches=16"]
 FAST_NODE = ["--peer-timeout", "8", "--rendezvous-deadline", "10", "--round-timeout", "60", "--dht-record-ttl", "6"]
 
 
@@ -137,7 +142,7 @@ def data(tmp_path_factory):
 def _run(tmp_path, data, aggregator: str, fault: str | None):
     """Four nodes train ROUNDS rounds; node 3 poisons every round with ``fault``. Returns (the
     honest nodes' final validation losses, the admin view of each node by index)."""
-    overrides = [f'sync.aggregator="{aggregator}"', f"train.steps={ROUNDS * 5}", "train.eval_every=5"]
+    overrides = [f'sync.aggregator="{aggregator}"', f"train.steps={ROUNDS * 5}", "train.eval_every=5", *STEADY]
     net = make_testnet(tmp_path, data, overrides=overrides, node_args=[*FAST_NODE, "--min-peers", "4"])
     net.coordinator_args = ["--dht"]  # the bootstrap peer: no node waits for another's DHT
     with net:
@@ -195,13 +200,12 @@ def test_commits_carry_the_bytes_of_their_span_so_the_ledger_sums_to_what_nodes_
         ("poison_random", "centered_clip"),
     ],
 )
-# Not yet a stable check: idle, every case ends within 2% (3.33-3.43 against 3.41), but in a clean
-# CI run centered_clip with noise ended at 3.476, 2.003% above. Skipped, not passed.
-@pytest.mark.skip(reason="within 2% idle, 2.003% over once under CI load: not yet a stable check")
 def test_a_robust_aggregator_keeps_the_honest_loss_within_2_percent(tmp_path, data, clean, fault, aggregator):
-    """No more than 2% above the clean plain-mean run. Ending lower is no damage: the robust rules
-    alone, with no poisoner, end 1.7% below the plain mean here (3.351 and 3.353 against 3.408,
-    the same from run to run to 1e-3), as a poisoned run under centered_clip may too."""
+    """No more than 2% above the clean plain-mean run. Measured with the STEADY settings on this
+    2-core machine with both cores kept busy by two other processes, three runs of each: clean
+    3.320-3.322; trimmed_mean against sign flips 3.3285-3.3291 and CenteredClip against noise
+    3.319-3.328 (+0.2% at most); x1e4 and NaN 3.315 and 3.317 (refused outright). Ending lower is
+    no damage (the robust rules alone end at 3.318)."""
     reference, _ = clean
     losses, views = _run(tmp_path, data, aggregator, fault)
     for loss in losses:
@@ -215,8 +219,8 @@ def test_a_robust_aggregator_keeps_the_honest_loss_within_2_percent(tmp_path, da
 @e2e_timeout
 def test_with_the_plain_mean_a_flipped_update_under_the_norm_filter_shows_the_damage(tmp_path, data, clean):
     """The attacker who knows the pre-filter flips its update and scales it 8x (the filter drops
-    10x the median): the plain mean then steps against the honest direction. A plain flip only
-    halves the step of four nodes, which 8 rounds cannot tell from run-to-run noise (1-4%)."""
+    10x the median): the plain mean then steps against the honest direction (9.78 against 3.32,
+    measured as above; a plain flip, which halves the step of four nodes, ended at 3.51: +5.7%)."""
     reference, _ = clean
     losses, _ = _run(tmp_path, data, "mean", "poison_flip")
     assert all(not loss <= reference * 1.05 for loss in losses), (losses, reference)  # NaN is damage too
