@@ -95,3 +95,28 @@ def test_coordinator_outage_training_goes_on_and_commits_arrive(tmp_path, byte_d
         # Everything trained, through the outage too, reached the ledger exactly once.
         assert total == sum(r["tokens"] for r in trained(node))
         _committed_spans_add_up(offsets, total)
+
+
+def test_a_round_that_completes_after_sigterm_is_committed_though_it_outlasts_the_lease(tmp_path, data):
+    """SIGTERM while a round is being finished (its checkpoint written, slowly): the round is
+    committed, though the commit comes long after the lease would have expired without heartbeats
+    (they go on until the node closes). On a GPU node with a testnet's 6 s lease, the heartbeats
+    stopped with the SIGTERM and the last round's commit was refused."""
+    net = make_testnet(tmp_path, data, node_args=["--solo", "--fault", "delay:checkpoint:4@x*"])
+    net.coordinator_args = ["--lease-ttl", "1", "--heartbeat-ttl", "3"]
+    with net:
+        net.start_coordinator()
+        net.create_run(token_uses=2)
+        node = net.add_node()
+        wait_rounds(node, 1)
+        since = len(log(node))
+        wait_log(node, r"injected fault: checkpoint delayed", since=since)  # the next round's
+        node.proc.send_signal(signal.SIGTERM)
+        assert node.proc.wait(60) == 0, log(node)[-2000:]
+        text = log(node)
+        assert "refused" not in text, text[-2000:]
+        rounds = trained(node)
+        assert len(rounds) >= 2  # the round under way when the signal came is one of them
+        total, offsets, _ = ledger(net)
+        assert total == sum(r["tokens"] for r in rounds) > 0
+        _committed_spans_add_up(offsets, total)

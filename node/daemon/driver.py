@@ -32,6 +32,7 @@ from murmur.node.daemon.state_dir import PendingCommit, StateDir
 from murmur.node.daemon.stop import StopSignal
 from murmur.node.daemon.training import LeaseView, NodeTrainer, Segment, WindowResult
 from murmur.node.model.data import Dataset, eval_batches
+from murmur.node.net.faults import FaultInjector
 from murmur.node.train.step import evaluate
 from murmur.optim.exchange import ExchangeError
 from murmur.protocol.model_shape import ddp_bytes
@@ -59,10 +60,12 @@ class TrainingDriver:
         max_rounds: int,
         log: Callable[[str], None],
         ranks: LocalRanks | None = None,
+        faults: FaultInjector | None = None,
     ) -> None:
         self.cfg, self.dataplane, self.session, self.state = cfg, dataplane, session, state
         self.metrics, self.stop, self.s, self.log = metrics, stop, settings, log
         self.threads, self.max_rounds = threads, max_rounds
+        self.faults = faults  # --fault: the delay points on this side of the daemon
         self.loop = asyncio.get_running_loop()
         if threads:
             torch.set_num_threads(threads)
@@ -162,7 +165,7 @@ class TrainingDriver:
             self.loop.call_soon_threadsafe(self._record_start, v)
         # The finisher's thread hands each round to the loop, where `_after_round` logs and commits it.
         hand_over = functools.partial(self.loop.call_soon_threadsafe, self._after_round)
-        finisher = self._finisher = RoundFinisher(self.state.save_checkpoint, hand_over)
+        finisher = self._finisher = RoundFinisher(self._save_checkpoint, hand_over)
         try:
             self._windows(finisher, val, eval_every)
         except BaseException:
@@ -214,6 +217,12 @@ class TrainingDriver:
             if self.max_rounds and rounds_here >= self.max_rounds:
                 self.loop.call_soon_threadsafe(self.stop.request, f"--max-rounds {self.max_rounds} reached")
                 break
+
+    def _save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """The round finisher's write (its thread); ``--fault delay:checkpoint:S`` slows it."""
+        if self.faults is not None:
+            self.faults.pause("checkpoint", self.session.info.node_id, int(checkpoint["shared"]["round"]))
+        self.state.save_checkpoint(checkpoint)
 
     def _window_commits(self, result: WindowResult, record: dict[str, Any]) -> list[PendingCommit]:
         """What a completed window commits: its spans of leased shards, or nothing when the round

@@ -172,6 +172,7 @@ class Node:
             max_rounds=self.o.max_rounds,
             log=self.log,
             ranks=self.ranks,
+            faults=self.o.faults,
         )
         if self.o.min_peers > 1 and not self.stop.is_set():
             seen = await self.dataplane.wait_for_peers(self.o.min_peers, self.s.peers_wait_s, self.stop.is_set)

@@ -180,8 +180,11 @@ class CoordinatorSession:
         self.metrics.coordinator_up = int(up)
 
     async def _heartbeats(self) -> None:
+        # Until close() cancels it, not until the stop: the window in flight when a SIGTERM comes
+        # still completes its round and commits it, and its lease must live until then (a testnet's
+        # 6 s lease expired under a GPU node's last round, and its commit was refused).
         interval = self.info.heartbeat_interval_s or 1.0
-        while not self.stop.is_set():
+        while not self._closing:
             try:
                 peer = None
                 if self.in_rounds:
@@ -200,7 +203,7 @@ class CoordinatorSession:
                     self._commit_wakeup.set()
                 if reply.heartbeat_interval_s > 0:
                     interval = reply.heartbeat_interval_s
-                if reply.run_state == "finished":
+                if reply.run_state == "finished" and not self.stop.is_set():
                     self.stop.request("the run is finished")
                 if self.unreported:
                     await self._report_rejections()
@@ -209,7 +212,10 @@ class CoordinatorSession:
                     self._mark(False, err)
                 else:
                     self.log(f"heartbeat refused: {err}")
-            await self.stop.sleep(interval)
+            if self.stop.is_set():
+                await asyncio.sleep(interval)  # stop.sleep no longer waits once the stop is asked for
+            else:
+                await self.stop.sleep(interval)
 
     # -- the arbiter of round groups -------------------------------------------------------------
 

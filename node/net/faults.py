@@ -34,6 +34,8 @@ Delays (``delay``: sleep SECONDS at a named point, each time the point is reache
   stage_compute  before a stage peer computes a Forward or Backward (node/pipeline/service.py)
   peer_lookup    before a node looks its peers' records up in the DHT (node/daemon/peer_dataplane.py):
                  a joiner whose DHT is slow or unreachable sees nobody in time
+  checkpoint     before a node writes a round's local checkpoint (node/daemon/driver.py): a slow
+                 disk between a round's end and its commit
 
 Spec strings (the command line, `FaultInjector.parse`): ``fault[@ROUND][xTIMES]`` and, for a
 delay, ``delay:POINT:SECONDS[@ROUND][xTIMES]``; TIMES ``*`` fires every time. For example
@@ -44,10 +46,12 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import logging
 import math
 import os
 import signal
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -71,12 +75,14 @@ CALL_FAULTS = (
     *POISONS,
 )
 FAULTS = (*CALL_FAULTS, "delay")
-DELAY_POINTS = ("rendezvous", "send_input", "snapshot_piece", "stage_compute", "peer_lookup")
+DELAY_POINTS = ("rendezvous", "send_input", "snapshot_piece", "stage_compute", "peer_lookup", "checkpoint")
 ANY = "*"
 POISON_SCALE = 1e4
 POISON_FLIP_SCALE = 8.0  # under the pre-filter's 10x the median norm, so the plain rules take it in
 NAN_BYTES = {"float32": b"\x00\x00\xc0\x7f", "float16": b"\x00\x7e", "bfloat16": b"\xc0\x7f"}
 FLOAT_PARTS = {"float32", "float16", "bfloat16"}
+
+log = logging.getLogger(__name__)
 
 
 class FaultError(ValueError):
@@ -149,7 +155,16 @@ class FaultInjector:
         """The ``delay`` fault point ``point``: sleep if a delay is armed here."""
         armed = self.take("delay", peer, round_id, point=point, target=target)
         if armed is not None:
+            # In the log, so a test can act while the delay lasts (a signal mid-exchange).
+            log.warning("injected fault: %s delayed %.1f s (round %d)", point, armed.seconds, round_id)
             await asyncio.sleep(armed.seconds)
+
+    def pause(self, point: str, peer: str, round_id: int) -> None:
+        """`delay` for a point on a plain thread (no event loop there): block it."""
+        armed = self.take("delay", peer, round_id, point=point)
+        if armed is not None:
+            log.warning("injected fault: %s delayed %.1f s (round %d)", point, armed.seconds, round_id)
+            time.sleep(armed.seconds)
 
     def exit(self, when: str) -> None:
         """Die as a SIGKILL would (or as the stand-in ``die`` does, then end the call)."""
