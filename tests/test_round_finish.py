@@ -138,3 +138,18 @@ def test_drain_returns_once_every_submitted_round_is_handed_over(tmp_path):
     assert handed == [1, 2]
     t.join(30)
     finisher.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_snapshot_of_gpu_tensors_is_a_finished_page_locked_copy_the_gpu_cannot_move():
+    g = torch.arange(1 << 20, dtype=torch.float32, device="cuda")
+    state = {"tensors": {"a": g, "b": g[::2].to(torch.bfloat16)}, "list": [g[:3]], "step": 7}
+    snap = cpu_snapshot(state)
+    g.add_(1.0)  # the next window's in-place update, queued right after the copies
+    assert snap["step"] == 7
+    a, b, (c,) = snap["tensors"]["a"], snap["tensors"]["b"], snap["list"]
+    assert a.device.type == b.device.type == "cpu" and a.is_pinned() and b.dtype == torch.bfloat16
+    assert torch.equal(a, torch.arange(1 << 20, dtype=torch.float32))
+    assert torch.equal(b, torch.arange(0, 1 << 20, 2, dtype=torch.float32).to(torch.bfloat16))
+    assert c.tolist() == [0.0, 1.0, 2.0]

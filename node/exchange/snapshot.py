@@ -30,7 +30,9 @@ class Snapshot:
         faults: CallFaults | None = None,
     ) -> None:
         self.numel = sum(t.numel() for t in tensors)
-        self.flat = torch.empty(self.numel)
+        # From a GPU, into page-locked memory: a transfer at the link's speed instead of through a
+        # staging buffer (torch's host allocator reuses the block in the next round).
+        self.flat = torch.empty(self.numel, pin_memory=any(t.is_cuda for t in tensors))
         self.complete = asyncio.Event()
         self._tensors = tensors
         self._views: dict[int, torch.Tensor] = {}  # tensor index -> its flat view (worker thread only)
