@@ -343,8 +343,8 @@ class CoordinatorSession:
     async def acquire(self) -> LeaseView | None:
         """A lease to train on, waiting through outages and busy shards; None once the node stops."""
         while not self.stop.is_set():
-            # The coordinator hands back a held lease until its shard is done (or is exhausted in
-            # the window under way): commits first.
+            # The coordinator hands back a held lease until its shard is done, or while it is
+            # named as exhausted (run out by a window whose commits have not gone out): commits first.
             if not await self.flush_commits():
                 await self.stop.sleep(self.s.outage_retry_s)
                 continue
