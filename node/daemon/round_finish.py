@@ -55,8 +55,9 @@ class RoundFinisher:
 
     def drain(self) -> None:
         """Wait until every round submitted so far is handed over (training thread). A lease
-        request must come after the last window's commits: the coordinator hands a shard that
-        ran out back until its commit says so. Raises the error of a failed write."""
+        request after a lost or dropped lease must come after the last windows' commits: the
+        coordinator hands the shard back from its committed offset. Raises the error of a failed
+        write."""
         self._pool.submit(lambda: None).result()  # one FIFO worker: everything before it is done
         self._raise_failure()
 
