@@ -66,7 +66,11 @@ def test_a_restart_behind_the_run_with_its_holders_dead_never_trains_apart(tmp_p
         wait_log(c, either, timeout_s=WAIT_S, since=since)
         net.start_node(a)
         mark = max(last_round(a), last_round(c))
-        wait_for(lambda: min(last_round(a), last_round(c)) >= mark + 2, WAIT_S, what="a and c to train on together")
+
+        def together() -> bool:  # a round count alone is not it: a node going on renumbered jumps past it
+            return all(any(int(r["round"]) > mark and r["peers"] == 2 for r in trained(n)) for n in (a, c))
+
+        wait_for(together, WAIT_S, what="a and c to train on together")
         for node in (a, c):
             node.proc.send_signal(signal.SIGTERM)
         for node in (a, c):

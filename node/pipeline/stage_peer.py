@@ -77,6 +77,7 @@ class StagePeer:
         self.state_address = ""
         self.service: StageService | None = None
         self.state_source = ""
+        self.serving = False  # set once the first `_become` is done (wait_serving)
         self.fetched_from: list[str] = []
         self.moves = 0
         self._moving: asyncio.Task | None = None
@@ -113,7 +114,10 @@ class StagePeer:
                 self._tasks.append(asyncio.create_task(self._keep_replica()))
 
     async def wait_serving(self) -> None:
-        while self.service is None:
+        # Until the first `_become` is done, not until the service exists: it is assigned before its
+        # server starts and before the state is loaded, and a peer reported ready then with no
+        # state source (a CI run under load).
+        while not self.serving:
             if self._moving is not None and self._moving.done():
                 self._moving.result()  # a failed first load raises here
             await asyncio.sleep(0.05)
@@ -211,6 +215,7 @@ class StagePeer:
         if self._replica is not None and self._replica.name == stage_state.state_name(stage):
             self._replica = None  # it serves that stage now; the copy is its own state
         self.state_source = source
+        self.serving = True
         self._publish(worker)
         loop = asyncio.get_running_loop()
         worker.on_step = lambda: loop.call_soon_threadsafe(self._publish_if_current, worker)
