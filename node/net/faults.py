@@ -153,18 +153,24 @@ class FaultInjector:
 
     async def delay(self, point: str, peer: str, round_id: int, *, target: str = ANY) -> None:
         """The ``delay`` fault point ``point``: sleep if a delay is armed here."""
-        armed = self.take("delay", peer, round_id, point=point, target=target)
-        if armed is not None:
-            # In the log, so a test can act while the delay lasts (a signal mid-exchange).
-            log.warning("injected fault: %s delayed %.1f s (round %d)", point, armed.seconds, round_id)
-            await asyncio.sleep(armed.seconds)
+        seconds = self._delay_armed(point, peer, round_id, target)
+        if seconds:
+            await asyncio.sleep(seconds)
 
     def pause(self, point: str, peer: str, round_id: int) -> None:
         """`delay` for a point on a plain thread (no event loop there): block it."""
-        armed = self.take("delay", peer, round_id, point=point)
-        if armed is not None:
-            log.warning("injected fault: %s delayed %.1f s (round %d)", point, armed.seconds, round_id)
-            time.sleep(armed.seconds)
+        seconds = self._delay_armed(point, peer, round_id, ANY)
+        if seconds:
+            time.sleep(seconds)
+
+    def _delay_armed(self, point: str, peer: str, round_id: int, target: str) -> float:
+        """The seconds of the delay armed at ``point`` (taken once), or 0."""
+        armed = self.take("delay", peer, round_id, point=point, target=target)
+        if armed is None:
+            return 0.0
+        # In the log, so a test can act while the delay lasts (a signal mid-exchange).
+        log.warning("injected fault: %s delayed %.1f s (round %d)", point, armed.seconds, round_id)
+        return armed.seconds
 
     def exit(self, when: str) -> None:
         """Die as a SIGKILL would (or as the stand-in ``die`` does, then end the call)."""
