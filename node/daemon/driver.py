@@ -121,7 +121,10 @@ class TrainingDriver:
             self.trainer.load_shared_tensors(state)
             self._ratio_base_step = self.trainer.step  # this node's bytes count from here
             self.log(f"took the global state of round {self.trainer.round} from peers")
-        elif self.session.in_rounds and self.session.view.newest > self.trainer.round:
+        elif self.session.in_rounds and self.session.view.newest > self.trainer.round and not self.stop.is_set():
+            # (A stop that cut the wait short says nothing of the holders: no renumbering then. A
+            # chaos round's node, SIGTERMed while it waited, went on as the run's newest round
+            # with its own older state and published it under that number before it left.)
             # Every holder of the run's newer rounds is gone (state_fetch_timeout_s passed): their
             # rounds are lost with them. Go on from this node's state under the run's newest round
             # number, so no round of the run ever has two states (a holder that comes back later
