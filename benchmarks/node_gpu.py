@@ -5,7 +5,7 @@ Three measurements in one go, every one through the real entry points (subproces
                 first --warmup-steps (torch.compile, allocator warm-up) are not counted
   1 node        `murmur testnet up --nodes 1 --device cuda`: coordinator, DHT, one node daemon
                 (leases, commits, per-round hash, checkpoint and state publishing, the exchange)
-  2 nodes       `--nodes 2` on the same GPU (gpu_share 0.5): DiLoCo rounds over loopback gRPC;
+  2 nodes       `--nodes 2` on the same GPU (gpu_share 0.5): rounds over loopback gRPC;
                 every round both nodes recorded must carry the same global-state hash
 
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \\
@@ -49,6 +49,9 @@ CONFIG = "configs/testnet-gpu.toml"
 # `murmur train`'s progress line: "step   12/200 | loss 7.1234 | lr 1.00e-04 | 123,456 tok/s | 130 ms"
 STEP_LINE = re.compile(r"^step\s+(\d+)/\d+ \| loss \S+ \| lr \S+ \| ([\d,]+) tok/s \| (\d+) ms")
 NO_EVAL = "train.eval_every=1000000000"  # validation is neither side's work in this comparison
+# `murmur train` waits for the device only on the steps it logs; the node waits once a window (H
+# steps). Logging every 10th step gives train alone the same freedom to queue steps ahead.
+TRAIN_LOG_EVERY = "train.log_every=10"
 # `python -m murmur.cli` puts its working directory first on sys.path, and in the repository root
 # the folder murmur/ (the CLI alone) would hide the package gpu_env.sh lays out: run elsewhere.
 WORK_DIR = Path("/")
@@ -92,10 +95,11 @@ def prepare_data(path: Path, copies: int, shard_tokens: int) -> None:
 
 def train_alone(args: argparse.Namespace, data: Path, sets: list[str]) -> dict:
     cmd = murmur("train", "--config", args.config, "--device", args.device, "--steps", str(args.train_steps),
-                 "--data", str(data), "--out", str(args.out / "train"), *sets)
+                 "--data", str(data), "--out", str(args.out / "train"), *sets, "--set", TRAIN_LOG_EVERY)
     code, text = run_logged(cmd, args.out / "train.log", args.step_timeout)
     steps = [(int(m[1]), float(m[2].replace(",", "")), float(m[3]))
              for m in map(STEP_LINE.match, text.splitlines()) if m]
+    # A line's rate and ms are the means of the steps since the line before (equal counts).
     measured = [(tps, ms) for step, tps, ms in steps if step > args.warmup_steps]
     if code != 0 or not measured:
         return {"exit": code, "error": "no measured steps: see train.log"}
@@ -271,8 +275,10 @@ def write_results(args: argparse.Namespace, alone: dict, rows: list[dict]) -> No
             "tokens_per_s_node: tokens over the wall time between a node's round records (everything "
             f"the daemon does between windows counted), the first {args.warmup_rounds} rounds left out; "
             f"tokens_per_s_train_alone: `murmur train` on the same config, steps after the first "
-            f"{args.warmup_steps}; overhead_pct = 100*(1 - node/(alone*gpu_share)); round_s: a record's "
-            "seconds (H inner steps and the exchange), exchange_s: seconds - compute_seconds; per_node "
+            f"{args.warmup_steps} (it logs, and waits for the device, every 10th step; the node once a "
+            f"window); overhead_pct = 100*(1 - node/(alone*gpu_share)); round_s: a record's "
+            "seconds (H inner steps and the exchange), exchange_s: seconds - compute_seconds (what the window "
+            "waited for the exchange and for leases); per_node "
             "also gives the rates over round time and compute time, and between_rounds_s (the per-round "
             "hash, checkpoint and state publishing); validation off on both sides; data: the bundled "
             f"Shakespeare repeated {args.copies} times (GPT-2 tokens); {args.threads} torch threads per node"

@@ -1,9 +1,10 @@
 """Single-node training: `murmur train --config RUN.toml`.
 
 AdamW with linear warm-up and cosine decay, gradient clipping, bf16 autocast on a GPU, validation
-every N steps, checkpoints (model, optimizer, data position, RNG) with exact resume, and one
-progress line per step. The step itself is the one the simulator and the node run
-(node/train/step.py), on a model built as theirs are (node/train/build.py).
+every N steps, checkpoints (model, optimizer, data position, RNG) with exact resume, and a
+progress line every `train.log_every` steps: only those steps wait for the device, and between them
+the next batch loads while the device runs the queued steps. The step itself is the one the
+simulator and the node run (node/train/step.py), on a model built as theirs are (node/train/build.py).
 """
 
 from __future__ import annotations
@@ -46,20 +47,30 @@ class Trainer:
             dataset, shards or list(range(dataset.num_shards)), cfg.train.batch_size, self.model.cfg.seq_len
         )
         self.step_count = 0
+        self._read_at = (time.perf_counter(), 0)  # (time, step) of the last read of the loss
         forward = torch.compile(self.model) if cfg.train.compile else self.model
         self.inner = InnerStep(forward, self.opt, cfg, device, clip_grad_norm(self.model))
         self.val_batches = eval_batches(dataset, cfg.train.batch_size, self.model.cfg.seq_len, cfg.train.eval_batches)
 
-    def step(self) -> StepStats:
-        t0 = time.perf_counter()
+    def step(self, read: bool = True) -> StepStats | None:
+        """One optimizer step. With ``read``, wait for the device and return the loss with the
+        mean rate since the last read; without, return None once the step is queued."""
         x, y = next(self.loader)
         loss, lr = self.inner(self.step_count, self.cfg.train.steps, x, y)
-        loss_value = loss.item()  # also synchronizes the device, so the timing below is honest
-        if not math.isfinite(loss_value):
-            raise MurmurError(f"loss became {loss_value} at step {self.step_count}: lower optim.lr")
-        dt = time.perf_counter() - t0
         self.step_count += 1
+        if not read:
+            return None
+        loss_value = loss.item()  # waits for the device, so the timing below is honest
+        if not math.isfinite(loss_value):
+            raise MurmurError(f"loss became {loss_value} at step {self.step_count - 1}: lower optim.lr")
+        (t0, step0), now = self._read_at, time.perf_counter()
+        self._read_at = (now, self.step_count)
+        dt = (now - t0) / max(1, self.step_count - step0)
         return StepStats(self.step_count, loss_value, lr, x.numel() / dt, dt * 1000)
+
+    def restart_clock(self) -> None:
+        """Rates from now on (after validation or a checkpoint, which are not steps)."""
+        self._read_at = (time.perf_counter(), self.step_count)
 
     def validate(self) -> float:
         return evaluate(self.model, self.val_batches, self.device, self.cfg.train.dtype)
@@ -147,22 +158,26 @@ def _run(args: argparse.Namespace) -> int:
     first_val = best_val = trainer.validate()
     print(f"val  step {trainer.step_count:5d} | loss {first_val:.4f}")
     tokens = 0
-    stats = None
-    while trainer.step_count < cfg.train.steps:
-        stats = trainer.step()
-        tokens += cfg.train.batch_size * mc.seq_len
-        if stats.step % cfg.train.log_every == 0 or stats.step == cfg.train.steps:
+    trainer.restart_clock()
+    tc = cfg.train
+    while trainer.step_count < tc.steps:
+        n = trainer.step_count + 1
+        stats = trainer.step(read=n % tc.log_every == 0 or n == tc.steps)
+        tokens += tc.batch_size * mc.seq_len
+        if stats is not None:
             print(
-                f"step {stats.step:5d}/{cfg.train.steps} | loss {stats.loss:.4f} | lr {stats.lr:.2e} | "
+                f"step {n:5d}/{tc.steps} | loss {stats.loss:.4f} | lr {stats.lr:.2e} | "
                 f"{stats.tokens_per_s:,.0f} tok/s | {stats.ms:.0f} ms",
                 flush=True,
             )
-        if stats.step % cfg.train.eval_every == 0 or stats.step == cfg.train.steps:
+        if n % tc.eval_every == 0 or n == tc.steps:
             val = trainer.validate()
             best_val = min(best_val, val)
-            print(f"val  step {stats.step:5d} | loss {val:.4f}", flush=True)
-        if cfg.train.checkpoint_every and stats.step % cfg.train.checkpoint_every == 0:
+            print(f"val  step {n:5d} | loss {val:.4f}", flush=True)
+            trainer.restart_clock()
+        if tc.checkpoint_every and n % tc.checkpoint_every == 0:
             trainer.save(ckpt)
+            trainer.restart_clock()
     trainer.save(ckpt)
     wall = time.perf_counter() - t_start
     final = trainer.validate()
