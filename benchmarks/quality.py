@@ -247,12 +247,17 @@ def curve_row(rows: list[dict], names: dict[str, Row], floor: float) -> Row | No
     return pick and names[pick["name"]]
 
 
-def gap_vs_batch(regime, row, best_variant, ddp_variant, data, steps, seeds, device, dataset, init, log) -> list:
-    """At equal tokens (and equal rounds: H scaled with the batch), DDP and ``row`` per batch."""
+def gap_vs_batch(regime, row, best_variant, ddp_variant, data, steps, seeds, device, dataset, init, log,
+                 on_point=lambda points: None) -> list:
+    """At equal tokens (and equal rounds: H scaled with the batch), DDP and ``row`` per batch.
+    ``on_point`` gets the points so far after each one (a call cut short keeps them); the
+    headline batch goes first and the smallest, the slowest to run, last."""
     base_batch, seq = regime["base"]["train"]["batch_size"], regime["base"]["model"]["seq_len"]
     total = steps * base_batch * seq
-    points = []
-    for tokens in regime["batch_tokens"]:
+    headline = base_batch * seq
+    order = sorted(regime["batch_tokens"], key=lambda t: (t != headline, t < headline, t))
+    points: list[dict] = []
+    for tokens in order:
         batch = max(1, tokens // seq)
         n = max(1, total // (batch * seq))
         h = max(1, round(row.sync["inner_steps"] * base_batch / batch))
@@ -264,6 +269,8 @@ def gap_vs_batch(regime, row, best_variant, ddp_variant, data, steps, seeds, dev
                        "row": row.name, "ddp_val_loss": a["val_loss_mean"], "row_val_loss": b["val_loss_mean"],
                        "loss_gap_pct": round(100 * (b["val_loss_mean"] - a["val_loss_mean"]) / a["val_loss_mean"], 2),
                        "reduction_vs_ddp": b["reduction_vs_ddp"]})
+        points.sort(key=lambda p: p["per_worker_batch_tokens"])
+        on_point(points)
     return points
 
 
@@ -476,9 +483,12 @@ def main(argv: list[str] | None = None) -> int:
     pick = curve_row(payload["rows"], by_name, regime["curve_min_reduction"])
     if not args.no_curve and pick is not None and "ddp" in best_variant:
         print(f"== gap vs batch: {pick.name}", flush=True)
-        payload["gap_vs_batch"] = gap_vs_batch(regime, pick, best_variant[pick.name], best_variant["ddp"], data, steps,
-                                               seeds, device, dataset, init, quiet)
-        write(dirs, payload)
+        def partial(points: list[dict]) -> None:
+            payload["gap_vs_batch"] = points
+            write(dirs, payload)
+
+        gap_vs_batch(regime, pick, best_variant[pick.name], best_variant["ddp"], data, steps, seeds, device, dataset,
+                     init, quiet, partial)
     print(json.dumps(payload["summary"], indent=1))
     return 0
 
