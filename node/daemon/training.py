@@ -253,23 +253,23 @@ class NodeTrainer:
 
     # -- one window ------------------------------------------------------------------------------
 
-    def _inner_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """One step, queued on the device: nothing here waits for the device, so the next batch
-        is loaded and the next step's kernels are queued while this one runs (a wait per step
-        left the GPU idle while the training thread loaded the next batch)."""
+    def _inner_step(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, float]:
+        """One step; returns (loss, seconds of compute): the step's time less its exchange waits."""
+        t0, waited0 = time.perf_counter(), self.meter.waited_s
         if self.ranks is not None:  # the other ranks take their slices (and this rank's weights)
             x, y = self.ranks.begin_step(self.model, x, y)
         # DDP all-reduces in it, DeMo all-gathers, DiLoCo launches or applies an exchange.
         loss = self.inner(self.step, self.cfg.train.steps, x, y).loss
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
         self.step += 1
-        return loss
+        return loss, (time.perf_counter() - t0) - (self.meter.waited_s - waited0)
 
     def run_window(self, next_lease: LeaseSource, stop: Callable[[], bool]) -> WindowResult:
-        """H inner steps on the leased data (taking new leases as shards run out). Its compute
-        time is its wall time less what it spent waiting for leases and for the exchange."""
+        """H inner steps on the leased data (taking new leases as shards run out)."""
         t0, waited0 = time.perf_counter(), self.meter.waited_s
         losses: list[torch.Tensor] = []
-        leasing = 0.0
+        compute = 0.0
         segments: list[Segment] = []
         stopped = False
         for _ in range(self.h):
@@ -282,9 +282,7 @@ class NodeTrainer:
                     segments.append(done)  # its tail only (nothing trained on it in this window)
                 # A shard that ran out is committed with the window's round, like the rest: its
                 # tokens count only if the round completes (the coordinator keeps it held).
-                t_lease = time.perf_counter()
                 lease = next_lease(done)
-                leasing += time.perf_counter() - t_lease
                 if lease is None:
                     stopped = True
                     break
@@ -297,28 +295,24 @@ class NodeTrainer:
                 segments.append(Segment(self.lease, offset, offset))
             x, y = next(self.loader)
             segments[-1].end = self.loader.position.offset
-            losses.append(self._inner_step(x, y))
+            loss, dt = self._inner_step(x, y)
+            losses.append(loss)
+            compute += dt
         if stopped:
-            self._sync_device()
-            seconds = time.perf_counter() - t0
-            compute = seconds - leasing - (self.meter.waited_s - waited0)
-            return WindowResult(self.round, len(losses), math.nan, 0, seconds, compute, [], True)
-        mean = torch.stack(losses).float().mean().item()  # waits for the window's last step
+            return WindowResult(
+                self.round, len(losses), math.nan, 0, time.perf_counter() - t0, compute, [], True
+            )
+        mean = torch.stack(losses).float().mean().item()
         if not math.isfinite(mean):
             raise TrainingError(f"loss became {mean} in round {self.round}: lower optim.lr")
         self.round += 1
         if self.lease is not None and not self._fits():
             self._close_segment(segments)  # runs out exactly at the window's end: commit with it
         tokens = sum(s.end - s.start for s in segments)
-        seconds, waited = time.perf_counter() - t0, self.meter.waited_s - waited0
         return WindowResult(
-            self.round, len(losses), mean, tokens, seconds, seconds - leasing - waited, segments,
-            exchange_wait_seconds=waited,
+            self.round, len(losses), mean, tokens, time.perf_counter() - t0, compute, segments,
+            exchange_wait_seconds=self.meter.waited_s - waited0,
         )
-
-    def _sync_device(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
 
     def _close_segment(self, segments: list[Segment]) -> Segment | None:
         """The shard has no full batch left: its segment runs to the shard's end (the tail shorter
