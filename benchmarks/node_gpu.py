@@ -131,7 +131,9 @@ def node_figures(recs: list[dict], warmup_rounds: int) -> dict:
         "round_s": statistics.mean(seconds),
         "exchange_s": statistics.mean(exchange),
         "exchange_wait_s": statistics.mean(r.get("exchange_wait_seconds", 0.0) for r in kept),
-        "between_rounds_s": statistics.mean(gaps),  # hash, checkpoint, publishing, commits
+        "between_rounds_s": statistics.mean(gaps),  # the training thread's work between windows
+        # of which: copying the state the next window overwrites (its page-locked memory included)
+        "snapshot_s": statistics.mean(r.get("snapshot_seconds", 0.0) for r in kept[:-1]),
         "peers": max(int(r.get("peers", 0)) for r in kept),
         "left_out_rounds": sum(1 for r in trained if r.get("contributed") is False),
         "bytes_sent_per_round": (kept[-1]["bytes_sent"] - kept[0]["bytes_sent"]) / (len(kept) - 1),
@@ -279,8 +281,9 @@ def write_results(args: argparse.Namespace, alone: dict, rows: list[dict]) -> No
             f"window); overhead_pct = 100*(1 - node/(alone*gpu_share)); round_s: a record's "
             "seconds (H inner steps and the exchange), exchange_s: seconds - compute_seconds (what the window "
             "waited for the exchange and for leases); per_node "
-            "also gives the rates over round time and compute time, and between_rounds_s (the per-round "
-            "hash, checkpoint and state publishing); validation off on both sides; data: the bundled "
+            "also gives the rates over round time and compute time, between_rounds_s (the training thread's "
+            "time between windows) and snapshot_s (of it, the copies of the state for the round's hash, "
+            "checkpoint and publishing); validation off on both sides; data: the bundled "
             f"Shakespeare repeated {args.copies} times (GPT-2 tokens); {args.threads} torch threads per node"
         ),
     }

@@ -15,10 +15,10 @@ resumes from, as before.
 
 A slow disk does not slow training. At most one checkpoint waits beside the one being written
 (memory stays bounded); a newer round's checkpoint replaces the waiting one, and the rounds whose
-checkpoint was replaced are handed over together with the round whose checkpoint covers them. On
-the H200 a base-preset node wrote a ~2 GB fsynced checkpoint each 3.7 s round; a round that found
-two checkpoints ahead of its own waited 0.4-1.9 s for the disk, 15% of a node's time
-(benchmarks/results/node_gpu.json). Only when MAX_WAITING rounds wait unhashed does a submit block.
+checkpoint was replaced are handed over together with the round whose checkpoint covers them. A
+base-preset node on a GPU writes a ~2 GB fsynced checkpoint every few seconds, which a volunteer's
+disk need not keep up with (on the H200 it did: no submit waited). Only when MAX_WAITING rounds
+wait unhashed does a submit block.
 A failed write stops the node at the next hand-over with the write's own error, and neither the
 round it belonged to nor any round waiting on it is logged or committed.
 """
