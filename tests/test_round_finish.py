@@ -8,9 +8,10 @@ import threading
 import pytest
 import torch
 
+from murmur.node.daemon import snapshot
 from murmur.node.daemon.round_finish import MAX_WAITING, RoundFinisher
 from murmur.node.daemon.state_dir import StateDir
-from murmur.node.daemon.training import cpu_snapshot, shared_state_hash
+from murmur.node.daemon.training import shared_state_hash
 from murmur.protocol.wire import tensors_hash
 
 
@@ -85,7 +86,7 @@ def test_the_next_submit_raises_the_earlier_failure(tmp_path):
 
 def test_a_snapshot_is_not_moved_by_later_in_place_updates():
     live = {"model": {"w": torch.zeros(3)}, "opt": [torch.ones(2)], "step": 4, "pair": (torch.ones(1), "x")}
-    snap = cpu_snapshot(live)
+    snap = snapshot.take(live)
     live["model"]["w"].add_(5)
     live["opt"][0].mul_(3)
     live["pair"][0].sub_(1)
@@ -182,7 +183,7 @@ def test_drain_returns_once_every_submitted_round_is_handed_over(tmp_path):
 def test_a_snapshot_of_gpu_tensors_is_a_finished_page_locked_copy_the_gpu_cannot_move():
     g = torch.arange(1 << 20, dtype=torch.float32, device="cuda")
     state = {"tensors": {"a": g, "b": g[::2].to(torch.bfloat16)}, "list": [g[:3]], "step": 7}
-    snap = cpu_snapshot(state)
+    snap = snapshot.take(state)
     g.add_(1.0)  # the next window's in-place update, queued right after the copies
     assert snap["step"] == 7
     a, b, (c,) = snap["tensors"]["a"], snap["tensors"]["b"], snap["list"]
@@ -190,3 +191,36 @@ def test_a_snapshot_of_gpu_tensors_is_a_finished_page_locked_copy_the_gpu_cannot
     assert torch.equal(a, torch.arange(1 << 20, dtype=torch.float32))
     assert torch.equal(b, torch.arange(0, 1 << 20, 2, dtype=torch.float32).to(torch.bfloat16))
     assert c.tolist() == [0.0, 1.0, 2.0]
+
+
+def test_snapshots_stay_on_the_cpu_where_there_is_no_gpu():
+    assert not snapshot.room_on_device(torch.device("cpu"), 1 << 20)
+    assert snapshot.nbytes({"a": torch.ones(4), "b": [torch.ones(2, dtype=torch.float64)], "n": 3}) == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_snapshots_reach_the_loop_as_page_locked_cpu_copies_of_the_round_not_of_the_next_window(tmp_path):
+    g = torch.arange(1 << 22, dtype=torch.float32, device="cuda")
+    m = torch.ones(1 << 20, device="cuda")
+    state = {"tensors": {"global/w": g}, "step": 3}
+    taken_state = snapshot.take(state, on_device=True)
+    shared = [("global/w", taken_state["tensors"]["global/w"]), ("counters", torch.tensor([3, 1]))]
+    checkpoint = {"round": 1, "model": snapshot.take({"m": m}, on_device=True), "shared": taken_state}
+    assert snapshot.nbytes(checkpoint) == (1 << 22) * 4 + (1 << 20) * 4
+    taken = snapshot.Taken.now(g.device)
+    for _ in range(20):  # the next window's in-place updates, queued before the finisher copies
+        g.mul_(1.0001).add_(1.0)
+        m.add_(1.0)
+    handed, saved = [], []
+    finisher = RoundFinisher(saved.append, lambda record, commits, sh, digest: handed.append((record, sh)))
+    finisher.submit({"round": 1}, [], shared, checkpoint, taken)
+    finisher.close()
+    (record, sh), (ckpt,) = handed[0], saved
+    w = dict(sh)["global/w"]
+    assert w.device.type == "cpu" and w.is_pinned()
+    assert torch.equal(w, torch.arange(1 << 22, dtype=torch.float32))
+    assert record["hash"] == tensors_hash([("global/w", w)]).hex()
+    # One CPU copy of the state, reached from the list, the checkpoint and the training thread's dict.
+    assert ckpt["shared"]["tensors"]["global/w"] is w and taken_state["tensors"]["global/w"] is w
+    assert torch.equal(ckpt["model"]["m"], torch.ones(1 << 20)) and ckpt["model"]["m"].is_pinned()

@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from murmur.node.daemon import snapshot
 from murmur.node.daemon.training import shared_state_hash
 from murmur.protocol.wire import tensors_hash
 
@@ -49,6 +50,7 @@ class _Round:
     commits: list
     shared: list[tuple[str, torch.Tensor]]
     checkpoint: dict[str, Any] | None
+    taken: snapshot.Taken | None  # shared and checkpoint are GPU copies, complete once it passed
     superseded: bool = False  # its checkpoint was dropped for a newer round's
     digest: bytes = b""
 
@@ -62,6 +64,7 @@ class RoundFinisher:
         self._closing = False
         self._failed: BaseException | None = None
         self.superseded = 0  # checkpoints dropped for a newer round's (the rounds were handed over with it)
+        self._host = snapshot.HostMover()
         self._worker = threading.Thread(target=self._work, name="round-finish", daemon=True)
         self._worker.start()
 
@@ -71,9 +74,12 @@ class RoundFinisher:
         commits: list,
         shared: list[tuple[str, torch.Tensor]],
         checkpoint: dict[str, Any] | None,
+        taken: snapshot.Taken | None = None,
     ) -> None:
         """Finish a round (training thread). ``shared`` must be tensors nobody writes any more and
-        ``checkpoint`` a `NodeTrainer.state_dict` (a CPU copy); raises the error of an earlier round's failed write."""
+        ``checkpoint`` a `NodeTrainer.state_dict`: CPU copies, or GPU copies (node/daemon/snapshot.py)
+        with ``taken`` marked after them on the training stream; the worker moves those to the
+        CPU, in place, before anything else. Raises the error of an earlier round's failed write."""
         self._raise_failure()
         with self._cv:
             while len(self._waiting) >= MAX_WAITING and self._failed is None:
@@ -83,7 +89,7 @@ class RoundFinisher:
                     if r.checkpoint is not None:
                         r.checkpoint, r.superseded = None, True
                         self.superseded += 1
-            self._waiting.append(_Round(record, commits, shared, checkpoint))
+            self._waiting.append(_Round(record, commits, shared, checkpoint, taken))
             self._cv.notify_all()
 
     def drain(self) -> None:
@@ -137,6 +143,10 @@ class RoundFinisher:
                     self._cv.notify_all()
 
     def _finish(self, r: _Round, held: list[_Round]) -> None:
+        if r.taken is not None:
+            # In place: the training thread's copy of the shared state (the one a failed round is
+            # undone from) is this dict too, and lets go of the GPU memory with it.
+            self._host.to_host([r.shared, r.checkpoint], r.taken)
         r.record["hash"] = shared_state_hash(r.shared)
         r.digest = tensors_hash(r.shared)
         if r.superseded or (held and r.checkpoint is None):

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from murmur.errors import MurmurError
+from murmur.node.daemon import snapshot
 from murmur.node.daemon.ranks import LocalRanks, RankedSync
 from murmur.node.model.data import BatchLoader, Dataset, Position
 from murmur.node.train.build import build_model_from_config
@@ -36,40 +37,6 @@ from murmur.protocol.runconfig import RunConfig
 from murmur.protocol.wire import tensors_hash
 
 GLOBAL_PREFIXES = ("global/", "param/")  # the names of the replicated tensors in `shared_tensors`
-
-
-def cpu_snapshot(obj: Any) -> Any:
-    """``obj`` with every tensor in it copied once to the CPU (CPU tensors cloned): a value the next
-    window's in-place updates cannot reach.
-
-    GPU tensors go to page-locked memory, all copies queued at once and waited for together: a
-    base-preset node copies ~2 GB a round (global state, model, AdamW moments), which pageable
-    copies, one synchronous transfer per tensor, made a second of its training thread's time
-    (py-spy on the H200). torch's host allocator keeps freed page-locked blocks for the next
-    round's copies of the same sizes."""
-    devices: set[torch.device] = set()
-    out = _snapshot(obj, devices)
-    for device in devices:
-        torch.cuda.synchronize(device)
-    return out
-
-
-def _snapshot(obj: Any, devices: set[torch.device]) -> Any:
-    if isinstance(obj, torch.Tensor):
-        t = obj.detach()
-        if t.device.type == "cuda":
-            dst = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-            dst.copy_(t, non_blocking=True)
-            devices.add(t.device)
-            return dst
-        return t.to("cpu", copy=True) if t.device.type != "cpu" else t.clone()
-    if isinstance(obj, dict):
-        return {k: _snapshot(v, devices) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_snapshot(v, devices) for v in obj]
-    if isinstance(obj, tuple):
-        return tuple(_snapshot(v, devices) for v in obj)
-    return obj
 
 
 def shared_state_hash(shared: list[tuple[str, torch.Tensor]]) -> str:
@@ -349,19 +316,32 @@ class NodeTrainer:
     def global_hash(self) -> str:
         return tensors_hash((n, t.detach().cpu()) for n, t in self.global_tensors()).hex()
 
-    def shared_state(self) -> dict[str, Any]:
+    def shared_state(self, *, on_device: bool = False) -> dict[str, Any]:
         """What a joiner needs to take part from the next round: global copy, outer momentum,
-        counters. A CPU copy, made once: the next window and outer step do not move it."""
+        counters. A copy, made once: the next window and outer step do not move it. On the CPU,
+        or with ``on_device`` on the GPU for the round finisher to move (node/daemon/snapshot.py)."""
         state: dict[str, Any] = {
             "step": self.step,
             "round": self.round,
-            "tensors": cpu_snapshot(dict(self.global_tensors())),
+            "tensors": snapshot.take(dict(self.global_tensors()), on_device=on_device),
         }
         if isinstance(self.sync, StreamingDiLoCo):
             state["fragments"] = [
-                {"rounds": f.rounds, "outer": cpu_snapshot(f.outer.state_dict())} for f in self.sync.fragments
+                {"rounds": f.rounds, "outer": snapshot.take(f.outer.state_dict(), on_device=on_device)}
+                for f in self.sync.fragments
             ]
         return state
+
+    def snapshot_on_device(self) -> bool:
+        """Whether the GPU has room for the snapshots between windows (a checkpoint's worth:
+        model, optimizer, global copy and outer momentum), so the training thread need not wait
+        for their copies to the CPU."""
+        if self.device.type != "cuda":
+            return False
+        size = snapshot.nbytes([self.model.state_dict(), self.opt.state_dict(), self.global_tensors()])
+        if isinstance(self.sync, StreamingDiLoCo):
+            size += snapshot.nbytes([f.outer.state_dict() for f in self.sync.fragments])
+        return snapshot.room_on_device(self.device, size)
 
     @torch.no_grad()
     def load_shared_state(self, state: dict[str, Any]) -> None:
@@ -443,18 +423,18 @@ class NodeTrainer:
 
     # -- local checkpoint --------------------------------------------------------------------------
 
-    def state_dict(self, shared: dict[str, Any] | None = None) -> dict[str, Any]:
-        """The local checkpoint, a CPU copy the next window does not move (``shared``: a
-        `shared_state` just taken, so the global state is copied once)."""
+    def state_dict(self, shared: dict[str, Any] | None = None, *, on_device: bool = False) -> dict[str, Any]:
+        """The local checkpoint, a copy the next window does not move (``shared``: a
+        `shared_state` just taken, so the global state is copied once; ``on_device`` as there)."""
         state = {
             "config": self.cfg.to_dict(),
-            "model": cpu_snapshot(self.model.state_dict()),
-            "optimizer": cpu_snapshot(self.opt.state_dict()),
-            "shared": shared if shared is not None else self.shared_state(),
+            "model": snapshot.take(self.model.state_dict(), on_device=on_device),
+            "optimizer": snapshot.take(self.opt.state_dict(), on_device=on_device),
+            "shared": shared if shared is not None else self.shared_state(on_device=on_device),
             "bytes": self.sync.bytes.to_dict(),
         }
         if isinstance(self.sync, DeMo):
-            state["demo_momentum"] = cpu_snapshot(list(self.sync.momentum))
+            state["demo_momentum"] = snapshot.take(list(self.sync.momentum), on_device=on_device)
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
