@@ -50,7 +50,7 @@ CONFIG = "configs/testnet-gpu.toml"
 STEP_LINE = re.compile(r"^step\s+(\d+)/\d+ \| loss \S+ \| lr \S+ \| ([\d,]+) tok/s \| (\d+) ms")
 NO_EVAL = "train.eval_every=1000000000"  # validation is neither side's work in this comparison
 # `murmur train` waits for the device only on the steps it logs: logging every 10th step lets it queue
-# steps ahead, its fastest (the node waits after every step, which measured faster for the node).
+# steps ahead, its fastest (the node keeps one step queued ahead of the one it waits for).
 TRAIN_LOG_EVERY = "train.log_every=10"
 # `python -m murmur.cli` puts its working directory first on sys.path, and in the repository root
 # the folder murmur/ (the CLI alone) would hide the package gpu_env.sh lays out: run elsewhere.
@@ -277,10 +277,11 @@ def write_results(args: argparse.Namespace, alone: dict, rows: list[dict]) -> No
             "tokens_per_s_node: tokens over the wall time between a node's round records (everything "
             f"the daemon does between windows counted), the first {args.warmup_rounds} rounds left out; "
             f"tokens_per_s_train_alone: `murmur train` on the same config, steps after the first "
-            f"{args.warmup_steps} (it logs, and waits for the device, every 10th step; the node after "
-            f"every step); overhead_pct = 100*(1 - node/(alone*gpu_share)); round_s: a record's "
+            f"{args.warmup_steps} (it logs, and waits for the device, every 10th step; the node keeps one "
+            f"step queued ahead of the one it waits for); "
+            "overhead_pct = 100*(1 - node/(alone*gpu_share)); round_s: a record's "
             "seconds (H inner steps and the exchange), exchange_s: seconds - compute_seconds (the window's "
-            "waits for the exchange and for leases, and its batch loading); per_node "
+            "waits for the exchange and for leases); per_node "
             "also gives the rates over round time and compute time, between_rounds_s (the training thread's "
             "time between windows) and snapshot_s (of it, the copies of the state for the round's hash, "
             "checkpoint and publishing); validation off on both sides; data: the bundled "
