@@ -24,9 +24,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from murmur.errors import MurmurError
+from murmur.node.daemon import checkpoint_file
 from murmur.protocol import identity
 
 
@@ -151,16 +150,14 @@ class StateDir:
 
     def save_checkpoint(self, state: dict[str, Any]) -> None:
         tmp = self.checkpoint_path.with_name("checkpoint.pt.tmp")
-        torch.save(state, tmp)
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
+        checkpoint_file.save(state, tmp)  # fsynced
         tmp.replace(self.checkpoint_path)
 
     def load_checkpoint(self) -> dict[str, Any] | None:
         if not self.checkpoint_path.is_file():
             return None
         try:
-            return torch.load(self.checkpoint_path, map_location="cpu", weights_only=False)
+            return checkpoint_file.load(self.checkpoint_path)
         except Exception as err:  # noqa: BLE001 - any unreadable file is the same user error
             raise StateError(
                 f"checkpoint {self.checkpoint_path} cannot be read ({type(err).__name__}); delete it and "
