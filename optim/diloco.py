@@ -148,7 +148,8 @@ class StreamingDiLoCo(SyncAlgorithm):
         frag = flight.fragment
         result = self._wait(flight.future)
         for g, avg in zip(frag.globals_, result.tensors, strict=True):
-            g.grad = avg.to(g.device)
+            # From page-locked memory (node/exchange/grpc_exchange.py) the copy is queued, not waited for.
+            g.grad = avg.to(g.device, non_blocking=True)
         frag.outer.step()
         frag.outer.zero_grad(set_to_none=True)
         for j, g in zip(frag.members, frag.globals_, strict=True):

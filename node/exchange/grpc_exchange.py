@@ -204,7 +204,9 @@ class GrpcExchange(Exchange):
                 **await self._call_basics(round_id, key, weight, layout, codec, faults),
                 x=x,
                 snapshot=snap,
-                result=torch.empty(x.numel()),
+                # Page-locked like the snapshot when the update is on a GPU: the caller's copy of
+                # the result back to the device is then a DMA it need not wait for.
+                result=torch.empty(x.numel(), pin_memory=x.is_pinned()),
                 own=torch.empty(x.numel()) if codec.error_feedback else None,
                 align=align,
                 chunk=chunk,
