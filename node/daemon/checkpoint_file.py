@@ -2,9 +2,9 @@
 
 The round finisher writes a checkpoint (~2 GB for the base preset) after every round while the
 training thread queues the next window's kernels, and the two share the GIL. torch.save keeps the
-GIL for much of its writing: on a 2-core machine a thread issuing small torch ops ran 40% slower
-while another thread looped over torch.save, and 6% slower while it wrote the same bytes with plain
-file writes, which release the GIL around each system call. So the tensors' bytes go out through
+GIL for much of its writing, and the training thread's torch calls wait for it
+(benchmarks/checkpoint_gil.py measures the rate of small torch calls beside either writer); plain
+file writes release the GIL around each system call. So the tensors' bytes go out through
 ``file.write`` of their memory, and only the structure (dicts, numbers, strings, and a reference in
 place of each tensor) goes through torch's pickler.
 
