@@ -23,6 +23,8 @@ from typing import Any, BinaryIO
 
 import torch
 
+from murmur.node.daemon.tree import map_leaves
+
 MAGIC = b"murmur-checkpoint-1\n"
 ALIGN = 64  # each tensor's bytes start at a multiple of this in the file
 
@@ -42,7 +44,7 @@ def save(state: Any, path: Path) -> None:
     """Write ``state`` to ``path`` and fsync it (the caller renames it into place)."""
     tensors: list[torch.Tensor] = []
     refs: list[_TensorRef] = []
-    tree = _strip(state, tensors, refs, {})
+    tree = _strip(state, tensors, refs)
     head = io.BytesIO()
     torch.save({"tree": tree, "tensors": refs}, head)
     structure = head.getvalue()
@@ -72,44 +74,28 @@ def load(path: Path) -> Any:
             if ref.nbytes and f.readinto(memoryview(buf.numpy())) != ref.nbytes:
                 raise EOFError(f"the checkpoint {path} ends inside a tensor")
             tensors.append(buf.view(ref.dtype).reshape(ref.shape))
-    return _fill(head["tree"], tensors)
+    return map_leaves(head["tree"], lambda v: tensors[v.index] if isinstance(v, _TensorRef) else v)
 
 
-def _strip(obj: Any, tensors: list[torch.Tensor], refs: list[_TensorRef], seen: dict[int, _TensorRef]) -> Any:
+def _strip(obj: Any, tensors: list[torch.Tensor], refs: list[_TensorRef]) -> Any:
     """``obj`` with each tensor replaced by a `_TensorRef` (tensors and refs collected in order; a
     tensor reached twice is written once and read back as one tensor)."""
-    if isinstance(obj, torch.Tensor):
-        if id(obj) in seen:
-            return seen[id(obj)]
-        t = obj.detach()
-        if t.device.type != "cpu":
-            t = t.cpu()
+    seen: dict[int, _TensorRef] = {}
+
+    def strip(v: Any) -> Any:
+        if not isinstance(v, torch.Tensor):
+            return v
+        if id(v) in seen:
+            return seen[id(v)]
+        t = v.detach().cpu()
         prev = refs[-1] if refs else None
         offset = 0 if prev is None else -(-(prev.offset + prev.nbytes) // ALIGN) * ALIGN
-        ref = _TensorRef(len(refs), t.dtype, tuple(t.shape), offset, t.numel() * t.element_size())
+        ref = seen[id(v)] = _TensorRef(len(refs), t.dtype, tuple(t.shape), offset, t.numel() * t.element_size())
         tensors.append(t)
         refs.append(ref)
-        seen[id(obj)] = ref
         return ref
-    if isinstance(obj, dict):
-        return {k: _strip(v, tensors, refs, seen) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_strip(v, tensors, refs, seen) for v in obj]
-    if isinstance(obj, tuple):
-        return tuple(_strip(v, tensors, refs, seen) for v in obj)
-    return obj
 
-
-def _fill(obj: Any, tensors: list[torch.Tensor]) -> Any:
-    if isinstance(obj, _TensorRef):
-        return tensors[obj.index]
-    if isinstance(obj, dict):
-        return {k: _fill(v, tensors) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_fill(v, tensors) for v in obj]
-    if isinstance(obj, tuple):
-        return tuple(_fill(v, tensors) for v in obj)
-    return obj
+    return map_leaves(obj, strip)
 
 
 def _bytes_of(t: torch.Tensor) -> memoryview:

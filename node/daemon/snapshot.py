@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from murmur.node.daemon.tree import leaves, map_leaves
+
 # A snapshot is taken on the GPU only where this many copies of it fit in the free memory: the
 # round finisher can hold a few rounds (node/daemon/round_finish.py's MAX_WAITING) and the
 # activations of the next steps need their room too.
@@ -35,42 +37,31 @@ def take(obj: Any, *, on_device: bool = False) -> Any:
     nothing waits; whoever reads the copy off the device waits for the training stream first (an
     event recorded after `take`, as node/daemon/driver.py does, and `to_host`)."""
     devices: set[torch.device] = set()
-    out = _copy(obj, devices, on_device)
-    if not on_device:
-        for device in devices:
-            torch.cuda.synchronize(device)
+
+    def copy(v: Any) -> Any:
+        if not isinstance(v, torch.Tensor):
+            return v
+        t = v.detach()
+        if t.device.type != "cuda":
+            return t.to("cpu", copy=True) if t.device.type != "cpu" else t.clone()
+        if on_device:
+            return t.clone()
+        dst = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        dst.copy_(t, non_blocking=True)
+        devices.add(t.device)
+        return dst
+
+    out = map_leaves(obj, copy)
+    for device in devices:
+        torch.cuda.synchronize(device)
     return out
-
-
-def _copy(obj: Any, devices: set[torch.device], on_device: bool) -> Any:
-    if isinstance(obj, torch.Tensor):
-        t = obj.detach()
-        if t.device.type == "cuda":
-            if on_device:
-                return t.clone()
-            dst = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-            dst.copy_(t, non_blocking=True)
-            devices.add(t.device)
-            return dst
-        return t.to("cpu", copy=True) if t.device.type != "cpu" else t.clone()
-    if isinstance(obj, dict):
-        return {k: _copy(v, devices, on_device) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_copy(v, devices, on_device) for v in obj]
-    if isinstance(obj, tuple):
-        return tuple(_copy(v, devices, on_device) for v in obj)
-    return obj
 
 
 def nbytes(obj: Any) -> int:
     """The bytes of the GPU tensors in ``obj`` (what `take` with ``on_device`` would allocate)."""
-    if isinstance(obj, torch.Tensor):
-        return obj.numel() * obj.element_size() if obj.device.type == "cuda" else 0
-    if isinstance(obj, dict):
-        return sum(nbytes(v) for v in obj.values())
-    if isinstance(obj, list | tuple):
-        return sum(nbytes(v) for v in obj)
-    return 0
+    return sum(
+        t.numel() * t.element_size() for t in leaves(obj) if isinstance(t, torch.Tensor) and t.device.type == "cuda"
+    )
 
 
 def room_on_device(device: torch.device, size: int) -> bool:

@@ -230,11 +230,11 @@ class NodeTrainer:
         return loss
 
     def _one_step_ahead(self, queued: torch.cuda.Event | None) -> torch.cuda.Event | None:
-        """After a step is queued on a GPU: wait until the step before it is done. The device always
-        has the next step queued while the training thread loads a batch (a wait for each step
-        itself left the GPU idle meanwhile: the node computed at 446k tok/s against 488k for
-        `murmur train` on the H200), and the thread never runs further ahead than one step, so a
-        window's wall time is its compute and its waits."""
+        """After a step is queued on a GPU: wait until the step before it is done. The device has
+        the next step queued while the training thread loads a batch, and the thread never runs
+        further ahead than one step, so a window's wall time is its compute and its waits. (On the
+        H200 it measured within noise of a wait for each step itself: 439k against 443k tok/s of
+        compute in one call, benchmarks/results/node_gpu.json's runs_this_stop.)"""
         if self.device.type != "cuda":
             return None
         done = torch.cuda.Event()
@@ -282,9 +282,8 @@ class NodeTrainer:
         if stopped:
             if queued is not None:
                 queued.synchronize()
-            seconds = time.perf_counter() - t0
-            compute = seconds - leasing - (self.meter.waited_s - waited0)
-            return WindowResult(self.round, len(losses), math.nan, 0, seconds, compute, [], True)
+            seconds, waited = time.perf_counter() - t0, self.meter.waited_s - waited0
+            return WindowResult(self.round, len(losses), math.nan, 0, seconds, seconds - leasing - waited, [], True)
         mean = torch.stack(losses).float().mean().item()  # waits for the window's last step
         if not math.isfinite(mean):
             raise TrainingError(f"loss became {mean} in round {self.round}: lower optim.lr")
