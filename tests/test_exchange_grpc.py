@@ -473,6 +473,41 @@ def test_the_snapshot_is_the_flat_update_plus_residual_and_copies_what_is_asked_
     assert sorted(order) == list(range(pieces)) and order.index(pieces - 1) <= 1
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_gpu_update_is_copied_after_the_work_that_made_it_and_not_after_the_steps_queued_since():
+    """The pieces of an update on a GPU are queued at once on a side stream: the snapshot is the
+    update the queued work made, and it completes while steps queued after it still run (a wait
+    per piece waited for those steps each time)."""
+    from murmur.node.exchange.grpc_exchange import _flatten
+    from murmur.node.exchange.snapshot import Snapshot
+
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(5)
+    a = torch.randn(2048, 2048, device=dev, generator=g)
+    tensors = [(a @ a)[:, :700].t(), torch.randn(1000, device=dev, generator=g).half(), a[:3, :333] * 2]
+    numel = sum(t.numel() for t in tensors)
+    residual = torch.randn(numel)
+    expected = _flatten(tensors) + residual
+    busy = torch.randn(8192, 8192, device=dev)
+
+    async def main():
+        snap = Snapshot(tensors, residual, 1000, None)
+        snap.start()
+        later = busy
+        for _ in range(60):  # the next inner steps, queued on the training stream: about a second
+            later = later @ busy / 8192
+        queued = torch.cuda.Event()
+        queued.record()
+        flat = await snap.wait()
+        return flat, queued.query()
+
+    flat, later_done = asyncio.run(main())
+    assert torch.equal(flat, expected) and flat.is_pinned()
+    assert not later_done, "the snapshot waited for the work queued after it"
+    torch.cuda.synchronize()
+
+
 def test_chunk_that_cannot_fit_one_frame_is_refused():
     with pytest.raises(ExchangeSettingsError, match="chunk_mb"):
         ExchangeSettings(chunk_mb=9.0)

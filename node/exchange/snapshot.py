@@ -8,6 +8,14 @@ worker thread piece by piece (pieces of one pipeline chunk), in order, and a sen
 range (the first chunk of every span, at the start) asks for it: its pieces are copied next, ahead
 of the rest. The copy starts when the call starts, as the whole copy did. ``order`` says in which
 order the pieces were copied; the ``snapshot_piece`` delay fault (node/net/faults.py) slows it.
+
+An update on a GPU is different: a piece copied with a plain ``copy_`` waits for everything the
+training thread has queued on the device by then, so each of a base-preset fragment's ~30 pieces
+waited about one inner step (its exchange then outlasted Streaming DiLoCo's overlap and the node
+waited ~0.16 s a round on the H200, benchmarks/results/node_gpu.json). So every piece's transfer is
+queued at once, on a stream of its own that starts where the training stream was when the copy
+started, and the worker waits for each piece's event: one wait for the queue, then the transfers
+at the link's speed.
 """
 
 from __future__ import annotations
@@ -41,11 +49,14 @@ class Snapshot:
         self._copied = [False] * math.ceil(self.numel / self._piece)
         self.order: list[int] = []  # the pieces, in the order they were copied
         self._faults = faults
+        self._events: list[torch.cuda.Event] | None = None  # per piece, when the update is on a GPU
         self._urgent: deque[int] = deque()
         self._changed = asyncio.Event()
         self._task: asyncio.Task | None = None
 
     def start(self) -> None:
+        if self.flat.is_pinned():
+            self._queue_transfers()
         self._task = asyncio.get_running_loop().create_task(self._run())
         if not self._copied:
             self.complete.set()
@@ -103,7 +114,28 @@ class Snapshot:
         ev, self._changed = self._changed, asyncio.Event()
         ev.set()
 
-    def _copy(self, i: int) -> None:
+    def _queue_transfers(self) -> None:
+        """Queue every piece's copy off the GPU now, on a side stream after the training stream's
+        work so far (which made the update), with an event after each piece."""
+        sources = [t for t in self._tensors if t.is_cuda]
+        device = sources[0].device
+        if any(t.device != device for t in sources):
+            return  # on several GPUs (no caller does that): piece by piece, each copy waited for
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(device))
+        stream = torch.cuda.Stream(device=device)
+        stream.wait_event(ready)
+        for t in sources:
+            t.record_stream(stream)  # its memory is not reused before the copies have read it
+        self._events = []
+        with torch.cuda.stream(stream):
+            for i in range(len(self._copied)):
+                self._transfer(i, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(stream)
+                self._events.append(event)
+
+    def _transfer(self, i: int, *, non_blocking: bool = False) -> None:
         lo, hi = i * self._piece, min((i + 1) * self._piece, self.numel)
         pos = 0
         for k, t in enumerate(self._tensors):
@@ -112,9 +144,16 @@ class Snapshot:
                 view = self._views.get(k)
                 if view is None:
                     view = self._views[k] = t.detach().reshape(-1)
-                self.flat[a:b].copy_(view[a - pos : b - pos])
+                self.flat[a:b].copy_(view[a - pos : b - pos], non_blocking=non_blocking)
             pos += t.numel()
             if pos >= hi:
                 break
+
+    def _copy(self, i: int) -> None:
+        lo, hi = i * self._piece, min((i + 1) * self._piece, self.numel)
+        if self._events is not None:
+            self._events[i].synchronize()  # queued in start()
+        else:
+            self._transfer(i)
         if self._residual is not None:
             self.flat[lo:hi].add_(self._residual[lo:hi])
