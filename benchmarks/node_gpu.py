@@ -122,10 +122,15 @@ def node_figures(recs: list[dict], warmup_rounds: int) -> dict:
     seconds = [r["seconds"] for r in kept]
     exchange = [r["seconds"] - r["compute_seconds"] for r in kept]
     gaps = [b["time"] - a["time"] - b["seconds"] for a, b in zip(kept, kept[1:], strict=False)]
+    # The same wall rate over the second half of the kept rounds: torch's page-locked memory grows
+    # over a node's first rounds (each new block holds CUDA's context lock), a long run's is steady.
+    late = kept[len(kept) // 2 - 1 :]
+    late_wall = late[-1]["time"] - late[0]["time"]
     return {
         "rounds": len(trained),
         "rounds_measured": len(kept),
         "tokens_per_s_wall": tokens_after / wall if wall > 0 else 0.0,
+        "tokens_per_s_wall_second_half": sum(r["tokens"] for r in late[1:]) / late_wall if late_wall > 0 else 0.0,
         "tokens_per_s_round": sum(r["tokens"] for r in kept) / sum(seconds),
         "tokens_per_s_compute": sum(r["tokens"] for r in kept) / sum(r["compute_seconds"] for r in kept),
         "round_s": statistics.mean(seconds),
@@ -173,10 +178,12 @@ def row_of(nodes: int, preset: str, tn: dict, alone: float | None) -> dict:
         row["error"] = "; ".join(f"node-{i}: {f['error']}" for i, f in enumerate(tn["nodes"]) if "error" in f)
     if good and len(good) == nodes:
         node_tps = statistics.mean(f["tokens_per_s_wall"] for f in good)
+        late_tps = statistics.mean(f["tokens_per_s_wall_second_half"] for f in good)
         row.update(
             tokens_per_s_node=round(node_tps, 1),
             tokens_per_s_train_alone=alone,
             overhead_pct=round(100 * (1 - node_tps / (alone * share)), 1) if alone else None,
+            overhead_pct_second_half=round(100 * (1 - late_tps / (alone * share)), 1) if alone else None,
             round_s=round(statistics.mean(f["round_s"] for f in good), 3),
             exchange_s=round(statistics.mean(f["exchange_s"] for f in good), 3),
         )
