@@ -50,7 +50,7 @@ CONFIG = "configs/testnet-gpu.toml"
 STEP_LINE = re.compile(r"^step\s+(\d+)/\d+ \| loss \S+ \| lr \S+ \| ([\d,]+) tok/s \| (\d+) ms")
 NO_EVAL = "train.eval_every=1000000000"  # validation is neither side's work in this comparison
 # `murmur train` waits for the device only on the steps it logs: logging every 10th step lets it queue
-# steps ahead, its fastest (the node keeps one step queued ahead of the one it waits for).
+# steps ahead, its fastest (a node keeps up to three steps queued: node/daemon/training.py).
 TRAIN_LOG_EVERY = "train.log_every=10"
 # `python -m murmur.cli` puts its working directory first on sys.path, and in the repository root
 # the folder murmur/ (the CLI alone) would hide the package gpu_env.sh lays out: run elsewhere.
@@ -284,8 +284,9 @@ def write_results(args: argparse.Namespace, alone: dict, rows: list[dict]) -> No
             "tokens_per_s_node: tokens over the wall time between a node's round records (everything "
             f"the daemon does between windows counted), the first {args.warmup_rounds} rounds left out; "
             f"tokens_per_s_train_alone: `murmur train` on the same config, steps after the first "
-            f"{args.warmup_steps} (it logs, and waits for the device, every 10th step; the node keeps one "
-            f"step queued ahead of the one it waits for); "
+            f"{args.warmup_steps} (it logs, and waits for the device, every 10th step; a node keeps up to "
+            f"three steps queued ahead of the device); "
+            "overhead_pct_second_half: the same over the second half of the measured rounds; "
             "overhead_pct = 100*(1 - node/(alone*gpu_share)); round_s: a record's "
             "seconds (H inner steps and the exchange), exchange_s: seconds - compute_seconds (the window's "
             "waits for the exchange and for leases); per_node "
