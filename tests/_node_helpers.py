@@ -7,7 +7,7 @@ import shutil
 from pathlib import Path
 
 from murmur.node.daemon.state_dir import read_rounds
-from murmur.node.testnet.procs import Testnet, wait_for
+from murmur.node.testnet.procs import Testnet, TestnetError, wait_for
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "configs" / "testnet-tiny.toml"
@@ -53,7 +53,7 @@ def wait_rounds(node, n: int, timeout_s: float = ROUND_WAIT_S) -> None:
             raise AssertionError(f"{node.name} exited with {node.proc.returncode}: {log(node)[-2000:]}")
         return len(trained(node)) >= n
 
-    wait_for(ok, timeout_s, what=f"{node.name} to finish {n} rounds")
+    _waiting(node, ok, timeout_s, f"{node.name} to finish {n} rounds")
 
 
 def wait_log(node, pattern: str, timeout_s: float = ROUND_WAIT_S, since: int = 0) -> re.Match:
@@ -67,8 +67,17 @@ def wait_log(node, pattern: str, timeout_s: float = ROUND_WAIT_S, since: int = 0
             found.append(m)
         return bool(m)
 
-    wait_for(ok, timeout_s, what=f"{pattern!r} in {node.name}'s log")
+    _waiting(node, ok, timeout_s, f"{pattern!r} in {node.name}'s log")
     return found[0]
+
+
+def _waiting(node, ok, timeout_s: float, what: str) -> None:
+    """`wait_for`, and on a timeout the tail of the node's log in the failure: a slow CI machine's
+    failure must say what the node was doing, since its temporary folder is gone by then."""
+    try:
+        wait_for(ok, timeout_s, what=what)
+    except TestnetError as err:
+        raise AssertionError(f"{err}; the end of {node.name}'s log:\n{log(node)[-3000:]}") from None
 
 
 def log(node) -> str:
