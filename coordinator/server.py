@@ -25,6 +25,7 @@ import grpc
 
 from murmur.errors import MurmurError
 from murmur.protocol import coordinator_pb2_grpc as pb_grpc
+from murmur.protocol import tls
 
 from . import authority
 from .discovery import Discovery
@@ -113,12 +114,7 @@ class Coordinator:
         # the child (abseil's mutex check); nothing of gRPC exists yet here.
         if opts.dht:
             await self._start_dht()
-        self.server = grpc.aio.server(
-            options=[
-                ("grpc.max_receive_message_length", s.max_message_bytes),
-                ("grpc.max_send_message_length", s.max_message_bytes),
-            ]
-        )
+        self.server = grpc.aio.server(options=tls.server_options(s.max_message_bytes))
         pb_grpc.add_CoordinatorServicer_to_server(self.service, self.server)
         pair = [(self.secrets.tls_key_pem, self.secrets.ca.cert_pem)]
         public_creds = grpc.ssl_server_credentials(pair)

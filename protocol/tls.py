@@ -46,6 +46,14 @@ def message_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[
     ]
 
 
+def server_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
+    """A server's options. gRPC binds its servers with SO_REUSEPORT by default, so a coordinator
+    restarted on its address while another process holds that port bound it too, and the kernel
+    split the nodes' connections between the two: heartbeats landed on a stranger's server. Without
+    it the bind fails, and the server says so."""
+    return [*message_options(max_message_bytes), ("grpc.so_reuseport", 0)]
+
+
 def channel_options(peer_node_id: str, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list:
     return [("grpc.ssl_target_name_override", peer_node_id), *message_options(max_message_bytes)]
 

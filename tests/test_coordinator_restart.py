@@ -67,3 +67,21 @@ def test_the_dht_comes_back_with_the_same_peer_id_and_port(tmp_path):
         assert coord.info["dht"] == first
     finally:
         coord.stop()
+
+
+def test_a_restart_on_an_address_another_process_holds_fails_with_a_clear_line_instead_of_sharing_it(tmp_path):
+    """gRPC binds with SO_REUSEPORT unless told not to: a coordinator restarted on its address
+    while a stranger's gRPC server held the port would have bound it too, and the nodes'
+    connections would have been split between the two."""
+    from concurrent import futures
+
+    import grpc
+
+    stranger = grpc.server(futures.ThreadPoolExecutor(1))  # gRPC's defaults, as any other program's
+    port = stranger.add_insecure_port("127.0.0.1:0")
+    stranger.start()
+    try:
+        with pytest.raises(RuntimeError, match=r"cannot listen on 127\.0\.0\.1:\d+ .*is the port taken\?"):
+            start_coordinator(tmp_path / "coord.db", listen=f"127.0.0.1:{port}")
+    finally:
+        stranger.stop(0)

@@ -658,3 +658,24 @@ def test_a_caller_at_a_later_attempt_ends_the_owners_current_one_at_once():
         assert rk not in book.ahead
 
     asyncio.run(scenario())
+
+
+def test_a_peer_server_on_a_port_another_process_holds_fails_with_a_clear_line():
+    """Without gRPC's default SO_REUSEPORT: binding a port a stranger's server holds fails, and says
+    so, instead of sharing the port (and the peers' calls) with it."""
+    from concurrent import futures
+
+    import grpc
+
+    from murmur.node.net.server import PeerServer, PeerServerSettings
+    from murmur.protocol.identity import IdentityError
+
+    stranger = grpc.server(futures.ThreadPoolExecutor(1))
+    port = stranger.add_insecure_port("127.0.0.1:0")
+    stranger.start()
+    server = PeerServer(CertificateAuthority.create("t").issue(), run_id="r", settings=PeerServerSettings(port=port))
+    try:
+        with pytest.raises(IdentityError, match=rf"could not bind the peer server to 127\.0\.0\.1:{port}: is the port"):
+            asyncio.run(server.start())
+    finally:
+        stranger.stop(0)

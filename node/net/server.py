@@ -69,9 +69,12 @@ async def start_mtls_server(
     """Start a gRPC server that requires a certificate of the run's CA; (server, "host:port")."""
     server = grpc.aio.server(options=options)
     add_servicer(server)
-    bound = server.add_secure_port(f"{host}:{port}", tls.server_credentials(ident))
+    try:
+        bound = server.add_secure_port(f"{host}:{port}", tls.server_credentials(ident))
+    except RuntimeError:  # gRPC's "Failed to bind": without SO_REUSEPORT, a port another process holds
+        bound = 0
     if bound == 0:
-        raise IdentityError(f"could not bind {what} to {host}:{port}")
+        raise IdentityError(f"could not bind {what} to {host}:{port}: is the port taken?")
     await server.start()
     return server, f"{host}:{bound}"
 
@@ -103,7 +106,7 @@ class PeerServer(peer_pb2_grpc.PeerServicer):
 
     async def start(self) -> str:
         s = self.settings
-        options = [*tls.message_options(s.max_message_bytes), (STREAM_WINDOW_OPTION, s.stream_window_bytes)]
+        options = [*tls.server_options(s.max_message_bytes), (STREAM_WINDOW_OPTION, s.stream_window_bytes)]
         self._server, self.address = await start_mtls_server(
             lambda server: peer_pb2_grpc.add_PeerServicer_to_server(self, server),
             self.identity, s.host, s.port, options, "the peer server",

@@ -94,7 +94,7 @@ class StageService(pipeline_pb2_grpc.StageServicer):
         s = self.settings
         self._server, self.address = await start_mtls_server(
             lambda server: pipeline_pb2_grpc.add_StageServicer_to_server(self, server),
-            self.identity, s.host, s.port, tls.message_options(s.max_message_bytes), "the stage service",
+            self.identity, s.host, s.port, tls.server_options(s.max_message_bytes), "the stage service",
         )
         return self.address
 
