@@ -345,11 +345,9 @@ class GrpcExchange(Exchange):
 def _flatten(tensors: list[torch.Tensor]) -> torch.Tensor:
     """One flat fp32 CPU copy. From a GPU every transfer is queued first and waited for once: a
     wait per tensor would wait each time for the steps the training thread queued meanwhile."""
-    if not any(t.is_cuda for t in tensors):
-        return torch.cat([t.detach().reshape(-1).float() for t in tensors]) if tensors else torch.zeros(0)
-    flat = torch.empty(sum(t.numel() for t in tensors), pin_memory=True)
+    flat = torch.empty(sum(t.numel() for t in tensors), pin_memory=any(t.is_cuda for t in tensors))
     pos = 0
-    for t in tensors:
+    for t in tensors:  # from the CPU, non_blocking changes nothing: the copy is done on return
         flat[pos : pos + t.numel()].copy_(t.detach().reshape(-1), non_blocking=True)
         pos += t.numel()
     for device in {t.device for t in tensors if t.is_cuda}:

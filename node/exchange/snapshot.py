@@ -11,8 +11,9 @@ order the pieces were copied; the ``snapshot_piece`` delay fault (node/net/fault
 
 An update on a GPU is different: a piece copied with a plain ``copy_`` waits for everything the
 training thread has queued on the device by then, so each of a base-preset fragment's ~30 pieces
-waited about one inner step (its exchange then outlasted Streaming DiLoCo's overlap and the node
-waited ~0.16 s a round on the H200, benchmarks/results/node_gpu.json). So every piece's transfer is
+could wait up to an inner step, and a lone node on the H200 waited for its own exchange in most
+rounds (0.08 s a round on average for the tree before this copy, node_gpu.json's
+same_call_previous_tree; none after). So every piece's transfer is
 queued at once, on a stream of its own that starts where the training stream was when the copy
 started, and the worker waits for each piece's event: one wait for the queue, then the transfers
 at the link's speed.
