@@ -413,6 +413,10 @@ def main(argv: list[str] | None = None) -> int:
                                    "regime's, 0.5,1,2,4 for the main rows and 1,2 for the others): to fit a budget")
     p.add_argument("--outer-sweep", help="outer lrs of the outer-lr-sweep rows, comma-separated (default 0.4,0.7,1)")
     p.add_argument("--no-curve", action="store_true", help="skip the gap-vs-batch curve")
+    p.add_argument("--curve-row", help="run only the gap-vs-batch curve, for this row (no table rows): DDP and the "
+                                       "row each at the first --sweep multiple")
+    p.add_argument("--curve-batches", help="the curve's per-worker batches in tokens, comma-separated (default: the "
+                                           "regime's, 2048,8192,32768,65536): to fit a budget")
     p.add_argument("--init-from", help="a warm start made earlier (instead of training one)")
     p.add_argument("--warm-dir", default="/tmp/murmur-quality", help="where the warm start is saved")
     p.add_argument("--old-table", default=str(RESULTS / "quality.json"),
@@ -429,6 +433,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.sweep:
         mults = tuple(float(x) for x in args.sweep.split(","))
         regime["lr_sweep"] = regime["short_sweep"] = mults
+    if args.curve_batches:
+        regime["batch_tokens"] = tuple(int(x) for x in args.curve_batches.split(","))
     if args.outer_sweep:
         regime["outer_sweep"] = tuple(float(x) for x in args.outer_sweep.split(","))
     data = args.data or ("data/shakespeare-byte" if args.smoke else "data/quality-gpt2")
@@ -437,7 +443,12 @@ def main(argv: list[str] | None = None) -> int:
     seeds = list(range(args.seeds))
     rows = build_rows(regime, args.smoke)
     by_name = {r.name: r for r in rows}
-    if args.rows:
+    if args.curve_row and args.curve_row not in by_name:
+        print(f"error: unknown --curve-row {args.curve_row!r}; known: {', '.join(by_name)}", file=sys.stderr)
+        return 2
+    if args.curve_row:
+        rows = []
+    elif args.rows:
         unknown = [n for n in args.rows.split(",") if n not in by_name]
         if unknown:
             print(f"error: unknown rows {unknown}; known: {', '.join(by_name)}", file=sys.stderr)
@@ -480,7 +491,11 @@ def main(argv: list[str] | None = None) -> int:
         payload["summary"] = summarize(payload["rows"])
         write(dirs, payload)
         print(json.dumps({k: v for k, v in out.items() if k != "variants"}), flush=True)
-    pick = curve_row(payload["rows"], by_name, regime["curve_min_reduction"])
+    if args.curve_row:
+        pick = by_name[args.curve_row]
+        best_variant[pick.name] = best_variant["ddp"] = {"optim.lr": regime["lr_sweep"][0]}
+    else:
+        pick = curve_row(payload["rows"], by_name, regime["curve_min_reduction"])
     if not args.no_curve and pick is not None and "ddp" in best_variant:
         print(f"== gap vs batch: {pick.name}", flush=True)
         def partial(points: list[dict]) -> None:

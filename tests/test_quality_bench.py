@@ -94,6 +94,21 @@ def test_smoke_run_writes_the_table(quality, byte_dataset, tmp_path):
     assert curve[0]["steps"] == 2 * curve[1]["steps"]
 
 
+def test_the_curve_runs_alone_for_a_named_row_at_chosen_batches(quality, byte_dataset, tmp_path):
+    """--curve-row: only the gap-vs-batch points asked for (a GPU call's budget fits one point),
+    DDP and the row each at the first --sweep multiple; a row that does not exist is refused."""
+    out = tmp_path / "res"
+    common = ["--smoke", "--data", str(byte_dataset.root), "--results-dir", str(out), "--old-table", "",
+              "--warm-dir", str(tmp_path), "--seeds", "1", "--sweep", "2"]
+    assert quality.main(common + ["--curve-row", "avg-int4-H2", "--curve-batches", "64"]) == 0
+    data = json.loads((out / "quality.json").read_text())
+    assert data["rows"] == []
+    [point] = data["gap_vs_batch"]
+    assert (point["row"], point["per_worker_batch_tokens"], point["steps"]) == ("avg-int4-H2", 64, 4)
+    assert point["reduction_vs_ddp"] > 1 and point["ddp_val_loss"] != point["row_val_loss"]
+    assert quality.main(common + ["--curve-row", "no-such-row"]) == 2
+
+
 def _row(name, loss, reduction, h=50):
     return {"name": name, "algo": "ddp" if name == "ddp" else "diloco", "H": h, "val_loss_mean": loss,
             "loss_gap_pct": None, "reduction_vs_ddp": reduction}
