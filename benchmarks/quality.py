@@ -411,6 +411,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rows", help="comma-separated subset of the rows (default all)")
     p.add_argument("--sweep", help="lr multiples for DDP's and the rows' lr sweeps, comma-separated (default: the "
                                    "regime's, 0.5,1,2,4 for the main rows and 1,2 for the others): to fit a budget")
+    p.add_argument("--demo-sweep", help="DeMo's lr multiples, comma-separated (default 0.25,0.5)")
     p.add_argument("--outer-sweep", help="outer lrs of the outer-lr-sweep rows, comma-separated (default 0.4,0.7,1)")
     p.add_argument("--no-curve", action="store_true", help="skip the gap-vs-batch curve")
     p.add_argument("--curve-row", help="run only the gap-vs-batch curve, for this row (no table rows): DDP and the "
@@ -433,6 +434,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.sweep:
         mults = tuple(float(x) for x in args.sweep.split(","))
         regime["lr_sweep"] = regime["short_sweep"] = mults
+    if args.demo_sweep:
+        regime["demo_sweep"] = tuple(float(x) for x in args.demo_sweep.split(","))
     if args.curve_batches:
         regime["batch_tokens"] = tuple(int(x) for x in args.curve_batches.split(","))
     if args.outer_sweep:
