@@ -431,25 +431,27 @@ def main(argv: list[str] | None = None) -> int:
         combine([Path(x) for x in args.combine.split(",")], Path(args.results_dir))
         return 0
     regime = dict(SMOKE if args.smoke else FULL)
+    def numbers(text: str, kind=float) -> tuple:
+        return tuple(kind(x) for x in text.split(","))
+
     if args.sweep:
-        mults = tuple(float(x) for x in args.sweep.split(","))
-        regime["lr_sweep"] = regime["short_sweep"] = mults
+        regime["lr_sweep"] = regime["short_sweep"] = numbers(args.sweep)
     if args.demo_sweep:
-        regime["demo_sweep"] = tuple(float(x) for x in args.demo_sweep.split(","))
+        regime["demo_sweep"] = numbers(args.demo_sweep)
     if args.curve_batches:
-        regime["batch_tokens"] = tuple(int(x) for x in args.curve_batches.split(","))
+        regime["batch_tokens"] = numbers(args.curve_batches, int)
     if args.outer_sweep:
-        regime["outer_sweep"] = tuple(float(x) for x in args.outer_sweep.split(","))
+        regime["outer_sweep"] = numbers(args.outer_sweep)
     data = args.data or ("data/shakespeare-byte" if args.smoke else "data/quality-gpt2")
     steps = args.steps or (4 if args.smoke else 1000)
     warm_steps = args.warm_start_steps if args.warm_start_steps is not None else (2 if args.smoke else 1000)
     seeds = list(range(args.seeds))
     rows = build_rows(regime, args.smoke)
     by_name = {r.name: r for r in rows}
-    if args.curve_row and args.curve_row not in by_name:
-        print(f"error: unknown --curve-row {args.curve_row!r}; known: {', '.join(by_name)}", file=sys.stderr)
-        return 2
     if args.curve_row:
+        if args.curve_row not in by_name:
+            print(f"error: unknown --curve-row {args.curve_row!r}; known: {', '.join(by_name)}", file=sys.stderr)
+            return 2
         rows = []
     elif args.rows:
         unknown = [n for n in args.rows.split(",") if n not in by_name]
