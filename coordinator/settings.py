@@ -56,15 +56,18 @@ class CoordinatorSettings:
         ):
             if getattr(self, name) <= 0:
                 raise SettingsError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.heartbeat_ttl_s < self.heartbeat_interval_s:
+        # Twice the interval at least: a heartbeat arrives an interval after the last one plus its
+        # own latency, so a TTL of one interval expires between two on-time heartbeats now and
+        # then (a lease of 1 s under 1 s heartbeats did, and its node's commits were refused).
+        if self.heartbeat_ttl_s < 2 * self.heartbeat_interval_s:
             raise SettingsError(
-                f"heartbeat_ttl_s ({self.heartbeat_ttl_s}) must be at least heartbeat_interval_s "
-                f"({self.heartbeat_interval_s}), or every node is lost between two heartbeats"
+                f"heartbeat_ttl_s ({self.heartbeat_ttl_s}) must be at least twice heartbeat_interval_s "
+                f"({self.heartbeat_interval_s}), or a node is lost whenever one heartbeat is late"
             )
-        if self.lease_ttl_s < self.heartbeat_interval_s:
+        if self.lease_ttl_s < 2 * self.heartbeat_interval_s:
             raise SettingsError(
-                f"lease_ttl_s ({self.lease_ttl_s}) must be at least heartbeat_interval_s "
-                f"({self.heartbeat_interval_s}): heartbeats are what renew leases"
+                f"lease_ttl_s ({self.lease_ttl_s}) must be at least twice heartbeat_interval_s "
+                f"({self.heartbeat_interval_s}): heartbeats renew leases, and one may be late"
             )
         if self.token_uses < 1:
             raise SettingsError("token_uses must be at least 1")

@@ -82,6 +82,12 @@ def test_unknown_schema_and_foreign_files_are_refused(tmp_path):
 def test_settings_reject_inconsistent_timeouts():
     with pytest.raises(SettingsError, match="heartbeat_ttl_s"):
         CoordinatorSettings(heartbeat_interval_s=5, heartbeat_ttl_s=1)
+    # a TTL of one interval expires between two on-time heartbeats whenever one is a little late
+    with pytest.raises(SettingsError, match="lease_ttl_s .* twice"):
+        CoordinatorSettings(heartbeat_interval_s=1, heartbeat_ttl_s=3, lease_ttl_s=1)
+    with pytest.raises(SettingsError, match="heartbeat_ttl_s .* twice"):
+        CoordinatorSettings(heartbeat_interval_s=1, heartbeat_ttl_s=1.5)
+    CoordinatorSettings(heartbeat_interval_s=1, heartbeat_ttl_s=2, lease_ttl_s=2)
     with pytest.raises(SettingsError, match="must be positive"):
         CoordinatorSettings(lease_ttl_s=0)
 

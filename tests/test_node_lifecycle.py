@@ -103,7 +103,7 @@ def test_a_round_that_completes_after_sigterm_is_committed_though_it_outlasts_th
     (they go on until the node closes). On a GPU node with a testnet's 6 s lease, the heartbeats
     stopped with the SIGTERM and the last round's commit was refused."""
     net = make_testnet(tmp_path, data, node_args=["--solo", "--fault", "delay:checkpoint:4@x*"])
-    net.coordinator_args = ["--lease-ttl", "1", "--heartbeat-ttl", "3"]
+    net.coordinator_args = ["--lease-ttl", "2", "--heartbeat-ttl", "3"]  # the least the coordinator allows
     with net:
         net.start_coordinator()
         net.create_run(token_uses=2)

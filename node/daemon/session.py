@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import time
 from collections import deque
 from collections.abc import Callable, Iterable
 
@@ -183,8 +184,12 @@ class CoordinatorSession:
         # Until close() cancels it, not until the stop: the window in flight when a SIGTERM comes
         # still completes its round and commits it, and its lease must live until then (a testnet's
         # 6 s lease expired under a GPU node's last round, and its commit was refused).
+        # On a fixed cadence, not an interval after each reply: the reply's latency would stretch
+        # every period past the interval, and a lease's TTL is counted in intervals.
         interval = self.info.heartbeat_interval_s or 1.0
+        due = time.monotonic()
         while not self._closing:
+            due += interval
             try:
                 peer = None
                 if self.in_rounds:
@@ -212,10 +217,11 @@ class CoordinatorSession:
                     self._mark(False, err)
                 else:
                     self.log(f"heartbeat refused: {err}")
+            due = max(due, time.monotonic())  # after a long stall: the next one now, not a burst
             if self.stop.is_set():
-                await asyncio.sleep(interval)  # stop.sleep no longer waits once the stop is asked for
+                await asyncio.sleep(due - time.monotonic())  # stop.sleep no longer waits once the stop is asked for
             else:
-                await self.stop.sleep(interval)
+                await self.stop.sleep(due - time.monotonic())
 
     # -- the arbiter of round groups -------------------------------------------------------------
 

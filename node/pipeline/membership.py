@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -51,9 +52,13 @@ class Membership:
         return member
 
     async def _heartbeats(self) -> None:
+        # On a fixed cadence: a period of an interval plus the reply's latency would outlast a TTL of
+        # a few intervals sooner than it should.
+        due = time.monotonic()
         while True:
             await self.beat()
-            await asyncio.sleep(self.info.heartbeat_interval_s)
+            due = max(due + self.info.heartbeat_interval_s, time.monotonic())
+            await asyncio.sleep(due - time.monotonic())
 
     async def beat(self) -> None:
         """One heartbeat now (a stage peer sends one as soon as its stage changes)."""
