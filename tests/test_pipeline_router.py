@@ -105,3 +105,47 @@ def test_a_retry_pause_ends_when_a_peer_enters_a_stage():
 
     asyncio.run(main())
     assert router.arrivals == 2
+
+
+def test_commits_go_out_one_at_a_time_in_order_though_lanes_finish_together():
+    """Two lanes: microbatch 1 completes while microbatch 0's commit is still in flight. Its commit
+    must wait, or the ledger (which refuses a commit that does not start at its end) could see
+    [1, 2) before [0, 1): CI saw the driver's commit records come back in the wrong order."""
+    import asyncio
+
+    import torch
+
+    from murmur.node.pipeline.driver import MicrobatchResult, run_in_order
+
+    class ScriptedDriver:  # the lanes' side only; tests/test_pipeline_coordinator.py runs the real one
+        cfg = PipelineSection(stages=2)
+
+        def __init__(self) -> None:
+            self.commit0_started, self.mb1_done = asyncio.Event(), asyncio.Event()
+
+        async def run_microbatch(self, name: str, x, y) -> MicrobatchResult:
+            if name.startswith("mb1."):
+                await self.commit0_started.wait()
+                self.mb1_done.set()
+            return MicrobatchResult(loss=1.0)
+
+    async def main() -> list[tuple]:
+        driver, events = ScriptedDriver(), []
+
+        async def on_commit(lo: int, hi: int) -> None:
+            events.append(("start", lo, hi))
+            if lo == 0:
+                driver.commit0_started.set()
+                await driver.mb1_done.wait()
+                for _ in range(10):  # the other lane gets every chance to start its commit now
+                    await asyncio.sleep(0)
+            events.append(("end", lo, hi))
+
+        x = torch.zeros(1, 1)
+        end = await run_in_order(driver, lambda i: (x, x), 3, concurrency=2, on_done=lambda i, r: None,
+                                 on_commit=on_commit)
+        assert end == 3
+        return events
+
+    events = asyncio.run(asyncio.wait_for(main(), 30))
+    assert events[:4] == [("start", 0, 1), ("end", 0, 1), ("start", 1, 2), ("end", 1, 2)], events

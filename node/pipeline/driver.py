@@ -194,6 +194,9 @@ async def run_in_order(
     for i in range(start, start + count):
         queue.put_nowait(i)
     failure: list[BaseException] = []
+    # One commit at a time, in the order the window advanced: two lanes' commits in flight at once
+    # could reach the ledger out of order (it refuses a commit that does not start at its end).
+    committing = asyncio.Lock()
 
     async def lane() -> None:
         while not failure:
@@ -215,9 +218,10 @@ async def run_in_order(
             on_done(i, result)
             lo, hi = window.complete(i)
             if hi > lo:
-                maybe = on_commit(lo, hi)
-                if maybe is not None:
-                    await maybe
+                async with committing:  # a fair lock: no await between complete() and here
+                    maybe = on_commit(lo, hi)
+                    if maybe is not None:
+                        await maybe
 
     await asyncio.gather(*(lane() for _ in range(max(1, concurrency))))
     if failure:
