@@ -82,13 +82,12 @@ def start_run_peer(folder: Path, join: tuple[str, str], *extra: str) -> PeerProc
 
 
 def stop_peer(p: PeerProc) -> None:
+    """SIGTERM it (unless it is gone already) and read what it printed to the end."""
     if p.proc.poll() is None:
         p.proc.send_signal(signal.SIGTERM)
-        out, _ = p.proc.communicate(timeout=60)  # a loaded 2-core machine
-        p.lines += [json.loads(line) for line in out.splitlines()]
-        p.stopped = next((r for r in p.lines if r.get("event") == "stopped"), {})
-    else:
-        p.proc.wait()
+    out, _ = p.proc.communicate(timeout=60)  # a loaded 2-core machine
+    p.lines += [json.loads(line) for line in (out or "").splitlines()]
+    p.stopped = next((r for r in p.lines if r.get("event") == "stopped"), {})
 
 
 def write_peers(path: Path, peers: list[PeerProc]) -> None:
@@ -116,7 +115,13 @@ def stage_peers(
 
 
 def stop_all(peers: list[PeerProc]) -> None:
-    """SIGTERM every peer (reading what it printed), SIGKILL any that does not stop."""
+    """SIGTERM every peer at once, then read what each printed; SIGKILL any that does not stop.
+    At once: a peer stopped while the others still serve empties its stage, and the coordinator
+    moves one of them there before its own SIGTERM comes."""
+    for p in peers:
+        if p.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                p.proc.send_signal(signal.SIGTERM)
     for p in peers:
         with contextlib.suppress(Exception):
             stop_peer(p)

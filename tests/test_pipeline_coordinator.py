@@ -116,7 +116,7 @@ def test_stages_are_assigned_synced_and_refilled_after_their_peers_are_killed(tm
     assert "stage 0 -> 1 (empty stage)" in row1, table
     stage0 = [p for p in peers if p.stopped.get("stage") == 0]
     assert len(stage0) == 2 and all(p.stopped["sync_rounds"] > 0 for p in stage0), [p.stopped for p in stage0]
-    assert stage0[0].stopped["state_hash"] == stage0[1].stopped["state_hash"]
+    assert stage0[0].stopped["state_hash"] == stage0[1].stopped["state_hash"], [p.stopped for p in stage0]
     done = records(out, "done")[0]
     assert done["committed_tokens"] == MICROBATCHES * TOKENS_PER_MB
     # the stage served again: the heartbeat TTL, a sweep, the move and a local replica's load

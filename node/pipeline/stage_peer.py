@@ -84,6 +84,7 @@ class StagePeer:
         self._replica: PublishedState | None = None
         self._replica_at = 0.0
         self._tasks: list[asyncio.Task] = []
+        self._stopping = False
         self.sync: StageSync | None = None
 
     @property
@@ -123,6 +124,9 @@ class StagePeer:
             await asyncio.sleep(0.05)
 
     async def stop(self) -> None:
+        self._stopping = True  # no more moves: a peer on its way out serves no new stage
+        if self.sync is not None:
+            await self.sync.drain()  # no stage-mate is left a sync round behind
         for task in [*self._tasks, *([self._moving] if self._moving else [])]:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -152,7 +156,7 @@ class StagePeer:
     # -- orders ------------------------------------------------------------------------------------
 
     def _on_order(self, order: pb.StageOrder) -> None:
-        if order.stage == self.stage or (self._moving is not None and not self._moving.done()):
+        if order.stage == self.stage or self._stopping or (self._moving is not None and not self._moving.done()):
             return
         log.info("the coordinator moves this peer from stage %d to %d (%s)", self.stage, order.stage, order.reason)
         self._moving = asyncio.create_task(self._move(order.stage, order.reason))

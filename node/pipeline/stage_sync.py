@@ -19,6 +19,12 @@ A round that fails (a stage-mate died, the view changed) changes nothing and the
 period later; a peer alone in its stage skips rounds and moves its anchor to its weights. The
 anchor and the outer momentum are published as ``stage/<s>/outer`` after every round, so a peer
 that joins the stage loads them with the weights and its next round agrees with the others'.
+
+Stopping (``drain``): no new round starts, a round in flight finishes, and the peer server stays up
+for one round deadline after it, so a stage-mate whose copy of that round did not complete can
+still catch up from this peer's published result (node/exchange/catchup.py). Cancelling a round
+halfway instead left one mate a round ahead of the other: the outer momentum moves the weights even
+in an idle round, so the two never agreed again.
 """
 
 from __future__ import annotations
@@ -73,10 +79,15 @@ class StageSync:
         self.outer: torch.optim.SGD | None = None
         self.samples_base = 0
         self.rounds = 0  # completed
+        self.last_round = -1  # the id of the last completed round
         self.failed = 0
         self.last_error = ""
+        self._stopping = False
+        self._in_round: asyncio.Task[bool] | None = None
+        self._completed_at = 0.0  # monotonic time of the last completed round
         self._group = StageGroup(mates, lambda: self.worker.span.index if self.worker is not None else -1)
         deadline = 0.75 * every_s  # a round ends before the next one starts: stage-mates stay in step
+        self.deadline_s = deadline
         self.exchange = GrpcExchange(
             server, RunningLoop(asyncio.get_running_loop()), self._group, make_codec_for(sync),
             aggregator=make_aggregator_for(sync),
@@ -129,19 +140,34 @@ class StageSync:
     # -- rounds on the clock ---------------------------------------------------------------------
 
     async def run(self, on_round: Callable[[], None] = lambda: None) -> None:
-        while True:
+        while not self._stopping:
             now = time.time()
             r = int(now // self.every_s) + 1
             await asyncio.sleep(r * self.every_s - now)
-            if self.worker is None:
+            if self.worker is None or self._stopping:
                 continue
+            # A task of its own, so that drain() can let it finish while this loop is cancelled.
+            self._in_round = asyncio.ensure_future(self.round(r))
             try:
-                if await self.round(r):
+                if await asyncio.shield(self._in_round):
                     on_round()
+            except asyncio.CancelledError:
+                raise
             except Exception as err:  # noqa: BLE001 - a failed round (or an unreachable coordinator) skips it
                 self.failed += 1
                 self.last_error = str(err)[:300]
                 log.info("stage sync round %d failed: %s", r, err)
+
+    async def drain(self) -> None:
+        """Stop starting rounds; let the one in flight finish (its own deadline bounds it), then
+        keep serving its result for one round deadline so that stage-mates can catch up."""
+        self._stopping = True
+        if self._in_round is not None and not self._in_round.done():
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(asyncio.shield(self._in_round), self.deadline_s + 1.0)
+        linger = self._completed_at + self.deadline_s - time.monotonic()
+        if self._completed_at and linger > 0:
+            await asyncio.sleep(linger)
 
     async def round(self, r: int) -> bool:
         """One round; False when the peer is alone in its stage (its anchor follows its weights)."""
@@ -167,6 +193,7 @@ class StageSync:
         await asyncio.to_thread(self._apply, worker, snap)
         self.samples_base = samples
         self.rounds += 1
+        self._completed_at, self.last_round = time.monotonic(), r
         self._publish()
         return True
 
