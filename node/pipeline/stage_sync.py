@@ -151,8 +151,6 @@ class StageSync:
             try:
                 if await asyncio.shield(self._in_round):
                     on_round()
-            except asyncio.CancelledError:
-                raise
             except Exception as err:  # noqa: BLE001 - a failed round (or an unreachable coordinator) skips it
                 self.failed += 1
                 self.last_error = str(err)[:300]
@@ -165,6 +163,7 @@ class StageSync:
         if self._in_round is not None and not self._in_round.done():
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(asyncio.shield(self._in_round), self.deadline_s + 1.0)
+            self._in_round.cancel()  # still running past its deadline: a hung mate; give it up
         linger = self._completed_at + self.deadline_s - time.monotonic()
         if self._completed_at and linger > 0:
             await asyncio.sleep(linger)
