@@ -110,7 +110,7 @@ def test_a_retry_pause_ends_when_a_peer_enters_a_stage():
 def test_commits_go_out_one_at_a_time_in_order_though_lanes_finish_together():
     """Two lanes: microbatch 1 completes while microbatch 0's commit is still in flight. Its commit
     must wait, or the ledger (which refuses a commit that does not start at its end) could see
-    [1, 2) before [0, 1): CI saw the driver's commit records come back in the wrong order."""
+    [1, 2) before [0, 1): a loaded run of test_pipeline_coordinator saw the records come back out of order."""
     import asyncio
 
     import torch
