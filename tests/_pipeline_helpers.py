@@ -83,8 +83,17 @@ def start_run_peer(folder: Path, join: tuple[str, str], *extra: str) -> PeerProc
 
 def stop_peer(p: PeerProc) -> None:
     """SIGTERM it (unless it is gone already) and read what it printed to the end."""
+    _terminate(p)
+    _read_to_end(p)
+
+
+def _terminate(p: PeerProc) -> None:
     if p.proc.poll() is None:
-        p.proc.send_signal(signal.SIGTERM)
+        with contextlib.suppress(ProcessLookupError):
+            p.proc.send_signal(signal.SIGTERM)
+
+
+def _read_to_end(p: PeerProc) -> None:
     out, _ = p.proc.communicate(timeout=60)  # a loaded 2-core machine
     p.lines += [json.loads(line) for line in (out or "").splitlines()]
     p.stopped = next((r for r in p.lines if r.get("event") == "stopped"), {})
@@ -119,12 +128,10 @@ def stop_all(peers: list[PeerProc]) -> None:
     At once: a peer stopped while the others still serve empties its stage, and the coordinator
     moves one of them there before its own SIGTERM comes."""
     for p in peers:
-        if p.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                p.proc.send_signal(signal.SIGTERM)
+        _terminate(p)
     for p in peers:
         with contextlib.suppress(Exception):
-            stop_peer(p)
+            _read_to_end(p)
         if p.proc.poll() is None:
             p.proc.kill()
             p.proc.wait()

@@ -28,6 +28,7 @@ from murmur.node.daemon.settings import NodeSettings
 from murmur.node.daemon.state_dir import JoinInfo, PendingCommit, StateDir
 from murmur.node.daemon.stop import StopSignal
 from murmur.node.daemon.training import LeaseView
+from murmur.node.net.loop import next_due
 from murmur.optim.exchange import ExchangeError
 from murmur.protocol import coordinator_pb2 as pb
 from murmur.protocol import identity
@@ -184,12 +185,10 @@ class CoordinatorSession:
         # Until close() cancels it, not until the stop: the window in flight when a SIGTERM comes
         # still completes its round and commits it, and its lease must live until then (a testnet's
         # 6 s lease expired under a GPU node's last round, and its commit was refused).
-        # On a fixed cadence, not an interval after each reply: the reply's latency would stretch
-        # every period past the interval, and a lease's TTL is counted in intervals.
+        # On a fixed cadence (next_due), not an interval after each reply.
         interval = self.info.heartbeat_interval_s or 1.0
         due = time.monotonic()
         while not self._closing:
-            due += interval
             try:
                 peer = None
                 if self.in_rounds:
@@ -217,7 +216,7 @@ class CoordinatorSession:
                     self._mark(False, err)
                 else:
                     self.log(f"heartbeat refused: {err}")
-            due = max(due, time.monotonic())  # after a long stall: the next one now, not a burst
+            due = next_due(due, interval)
             if self.stop.is_set():
                 await asyncio.sleep(due - time.monotonic())  # stop.sleep no longer waits once the stop is asked for
             else:

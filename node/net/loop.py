@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Coroutine
 from concurrent.futures import Future
 from typing import Any, TypeVar
@@ -15,6 +16,14 @@ from typing import Any, TypeVar
 T = TypeVar("T")
 
 LOOP_STOP_TIMEOUT = 10.0  # seconds to wait for the loop thread to finish its shutdown
+
+
+def next_due(due: float, interval: float) -> float:
+    """When a task repeated every ``interval`` seconds runs next (monotonic clock), given when it
+    was last due. A fixed cadence: sleeping ``interval`` after each run instead stretches every
+    period by the run's own latency, past a TTL counted in intervals (heartbeats renew leases).
+    After a stall longer than the interval, the next run is now, not a burst to catch up."""
+    return max(due + interval, time.monotonic())
 
 
 class LoopThread:

@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from murmur.node.net.loop import next_due
 from murmur.protocol import coordinator_pb2 as pb
 from murmur.protocol import identity
 from murmur.protocol.coordinator_client import CoordinatorError, JoinInfo, MemberClient, join_run
@@ -52,12 +53,10 @@ class Membership:
         return member
 
     async def _heartbeats(self) -> None:
-        # On a fixed cadence: a period of an interval plus the reply's latency would outlast a TTL of
-        # a few intervals sooner than it should.
         due = time.monotonic()
         while True:
             await self.beat()
-            due = max(due + self.info.heartbeat_interval_s, time.monotonic())
+            due = next_due(due, self.info.heartbeat_interval_s)  # a fixed cadence
             await asyncio.sleep(due - time.monotonic())
 
     async def beat(self) -> None:

@@ -86,8 +86,8 @@ class StageSync:
         self._in_round: asyncio.Task[bool] | None = None
         self._completed_at = 0.0  # monotonic time of the last completed round
         self._group = StageGroup(mates, lambda: self.worker.span.index if self.worker is not None else -1)
-        deadline = 0.75 * every_s  # a round ends before the next one starts: stage-mates stay in step
-        self.deadline_s = deadline
+        # A round ends before the next one starts: stage-mates stay in step.
+        self.deadline_s = deadline = 0.75 * every_s
         self.exchange = GrpcExchange(
             server, RunningLoop(asyncio.get_running_loop()), self._group, make_codec_for(sync),
             aggregator=make_aggregator_for(sync),
