@@ -8,10 +8,14 @@ registration, so torch.compile traces into the fused path.
 autocast the residual stream is fp32 and the next matmul reads bf16): one rounding, the same
 values as norm-then-cast, and half the bytes written and read back.
 
-Both kernels take ROWS rows per program as one [ROWS, BLOCK_N] tile, so a program has several
-rows' loads in flight (one 768-wide row is only 1.5-3 KB). The backward's weight gradient is a
-two-level reduction: each program sums dy * xhat over its tiles in registers, and a second pass
-(torch) sums the [programs, N] partials: no atomics, deterministic.
+The forward takes ROWS rows per program as one [ROWS, BLOCK_N] tile and streams x past the cache
+(evict_first: it is read once), keeping the weight resident (evict_last). The backward splits the
+rows into SPLIT-row slices, one program each (several per SM), and walks its slice ROWS rows at a
+time in a software-pipelined loop (`tl.range(num_stages=...)`: the next tile's loads are in flight
+while this one computes), writing dx and summing its share of dw in registers; a second pass
+(torch) sums the [programs, N] partials: no atomics, deterministic. This is the schedule Inductor
+generates for the reference's backward ("mix-order reduction"); the earlier persistent loop (two
+programs per SM walking strided tiles) lost to it by ~10% on an H200 (benchmarks/results/kernels.json).
 """
 
 from __future__ import annotations
@@ -39,51 +43,55 @@ def _rms_fwd_kernel(X, W, Y, RSTD, M, N, eps, ROWS: tl.constexpr, BLOCK_N: tl.co
     rows = r[:, None]
     cols = tl.arange(0, BLOCK_N)[None, :]
     mask = (rows < M) & (cols < N)
-    x = tl.load(X + rows * N + cols, mask=mask, other=0.0).to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / N + eps)
-    w = tl.load(W + cols, mask=cols < N, other=0.0).to(tl.float32)
+    x = tl.load(X + rows * N + cols, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(x * x, axis=1) / N + eps)
+    w = tl.load(W + cols, mask=cols < N, other=0.0, eviction_policy="evict_last").to(tl.float32)
     tl.store(Y + rows * N + cols, (x * rstd[:, None] * w).to(Y.dtype.element_ty), mask=mask)
     tl.store(RSTD + r, rstd, mask=r < M)
 
 
 @lazy_jit
-def _rms_bwd_kernel(DY, X, W, RSTD, DX, DW_PART, M, N, ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
-    # Program pid walks row tiles pid, pid + P, ... and keeps its share of dw in registers.
+def _rms_bwd_kernel(DY, X, W, RSTD, DX, DW_PART, M, N, SPLIT: tl.constexpr, ROWS: tl.constexpr,
+                    BLOCK_N: tl.constexpr, STAGES: tl.constexpr):
+    # Program pid owns rows [pid * SPLIT, (pid + 1) * SPLIT) and writes its share of dw.
     pid = tl.program_id(0)
-    n_prog = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_N)[None, :]
     cmask = cols < N
-    w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)
-    dw = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
-    first = pid.to(tl.int64) * ROWS
-    for _ in range(pid, tl.cdiv(M, ROWS), n_prog):
-        r = first + tl.arange(0, ROWS)
+    w = tl.load(W + cols, mask=cmask, other=0.0, eviction_policy="evict_last").to(tl.float32)
+    dw = tl.zeros([1, BLOCK_N], dtype=tl.float32)
+    first = pid.to(tl.int64) * SPLIT
+    for i in tl.range(0, SPLIT, ROWS, num_stages=STAGES):
+        r = first + i + tl.arange(0, ROWS)
         rows = r[:, None]
         mask = (rows < M) & cmask
-        x = tl.load(X + rows * N + cols, mask=mask, other=0.0).to(tl.float32)
-        dy = tl.load(DY + rows * N + cols, mask=mask, other=0.0).to(tl.float32)
+        x = tl.load(X + rows * N + cols, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+        dy = tl.load(DY + rows * N + cols, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
         rstd = tl.load(RSTD + r, mask=r < M, other=0.0)[:, None]
         xhat = x * rstd
         wdy = w * dy
         c = tl.sum(xhat * wdy, axis=1)[:, None] / N
         tl.store(DX + rows * N + cols, ((wdy - xhat * c) * rstd).to(DX.dtype.element_ty), mask=mask)
-        dw += dy * xhat
-        first += n_prog * ROWS
-    tl.store(DW_PART + pid.to(tl.int64) * N + cols, tl.sum(dw, axis=0)[None, :], mask=cmask)
+        dw += tl.sum(dy * xhat, axis=0)[None, :]
+    tl.store(DW_PART + pid.to(tl.int64) * N + cols, dw, mask=cmask)
 
 
-def _tile(n: int) -> tuple[int, int, int]:
-    """(BLOCK_N, ROWS, num_warps): about 4K elements a program, at least one row. Measured on an
-    H200 for 16384 x 768 (fp32 or bf16 in): 4 rows and 4 warps were the best or within 2% of the
-    best of 1-16 rows x 4/8 warps, forward and backward (programs: 1, 2, 4 per SM)."""
+def _fwd_tile(n: int) -> tuple[int, int, int]:
+    """(BLOCK_N, ROWS, num_warps): ~2K elements and one warp per 1K columns a program. On an H200
+    for 16384 x 768 bf16 (runs of 1-16 rows x 1-8 warps, with and without evict_first), 2 rows
+    and 1 warp was the fastest, 13.40 us against Inductor's 13.70 us; every one of the ten
+    fastest streamed x with evict_first."""
     block_n = next_pow2(n)
-    return block_n, max(1, min(16, 4096 // block_n)), 4
+    return block_n, max(1, 2048 // block_n), max(1, min(8, block_n // 1024))
 
 
-def _bwd_programs(tiles: int, device: torch.device) -> int:
-    if device.type == "cuda":
-        return max(1, min(tiles, torch.cuda.get_device_properties(device).multi_processor_count * 2))
-    return max(1, min(tiles, 4))
+def _bwd_launch(m: int, n: int, device: torch.device) -> tuple[int, int, int, int, int]:
+    """(BLOCK_N, SPLIT, ROWS, num_warps, stages). SPLIT: rows per program, so that there are about
+    8 programs per SM (Inductor took 16 rows for 16384 rows on the H200's 132 SMs)."""
+    block_n = next_pow2(n)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    rows = max(1, min(4, 2048 // block_n))
+    split = max(rows, min(64, next_pow2(cdiv(m, 8 * sms))))
+    return block_n, split, rows, max(1, min(8, block_n // 256)), 2
 
 
 def _out_dtype(x: torch.Tensor, code: int) -> torch.dtype:
@@ -103,7 +111,7 @@ def rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float,
     y = torch.empty(x2.shape, dtype=_out_dtype(x, out_dtype), device=x.device)
     rstd = torch.empty(m, dtype=torch.float32, device=x.device)
     if m:
-        block_n, rows, warps = _tile(n)
+        block_n, rows, warps = _fwd_tile(n)
         _rms_fwd_kernel.launch((cdiv(m, rows),), x2, weight.contiguous(), y, rstd, m, n, eps,
                                ROWS=rows, BLOCK_N=block_n, num_warps=warps)
     return y.view(x.shape), rstd
@@ -119,11 +127,11 @@ def rms_norm_bwd(
     dx = torch.empty_like(x2)
     if m == 0:
         return dx.view(x.shape), torch.zeros_like(weight)
-    block_n, rows, warps = _tile(n)
-    progs = _bwd_programs(cdiv(m, rows), x.device)
+    block_n, split, rows, warps, stages = _bwd_launch(m, n, x.device)
+    progs = cdiv(m, split)
     part = torch.empty(progs, n, dtype=torch.float32, device=x.device)
     _rms_bwd_kernel.launch((progs,), dy2, x2, weight.contiguous(), rstd, dx, part, m, n,
-                           ROWS=rows, BLOCK_N=block_n, num_warps=warps)
+                           SPLIT=split, ROWS=rows, BLOCK_N=block_n, STAGES=stages, num_warps=warps)
     return dx.view(x.shape), part.sum(0).to(weight.dtype)
 
 

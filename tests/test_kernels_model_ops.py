@@ -60,10 +60,11 @@ def test_rms_norm(interp, shape, dtype):
         assert_close(got_g[1], want_g[1], "rms_norm dweight", dtype=dtype)
 
 
-@pytest.mark.parametrize("shape", [(5, 37), (40, 300)])
+@pytest.mark.parametrize("shape", [(5, 37), (40, 300), (1000, 48)])
 def test_rms_norm_out_dtype(interp, shape):
     """fp32 in, bf16 out (the autocast case): one rounding of the fp32 result; tiles of several
-    rows with a ragged last tile, and a backward over more tiles than programs."""
+    rows with a ragged last tile, and (1000 rows) a backward whose programs each walk several
+    tiles of their slice, the last slice ragged."""
     x = _leaf(shape, torch.float32, 13)
     w = _leaf(shape[-1:], torch.float32, 14)
     y = kernels.rms_norm(x, w, 1e-5, torch.bfloat16)
