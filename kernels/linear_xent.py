@@ -91,7 +91,9 @@ def _fused_body(hidden, weight, targets, ignore_index: int, compute_grad: bool, 
     v_pad = cdiv(v, VOCAB_ALIGN) * VOCAB_ALIGN
     if v_pad != v:
         weight = F.pad(weight, (0, 0, 0, v_pad - v))
-    grad_w = torch.zeros(v_pad, d, dtype=torch.float32, device=hidden.device) if compute_grad else None
+    # The first chunk writes the accumulator (beta=0: cuBLAS neither reads nor needs zeros in it),
+    # which saves a zero fill and a read of the ~150 MB fp32 buffer a step.
+    grad_w = torch.empty(v_pad, d, dtype=torch.float32, device=hidden.device) if compute_grad else None
     block_v = min(BLOCK_V, next_pow2(v))
     for start in range(0, n, chunk):
         h = hidden[start:start + chunk]
@@ -99,13 +101,16 @@ def _fused_body(hidden, weight, targets, ignore_index: int, compute_grad: bool, 
         _xent_kernel[(h.shape[0],)](logits, targets[start:start + chunk], loss_rows[start:start + chunk],
                                     inv_n, v, v_pad, ignore_index, BLOCK_V=block_v, GRAD=compute_grad)
         if compute_grad:
+            beta = 0 if start == 0 else 1
             torch.mm(logits, weight, out=grad_h[start:start + chunk])
             if grad_w.dtype == logits.dtype:
-                grad_w.addmm_(logits.t(), h)
+                grad_w.addmm_(logits.t(), h, beta=beta)
             elif _FP32_ADDMM and logits.is_cuda:   # bf16 x bf16 added into fp32 by cuBLAS
-                torch.addmm(grad_w, logits.t(), h, out_dtype=torch.float32, out=grad_w)
-            else:
+                torch.addmm(grad_w, logits.t(), h, out_dtype=torch.float32, beta=beta, out=grad_w)
+            elif beta:
                 grad_w += logits.t() @ h
+            else:
+                grad_w.copy_(logits.t() @ h)
     loss = loss_rows.sum() * inv_n
     if not compute_grad:
         return loss, grad_h, weight.new_empty(0)
