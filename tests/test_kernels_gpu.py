@@ -119,12 +119,20 @@ def test_topk_dct_sign():
                  "sign unpack")
 
 
+@pytest.fixture
+def one_compile_thread():
+    """No Inductor compile-worker pool: it would outlive the test (the leak check fails on it).
+    Through the config's own patch(): on torch 2.11 monkeypatch's undo left the config without
+    the key, and the next test's setattr failed."""
+    with inductor_config.patch(compile_threads=1):
+        yield
+
+
+@pytest.mark.usefixtures("one_compile_thread")
 def test_fused_model_under_compile_matches_reference(monkeypatch):
     """The custom ops' fake and autograd registrations hold up under torch.compile with autocast."""
     from murmur.node.model.transformer import build_model, model_config
 
-    # No Inductor compile-worker pool: it would outlive the test (the leak check fails on it).
-    monkeypatch.setattr(inductor_config, "compile_threads", 1)
     cfg = model_config("small", n_layers=2)
     idx = torch.randint(0, cfg.vocab_size, (4, cfg.seq_len + 1), device="cuda")
     out = {}
@@ -142,12 +150,12 @@ def test_fused_model_under_compile_matches_reference(monkeypatch):
     assert cos > 0.99, f"gradient direction differs: cosine {cos:.4f}"
 
 
+@pytest.mark.usefixtures("one_compile_thread")
 def test_default_path_compiles_and_matches_eager(monkeypatch):
     """MURMUR_COMPILE=auto on CUDA: the model compiles its own forward; loss and gradients agree
     with the eager reference path, and an eval-mode call without targets gives logits."""
     from murmur.node.model.transformer import build_model, model_config
 
-    monkeypatch.setattr(inductor_config, "compile_threads", 1)
     cfg = model_config("small", n_layers=2)
     idx = torch.randint(0, cfg.vocab_size, (4, cfg.seq_len + 1), device="cuda")
     out = {}
