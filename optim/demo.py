@@ -6,8 +6,9 @@ Per parameter, each step:
     m = beta * m + lr * g
     C = DCT-II of m over chunks (c x c tiles for matrices, c-long pieces for vectors)
     keep the k largest |C| of each chunk -> (int16 positions, values): the wire
-        (values fp32 as the paper's algorithm has them, or bf16 with ``demo_values``: bf16 rounds
-        the small ones, and near zero a rounded mean can take the other sign)
+        (values bf16 by default, or fp32 as the paper's algorithm has them, by ``demo_values``: bf16
+        rounds the small ones, and near zero a rounded mean can take the other sign; on the H200 the
+        two tied at 8k tokens per worker-step)
     m = m - IDCT(sparse kept C)                       # what was sent leaves the momentum
     all-gather every member's wire; Q = IDCT(mean of the scattered coefficients, sorted peer order)
     p = p * (1 - lr * wd)  (matrices only);  p = p - lr * sign(Q)

@@ -27,7 +27,7 @@ CASES = {
          "codec": "int4", **PAPER_OUTER},
         8,
     ),
-    "demo": ({"algorithm": "demo", "inner_steps": 1, "demo_topk": 8, "demo_chunk": 16}, 3),
+    "demo": ({"algorithm": "demo", "inner_steps": 1, "demo_topk": 8, "demo_chunk": 16, "demo_values": "fp32"}, 3),
 }
 
 
