@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 
 CLIENT_ADDRESS = "client-mode"  # not host:port: nothing ever dials it
 DIAL_BACK_TIMEOUT_S = 3.0
+DEATH_PROBE_TIMEOUT_S = 1.0  # a refusal comes back at once; longer is an unknown, not a death
 MAX_ADDRESS_CHARS = 300
 
 
@@ -41,6 +43,21 @@ def split_address(address: str) -> tuple[str, int]:
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ValueError(f"{address[:MAX_ADDRESS_CHARS]!r} is not host:port")
     return host.strip("[]"), int(port)
+
+
+def refuses_connections(address: str, timeout_s: float = DEATH_PROBE_TIMEOUT_S) -> bool:
+    """Whether nothing listens at ``address`` any more: a TCP connect to it is refused. The kernel
+    closes a dead process's listening socket (SIGKILL included), so a dead peer answers this at
+    once; a hung process still accepts, and a host that drops the SYN times out: neither is a
+    known death. Blocking (``asyncio.to_thread`` it on a loop)."""
+    try:
+        host, port = split_address(address)
+        socket.create_connection((host, port), timeout=timeout_s).close()
+    except ConnectionRefusedError:
+        return True
+    except (ValueError, OSError):  # TimeoutError is an OSError
+        return False
+    return False
 
 
 async def dial_back(address: str, timeout_s: float = DIAL_BACK_TIMEOUT_S) -> tuple[bool, str]:

@@ -1,4 +1,5 @@
-"""Peers as separate processes meeting through the DHT: a SIGKILLed peer, a peer that catches up.
+"""Peers as separate processes meeting through the DHT: a SIGKILLed peer, a peer that catches up,
+and a peer killed between meeting the others and sending anything.
 
 Each peer is ``python -m murmur.node.testnet.exchange_peer`` with its own TLS identity; the test
 process runs the bootstrap DHT. Spans travel as three pipeline chunks. Peer 3 is armed with the
@@ -23,13 +24,13 @@ pytestmark = pytest.mark.slow
 PROCESS_TIMEOUT = 280  # child start-up (torch, hivemind) on a busy 2-core machine dominates
 
 
-def test_sigkilled_peer_mid_round_survivors_agree_and_a_lagging_peer_catches_up(tmp_path):
+def run_peers(tmp_path, n: int, faults: dict[int, list[str]], peer_timeout: float) -> tuple[list, list[str]]:
+    """n peer processes for two rounds; (the processes, their outputs)."""
     ca = CertificateAuthority.create("kill-test")
     boot = MurmurDHT("kill", ca_cert_pem=ca.cert_pem).start()
-    faults = {1: ["--fault", "lose_result@1"], 3: ["--fault", "exit_midstream@2"]}
     procs = []
     try:
-        for i in range(4):
+        for i in range(n):
             ca.issue().save(tmp_path / str(i))
             cmd = [
                 PYTHON,
@@ -42,7 +43,7 @@ def test_sigkilled_peer_mid_round_survivors_agree_and_a_lagging_peer_catches_up(
                 "--bootstrap",
                 boot.addresses[0],
                 "--peers",
-                "4",
+                str(n),
                 "--rounds",
                 "2",
                 "--numel",
@@ -55,7 +56,7 @@ def test_sigkilled_peer_mid_round_survivors_agree_and_a_lagging_peer_catches_up(
                 # dropped for slowness would make round 1 a 3-member round. The SIGKILLed peer is
                 # detected from its closed connections, not by this timeout.
                 "--peer-timeout",
-                "20",
+                str(peer_timeout),
                 "--round-deadline",
                 "60",
                 "--rendezvous-deadline",
@@ -70,11 +71,19 @@ def test_sigkilled_peer_mid_round_survivors_agree_and_a_lagging_peer_catches_up(
                 p.kill()
                 p.wait()
         boot.shutdown()
+    return procs, outputs
+
+
+def rounds_of(outputs: list[str]) -> list[dict[int, dict]]:
+    return [{r["round"]: r for r in map(json.loads, out.splitlines()) if r["event"] == "round"} for out in outputs]
+
+
+def test_sigkilled_peer_mid_round_survivors_agree_and_a_lagging_peer_catches_up(tmp_path):
+    faults = {1: ["--fault", "lose_result@1"], 3: ["--fault", "exit_midstream@2"]}
+    procs, outputs = run_peers(tmp_path, 4, faults, peer_timeout=20)
     assert procs[3].returncode == -signal.SIGKILL
     assert [p.returncode for p in procs[:3]] == [0, 0, 0]
-    rounds = [
-        {r["round"]: r for r in map(json.loads, out.splitlines()) if r["event"] == "round"} for out in outputs
-    ]
+    rounds = rounds_of(outputs)
     ids = [json.loads(out.splitlines()[0])["node_id"] for out in outputs]
     # Round 1: all four inputs, one hash; peer 1 lost a reply and caught up from the others.
     assert all(rounds[i][1]["ok"] and len(rounds[i][1]["members"]) == 4 for i in range(4)), [r[1] for r in rounds]
@@ -91,4 +100,25 @@ def test_sigkilled_peer_mid_round_survivors_agree_and_a_lagging_peer_catches_up(
     if ids[3] not in survivors[0]["members"]:
         assert len(survivors[0]["members"]) == 3 and ids[3] in survivors[0]["dropped"]
     assert all(r["seconds"] < 60 for r in survivors)  # within the round deadline
+    assert p2pd_processes() == []
+
+
+def test_a_peer_killed_before_sending_is_dropped_at_its_refusal_not_after_the_peer_timeout(tmp_path):
+    """Peer 2 meets the others for round 2, then is SIGKILLed before any of its input goes out
+    (what a chaos run hit: two nodes killed just after announcing a round). No stream of it ever
+    breaks, so the survivors learn of its death only when its address refuses their inputs; they
+    used to wait for its own input until the peer timeout (8 s in the testnet) and only then
+    retry without it. Now the refusal fails it at once: round 2 ends far inside the timeout."""
+    timeout = 40.0
+    procs, outputs = run_peers(tmp_path, 3, {2: ["--fault", "exit_before_input@2"]}, peer_timeout=timeout)
+    assert procs[2].returncode == -signal.SIGKILL
+    assert [p.returncode for p in procs[:2]] == [0, 0]
+    rounds = rounds_of(outputs)
+    dead = json.loads(outputs[2].splitlines()[0])["node_id"]
+    assert all(rounds[i][1]["ok"] and len(rounds[i][1]["members"]) == 3 for i in range(3))
+    survivors = [rounds[i][2] for i in range(2)]
+    assert all(r["ok"] and dead not in r["members"] and len(r["members"]) == 2 for r in survivors), survivors
+    assert len({r["hash"] for r in survivors}) == 1
+    # A behaviour, not a speed: waiting out the timeout would take 40 s at least.
+    assert all(r["seconds"] < timeout / 2 for r in survivors), survivors
     assert p2pd_processes() == []

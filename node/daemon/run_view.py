@@ -25,9 +25,8 @@ import time
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 
+from murmur.node.exchange.calls import process_gone
 from murmur.protocol import coordinator_pb2 as pb
-
-REFUSED = "connection refused"  # how a dead process's address answers (gRPC's reason, lowercased)
 
 
 def new_incarnation() -> str:
@@ -121,9 +120,18 @@ class RunView:
         inc = entry.get("incarnation")
         return not inc or inc == m.incarnation
 
+    def missing(self, present: Collection[str]) -> list[tuple[str, str]]:
+        """(node id, address) of the live trainers, not seen dead, that are not among ``present``
+        (a rendezvous's arrivals): the ones it still waits for."""
+        return [
+            (m.node_id, m.address)
+            for m in self.trainers()
+            if m.node_id != self.node_id and m.node_id not in present and (m.node_id, m.address) not in self._dead
+        ]
+
     def saw_refusal(self, node_id: str, address: str, reason: str) -> bool:
         """A member's address refused a connection: that process is dead. True if recorded."""
-        if REFUSED not in reason.lower() or node_id == self.node_id:
+        if not process_gone(reason) or node_id == self.node_id:
             return False
         self._dead.add((node_id, address))
         return True

@@ -120,3 +120,12 @@ class AttemptProgress:
 
 def grpc_reason(err: grpc.aio.AioRpcError) -> str:
     return f"{err.code().name}: {err.details()}"
+
+
+CONNECTION_REFUSED = "connection refused"  # how a dead process's address answers (gRPC's reason, lowercased)
+
+
+def process_gone(reason: str) -> bool:
+    """Whether a failed call's reason says nothing listens at the peer's address any more: its
+    process is dead (a restarted one listens elsewhere, under a new incarnation)."""
+    return CONNECTION_REFUSED in reason.lower()

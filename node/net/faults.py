@@ -15,7 +15,10 @@ Faults of a call (what this peer does wrong, as an attacker or a broken machine 
   lose_result    it loses the first reduced chunk it receives (a network cut), so it must catch up
   exit           it dies at once (SIGKILL) after sending its inputs: a SIGKILL seen from outside
   exit_midstream it dies (SIGKILL) halfway through streaming its input to the owners: a machine
-                 lost mid-transfer. Peers that share one test process set ``die`` to a stand-in
+                 lost mid-transfer.
+  exit_before_input it dies (SIGKILL) once the round's members are met, before any input goes out:
+                 a machine lost between announcing itself and sending, which the owners can only
+                 learn from its address refusing them. Peers that share one test process set ``die`` to a stand-in
                  (stop the server, close the channels): the call then ends with ExchangeError.
 Poisoning (a hostile node; its whole update, before it is encoded; every chunk, every owner, the
 span it owns itself included; a gather's payloads, encoded by the caller already, in the float
@@ -72,6 +75,7 @@ CALL_FAULTS = (
     "lose_result",
     "exit",
     "exit_midstream",
+    "exit_before_input",
     *POISONS,
 )
 FAULTS = (*CALL_FAULTS, "delay")
@@ -279,6 +283,11 @@ class CallFaults:
             self._taken.discard("lose_result")
             return True
         return False
+
+    def before_input(self) -> None:
+        """An attempt's members are met and none of our input is out: ``exit_before_input``."""
+        if "exit_before_input" in self._taken:
+            self.injector.exit("after meeting the round's members, before sending its input")
 
     def input_delivered(self) -> None:
         """Every owner has our whole input: the ``exit`` fault strikes here."""
