@@ -366,6 +366,7 @@ class MurmurDHT:
         weight: float = 1.0,
         extra: dict | None = None,
         keep: Callable[[str, dict], bool] | None = None,
+        waiting: Callable[[dict[str, str]], None] | None = None,
     ) -> dict[str, str]:
         """Join round ``round_id``'s group and return {node id: address} of its members.
 
@@ -373,7 +374,9 @@ class MurmurDHT:
         e.g. the number of live peer records), otherwise at ``deadline`` (time.monotonic),
         with whoever arrived; fewer than ``min_members`` is a DHTError. ``extra`` goes into this
         peer's entry (e.g. its incarnation); ``keep(node id, entry)`` drops entries that are not
-        live members (a dead incarnation's entry outlives it by the rendezvous TTL).
+        live members (a dead incarnation's entry outlives it by the rendezvous TTL). ``waiting(members)``
+        is called at each poll that found fewer than ``expected``: the caller may learn meanwhile
+        that a peer it expects is dead (``expected`` is asked again at the next poll).
         """
         rkey = round_key(self.run_id, round_id, key)
         self._store(rkey, {**(extra or {}), "address": address, "weight": weight}, self.settings.rendezvous_ttl)
@@ -389,6 +392,8 @@ class MurmurDHT:
                 break
             if time.monotonic() + self.settings.poll_interval >= deadline:
                 break
+            if waiting is not None:
+                waiting(members)
             time.sleep(self.settings.poll_interval)
         if len(members) < min_members:
             raise DHTError(

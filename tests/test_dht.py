@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
+import socket
 import subprocess
 import time
 
@@ -12,6 +14,9 @@ import psutil
 import pytest
 from _net_helpers import PYTHON, REPO, p2pd_processes, python_env
 
+from murmur.node.daemon.run_view import RunView
+from murmur.node.exchange.group import DHTGroup, RendezvousSettings
+from murmur.protocol import coordinator_pb2 as pb
 from murmur.protocol import dht as D
 from murmur.protocol.identity import CertificateAuthority
 
@@ -55,6 +60,29 @@ def test_records_are_signed_expire_and_say_goodbye(ca):
     assert not any(
         psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in helpers
     )
+    assert p2pd_processes() == []
+
+
+def test_a_rendezvous_goes_on_without_a_listed_trainer_whose_address_refuses(ca):
+    """The coordinator still lists trainer b (its death is a heartbeat TTL away: 10 s by default),
+    but b's process is gone: nothing listens at its address. The rendezvous dials the trainers it
+    still waits for, learns that b is dead and goes on without it, instead of waiting for the
+    coordinator's word or its own deadline."""
+    a = ca.issue()
+    with socket.socket() as gone:
+        gone.bind(("127.0.0.1", 0))
+        port = gone.getsockname()[1]  # closed when the block ends: a connect is refused
+    view = RunView(a.node_id, "ia", fresh_s=600.0)
+    view.update([pb.LiveMember(node_id=a.node_id, incarnation="ia", peer_address="127.0.0.1:1", round=1),
+                 pb.LiveMember(node_id="b", incarnation="ib", peer_address=f"127.0.0.1:{port}", round=1)])
+    assert view.expected() == 2
+    deadline = 60.0
+    with D.MurmurDHT("run", ca_cert_pem=ca.cert_pem, identity=a, settings=D.DHTSettings(poll_interval=0.05)) as da:
+        group = DHTGroup(da, "127.0.0.1:1", settings=RendezvousSettings(deadline=deadline), view=view)
+        t0 = time.monotonic()
+        assert asyncio.run(group.members(1, "k")) == {a.node_id: "127.0.0.1:1"}
+        assert time.monotonic() - t0 < deadline / 2  # it did not wait the deadline out
+    assert view.expected() == 1
     assert p2pd_processes() == []
 
 

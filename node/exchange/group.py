@@ -15,10 +15,14 @@ member's address refuses a connection (``saw_refusal``), so that entry stops cou
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Protocol
+
+from murmur.node.exchange.calls import CONNECTION_REFUSED
+from murmur.protocol.reachability import refuses_connections
 
 
 class GroupProvider(Protocol):
@@ -40,6 +44,8 @@ class LiveView(Protocol):
 
     def saw_refusal(self, node_id: str, address: str, reason: str) -> bool: ...
 
+    def missing(self, present: Collection[str]) -> list[tuple[str, str]]: ...
+
 
 class RoundGate(Protocol):
     """The run's arbiter of which group's result a round applies (the coordinator's ClaimRound,
@@ -60,6 +66,9 @@ class StaticGroup:
 
 
 REGROUP_WAIT_S = 1.0  # a regroup's look at the rendezvous: the live trainers, or what is there by then
+PROBE_AFTER_S = 1.0  # a rendezvous waits this long before it dials the trainers still missing
+PROBE_EVERY_S = 1.0  # then each one's address at most this often
+PROBES_PER_POLL = 4  # blocking dials per rendezvous poll (a refusal is instant; a silent host costs more)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -89,6 +98,7 @@ class DHTGroup:
         self.announced_ids = announced_ids or (lambda: ())
         self.settings = settings or RendezvousSettings()
         self.view = view
+        self._probed: dict[str, float] = {}  # node id -> when its address was last dialed
 
     def _expected(self) -> int | None:
         live = self.view.expected() if self.view is not None else None
@@ -108,7 +118,25 @@ class DHTGroup:
             min_members=self.settings.min_members,
             extra={"incarnation": view.incarnation} if view is not None else None,
             keep=view.keeps if view is not None else None,
+            waiting=functools.partial(self._probe_missing, since=time.monotonic()) if view is not None else None,
         )
+
+    def _probe_missing(self, present: dict[str, str], since: float) -> None:
+        """While the rendezvous waits (a DHT worker thread): a live trainer that has not arrived may
+        be dead already, killed before it announced this round, while the coordinator has not said
+        so yet (one heartbeat TTL: 10 s by default, and the round waited all of it). Its address
+        refusing a connect proves it: the view drops it, and the expected count with it. Only past
+        PROBE_AFTER_S: the live ones mostly arrive within it, and every dial is a connection."""
+        assert self.view is not None
+        now = time.monotonic()
+        if now - since < PROBE_AFTER_S:
+            return
+        due = [(n, a) for n, a in self.view.missing(present)
+               if now - self._probed.get(n, -PROBE_EVERY_S) >= PROBE_EVERY_S]
+        for node_id, address in due[:PROBES_PER_POLL]:
+            self._probed[node_id] = now
+            if refuses_connections(address):
+                self.view.saw_refusal(node_id, address, f"{CONNECTION_REFUSED} while the rendezvous waited for it")
 
     async def current(self, round_id: int, key: str) -> dict[str, str]:
         """Who is at the round's rendezvous now (a regroup mid-call: waiting the whole rendezvous
