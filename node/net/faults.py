@@ -18,7 +18,8 @@ Faults of a call (what this peer does wrong, as an attacker or a broken machine 
                  lost mid-transfer.
   exit_before_input it dies (SIGKILL) once the round's members are met, before any input goes out:
                  a machine lost between announcing itself and sending, which the owners can only
-                 learn from its address refusing them. Peers that share one test process set ``die`` to a stand-in
+                 learn from its address refusing them.
+                 For the three exits, peers that share one test process set ``die`` to a stand-in
                  (stop the server, close the channels): the call then ends with ExchangeError.
 Poisoning (a hostile node; its whole update, before it is encoded; every chunk, every owner, the
 span it owns itself included; a gather's payloads, encoded by the caller already, in the float
