@@ -20,6 +20,7 @@ programs per SM walking strided tiles) lost to it by ~10% on an H200 (benchmarks
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING
 
 import torch
@@ -84,13 +85,21 @@ def _fwd_tile(n: int) -> tuple[int, int, int]:
     return block_n, max(1, 2048 // block_n), max(1, min(8, block_n // 1024))
 
 
+@functools.cache
+def _sm_count(index: int) -> int:
+    """The device's SM count, asked once (the backward's launch reads it at every call)."""
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 def _bwd_launch(m: int, n: int, device: torch.device) -> tuple[int, int, int, int, int]:
     """(BLOCK_N, SPLIT, ROWS, num_warps, stages). SPLIT: rows per program, so that there are about
     8 programs per SM (Inductor took 16 rows for 16384 rows on the H200's 132 SMs). On the H200,
     16384 x 768 bf16 fwd+bwd, of 24 launches (split 8-64, rows 1-4, warps 2-8, stages 1-4) the
     fastest was split 16, 2 rows, 4 warps, 4 stages: 82.4 us against compile's 82.3 us."""
     block_n = next_pow2(n)
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    sms = 4
+    if device.type == "cuda":
+        sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
     rows = max(1, min(4, 2048 // block_n))
     split = max(rows, min(64, next_pow2(cdiv(m, 8 * sms))))
     return block_n, split, rows, max(1, min(8, block_n // 256)), 4

@@ -99,8 +99,7 @@ class RunView:
         deadline; a round without it goes on if it has quorum, and meets again if not."""
         if not self.fresh():
             return None
-        alive = {m.node_id for m in self.trainers() if (m.node_id, m.address) not in self._dead}
-        return len(alive | {self.node_id})
+        return len({m.node_id for m in self._alive()} | {self.node_id})
 
     def run_round(self) -> int:
         """The newest round a live trainer reports (-1 when none or not fresh)."""
@@ -123,11 +122,11 @@ class RunView:
     def missing(self, present: Collection[str]) -> list[tuple[str, str]]:
         """(node id, address) of the live trainers, not seen dead, that are not among ``present``
         (a rendezvous's arrivals): the ones it still waits for."""
-        return [
-            (m.node_id, m.address)
-            for m in self.trainers()
-            if m.node_id != self.node_id and m.node_id not in present and (m.node_id, m.address) not in self._dead
-        ]
+        return [(m.node_id, m.address) for m in self._alive() if m.node_id != self.node_id and m.node_id not in present]
+
+    def _alive(self) -> list[ViewMember]:
+        """The live trainers whose address has not refused a connection."""
+        return [m for m in self.trainers() if (m.node_id, m.address) not in self._dead]
 
     def saw_refusal(self, node_id: str, address: str, reason: str) -> bool:
         """A member's address refused a connection: that process is dead. True if recorded."""
