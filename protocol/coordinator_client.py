@@ -222,6 +222,13 @@ class MemberClient:
         reply = await self._call("ClaimRound", pb.ClaimRoundRequest(round=round_id, key=key, members=list(members)))
         return bool(reply.decided)
 
+    async def report_gone(self, peers: list[tuple[str, str]] | tuple[tuple[str, str], ...]) -> pb.ReportGoneReply:
+        """Report (node id, peer address) of peers whose address refused a connect: the coordinator
+        verifies each with a connect of its own and marks the dead ones lost. The reply names
+        those it holds lost and carries its view after that (as a heartbeat reply's)."""
+        items = [pb.GonePeer(node_id=n, peer_address=a) for n, a in peers]
+        return await self._call("ReportGone", pb.ReportGoneRequest(peers=items))
+
     async def report_rejections(self, rejected: list[tuple[int, str, str]]) -> int:
         """Report (round, sender, reason) of updates this node refused; how many were counted."""
         items = [pb.RejectedUpdate(sender_node_id=s, round=r, reason=why[:200]) for r, s, why in rejected]

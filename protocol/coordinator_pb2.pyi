@@ -324,6 +324,32 @@ class ClaimRoundReply(_message.Message):
     decided: bool
     def __init__(self, decided: _Optional[bool] = ...) -> None: ...
 
+class GonePeer(_message.Message):
+    __slots__ = ("node_id", "peer_address")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    PEER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    peer_address: str
+    def __init__(self, node_id: _Optional[str] = ..., peer_address: _Optional[str] = ...) -> None: ...
+
+class ReportGoneRequest(_message.Message):
+    __slots__ = ("peers",)
+    PEERS_FIELD_NUMBER: _ClassVar[int]
+    peers: _containers.RepeatedCompositeFieldContainer[GonePeer]
+    def __init__(self, peers: _Optional[_Iterable[_Union[GonePeer, _Mapping]]] = ...) -> None: ...
+
+class ReportGoneReply(_message.Message):
+    __slots__ = ("lost", "members", "run_round", "view_whole")
+    LOST_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    RUN_ROUND_FIELD_NUMBER: _ClassVar[int]
+    VIEW_WHOLE_FIELD_NUMBER: _ClassVar[int]
+    lost: _containers.RepeatedScalarFieldContainer[str]
+    members: _containers.RepeatedCompositeFieldContainer[LiveMember]
+    run_round: int
+    view_whole: bool
+    def __init__(self, lost: _Optional[_Iterable[str]] = ..., members: _Optional[_Iterable[_Union[LiveMember, _Mapping]]] = ..., run_round: _Optional[int] = ..., view_whole: _Optional[bool] = ...) -> None: ...
+
 class BanList(_message.Message):
     __slots__ = ("version", "node_ids")
     VERSION_FIELD_NUMBER: _ClassVar[int]

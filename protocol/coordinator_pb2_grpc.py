@@ -99,6 +99,11 @@ class CoordinatorStub:
                 request_serializer=murmur_dot_protocol_dot_coordinator__pb2.ClaimRoundRequest.SerializeToString,
                 response_deserializer=murmur_dot_protocol_dot_coordinator__pb2.ClaimRoundReply.FromString,
                 _registered_method=True)
+        self.ReportGone = channel.unary_unary(
+                '/murmur.v1.Coordinator/ReportGone',
+                request_serializer=murmur_dot_protocol_dot_coordinator__pb2.ReportGoneRequest.SerializeToString,
+                response_deserializer=murmur_dot_protocol_dot_coordinator__pb2.ReportGoneReply.FromString,
+                _registered_method=True)
         self.CreateRun = channel.unary_unary(
                 '/murmur.v1.Coordinator/CreateRun',
                 request_serializer=murmur_dot_protocol_dot_coordinator__pb2.CreateRunRequest.SerializeToString,
@@ -272,6 +277,19 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReportGone(self, request, context):
+        """Peers of the run whose peer address refused this node's TCP connect (their process is gone).
+        The coordinator dials each one's registered address itself (at most once a second per peer)
+        and marks it lost at once only if its own connect is refused too (a "lost" event with reason
+        "refused"); a process that still accepts connections (hung, or alive) is never marked, and a
+        report of a peer it does not list as a live trainer at that address changes nothing. The
+        reply carries the view after that, as a heartbeat reply would, so the reporter's round need
+        not wait for its next heartbeat.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def CreateRun(self, request, context):
         """---- admin (public address, admin secret in metadata)
         """
@@ -430,6 +448,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.ClaimRound,
                     request_deserializer=murmur_dot_protocol_dot_coordinator__pb2.ClaimRoundRequest.FromString,
                     response_serializer=murmur_dot_protocol_dot_coordinator__pb2.ClaimRoundReply.SerializeToString,
+            ),
+            'ReportGone': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportGone,
+                    request_deserializer=murmur_dot_protocol_dot_coordinator__pb2.ReportGoneRequest.FromString,
+                    response_serializer=murmur_dot_protocol_dot_coordinator__pb2.ReportGoneReply.SerializeToString,
             ),
             'CreateRun': grpc.unary_unary_rpc_method_handler(
                     servicer.CreateRun,
@@ -858,6 +881,33 @@ class Coordinator:
             '/murmur.v1.Coordinator/ClaimRound',
             murmur_dot_protocol_dot_coordinator__pb2.ClaimRoundRequest.SerializeToString,
             murmur_dot_protocol_dot_coordinator__pb2.ClaimRoundReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportGone(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/murmur.v1.Coordinator/ReportGone',
+            murmur_dot_protocol_dot_coordinator__pb2.ReportGoneRequest.SerializeToString,
+            murmur_dot_protocol_dot_coordinator__pb2.ReportGoneReply.FromString,
             options,
             channel_credentials,
             insecure,
