@@ -157,6 +157,10 @@ class Membership:
                     self.store.event("restarted", run_id=run_id, node_id=node_id, incarnation=incarnation[:64])
         return run_id
 
+    def status(self, node_id: str) -> tuple[str, str] | None:
+        """(run id, status) of a node this coordinator knows, else None."""
+        return self._nodes.get(node_id)
+
     def is_live(self, node_id: str) -> bool:
         entry = self._nodes.get(node_id)
         return node_id in self._seen and entry is not None and entry[1] == "active"
@@ -224,18 +228,35 @@ class Membership:
         deadline = now - self.settings.heartbeat_ttl_s
         silent = [n for n, (at, _) in self._seen.items() if at < deadline]
         for node_id in silent:
-            at, tps = self._seen.pop(node_id)
-            self._dirty.discard(node_id)
-            self.trainers.drop(node_id)
-            run_id = self._nodes.get(node_id, ("", ""))[0]
-            with self.store.write():
-                self.store.heartbeats([(node_id, at, tps)], self.settings.lease_ttl_s)
-                self.store.set_node_status(node_id, "lost")
-                self.store.event("lost", run_id=run_id, node_id=node_id, at=now, silent_s=round(now - at, 3))
-                self.leases.drop_all(node_id, "lease_expired")
-            self._nodes[node_id] = (run_id, "lost")
+            self._lose(node_id, now, reason="heartbeat_ttl")
         expired = self.leases.expire()
         return silent, len(expired)
+
+    def lose_refused(self, node_id: str, incarnation: str, address: str, reported_by: str) -> bool:
+        """A trainer whose registered peer address refused the coordinator's own connect (a peer
+        reported it: coordinator/gone.py) is lost now, as the TTL would lose it later; only while
+        it is still live at that address under that incarnation (a heartbeat since the dial may
+        have brought a new process). True if it was marked lost."""
+        t = self.trainers.get(node_id)
+        if not self.is_live(node_id) or t is None or (t.incarnation, t.peer_address) != (incarnation, address):
+            return False
+        self._lose(node_id, self.clock(), reason="refused", address=address, reported_by=reported_by)
+        return True
+
+    def _lose(self, node_id: str, now: float, **why: object) -> None:
+        """Mark an active node lost (the TTL's sweep, or a refused connect): its heartbeats and its
+        trainer entry stop counting at once, its leases go back (``lease_expired``), and the
+        ledger says why (a ``lost`` event with ``reason``)."""
+        at, tps = self._seen.pop(node_id)
+        self._dirty.discard(node_id)
+        self.trainers.drop(node_id)
+        run_id = self._nodes.get(node_id, ("", ""))[0]
+        with self.store.write():
+            self.store.heartbeats([(node_id, at, tps)], self.settings.lease_ttl_s)
+            self.store.set_node_status(node_id, "lost")
+            self.store.event("lost", run_id=run_id, node_id=node_id, at=now, silent_s=round(now - at, 3), **why)
+            self.leases.drop_all(node_id, "lease_expired")
+        self._nodes[node_id] = (run_id, "lost")
 
     # --- leaving and bans ----------------------------------------------------------------------
 

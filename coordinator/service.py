@@ -1,11 +1,13 @@
 """The gRPC handlers: authenticate, translate protobuf <-> the ledger's calls, map errors to statuses.
 
-Kept thin on purpose: the rules live in membership.py, leases.py and runs.py.
+Kept thin on purpose: the rules live in membership.py, leases.py, runs.py and gone.py.
 
 Everything runs on the one asyncio loop, ledger calls included: each is one short SQLite
 transaction (well under a millisecond plus an fsync), and a second thread would only add GIL
 hand-offs (measured: a ledger thread made heartbeat latency worse under load, not better). The
-hottest call, a heartbeat, touches only memory (membership.py).
+hottest call, a heartbeat, touches only memory (membership.py). Blocking network calls do not
+run on it: ReportGone's verifying connects go to worker threads (gone.py), CheckReachable's is
+asyncio's own.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from murmur.protocol import coordinator_pb2_grpc as pb_grpc
 from murmur.protocol.reachability import dial_back
 from murmur.protocol.version import VERSION_METADATA_KEY, VersionMismatch, check_version
 
+from .gone import MAX_GONE_PER_REPORT, GoneReports
 from .leases import Progress
 from .membership import Membership
 from .runs import NotFound, RunError, Runs
@@ -76,6 +79,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self.bootstrap_peers: list[str] = []
         self.stats = Stats()
         self.status = StatusSource(store, membership, runs, settings)
+        self.gone = GoneReports(membership, settings.gone_dial_every_s)
 
     # --- plumbing ------------------------------------------------------------------------------
 
@@ -166,21 +170,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 heartbeat_interval_s=self.settings.heartbeat_interval_s,
                 lease_ttl_s=self.settings.lease_ttl_s,
             )
-            # A trainer: the run's live trainers, for its round groups; none while this coordinator
-            # has not yet heard from every live trainer (just started: a partial list is a split).
-            if peer is not None and self.membership.view_is_whole():
-                reply.members.extend(
-                    pb.LiveMember(
-                        node_id=n,
-                        incarnation=t.incarnation,
-                        peer_address=t.peer_address,
-                        round=t.round,
-                        state_hash=t.state_hash,
-                    )
-                    for n, t in self.membership.live_trainers(run_id)
-                )
-                reply.run_round = self.membership.trainers.newest.get(run_id, -1)
-                reply.view_whole = True
+            if peer is not None:
+                self._view_into(reply, run_id)
             if order is not None:
                 reply.stage_order.CopyFrom(order)
             version = self.membership.ban_version
@@ -191,6 +182,24 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             return reply
 
         return await self._run("Heartbeat", context, call)
+
+    def _view_into(self, reply: pb.HeartbeatReply | pb.ReportGoneReply, run_id: str) -> None:
+        """A trainer's view: the run's live trainers, for its round groups; none while this
+        coordinator has not yet heard from every live trainer (just started: a partial list is a split)."""
+        if not self.membership.view_is_whole():
+            return
+        reply.members.extend(
+            pb.LiveMember(
+                node_id=n,
+                incarnation=t.incarnation,
+                peer_address=t.peer_address,
+                round=t.round,
+                state_hash=t.state_hash,
+            )
+            for n, t in self.membership.live_trainers(run_id)
+        )
+        reply.run_round = self.membership.trainers.newest.get(run_id, -1)
+        reply.view_whole = True
 
     async def AcquireLease(
         self, request: pb.AcquireLeaseRequest, context: grpc.aio.ServicerContext
@@ -331,6 +340,22 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             return pb.ReportRejectionsReply(recorded=recorded)
 
         return await self._run("ReportRejections", context, call)
+
+    async def ReportGone(self, request: pb.ReportGoneRequest, context: grpc.aio.ServicerContext) -> pb.ReportGoneReply:
+        """Peers whose address refused the caller (members only: mTLS): each is dialed by the
+        coordinator itself and lost at once if its own connect is refused too (coordinator/gone.py).
+        The dials run in worker threads: the loop keeps serving meanwhile."""
+
+        def call() -> tuple[str, str, list[tuple[str, str]]]:
+            node_id, run_id = self._node(context)
+            if len(request.peers) > MAX_GONE_PER_REPORT:
+                raise RunError(f"at most {MAX_GONE_PER_REPORT} peers a report, got {len(request.peers)}")
+            return node_id, run_id, [(p.node_id[:100], p.peer_address[:300]) for p in request.peers]
+
+        node_id, run_id, peers = await self._run("ReportGone", context, call)
+        reply = pb.ReportGoneReply(lost=await self.gone.verify(node_id, run_id, peers))
+        self._view_into(reply, run_id)
+        return reply
 
     async def CheckReachable(
         self, request: pb.CheckReachableRequest, context: grpc.aio.ServicerContext

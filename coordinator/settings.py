@@ -8,6 +8,11 @@ How to choose them (docs/coordinator.md has the long version):
 * lease_ttl_s: a lease not renewed (heartbeats renew every lease a node holds) for this long
   expires and the shard goes back to the pool from its last committed offset. It is the upper
   bound on how long a vanished node's shard sits idle.
+* gone_dial_every_s: a trainer a member reports dead (its address refused a connect: ReportGone)
+  is dialed by the coordinator at most this often, whoever reports it; a refused dial loses it at
+  once instead of after heartbeat_ttl_s (coordinator/gone.py). It bounds the connects reports can
+  cause (one per live trainer per period), and how soon a peer whose dial was accepted (alive,
+  or its port taken over) can be dialed again.
 * restart_grace_s: after the coordinator restarts, no node is declared lost and no lease expires
   for this long, counted from the moment it serves again (nobody could renew while it was down,
   and nodes need a moment to reconnect).
@@ -35,6 +40,7 @@ class CoordinatorSettings:
     sweep_interval_s: float = 0.5  # how often lost nodes and expired leases are looked for
     heartbeat_flush_s: float = 5.0  # how often heartbeats (kept in memory) are written to the ledger
     restart_grace_s: float = 30.0
+    gone_dial_every_s: float = 1.0  # the coordinator's verifying dials of one reported peer, at most this often
     token_ttl_s: float = 24 * 3600.0  # default lifetime of a join token
     token_uses: int = 1  # default number of nodes one token admits
     max_message_bytes: int = 4 * 1024 * 1024  # configs and manifests are small; refuse anything bigger
@@ -53,6 +59,7 @@ class CoordinatorSettings:
             "sweep_interval_s",
             "token_ttl_s",
             "tokens_per_s_window_s",
+            "gone_dial_every_s",
         ):
             if getattr(self, name) <= 0:
                 raise SettingsError(f"{name} must be positive, got {getattr(self, name)}")

@@ -78,6 +78,10 @@ class Trainers:
         self._by_node[node_id] = Trainer(run_id, incarnation, peer_address, round_id, state_hash, self.clock())
         return old is not None
 
+    def get(self, node_id: str) -> Trainer | None:
+        """The node's latest heartbeat as a trainer (None if it has none, or is lost, left, banned)."""
+        return self._by_node.get(node_id)
+
     def address(self, node_id: str) -> str:
         """The peer address of the node's latest heartbeat ("" if none)."""
         t = self._by_node.get(node_id)
