@@ -103,7 +103,7 @@ class StagePeer:
         self.state_address = await self.state_server.start()
         s = self.settings
         if self.member is not None and s.pipelined and s.sync is not None and s.sync_every_s > 0 and s.stages:
-            self.sync = StageSync(self.state_server, s.sync, s.sync_every_s, self._mates)
+            self.sync = StageSync(self.state_server, s.sync, s.sync_every_s, self._mates, self.faults)
             self._tasks.append(asyncio.create_task(self.sync.run()))
         if stage is not None:
             await self._become(stage, donors)

@@ -39,6 +39,7 @@ import torch
 
 from murmur.node.exchange.grpc_exchange import GrpcExchange
 from murmur.node.exchange.settings import ExchangeSettings
+from murmur.node.net.faults import FaultInjector
 from murmur.node.net.loop import RunningLoop
 from murmur.node.net.server import PeerServer, PublishedState
 from murmur.node.pipeline.worker import StageWorker
@@ -72,6 +73,7 @@ class StageSync:
         sync: SyncSection,
         every_s: float,
         mates: Callable[[int], Awaitable[dict[str, str]]],
+        faults: FaultInjector | None = None,
     ) -> None:
         self.server, self.sync, self.every_s, self.mates = server, sync, every_s, mates
         self.worker: StageWorker | None = None
@@ -93,6 +95,7 @@ class StageSync:
             aggregator=make_aggregator_for(sync),
             settings=ExchangeSettings(peer_timeout=deadline, round_deadline=deadline,
                                       chunk_mb=sync.exchange_chunk_mb),
+            faults=faults,  # the peer's ``--fault``s strike its sync rounds too (node/net/faults.py)
         )
 
     # -- the stage it syncs --------------------------------------------------------------------------
