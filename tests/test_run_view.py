@@ -28,3 +28,29 @@ def test_a_trainer_that_was_listed_and_is_gone_does_not_count_though_its_record_
     assert view.quorum_base({"a", "b"}) == 1
     view.saw_refusal("c", "c:1", "connection refused")  # never listed, and its address refuses
     assert view.quorum_base({"a", "c"}) == 1
+
+
+def test_each_death_seen_is_queued_once_for_the_coordinator_and_wakes_the_reporter():
+    """A refused connect is reported to the coordinator (ReportGone) once per (node, address),
+    however often the rendezvous probes or the exchange see it, from whatever thread; a failure
+    that does not say the process is gone (a timeout, a reset) is not a death and not reported."""
+    import threading
+
+    view = RunView("a", "i", fresh_s=60.0)
+    view.update([member("a"), member("b"), member("c")])
+    woken: list[str] = []
+    view.on_gone = lambda: woken.append(threading.current_thread().name)
+    assert not view.saw_refusal("b", "b:1", "no answer within 8s (stalled or gone)")
+    assert view.take_gone() == [] and woken == []
+    probe = threading.Thread(target=view.saw_refusal, args=("b", "b:1", "connection refused"), name="dht-worker")
+    probe.start()
+    probe.join()
+    assert view.saw_refusal("b", "b:1", "Connection refused at its address")  # seen again: dead still
+    assert view.saw_refusal("c", "c:1", "connection refused")
+    assert not view.saw_refusal("a", "a:1", "connection refused")  # this node itself: never
+    assert woken == ["dht-worker", "MainThread"]
+    assert view.take_gone() == [("b", "b:1"), ("c", "c:1")]
+    assert view.take_gone() == []
+    # The coordinator then no longer lists them: the quorum counts the survivor alone.
+    view.update([member("a")])
+    assert view.quorum_base() == 1

@@ -12,6 +12,11 @@ peer_dataplane.py):
   round goes on without it at once instead of waiting for the entry's TTL;
 * a joiner that sees no peer record takes the state from the trainers listed here.
 
+Each newly seen death is also queued for the coordinator (``take_gone``; the session sends it
+with ReportGone at once): the coordinator dials the peer itself and, if it is refused too, lists
+it as lost right away, so the quorum of the survivors is counted without it instead of after the
+heartbeat TTL (coordinator/gone.py).
+
 The view is only trusted while fresh (a few heartbeats old): through a coordinator outage the
 data plane falls back on what the DHT alone shows.
 
@@ -21,8 +26,9 @@ Thread safety: updated on the daemon's loop; read from the DHT's worker threads 
 from __future__ import annotations
 
 import secrets
+import threading
 import time
-from collections.abc import Collection, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 
 from murmur.node.exchange.calls import process_gone
@@ -50,6 +56,11 @@ class RunView:
         self.newest = -1  # the newest round any trainer reported (live or not since)
         self._ever: set[str] = set()  # nodes some view listed: absent from a fresh one = gone
         self._dead: set[tuple[str, str]] = set()  # (node id, address) that refused a connection
+        # Deaths not yet reported to the coordinator, and who to wake when one is queued (the
+        # session: saw_refusal is called on the loop and from the DHT's worker threads).
+        self._gone: list[tuple[str, str]] = []
+        self._gone_lock = threading.Lock()
+        self.on_gone: Callable[[], None] | None = None
 
     def update(self, members: Iterable[pb.LiveMember], newest: int = -1) -> None:
         self.newest = max(self.newest, newest)
@@ -60,7 +71,8 @@ class RunView:
         for node_id, m in fresh.items():
             old = self.members.get(node_id)
             if old is not None and old.incarnation != m.incarnation:  # restarted: a new process
-                self._dead = {d for d in self._dead if d[0] != node_id or d[1] != m.address}
+                with self._gone_lock:
+                    self._dead = {d for d in self._dead if d[0] != node_id or d[1] != m.address}
         self.members = fresh
         self._ever |= set(fresh)
         self.updated_at = time.monotonic()
@@ -132,5 +144,17 @@ class RunView:
         """A member's address refused a connection: that process is dead. True if recorded."""
         if not process_gone(reason) or node_id == self.node_id:
             return False
-        self._dead.add((node_id, address))
+        with self._gone_lock:
+            new = (node_id, address) not in self._dead
+            self._dead.add((node_id, address))
+            if new and address:
+                self._gone.append((node_id, address))
+        if new and address and self.on_gone is not None:
+            self.on_gone()
         return True
+
+    def take_gone(self) -> list[tuple[str, str]]:
+        """(node id, address) of the deaths seen since the last call, for ReportGone."""
+        with self._gone_lock:
+            gone, self._gone = self._gone, []
+        return gone

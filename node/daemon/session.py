@@ -52,6 +52,7 @@ OUTAGE_CODES = {
 
 MAX_UNREPORTED_REJECTIONS = 10_000  # rejection reports kept through an outage (the oldest go first)
 REJECTIONS_PER_REPORT = 500  # below the coordinator's limit of one ReportRejections call
+GONE_PER_REPORT = 64  # the coordinator's limit of one ReportGone call
 
 
 def is_outage(err: CoordinatorError) -> bool:
@@ -156,6 +157,11 @@ class CoordinatorSession:
         # (round, sender, reason) of updates this node refused as an owner, not reported yet; sent
         # after heartbeats. Kept in memory only: a crash loses at most these reports.
         self.unreported: deque[tuple[int, str, str]] = deque(maxlen=MAX_UNREPORTED_REJECTIONS)
+        # Peers this node saw die (their address refused a connect): reported to the coordinator
+        # at once (ReportGone), which checks and lists them as lost without waiting out their TTL.
+        self._gone_wakeup = asyncio.Event()
+        self._loop = asyncio.get_running_loop()
+        self.view.on_gone = self._wake_reporter
         self._commit_wakeup = asyncio.Event()
         self._commit_lock = asyncio.Lock()  # the committer task and the shutdown both flush
         self._closing = False
@@ -165,7 +171,11 @@ class CoordinatorSession:
         """Heartbeats and the committer, as tasks of the running loop until ``close`` (once)."""
         if self._tasks:
             return
-        self._tasks = [asyncio.create_task(self._heartbeats()), asyncio.create_task(self._committer())]
+        self._tasks = [
+            asyncio.create_task(self._heartbeats()),
+            asyncio.create_task(self._committer()),
+            asyncio.create_task(self._reporting_gone()),
+        ]
 
     def published(self, round_id: int, state_hash: str, address: str) -> None:
         """The node holds (and serves) the state of ``round_id``: it is a trainer in rounds now."""
@@ -221,6 +231,39 @@ class CoordinatorSession:
                 await asyncio.sleep(due - time.monotonic())  # stop.sleep no longer waits once the stop is asked for
             else:
                 await self.stop.sleep(due - time.monotonic())
+
+    # -- peers seen dead ---------------------------------------------------------------------------
+
+    def _wake_reporter(self) -> None:
+        """A death was queued (on the loop or a DHT worker thread): report it now."""
+        with contextlib.suppress(RuntimeError):  # the loop is gone: the node is shutting down
+            self._loop.call_soon_threadsafe(self._gone_wakeup.set)
+
+    async def _reporting_gone(self) -> None:
+        """Report the peers this node saw die as soon as it sees them (node/daemon/run_view.py).
+        The coordinator dials each itself and marks the dead ones lost; its reply's view then
+        drops them, so this node's quorum no longer counts them (and neither does ClaimRound)
+        without waiting for the next heartbeat. Through an outage the reports are dropped: the
+        heartbeat TTL marks those peers lost in the end anyway."""
+        while not self._closing:
+            await self._gone_wakeup.wait()
+            self._gone_wakeup.clear()
+            gone = self.view.take_gone()
+            for i in range(0, len(gone), GONE_PER_REPORT):
+                batch = gone[i : i + GONE_PER_REPORT]
+                try:
+                    reply = await self.client.report_gone(batch)
+                except CoordinatorError as err:
+                    if is_outage(err):
+                        self._mark(False, err)
+                    else:
+                        self.log(f"the coordinator refused a report of {len(batch)} dead peer(s): {err}")
+                    continue
+                self._mark(True)
+                if reply.view_whole:
+                    self.view.update(reply.members, reply.run_round)
+                if reply.lost:
+                    self.log(f"the coordinator lists {', '.join(reply.lost)} as lost (their address refused a connect)")
 
     # -- the arbiter of round groups -------------------------------------------------------------
 
