@@ -196,3 +196,41 @@ def test_dispatch_choices(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(KernelError, match="needs TRITON_INTERPRET=1, set before triton"):
         kernels.rms_norm(x, x, 1e-5)
+
+
+def test_the_simulators_stacked_replicas_take_the_fused_head_one_replica_at_a_time(interp, byte_dataset,
+                                                                                    monkeypatch):
+    """The fused linear + cross-entropy has no batching rule, so where it runs the stacked engine
+    vmaps the model up to its final norm and calls the kernel per replica. Losses and every
+    replica's gradients must equal the vmapped reference's (MURMUR_KERNELS=torch)."""
+    from murmur.node.model.data import Dataset
+    from murmur.node.sim.replicas import worker_loaders
+    from murmur.node.sim.stacked import StackedReplicas
+    from murmur.protocol.runconfig import config_from_dict
+
+    cfg = config_from_dict({
+        "seed": 3, "model": {"preset": "tiny", "n_layers": 1, "seq_len": 16},
+        "data": {"path": str(byte_dataset.root)}, "train": {"batch_size": 2, "steps": 4},
+        "sync": {"algorithm": "diloco", "inner_steps": 2, "overlap_steps": 0, "codec": "fp32"},
+    })
+    ds = Dataset.open(byte_dataset.root)
+    calls = []
+    fused_op = linear_xent.linear_cross_entropy_triton
+    monkeypatch.setattr(linear_xent, "linear_cross_entropy_triton", lambda *a: calls.append(1) or fused_op(*a))
+    reps = StackedReplicas(cfg, 3, torch.device("cpu"), worker_loaders(ds, 2, 16), ds.vocab_size, ["a", "b", "c"])
+    try:
+        gen = torch.Generator().manual_seed(0)
+        x, y = (torch.randint(0, ds.vocab_size, (3, 2, 16), generator=gen) for _ in range(2))
+        params = [reps.stacked[n] for n in reps.names]
+        fused = reps._loss(x, y)
+        fused_grads = torch.autograd.grad(fused.sum(), params)
+        assert len(calls) == 3  # the kernel ran, once per replica
+        os.environ["MURMUR_KERNELS"] = "torch"  # the interp fixture's monkeypatch restores it
+        want = reps._loss(x, y)
+        want_grads = torch.autograd.grad(want.sum(), params)
+    finally:
+        reps.close()
+    assert fused.shape == (3,) and len(set(fused.tolist())) == 3  # three replicas, three batches
+    assert_close(fused, want, "stacked losses")
+    for name, got, ref in zip(reps.names, fused_grads, want_grads, strict=True):
+        assert_close(got, ref, f"d {name}")

@@ -34,6 +34,7 @@ import torch
 from torch.func import functional_call, vmap
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from murmur import kernels
 from murmur.kernels.dispatch import compile_requested
 from murmur.node.sim.replicas import (
     BatchesFor,
@@ -95,6 +96,8 @@ class StackedReplicas:
         ]
         self.batches = [batches_for(i, k) for i in range(k)]
         self.every = _EverySync(self.syncs, self.views, self.stacked, self.group)
+        self._trunk = _Trunk(self.model)
+        self._head_weight = "embed.weight" if self.model.lm_head is None else "lm_head.weight"
         self.compiled = stacked_compile(device)
         # Static shapes: on an H200 (torch 2.11) the recompile for a second batch size with
         # automatic dynamic shapes failed inside vmap; one graph per batch size costs seconds.
@@ -119,10 +122,24 @@ class StackedReplicas:
         # What torch.compile traces when it is on: the vmapped forward, the backend choice inside
         # it so the trace records the same attention kernel as the eager path.
         with self._attention_backends():
-            return vmap(self._replica_loss, randomness="error")(params, x, y)
+            if not kernels.use_triton(x, op="linear_cross_entropy"):
+                return vmap(self._replica_loss, randomness="error")(params, x, y)
+            # The head apart, one replica at a time: the fused linear + cross-entropy kernel has no
+            # batching rule, and under vmap the reference materialized [K, tokens, vocab] fp32
+            # logits, whose softmax passes took a third of the step on an H200 (a 50k vocabulary
+            # against a 384-wide model; sim_throughput.json).
+            hidden = vmap(self._replica_hidden, randomness="error")(params, x)
+            weights = params[self._head_weight].unbind(0)
+            return torch.stack([
+                kernels.linear_cross_entropy(h.flatten(0, 1), w, t.flatten())
+                for h, w, t in zip(hidden.unbind(0), weights, y.unbind(0), strict=True)
+            ])
 
     def _replica_loss(self, params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return functional_call(self.model, params, (x, y))
+
+    def _replica_hidden(self, params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        return functional_call(self._trunk, {"model." + n: t for n, t in params.items()}, (x,))
 
     def step(self, step: int, total_steps: int) -> torch.Tensor:
         """One inner step of all K replicas; returns their K losses (on the device)."""
@@ -175,6 +192,17 @@ class StackedReplicas:
     @property
     def lead_sync(self) -> SyncAlgorithm:
         return self.syncs[0]
+
+
+class _Trunk(torch.nn.Module):
+    """The model up to its final norm (`Transformer.hidden_states`), for `functional_call`."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model.hidden_states(x)
 
 
 def stacked_compile(device: torch.device) -> bool:
