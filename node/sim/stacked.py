@@ -170,8 +170,10 @@ class StackedReplicas:
         grads = [self.stacked[n].grad for n in self.names if self.stacked[n].grad is not None]
         if not grads:
             return
-        sq = torch.stack([g.float().pow(2).flatten(1).sum(1) for g in grads]).sum(0)
-        coef = (max_norm / (sq.sqrt() + 1e-6)).clamp(max=1.0)
+        # clip_grad_norm_'s own formula, per slice: each tensor's norm, then the norm of those
+        # (one read of each gradient, no squared copy of it).
+        norms = torch.stack([torch.linalg.vector_norm(g.flatten(1), 2, dim=1, dtype=torch.float32) for g in grads])
+        coef = (max_norm / (torch.linalg.vector_norm(norms, 2, dim=0) + 1e-6)).clamp(max=1.0)
         for g in grads:
             g.mul_(coef.view(-1, *([1] * (g.dim() - 1))).to(g.dtype))
 
