@@ -118,6 +118,7 @@ async def serve(args: argparse.Namespace) -> None:
          moves=peer.moves,
          sync_rounds=peer.sync.rounds if peer.sync else 0, sync_failed=peer.sync.failed if peer.sync else 0,
          sync_last_round=peer.sync.last_round if peer.sync else -1,
+         sync_adopted=peer.sync.adopted if peer.sync else 0,
          sync_last_error=peer.sync.last_error if peer.sync else "",
          state_hash=stage_state.state_hash(worker.module))
 

@@ -17,8 +17,27 @@ round cannot wait for "the H-th step": rounds are on the clock. Round r of stage
 
 A round that fails (a stage-mate died, the view changed) changes nothing and the next one comes a
 period later; a peer alone in its stage skips rounds and moves its anchor to its weights. The
-anchor and the outer momentum are published as ``stage/<s>/outer`` after every round, so a peer
-that joins the stage loads them with the weights and its next round agrees with the others'.
+anchor, the outer momentum and the round the anchor is at (the last one completed here or adopted)
+are published as ``stage/<s>/outer`` after every change, so a peer that joins the stage loads them
+with the weights and its next round agrees with the others'.
+
+**Mates a round apart re-converge.** A round can complete on one mate and fail on another: the
+other lost its reduced chunk and could not fetch the published result before its deadline (a cut
+network, a late loop), or it loaded the outer state just before a round it took no part in. The
+outer momentum moves the weights even in rounds without traffic, so two anchors one round apart
+never agreed again. So every round with mates starts by asking each mate where its outer state is
+(a ``GetState`` of the round number alone: the manifest gives the state's hash). If a mate is at a
+later round than this peer, or at the same round with another state, the peer fetches the newest
+(hash-verified) and adopts its anchor and momentum; its weights move as a completed round moves
+them: the new anchor plus what was trained since the snapshot of the round that failed here, if
+that is the round adopted, else since the old anchor. The rule is the same on every mate, so they
+agree within one round: the latest round wins, a tie between different states goes to the smallest
+hash, and a mate at an older round is never adopted (it cannot pull the others back). Two mates
+that both failed a round are both still at the round before, with one state: nothing to adopt. A
+state that has this round in it already (the others completed it without this peer) makes the peer
+skip the round. A mate that does not answer within ``probe_s`` (a quarter period) is looked at
+again next round; ``tests/test_pipeline_sync.py`` cuts one mate's round short and checks that one
+round later both hold one state, bit for bit.
 
 Stopping (``drain``): no new round starts, a round in flight finishes, and the peer server stays up
 for one round deadline after it, so a stage-mate whose copy of that round did not complete can
@@ -34,7 +53,9 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
+import grpc
 import torch
 
 from murmur.node.exchange.grpc_exchange import GrpcExchange
@@ -42,18 +63,52 @@ from murmur.node.exchange.settings import ExchangeSettings
 from murmur.node.net.faults import FaultInjector
 from murmur.node.net.loop import RunningLoop
 from murmur.node.net.server import PeerServer, PublishedState
+from murmur.node.net.state_transfer import StateError, StateFetchSettings, afetch
 from murmur.node.pipeline.worker import StageWorker
 from murmur.optim.factory import make_aggregator_for, make_codec_for
+from murmur.protocol import peer_pb2, peer_pb2_grpc, tls
+from murmur.protocol.identity import BannedError
+from murmur.protocol.reachability import dialable
 from murmur.protocol.runconfig import SyncSection
-from murmur.protocol.wire import tensors_hash
+from murmur.protocol.version import PROTOCOL_VERSION, version_metadata
+from murmur.protocol.wire import WireError, WireLimits, bytes_to_tensor, tensors_hash
 
 log = logging.getLogger(__name__)
 
-ANCHOR, MOMENTUM = "anchor/", "momentum/"
+ANCHOR, MOMENTUM, ROUND = "anchor/", "momentum/", "round"
 
 
 def outer_name(stage: int) -> str:
     return f"stage/{stage}/outer"
+
+
+@dataclass(frozen=True, slots=True)
+class OuterAt:
+    """Where a peer's published outer state is: the round its anchor is at, and the state's hash."""
+
+    round: int
+    state_hash: bytes
+
+
+def newest(own: OuterAt, mates: dict[str, OuterAt]) -> tuple[OuterAt, list[str]] | None:
+    """The outer state this peer should adopt and the mates that publish it, or None to keep its own.
+
+    The latest round wins; a tie between different states at that round goes to the smallest hash,
+    so every mate that sees the same states picks the same one. A mate at an older round is never
+    adopted: it cannot pull the others back."""
+    best = min([own, *mates.values()], key=lambda o: (-o.round, o.state_hash))
+    if best == own:
+        return None
+    return best, sorted(n for n, o in mates.items() if o == best)
+
+
+@dataclass(slots=True)
+class Missed:
+    """A round that failed here after the snapshot: its id, the snapshot and the samples by then."""
+
+    round: int
+    snap: list[torch.Tensor]
+    samples: int
 
 
 class StageGroup:
@@ -81,7 +136,10 @@ class StageSync:
         self.outer: torch.optim.SGD | None = None
         self.samples_base = 0
         self.rounds = 0  # completed
-        self.last_round = -1  # the id of the last completed round
+        self.last_round = -1  # the round the anchor is at: the last one completed here or adopted
+        self.adopted = 0  # outer states taken from a mate at a later round (or the tie's winner)
+        self._missed: Missed | None = None  # the last round, if it failed here after its snapshot
+        self._at = OuterAt(-1, b"")  # where the published outer state is
         self.failed = 0
         self.last_error = ""
         self._stopping = False
@@ -90,6 +148,8 @@ class StageSync:
         self._group = StageGroup(mates, lambda: self.worker.span.index if self.worker is not None else -1)
         # A round ends before the next one starts: stage-mates stay in step.
         self.deadline_s = deadline = 0.75 * every_s
+        # How long a round's start waits for a mate to say where its outer state is.
+        self.probe_s = 0.25 * every_s
         self.exchange = GrpcExchange(
             server, RunningLoop(asyncio.get_running_loop()), self._group, make_codec_for(sync),
             aggregator=make_aggregator_for(sync),
@@ -104,16 +164,36 @@ class StageSync:
         """Sync ``worker``'s stage from now on: the anchor and momentum loaded from the stage's
         peers (``outer``: their ``stage/<s>/outer``), else the worker's weights and no momentum."""
         self.worker = worker
-        names = [n for n, _ in worker.module.named_stage_parameters()]
-        if outer is not None and sorted(outer) == sorted([ANCHOR + n for n in names] + [MOMENTUM + n for n in names]):
-            self.anchor = [outer[ANCHOR + n].clone() for n in names]
-            momentum = [outer[MOMENTUM + n] for n in names]
+        self._missed = None
+        loaded = self._fits(worker, outer)
+        if loaded is not None:
+            self.anchor, momentum, self.last_round = loaded
         else:
             self.anchor = [p.detach().clone() for p in worker.params]
-            momentum = None
+            momentum, self.last_round = None, -1
         self.outer = self._optimizer(momentum)
         self.samples_base = worker.stats.samples_total
         self._publish()
+
+    @staticmethod
+    def _fits(
+        worker: StageWorker, outer: dict[str, torch.Tensor] | None
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor], int] | None:
+        """(anchor, momentum, round) from a published outer state if it fits ``worker``'s stage
+        (a state without a round, from a peer before rounds were published, is at round -1)."""
+        if outer is None:
+            return None
+        named = dict(worker.module.named_stage_parameters())
+        want = [ANCHOR + n for n in named] + [MOMENTUM + n for n in named]
+        if sorted(set(outer) - {ROUND}) != sorted(want):
+            return None
+        for n, p in named.items():
+            if outer[ANCHOR + n].shape != p.shape or outer[MOMENTUM + n].shape != p.shape:
+                return None
+        r = outer.get(ROUND)
+        at = int(r.reshape(-1)[0]) if r is not None and r.numel() == 1 else -1
+        anchor = [outer[ANCHOR + n].to(p.device).clone() for n, p in named.items()]
+        return anchor, [outer[MOMENTUM + n].to(p.device) for n, p in named.items()], at
 
     def _optimizer(self, momentum: list[torch.Tensor] | None) -> torch.optim.SGD:
         m = self.sync.outer_momentum
@@ -133,12 +213,14 @@ class StageSync:
         tensors = [(ANCHOR + n, a.clone()) for n, a in zip(names, self.anchor, strict=True)]
         tensors += [(MOMENTUM + n, (m if m is not None else torch.zeros_like(a)).clone())
                     for n, a, m in zip(names, self.anchor, momentum, strict=True)]
+        tensors.append((ROUND, torch.tensor([self.last_round], dtype=torch.int64)))
         return PublishedState(outer_name(self.worker.span.index), tensors, tensors_hash(tensors))
 
     def _publish(self) -> None:
         state = self.published()
         if state is not None:
             self.server.publish_state(state)
+            self._at = OuterAt(self.last_round, state.state_hash)
 
     # -- rounds on the clock ---------------------------------------------------------------------
 
@@ -172,20 +254,30 @@ class StageSync:
             await asyncio.sleep(linger)
 
     async def round(self, r: int) -> bool:
-        """One round; False when the peer is alone in its stage (its anchor follows its weights)."""
+        """One round; False when the peer is alone in its stage (its anchor follows its weights),
+        or when the outer state it adopted from a mate already includes this round."""
         worker = self.worker
         stage = worker.span.index
         mates = await self.mates(stage)
-        snap, samples = await asyncio.to_thread(self._snapshot, worker)
         if len(mates) < 2:
+            snap, samples = await asyncio.to_thread(self._snapshot, worker)
             self.anchor = [t.clone() for t in snap]
             self.outer = self._optimizer(None)
             self.samples_base = samples
+            self._missed = None
             self._publish()
             return False
+        await self._catch_up(worker, stage, mates, r)
+        if self.worker is not worker or self.last_round >= r:
+            return False  # moved meanwhile, or a mate's state has this round in it already
+        snap, samples = await asyncio.to_thread(self._snapshot, worker)
         delta = [a - t for a, t in zip(self.anchor, snap, strict=True)]
-        res = await self.exchange.areduce(delta, round_id=r, key=f"stage/{stage}",
-                                          weight=1.0 + samples - self.samples_base)
+        try:
+            res = await self.exchange.areduce(delta, round_id=r, key=f"stage/{stage}",
+                                              weight=1.0 + samples - self.samples_base)
+        except Exception:
+            self._missed = Missed(r, snap, samples)  # a mate may have completed it: see _catch_up
+            raise
         if self.worker is not worker:  # moved to another stage meanwhile
             return False
         for a, d in zip(self.anchor, res.tensors, strict=True):
@@ -195,9 +287,91 @@ class StageSync:
         await asyncio.to_thread(self._apply, worker, snap)
         self.samples_base = samples
         self.rounds += 1
+        self._missed = None
         self._completed_at, self.last_round = time.monotonic(), r
         self._publish()
         return True
+
+    # -- mates that are a round apart ---------------------------------------------------------------
+
+    async def _catch_up(self, worker: StageWorker, stage: int, mates: dict[str, str], r: int) -> None:
+        """Before a round: if a mate's published outer state is at a later round than this peer's
+        (its round failed here and completed there, or this peer loaded the state just before a
+        round), or at the same round but another state (the smallest hash wins), adopt it. Without
+        this the two never agreed again: the outer momentum moves the weights even in idle rounds.
+        A state said to be past round ``r`` (the one starting now, by the clock) is not believed."""
+        others = {n: a for n, a in dialable(mates).items() if n != self.server.node_id}
+        wheres = await asyncio.gather(*[self._where(n, a, stage) for n, a in others.items()])
+        pick = newest(self._at, {n: w for n, w in zip(others, wheres, strict=True) if w is not None and w.round <= r})
+        if pick is None:
+            return
+        at, sources = pick
+        try:
+            outer, _ = await afetch(
+                self.server.identity, {n: others[n] for n in sources}, outer_name(stage), at.state_hash,
+                settings=StateFetchSettings(call_timeout=self.deadline_s), ban_list=self.server.ban_list,
+            )
+        except StateError as err:  # moved on meanwhile, or gone: looked at again next round
+            log.info("stage %d: could not adopt the outer state of round %d from %s: %s", stage, at.round, sources, err)
+            return
+        loaded = self._fits(worker, outer)
+        if loaded is None or loaded[2] != at.round or self.worker is not worker:
+            return  # it does not fit this stage, or said another round than its state holds
+        anchor, momentum, round_id = loaded
+        # The weights move as a completed round moves them: the new anchor plus what was trained
+        # since the snapshot of the round that failed here, if that is the round adopted (this
+        # peer's input was in it, or the round could not have completed with it missing from a
+        # pair); else since the old anchor, so this peer's unsynced training goes into its next round.
+        missed = self._missed if self._missed is not None and self._missed.round == round_id else None
+        base = missed.snap if missed is not None else self.anchor
+        await asyncio.to_thread(self._rebase, worker, anchor, base)
+        self.anchor = anchor
+        self.outer = self._optimizer(momentum)
+        if missed is not None:
+            self.samples_base = missed.samples
+        self._missed = None
+        log.info("stage %d: adopted the outer state of round %d from %s (this peer was at round %d)",
+                 stage, round_id, sources, self.last_round)
+        self.last_round = round_id
+        self.adopted += 1
+        self._publish()
+
+    async def _where(self, node_id: str, address: str, stage: int) -> OuterAt | None:
+        """Where a mate's outer state is: its round (the one tensor asked for) and hash (in the
+        manifest), or None if it does not say within ``probe_s``."""
+        try:
+            async with tls.secure_channel(self.server.identity, address, node_id, ban_list=self.server.ban_list) as ch:
+                call = peer_pb2_grpc.PeerStub(ch).GetState(
+                    peer_pb2.StateRequest(protocol_version=PROTOCOL_VERSION, name=outer_name(stage), tensors=[ROUND]),
+                    metadata=version_metadata(), timeout=self.probe_s,
+                )
+                manifest, data = None, b""
+                async for frame in call:
+                    if frame.WhichOneof("kind") == "manifest":
+                        manifest = frame.manifest
+                    elif frame.part.name == ROUND and len(data) < 64:  # one number, not a flood
+                        data += frame.part.data
+        except (grpc.RpcError, BannedError, OSError) as err:
+            log.debug("stage %d: %s did not say where its outer state is: %s", stage, node_id, err)
+            return None
+        if manifest is None:
+            return None
+        info = next((t for t in manifest.tensors if t.name == ROUND), None)
+        if info is None:
+            return OuterAt(-1, manifest.state_hash)
+        try:
+            r = bytes_to_tensor(data, info.dtype, list(info.shape), WireLimits(max_numel=1), ROUND)
+        except WireError:
+            return None
+        return OuterAt(int(r.reshape(-1)[0]), manifest.state_hash) if r.numel() == 1 else None
+
+    @staticmethod
+    def _rebase(worker: StageWorker, anchor: list[torch.Tensor], base: list[torch.Tensor]) -> None:
+        with worker.lock, torch.no_grad():
+            for p, a, b in zip(worker.params, anchor, base, strict=True):
+                p.copy_(a + (p - b))
+            if worker.on_step is not None:
+                worker.on_step()
 
     @staticmethod
     def _snapshot(worker: StageWorker) -> tuple[list[torch.Tensor], int]:

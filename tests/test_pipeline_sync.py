@@ -1,0 +1,199 @@
+"""Stage-mates' sync rounds (node/pipeline/stage_sync.py) over the real exchange: real TLS peer
+servers on loopback, one process, one loop. The rounds are called one by one here (the clock only
+says when a round starts): a round that completes on one mate and fails on the other must not leave
+their anchors apart."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+
+import pytest
+import torch
+from _net_helpers import no_lost_task_exceptions  # noqa: F401 - a fixture
+
+from murmur.node.model.stages import build_stage, split_layers
+from murmur.node.model.transformer import model_config
+from murmur.node.net.faults import FaultInjector
+from murmur.node.net.loop import LoopThread
+from murmur.node.net.server import PeerServer
+from murmur.node.pipeline.stage_sync import OuterAt, StageSync, newest
+from murmur.node.pipeline.worker import StageWorker
+from murmur.optim.exchange import ExchangeError
+from murmur.protocol.identity import CertificateAuthority
+from murmur.protocol.runconfig import OptimSection, SyncSection
+
+pytestmark = pytest.mark.timeout(60)
+
+RUN = "sync-test"
+CFG = dataclasses.replace(model_config("tiny", n_layers=2, dim=32, hidden_dim=64, seq_len=16), tie_embeddings=False)
+OPTIM = OptimSection(lr=1e-3, warmup_steps=0, grad_clip=0.0)
+SYNC = SyncSection(codec="fp32")  # outer lr 1, Nesterov momentum 0.5: momentum moves even idle rounds
+EVERY_S = 2.0  # a round's deadline is 3/4 of it
+KEY = "stage/0"
+
+
+class Relay:
+    """A TCP relay in front of a peer server. While ``cut``, a connection opened to it is taken
+    and never answered (a firewall dropping new flows); the connections already open go on."""
+
+    def __init__(self, target: str) -> None:
+        host, _, port = target.rpartition(":")
+        self.target = (host, int(port))
+        self.cut = False
+        self.address = ""
+        self._server: asyncio.Server | None = None
+        self._writers: list[asyncio.StreamWriter] = []
+        self._pipes: list[asyncio.Task] = []
+
+    async def start(self) -> str:
+        self._server = await asyncio.start_server(self._accept, "127.0.0.1", 0)
+        self.address = f"127.0.0.1:{self._server.sockets[0].getsockname()[1]}"
+        return self.address
+
+    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._writers.append(writer)
+        if self.cut:
+            return  # held open, never read: the caller's handshake times out
+        up_reader, up_writer = await asyncio.open_connection(*self.target)
+        self._writers.append(up_writer)
+        self._pipes += [asyncio.ensure_future(_pipe(reader, up_writer)),
+                        asyncio.ensure_future(_pipe(up_reader, writer))]
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        for t in self._pipes:
+            t.cancel()
+        await asyncio.gather(*self._pipes, return_exceptions=True)
+        for w in self._writers:
+            w.close()
+        if self._server is not None:
+            await self._server.wait_closed()
+
+
+async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    with contextlib.suppress(ConnectionError):
+        while data := await reader.read(1 << 16):
+            writer.write(data)
+            await writer.drain()
+    writer.close()
+
+
+@dataclasses.dataclass
+class Mate:
+    sync: StageSync
+    server: PeerServer
+    worker: StageWorker
+    faults: FaultInjector
+
+    @property
+    def node_id(self) -> str:
+        return self.server.node_id
+
+    def outer_hash(self) -> bytes:
+        return self.sync.published().state_hash
+
+    def train(self, seed: int) -> None:
+        """Stands in for the microbatches the mate trains between two rounds."""
+        g = torch.Generator().manual_seed(seed)
+        with self.worker.lock, torch.no_grad():
+            for p in self.worker.params:
+                p.add_(torch.randn(p.shape, generator=g) * 1e-2)
+
+
+@pytest.fixture
+def two_mates():
+    """Two peers of stage 0 with a stage sync each; the first reaches the second through a relay
+    that the test can cut (the second reaches the first directly)."""
+    ca = CertificateAuthority.create("sync-test")
+    loop = LoopThread()
+    span = split_layers(CFG.n_layers, 2)[0]
+    servers = [PeerServer(ca.issue(), run_id=RUN) for _ in range(2)]
+    relay: Relay | None = None
+    mates: list[Mate] = []
+    try:
+        for s in servers:
+            loop.run(s.start())
+        relay = Relay(servers[1].address)
+        loop.run(relay.start())
+        views = [
+            {servers[0].node_id: servers[0].address, servers[1].node_id: relay.address},
+            {s.node_id: s.address for s in servers},
+        ]
+
+        async def make(server: PeerServer, view: dict[str, str]) -> Mate:
+            async def stage_mates(stage: int) -> dict[str, str]:
+                return dict(view)
+
+            faults = FaultInjector()
+            sync = StageSync(server, SYNC, EVERY_S, stage_mates, faults)
+            worker = StageWorker(build_stage(CFG, 5, span), OPTIM, target_samples=1000)
+            sync.reset(worker)
+            return Mate(sync, server, worker, faults)
+
+        for s, view in zip(servers, views, strict=True):
+            mates.append(loop.run(make(s, view)))
+        yield loop, mates, relay
+    finally:
+        for m in mates:
+            loop.run(m.sync.aclose())
+        if relay is not None:
+            loop.run(relay.close())
+        for s in servers:
+            loop.run(s.stop())
+        loop.stop()
+
+
+def sync_round(loop: LoopThread, mates: list[Mate], r: int) -> list:
+    """Round ``r`` on every mate at once: what each returned, or the error it failed with."""
+    async def go():
+        return await asyncio.gather(*[m.sync.round(r) for m in mates], return_exceptions=True)
+    return loop.run(go(), timeout=30)
+
+
+def same_weights(a: Mate, b: Mate) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a.worker.params, b.worker.params, strict=True))
+
+
+def test_a_round_that_failed_on_one_mate_only_is_made_up_within_one_round(two_mates):
+    """Round 2 completes on one mate and fails on the other: the victim loses its reduced chunk
+    (``lose_result``) and, the network to its mate refusing new flows meanwhile, cannot fetch the
+    published result before its deadline. Its anchor and outer momentum stay at round 1 while its
+    mate's step. Once the network is back, the next round must leave both with one state again."""
+    loop, (victim, mate), relay = two_mates
+    for r in (1, 2, 3, 4):
+        victim.train(seed=2 * r)
+        mate.train(seed=2 * r + 1)
+        if r == 2:
+            victim.faults.arm("lose_result", peer=victim.node_id, round=2)
+            relay.cut = True
+        got = sync_round(loop, [victim, mate], r)
+        relay.cut = False
+        if r == 2:  # the one-sided failure really happened
+            assert ("lose_result", victim.node_id, 2) in victim.faults.fired
+            assert got[1] is True, got
+            assert isinstance(got[0], ExchangeError) and "did not complete" in str(got[0]), got
+            assert victim.sync.last_round == 1 and mate.sync.last_round == 2
+            assert victim.outer_hash() != mate.outer_hash()
+            continue
+        assert got == [True, True], got
+        # No training during the round here: the weights are the anchor, the same on both.
+        assert victim.outer_hash() == mate.outer_hash(), f"round {r}: the mates' anchors differ"
+        assert same_weights(victim, mate), f"round {r}: the mates' weights differ"
+    assert (victim.sync.rounds, mate.sync.rounds) == (3, 4)
+    assert (victim.sync.adopted, mate.sync.adopted) == (1, 0)
+    assert victim.sync.last_round == mate.sync.last_round == 4
+
+
+def test_the_outer_state_to_adopt_is_the_latest_round_and_ties_go_to_the_smallest_hash():
+    a, b, c = b"\x01" * 32, b"\x02" * 32, b"\x03" * 32
+    own = OuterAt(5, b)
+    assert newest(own, {}) is None
+    assert newest(own, {"x": OuterAt(5, b), "y": OuterAt(4, a)}) is None  # an older mate never pulls back
+    assert newest(own, {"x": OuterAt(6, c), "y": OuterAt(6, c), "z": OuterAt(5, a)}) == (OuterAt(6, c), ["x", "y"])
+    # Two states at the latest round: every mate picks the same one, whichever it holds itself.
+    assert newest(own, {"x": OuterAt(5, a), "y": OuterAt(5, c)}) == (OuterAt(5, a), ["x"])
+    assert newest(OuterAt(5, a), {"x": OuterAt(5, b), "y": OuterAt(5, c)}) is None
+    assert newest(OuterAt(5, c), {"x": OuterAt(5, b), "y": OuterAt(5, a)}) == (OuterAt(5, a), ["y"])
