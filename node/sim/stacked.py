@@ -17,7 +17,8 @@ The step is node/train/step.py's `InnerStep`, the one every engine runs: the sam
 autocast, hook order and clipping rule (clip to optim.grad_clip unless the sync replaces the
 optimizer). Three parts of it must differ here, and are handed to it: the forward is the model
 called functionally under vmap on the stacked weights (its loss is K losses, summed for one
-backward); the clip takes each replica's own norm (one norm over the stack would couple the
+backward; where the fused linear + cross-entropy kernel runs, the head is called per replica
+outside vmap); the clip takes each replica's own norm (one norm over the stack would couple the
 replicas); and the sync is `_EverySync`, the K replicas' syncs as one, which runs each hook for
 all of them on the pool and lends each replica its slice of the stacked gradients when its
 algorithm reads or rewrites them.
