@@ -7,7 +7,7 @@ waited for it (ClaimRound and their own quorum). Now a survivor reports the refu
 (ReportGone), the coordinator dials the two addresses itself, sees them refused too, and loses
 both at once (``lost`` events with reason "refused").
 
-The TTL here is 60 s, and the deadline from the kills 30 s: without the reports no ``lost`` event
+The TTL here is 30 s, and the deadline from the kills 15 s: without the reports no ``lost`` event
 says "refused" at all, and no round of the survivors alone can come before the TTL. Real
 coordinator and node processes, a real ledger file, real SIGKILLs; the waits are for rounds and
 ledger events, never for a fixed time."""
@@ -25,7 +25,7 @@ from murmur.node.testnet.procs import wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
-TTL_S = 60.0
+TTL_S = 30.0
 COORDINATOR = ["--dht", "--heartbeat-ttl", f"{TTL_S:g}", "--lease-ttl", "6", "--restart-grace", "6"]
 DEADLINE_S = TTL_S / 2  # from the second kill: the survivors' round must come well before the TTL
 WAIT_S = 240.0  # four tiny nodes starting and training rounds on a loaded 2-core machine
