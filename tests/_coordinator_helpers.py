@@ -15,6 +15,18 @@ from typing import Any
 from murmur.protocol import identity
 from murmur.protocol.coordinator_client import MemberClient, join_run
 
+# A ledger's run config and a clock that moves only when a test sets ``t`` (in-process ledger tests).
+CONFIG = 'name = "r"\n[model]\npreset = "tiny"\n'
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1_000_000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
 START_TIMEOUT_S = 30.0
 CLI_TIMEOUT_S = 60.0
 FAST = [

@@ -14,7 +14,7 @@ import socket
 
 import grpc
 import pytest
-from _coordinator_helpers import FAST, admin, admin_json, new_token, start_coordinator, write_run_files
+from _coordinator_helpers import CONFIG, FAST, Clock, admin, admin_json, new_token, start_coordinator, write_run_files
 
 from murmur.coordinator.gone import GoneReports
 from murmur.coordinator.membership import Membership
@@ -27,16 +27,6 @@ from murmur.protocol.coordinator_client import CoordinatorError, MemberClient, j
 from murmur.protocol.reachability import CLIENT_ADDRESS
 
 pytestmark = pytest.mark.timeout(60)
-
-CONFIG = 'name = "r"\n[model]\npreset = "tiny"\n'
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 1_000_000.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 @pytest.fixture

@@ -6,6 +6,7 @@ import json
 import sqlite3
 
 import pytest
+from _coordinator_helpers import CONFIG, Clock
 
 from murmur.coordinator import store as store_mod
 from murmur.coordinator.leases import BadCommit, LeaseLost, Progress
@@ -15,16 +16,6 @@ from murmur.coordinator.settings import CoordinatorSettings, SettingsError
 from murmur.coordinator.store import SCHEMA_VERSION, Store, StoreError
 from murmur.protocol import identity
 from murmur.protocol.jointoken import JoinToken
-
-CONFIG = 'name = "r"\n[model]\npreset = "tiny"\n'
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 1_000_000.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 def manifest(*tokens: int) -> str:
