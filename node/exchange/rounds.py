@@ -36,7 +36,7 @@ from murmur.node.exchange.attempt import Attempt, GatherAttempt, ReduceAttempt, 
 from murmur.node.exchange.calls import CONNECTION_REFUSED, ERROR, AttemptProgress, Call, ReduceCall, Reply, process_gone
 from murmur.node.exchange.catchup import CatchUp
 from murmur.node.exchange.collect import ABORT, DONE, OK, REFUSED
-from murmur.node.exchange.group import GroupProvider
+from murmur.node.exchange.group import PROBE_AFTER_S, PROBE_EVERY_S, GroupProvider
 from murmur.node.exchange.own import OwnAttempts
 from murmur.node.exchange.send import Sender
 from murmur.node.exchange.settings import ExchangeSettings
@@ -45,7 +45,7 @@ from murmur.node.exchange.tasks import discard
 from murmur.node.net.server import PeerServer
 from murmur.optim.exchange import ExchangeError
 from murmur.protocol import peer_pb2
-from murmur.protocol.reachability import refuses_connections
+from murmur.protocol.reachability import dialable, refuses_connections
 from murmur.protocol.wire import wire_to_proto
 
 log = logging.getLogger(__name__)
@@ -331,11 +331,12 @@ class Rounds:
             t.add_done_callback(lambda t, o=o: self._probe_if_failed(call, att, o, t, probes))
         expire = loop.call_later(s.peer_timeout, att.expire, s.peer_timeout)
         own = loop.create_task(att.done.wait())
+        watch = loop.create_task(_watch_missing(att, call.peers, self.peer_id)) if self.peer_id in att.owners else None
         try:
             await self._collect(call, tasks, own, progress)
         finally:
             expire.cancel()
-            for p in probes:
+            for p in (*probes, watch):
                 discard(p)
             for t in (own, *tasks.values()):
                 t.cancel()
@@ -352,7 +353,8 @@ class Rounds:
             return
         reply = task.result()
         if reply.code == ERROR and not att.complete(owner):
-            probes.append(asyncio.ensure_future(_fail_if_gone(att, owner, call.peers.get(owner, ""), reply.reason)))
+            probes.append(asyncio.ensure_future(
+                _fail_if_gone(att, owner, call.peers.get(owner, ""), f"its call: {reply.reason}")))
 
     async def _collect(
         self, call: Call, tasks: dict[str, asyncio.Task], own: asyncio.Task, progress: AttemptProgress
@@ -419,4 +421,20 @@ async def _fail_if_gone(att: Attempt, member: str, address: str, reason: str) ->
     said its address refused us, or a fresh TCP connect to it is refused now (a connection that
     broke mid-stream, reset by a killed process, says neither by itself)."""
     if process_gone(reason) or (address and await asyncio.to_thread(refuses_connections, address)):
-        att.reject(member, f"{CONNECTION_REFUSED} at its address, the process is gone (its call: {reason})")
+        att.reject(member, f"{CONNECTION_REFUSED} at its address, the process is gone ({reason})")
+
+
+async def _watch_missing(att: Attempt, peers: dict[str, str], me: str) -> None:
+    """While this owner waits for inputs: dial each member whose input is not all in, past
+    PROBE_AFTER_S and then every PROBE_EVERY_S, and fail those whose address refuses. A member
+    can die with no call of ours to it failing and no stream of it breaking here: it answered our
+    call for its span, then died before its stream to us opened (its header waited behind a busy
+    thread pool, say). Owners used to wait for that input until ``peer_timeout`` (8 s in the
+    testnet). A live member, hung or not, accepts the connect and is left to the timeout."""
+    await asyncio.sleep(PROBE_AFTER_S)
+    while not att.done.is_set():
+        missing = {m: a for m, a in dialable(peers).items()
+                   if m != me and m in att.members and m not in att.failed and not att.complete(m)}
+        await asyncio.gather(*(_fail_if_gone(att, m, a, f"its input was not in after {PROBE_AFTER_S:g}s")
+                               for m, a in missing.items()))
+        await asyncio.sleep(PROBE_EVERY_S)

@@ -44,6 +44,8 @@ class Sender:
         """Our input of this attempt to ``owner``, and its answer."""
         span = call.span_of(att.owners, owner) if isinstance(call, ReduceCall) else (0, 0)
         header = await self._header(call, att, span)
+        if await call.faults.delay("open_input", target=owner):
+            call.faults.held_input()
         rpc = None
         try:
             rpc = self._open(call, owner, header.protocol_version)

@@ -19,7 +19,11 @@ Faults of a call (what this peer does wrong, as an attacker or a broken machine 
   exit_before_input it dies (SIGKILL) once the round's members are met, before any input goes out:
                  a machine lost between announcing itself and sending, which the owners can only
                  learn from its address refusing them.
-                 For the three exits, peers that share one test process set ``die`` to a stand-in
+  exit_holding_input it dies (SIGKILL) when an ``open_input`` delay ends, before its stream to that
+                 owner opens: with the delay armed for every owner (``delay:open_input:S@RxN``) it
+                 answers the owners' calls for its own span meanwhile but never reaches them, so no
+                 call of theirs to it fails and no stream of it breaks.
+                 For the exits, peers that share one test process set ``die`` to a stand-in
                  (stop the server, close the channels): the call then ends with ExchangeError.
 Poisoning (a hostile node; its whole update, before it is encoded; every chunk, every owner, the
 span it owns itself included; a gather's payloads, encoded by the caller already, in the float
@@ -33,7 +37,8 @@ parts of their wire tensors). Its own error feedback stays that of its honest up
                  position, so every owner sees the same noise)
 Delays (``delay``: sleep SECONDS at a named point, each time the point is reached while armed):
   rendezvous     before this peer asks its group who is in the round
-  send_input     before this peer streams its input to one owner (``target``: that owner only)
+  open_input     before this peer opens its stream to one owner (``target``: that owner only)
+  send_input     before this peer streams its input to one owner, the stream open (``target`` too)
   snapshot_piece before each piece of a reduce's update is copied (node/exchange/snapshot.py)
   stage_compute  before a stage peer computes a Forward or Backward (node/pipeline/service.py)
   peer_lookup    before a node looks its peers' records up in the DHT (node/daemon/peer_dataplane.py):
@@ -77,10 +82,13 @@ CALL_FAULTS = (
     "exit",
     "exit_midstream",
     "exit_before_input",
+    "exit_holding_input",
     *POISONS,
 )
 FAULTS = (*CALL_FAULTS, "delay")
-DELAY_POINTS = ("rendezvous", "send_input", "snapshot_piece", "stage_compute", "peer_lookup", "checkpoint")
+DELAY_POINTS = (
+    "rendezvous", "open_input", "send_input", "snapshot_piece", "stage_compute", "peer_lookup", "checkpoint",
+)
 ANY = "*"
 POISON_SCALE = 1e4
 POISON_FLIP_SCALE = 8.0  # under the pre-filter's 10x the median norm, so the plain rules take it in
@@ -156,11 +164,12 @@ class FaultInjector:
         taken = {f for f in CALL_FAULTS if self.take(f, peer, round_id) is not None}
         return CallFaults(self, peer, round_id, taken)
 
-    async def delay(self, point: str, peer: str, round_id: int, *, target: str = ANY) -> None:
-        """The ``delay`` fault point ``point``: sleep if a delay is armed here."""
+    async def delay(self, point: str, peer: str, round_id: int, *, target: str = ANY) -> float:
+        """The ``delay`` fault point ``point``: sleep if a delay is armed here; the seconds slept."""
         seconds = self._delay_armed(point, peer, round_id, target)
         if seconds:
             await asyncio.sleep(seconds)
+        return seconds
 
     def pause(self, point: str, peer: str, round_id: int) -> None:
         """`delay` for a point on a plain thread (no event loop there): block it."""
@@ -300,8 +309,13 @@ class CallFaults:
         if "exit_midstream" in self._taken and sent == max(1, chunks // 2):
             self.injector.exit(f"halfway through its input ({sent} of {chunks} chunks)")
 
-    async def delay(self, point: str, *, target: str = ANY) -> None:
-        await self.injector.delay(point, self.peer, self.round_id, target=target)
+    async def delay(self, point: str, *, target: str = ANY) -> float:
+        return await self.injector.delay(point, self.peer, self.round_id, target=target)
+
+    def held_input(self) -> None:
+        """An ``open_input`` delay just ended, the stream to that owner not open: ``exit_holding_input``."""
+        if "exit_holding_input" in self._taken:
+            self.injector.exit("holding its input back from an owner")
 
     def _seed(self, offset: int) -> int:
         digest = hashlib.sha256(f"{self.peer}/{self.round_id}/{offset}".encode()).digest()
