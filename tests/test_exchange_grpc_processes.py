@@ -78,6 +78,22 @@ def rounds_of(outputs: list[str]) -> list[dict[int, dict]]:
     return [{r["round"]: r for r in map(json.loads, out.splitlines()) if r["event"] == "round"} for out in outputs]
 
 
+def assert_round_2_went_on_without_peer_2(procs: list, outputs: list[str], timeout: float) -> None:
+    """Peer 2 was SIGKILLed in round 2: round 1 had all three, and the two survivors completed
+    round 2 without it, with one hash, well inside the peer timeout."""
+    assert procs[2].returncode == -signal.SIGKILL
+    assert [p.returncode for p in procs[:2]] == [0, 0]
+    rounds = rounds_of(outputs)
+    dead = json.loads(outputs[2].splitlines()[0])["node_id"]
+    assert all(rounds[i][1]["ok"] and len(rounds[i][1]["members"]) == 3 for i in range(3))
+    survivors = [rounds[i][2] for i in range(2)]
+    assert all(r["ok"] and dead not in r["members"] and len(r["members"]) == 2 for r in survivors), survivors
+    assert len({r["hash"] for r in survivors}) == 1
+    # A behaviour, not a speed: waiting out the timeout would take 40 s at least.
+    assert all(r["seconds"] < timeout / 2 for r in survivors), survivors
+    assert p2pd_processes() == []
+
+
 def test_sigkilled_peer_mid_round_survivors_agree_and_a_lagging_peer_catches_up(tmp_path):
     faults = {1: ["--fault", "lose_result@1"], 3: ["--fault", "exit_midstream@2"]}
     procs, outputs = run_peers(tmp_path, 4, faults, peer_timeout=20)
@@ -111,17 +127,7 @@ def test_a_peer_killed_before_sending_is_dropped_at_its_refusal_not_after_the_pe
     retry without it. Now the refusal fails it at once: round 2 ends far inside the timeout."""
     timeout = 40.0
     procs, outputs = run_peers(tmp_path, 3, {2: ["--fault", "exit_before_input@2"]}, peer_timeout=timeout)
-    assert procs[2].returncode == -signal.SIGKILL
-    assert [p.returncode for p in procs[:2]] == [0, 0]
-    rounds = rounds_of(outputs)
-    dead = json.loads(outputs[2].splitlines()[0])["node_id"]
-    assert all(rounds[i][1]["ok"] and len(rounds[i][1]["members"]) == 3 for i in range(3))
-    survivors = [rounds[i][2] for i in range(2)]
-    assert all(r["ok"] and dead not in r["members"] and len(r["members"]) == 2 for r in survivors), survivors
-    assert len({r["hash"] for r in survivors}) == 1
-    # A behaviour, not a speed: waiting out the timeout would take 40 s at least.
-    assert all(r["seconds"] < timeout / 2 for r in survivors), survivors
-    assert p2pd_processes() == []
+    assert_round_2_went_on_without_peer_2(procs, outputs, timeout)
 
 
 def test_a_peer_killed_after_answering_before_its_input_went_out_is_dropped_at_its_refusal(tmp_path):
@@ -129,19 +135,9 @@ def test_a_peer_killed_after_answering_before_its_input_went_out_is_dropped_at_i
     own span meanwhile), then is SIGKILLed before any of them opens: what a peer whose headers
     wait behind a busy thread pool does. The owners' calls to it had completed and no stream of it
     ever reached them, so nothing failed on their side: they used to wait for its input until the
-    peer timeout (8 s in the testnet). Now each owner dials the members whose input is missing, and the refusal fails
-    peer 2 at once: round 2 ends far inside the timeout, without it."""
+    peer timeout (8 s in the testnet). Now each owner dials the members whose input is missing, and
+    the refusal fails peer 2 at once: round 2 ends far inside the timeout, without it."""
     timeout = 40.0
     faults = {2: ["--fault", "delay:open_input:3@2x*", "--fault", "exit_holding_input@2"]}
     procs, outputs = run_peers(tmp_path, 3, faults, peer_timeout=timeout)
-    assert procs[2].returncode == -signal.SIGKILL
-    assert [p.returncode for p in procs[:2]] == [0, 0]
-    rounds = rounds_of(outputs)
-    dead = json.loads(outputs[2].splitlines()[0])["node_id"]
-    assert all(rounds[i][1]["ok"] and len(rounds[i][1]["members"]) == 3 for i in range(3))
-    survivors = [rounds[i][2] for i in range(2)]
-    assert all(r["ok"] and dead not in r["members"] and len(r["members"]) == 2 for r in survivors), survivors
-    assert len({r["hash"] for r in survivors}) == 1
-    # A behaviour, not a speed: waiting out the timeout would take 40 s at least.
-    assert all(r["seconds"] < timeout / 2 for r in survivors), survivors
-    assert p2pd_processes() == []
+    assert_round_2_went_on_without_peer_2(procs, outputs, timeout)
