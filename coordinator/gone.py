@@ -30,17 +30,12 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable
 
-from murmur.protocol.reachability import is_client, refuses_connections
+from murmur.protocol.reachability import arefuses_connections, is_client
 
 from .membership import Membership
 
 MAX_GONE_PER_REPORT = 64  # peers one ReportGone may name (a run's dead trainers of one round)
 DIALED_KEPT = 4096  # per-peer dial times kept before the stale ones are pruned
-
-
-async def _refused(address: str) -> bool:
-    """Whether a TCP connect to ``address`` is refused (a blocking dial, in a worker thread)."""
-    return await asyncio.to_thread(refuses_connections, address)
 
 
 class GoneReports:
@@ -49,7 +44,7 @@ class GoneReports:
         membership: Membership,
         dial_every_s: float,
         *,
-        refused: Callable[[str], Awaitable[bool]] = _refused,
+        refused: Callable[[str], Awaitable[bool]] = arefuses_connections,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.membership = membership

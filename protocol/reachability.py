@@ -60,6 +60,11 @@ def refuses_connections(address: str, timeout_s: float = DEATH_PROBE_TIMEOUT_S) 
     return False
 
 
+async def arefuses_connections(address: str) -> bool:
+    """`refuses_connections` from a loop: the blocking dial runs in a worker thread."""
+    return await asyncio.to_thread(refuses_connections, address)
+
+
 async def dial_back(address: str, timeout_s: float = DIAL_BACK_TIMEOUT_S) -> tuple[bool, str]:
     """(reachable, why not) for a TCP connect to ``address`` within ``timeout_s``."""
     try:

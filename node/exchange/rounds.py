@@ -45,7 +45,7 @@ from murmur.node.exchange.tasks import discard
 from murmur.node.net.server import PeerServer
 from murmur.optim.exchange import ExchangeError
 from murmur.protocol import peer_pb2
-from murmur.protocol.reachability import dialable, refuses_connections
+from murmur.protocol.reachability import arefuses_connections, dialable
 from murmur.protocol.wire import wire_to_proto
 
 log = logging.getLogger(__name__)
@@ -420,7 +420,7 @@ async def _fail_if_gone(att: Attempt, member: str, address: str, reason: str) ->
     """Fail ``member`` in this owner's attempt when its process is known dead: the failed call
     said its address refused us, or a fresh TCP connect to it is refused now (a connection that
     broke mid-stream, reset by a killed process, says neither by itself)."""
-    if process_gone(reason) or (address and await asyncio.to_thread(refuses_connections, address)):
+    if process_gone(reason) or (address and await arefuses_connections(address)):
         att.reject(member, f"{CONNECTION_REFUSED} at its address, the process is gone ({reason})")
 
 

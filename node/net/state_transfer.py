@@ -45,7 +45,7 @@ def result_name(round_id: int, key: str) -> str:
     return f"result/{round_id}/{key}"
 
 
-async def _get(
+async def get_parts(
     identity: Identity,
     node_id: str,
     address: str,
@@ -54,6 +54,8 @@ async def _get(
     settings: StateFetchSettings,
     ban_list: BanList | None,
 ) -> tuple[peer_pb2.StateManifest, dict[str, bytes]]:
+    """One GetState call to one peer: the manifest of ``name`` and the raw bytes of ``tensors``
+    (none: the manifest alone), bounded by ``settings``; StateError for parts not asked for."""
     async with tls.secure_channel(
         identity, address, node_id, ban_list=ban_list, max_message_bytes=settings.max_message_bytes
     ) as channel:
@@ -105,7 +107,7 @@ async def afetch(
     # 1. The manifest, from the first peer that serves the expected hash.
     for node_id, address in list(sources.items()):
         try:
-            found, _ = await _get(identity, node_id, address, name, [], settings, ban_list)
+            found, _ = await get_parts(identity, node_id, address, name, [], settings, ban_list)
         except (grpc.RpcError, StateError, BannedError, OSError) as err:
             errors[node_id] = _why(err)
             del sources[node_id]
@@ -136,7 +138,7 @@ async def afetch(
         ids = list(sources)
         shares = {n: todo[i :: len(ids)] for i, n in enumerate(ids)}
         results = await asyncio.gather(
-            *[_get(identity, n, sources[n], name, shares[n], settings, ban_list) for n in ids],
+            *[get_parts(identity, n, sources[n], name, shares[n], settings, ban_list) for n in ids],
             return_exceptions=True,
         )
         todo = []

@@ -63,14 +63,12 @@ from murmur.node.exchange.settings import ExchangeSettings
 from murmur.node.net.faults import FaultInjector
 from murmur.node.net.loop import RunningLoop
 from murmur.node.net.server import PeerServer, PublishedState
-from murmur.node.net.state_transfer import StateError, StateFetchSettings, afetch
+from murmur.node.net.state_transfer import StateError, StateFetchSettings, afetch, get_parts
 from murmur.node.pipeline.worker import StageWorker
 from murmur.optim.factory import make_aggregator_for, make_codec_for
-from murmur.protocol import peer_pb2, peer_pb2_grpc, tls
 from murmur.protocol.identity import BannedError
 from murmur.protocol.reachability import dialable
 from murmur.protocol.runconfig import SyncSection
-from murmur.protocol.version import PROTOCOL_VERSION, version_metadata
 from murmur.protocol.wire import WireError, WireLimits, bytes_to_tensor, tensors_hash
 
 log = logging.getLogger(__name__)
@@ -284,7 +282,7 @@ class StageSync:
             a.grad = d.to(a.dtype)
         self.outer.step()
         self.outer.zero_grad(set_to_none=True)
-        await asyncio.to_thread(self._apply, worker, snap)
+        await asyncio.to_thread(self._rebase, worker, self.anchor, snap)
         self.samples_base = samples
         self.rounds += 1
         self._missed = None
@@ -340,33 +338,27 @@ class StageSync:
         """Where a mate's outer state is: its round (the one tensor asked for) and hash (in the
         manifest), or None if it does not say within ``probe_s``."""
         try:
-            async with tls.secure_channel(self.server.identity, address, node_id, ban_list=self.server.ban_list) as ch:
-                call = peer_pb2_grpc.PeerStub(ch).GetState(
-                    peer_pb2.StateRequest(protocol_version=PROTOCOL_VERSION, name=outer_name(stage), tensors=[ROUND]),
-                    metadata=version_metadata(), timeout=self.probe_s,
-                )
-                manifest, data = None, b""
-                async for frame in call:
-                    if frame.WhichOneof("kind") == "manifest":
-                        manifest = frame.manifest
-                    elif frame.part.name == ROUND and len(data) < 64:  # one number, not a flood
-                        data += frame.part.data
-        except (grpc.RpcError, BannedError, OSError) as err:
+            manifest, parts = await get_parts(
+                self.server.identity, node_id, address, outer_name(stage), [ROUND],
+                StateFetchSettings(call_timeout=self.probe_s, max_state_bytes=64),  # one number, not a flood
+                self.server.ban_list,
+            )
+        except (grpc.RpcError, StateError, BannedError, OSError) as err:
             log.debug("stage %d: %s did not say where its outer state is: %s", stage, node_id, err)
-            return None
-        if manifest is None:
             return None
         info = next((t for t in manifest.tensors if t.name == ROUND), None)
         if info is None:
             return OuterAt(-1, manifest.state_hash)
         try:
-            r = bytes_to_tensor(data, info.dtype, list(info.shape), WireLimits(max_numel=1), ROUND)
+            r = bytes_to_tensor(parts.get(ROUND, b""), info.dtype, list(info.shape), WireLimits(max_numel=1), ROUND)
         except WireError:
             return None
         return OuterAt(int(r.reshape(-1)[0]), manifest.state_hash) if r.numel() == 1 else None
 
     @staticmethod
     def _rebase(worker: StageWorker, anchor: list[torch.Tensor], base: list[torch.Tensor]) -> None:
+        """Weights = ``anchor`` + what was trained since ``base`` (a round's snapshot, or the old
+        anchor), then publish the weights the stage serves now."""
         with worker.lock, torch.no_grad():
             for p, a, b in zip(worker.params, anchor, base, strict=True):
                 p.copy_(a + (p - b))
@@ -377,13 +369,6 @@ class StageSync:
     def _snapshot(worker: StageWorker) -> tuple[list[torch.Tensor], int]:
         with worker.lock:
             return [p.detach().clone() for p in worker.params], worker.stats.samples_total
-
-    def _apply(self, worker: StageWorker, snap: list[torch.Tensor]) -> None:
-        with worker.lock, torch.no_grad():
-            for p, a, s in zip(worker.params, self.anchor, snap, strict=True):
-                p.copy_(a + (p - s))  # the anchor, plus what was trained during the round
-            if worker.on_step is not None:
-                worker.on_step()  # publish the weights the stage serves now
 
     async def aclose(self) -> None:
         with contextlib.suppress(Exception):
