@@ -47,6 +47,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         ("heartbeat_ttl_s", "a node silent this long is marked lost"),
         ("lease_ttl_s", "a lease not renewed this long expires"),
         ("sweep_interval_s", "how often lost nodes and expired leases are looked for"),
+        ("join_grace_s", "a node that just joined has this long for its first heartbeat"),
         ("restart_grace_s", "deadlines are pushed this far out after a restart"),
         ("token_ttl_s", "default lifetime of a join token"),
     ):
@@ -70,6 +71,7 @@ def _serve(args: argparse.Namespace) -> int:
         heartbeat_ttl_s=args.heartbeat_ttl_s,
         lease_ttl_s=args.lease_ttl_s,
         sweep_interval_s=args.sweep_interval_s,
+        join_grace_s=args.join_grace_s,
         restart_grace_s=args.restart_grace_s,
         token_ttl_s=args.token_ttl_s,
         wal_checkpoint_pages=args.wal_checkpoint_pages,

@@ -64,6 +64,10 @@ class Membership:
             r["node_id"]: (max(r["last_heartbeat"], now), r["tokens_per_s"]) for r in store.nodes(status="active")
         }
         self._dirty: set[str] = set()
+        # node id -> until when a node that joined and has not heartbeated yet is not lost (it
+        # starts its peer server and DHT first: settings.join_grace_s). Memory only: after a
+        # coordinator restart, restart_grace_s covers it.
+        self._starting: dict[str, float] = {}
         self._flushed_at = now
         self.ban_version = store.counter("ban_version")
         self.run_states: dict[str, str] = {r["run_id"]: r["state"] for r in store.runs()}
@@ -113,6 +117,7 @@ class Membership:
             )
         self._nodes[node_id] = (run["run_id"], "active")
         self._seen[node_id] = (now, 0.0)
+        self._starting[node_id] = now + self.settings.join_grace_s
         return Joined(node_id, run["run_id"], cert_pem, run["config_toml"])
 
     # --- the hot path --------------------------------------------------------------------------
@@ -149,6 +154,7 @@ class Membership:
         trainer. Touches the ledger only when the node is not plainly active, or restarted."""
         run_id = self.member(node_id)
         self._seen[node_id] = (self.clock(), tokens_per_s if tokens_per_s >= 0 else 0.0)
+        self.started(node_id)
         self._dirty.add(node_id)
         if peer is not None and peer[0]:
             incarnation, address, round_id, state_hash = peer
@@ -156,6 +162,12 @@ class Membership:
                 with self.store.write():
                     self.store.event("restarted", run_id=run_id, node_id=node_id, incarnation=incarnation[:64])
         return run_id
+
+    def started(self, node_id: str) -> None:
+        """The node heartbeats or asks for a lease: the TTL alone decides its liveness from now on
+        (its join grace ends). Not on any call: a joiner's reachability check comes before the
+        start of its DHT."""
+        self._starting.pop(node_id, None)
 
     def status(self, node_id: str) -> tuple[str, str] | None:
         """(run id, status) of a node this coordinator knows, else None."""
@@ -226,7 +238,7 @@ class Membership:
         if now < self._hold_until:
             return [], 0
         deadline = now - self.settings.heartbeat_ttl_s
-        silent = [n for n, (at, _) in self._seen.items() if at < deadline]
+        silent = [n for n, (at, _) in self._seen.items() if at < deadline and self._starting.get(n, 0.0) < now]
         for node_id in silent:
             self._lose(node_id, now, reason="heartbeat_ttl")
         expired = self.leases.expire()
@@ -248,6 +260,7 @@ class Membership:
         trainer entry stop counting at once, its leases go back (``lease_expired``), and the
         ledger says why (a ``lost`` event with ``reason``)."""
         at, tps = self._seen.pop(node_id)
+        self._starting.pop(node_id, None)
         self._dirty.discard(node_id)
         self.trainers.drop(node_id)
         run_id = self._nodes.get(node_id, ("", ""))[0]
@@ -263,6 +276,7 @@ class Membership:
     def _forget(self, node_id: str) -> None:
         """Stop tracking a node's heartbeats (it left or was banned); store the last one first."""
         entry = self._seen.pop(node_id, None)
+        self._starting.pop(node_id, None)
         self._dirty.discard(node_id)
         self.trainers.drop(node_id)
         if entry is not None:

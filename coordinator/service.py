@@ -206,6 +206,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
     ) -> pb.AcquireLeaseReply:
         def call() -> pb.AcquireLeaseReply:
             node_id, run_id = self._node(context)
+            self.membership.started(node_id)  # a lease is renewed by heartbeats: the TTL holds now
             shard, reason = self.leases.acquire(run_id, node_id, frozenset(list(request.exhausted)[:64]))
             if shard is None:
                 return pb.AcquireLeaseReply(granted=False, reason=reason)

@@ -13,6 +13,13 @@ How to choose them (docs/coordinator.md has the long version):
   once instead of after heartbeat_ttl_s (coordinator/gone.py). It bounds the connects reports can
   cause (one per live trainer per period), and how soon a peer whose dial was accepted (alive,
   or its port taken over) can be dialed again.
+* join_grace_s: a node that just joined has this long for its first heartbeat, then
+  heartbeat_ttl_s as usual: it starts its peer server and DHT before it heartbeats (hivemind forks
+  the DHT's process, which must not happen under live gRPC calls), 6 s on the testnet's loopback
+  and tens of seconds for a DHT that bootstraps over the internet. With the TTL alone, every
+  testnet node (TTL 3 s) was marked lost 3 s after it joined and "returned" at its first
+  heartbeat. A joiner holds no lease and is no trainer until it heartbeats, so the grace delays
+  nothing but the loss of one that died while starting.
 * restart_grace_s: after the coordinator restarts, no node is declared lost and no lease expires
   for this long, counted from the moment it serves again (nobody could renew while it was down,
   and nodes need a moment to reconnect).
@@ -39,6 +46,7 @@ class CoordinatorSettings:
     lease_ttl_s: float = 30.0
     sweep_interval_s: float = 0.5  # how often lost nodes and expired leases are looked for
     heartbeat_flush_s: float = 5.0  # how often heartbeats (kept in memory) are written to the ledger
+    join_grace_s: float = 60.0
     restart_grace_s: float = 30.0
     gone_dial_every_s: float = 1.0  # the coordinator's verifying dials of one reported peer, at most this often
     token_ttl_s: float = 24 * 3600.0  # default lifetime of a join token
@@ -60,6 +68,7 @@ class CoordinatorSettings:
             "token_ttl_s",
             "tokens_per_s_window_s",
             "gone_dial_every_s",
+            "join_grace_s",
         ):
             if getattr(self, name) <= 0:
                 raise SettingsError(f"{name} must be positive, got {getattr(self, name)}")

@@ -120,6 +120,7 @@ def test_tokens_expire_run_out_and_revoke(ledger):
 def test_lease_commit_expire_and_exact_accounting(ledger):
     store, members, runs, clock, run_id, token = ledger
     a, b = join(members, token), join(members, token)
+    members.heartbeat(a, 1.0)  # started: the TTL alone decides from now on (no join grace)
     leases = members.leases
     sa, _ = leases.acquire(run_id, a)
     assert sa is not None and sa.committed_offset == 0
@@ -151,6 +152,25 @@ def test_lease_commit_expire_and_exact_accounting(ledger):
     assert store.run_totals(run_id)["tokens_committed"] == 1000
     assert sum(c["end_offset"] - c["start_offset"] for c in store.commits_of_shard(run_id, 0)) == 1000
     assert store.check_consistency() == []
+
+
+def test_a_joiner_has_the_join_grace_for_its_first_heartbeat_then_the_ttl(ledger):
+    """A node starts its peer server and DHT between its join and its first heartbeat: it is not
+    lost for that (every testnet node was, 3 s after it joined); one that never heartbeats is, at
+    the grace's end; once it heartbeated, the TTL alone decides."""
+    store, members, _runs, clock, _run_id, token = ledger
+    grace = members.settings.join_grace_s
+    assert grace > members.settings.heartbeat_ttl_s
+    starting, silent = join(members, token), join(members, token)
+    clock.t += grace - 1
+    assert members.sweep()[0] == []
+    assert store.node(starting)["status"] == store.node(silent)["status"] == "active"
+    members.heartbeat(starting, 1.0)
+    clock.t += 2
+    assert members.sweep()[0] == [silent]  # its grace ran out with no heartbeat
+    clock.t += members.settings.heartbeat_ttl_s
+    assert members.sweep()[0] == [starting]  # it heartbeated once, then went silent for a TTL
+    assert store.node(starting)["status"] == store.node(silent)["status"] == "lost"
 
 
 def test_ban_releases_leases_and_refuses_the_node(ledger):
