@@ -145,3 +145,23 @@ def test_a_window_that_runs_out_its_shard_does_not_wait_for_earlier_checkpoints(
         total, offsets, _ = ledger(net)
         assert total == sum(r["tokens"] for r in rounds) > 0
         _committed_spans_add_up(offsets, total)
+
+
+def test_a_slow_model_build_does_not_silence_the_heartbeats(tmp_path, data):
+    """The model is built (and a checkpoint read, the state hashed) off the daemon's event loop,
+    which sends the heartbeats: a build slower than the heartbeat TTL (a large model on a slow
+    machine; the testnet's tiny model took 2 s on an idle machine) does not have the node marked
+    lost. Built on the loop, every testnet node under load was lost at each restart."""
+    net = make_testnet(tmp_path, data, node_args=["--solo", "--fault", "delay:build_model:8"])
+    # A join grace of 1 s: the node is lost 5 s after its join unless it heartbeats meanwhile.
+    net.coordinator_args = ["--lease-ttl", "5", "--heartbeat-ttl", "5", "--join-grace", "1", "--restart-grace", "1"]
+    with net:
+        net.start_coordinator()
+        net.create_run(token_uses=2)
+        node = net.add_node()
+        wait_log(node, r"injected fault: build_model delayed")
+        wait_rounds(node, 1)
+        kinds = [e["kind"] for e in net.admin("events", "--limit", "500")["events"]]
+        assert "lost" not in kinds and "returned" not in kinds, kinds
+        node.proc.send_signal(signal.SIGTERM)
+        assert node.proc.wait(60) == 0, log(node)[-2000:]

@@ -39,18 +39,43 @@ from murmur.optim.exchange import ExchangeError
 from murmur.protocol.model_shape import ddp_bytes
 from murmur.protocol.reachability import is_client
 from murmur.protocol.runconfig import RunConfig
+from murmur.protocol.wire import tensors_hash
 
 
 class TrainingDriver:
-    """Built on the loop, once the node has joined and its data plane is up; ``train`` is the
-    training thread's body, everything else runs on the loop."""
+    """Built on the loop (``build``), once the node has joined and its data plane is up; ``train``
+    is the training thread's body, everything else runs on the loop. What takes long (building
+    the model, reading a checkpoint, hashing the state) runs in worker threads: the loop sends
+    the heartbeats, and a loop blocked past the heartbeat TTL has the node marked lost (a testnet
+    node's model build, 2 s on an idle machine, did that under load at its every restart)."""
+
+    @classmethod
+    async def build(cls, *, cfg: RunConfig, dataset: Dataset, device: torch.device, dataplane: DataPlane,
+                    session: CoordinatorSession, settings: NodeSettings, threads: int,
+                    ranks: LocalRanks | None = None, faults: FaultInjector | None = None,
+                    **rest: Any) -> TrainingDriver:
+        """The driver, with its trainer (the model and optimizer) built in a worker thread."""
+
+        def trainer() -> NodeTrainer:
+            if faults is not None:  # --fault delay:build_model:S: a large model on a slow machine
+                faults.pause("build_model", session.info.node_id, 0)
+            if threads:
+                torch.set_num_threads(threads)  # OpenMP keeps the thread count per thread
+            return NodeTrainer(
+                cfg, dataset, device, dataplane.exchange, round_timeout_s=settings.round_timeout_s, ranks=ranks
+            )
+
+        built = await asyncio.to_thread(trainer)
+        return cls(
+            cfg=cfg, trainer=built, dataplane=dataplane, session=session, settings=settings, threads=threads,
+            faults=faults, **rest,
+        )
 
     def __init__(
         self,
         *,
         cfg: RunConfig,
-        dataset: Dataset,
-        device: torch.device,
+        trainer: NodeTrainer,
         dataplane: DataPlane,
         session: CoordinatorSession,
         state: StateDir,
@@ -60,7 +85,6 @@ class TrainingDriver:
         threads: int,
         max_rounds: int,
         log: Callable[[str], None],
-        ranks: LocalRanks | None = None,
         faults: FaultInjector | None = None,
     ) -> None:
         self.cfg, self.dataplane, self.session, self.state = cfg, dataplane, session, state
@@ -70,9 +94,7 @@ class TrainingDriver:
         self.loop = asyncio.get_running_loop()
         if threads:
             torch.set_num_threads(threads)
-        self.trainer = NodeTrainer(
-            cfg, dataset, device, dataplane.exchange, round_timeout_s=settings.round_timeout_s, ranks=ranks
-        )
+        self.trainer = trainer
         # A step waiting for its exchange would wait up to round_timeout_s: a stop ends the wait.
         # Nothing partial is applied (the round fails as a whole) and the window is not committed.
         stop.on_request(lambda reason: self.trainer.meter.abort(f"the node is stopping ({reason})"))
@@ -93,10 +115,10 @@ class TrainingDriver:
 
     async def restore(self) -> None:
         """Local checkpoint first; then peers, if the run has moved on (or for a first join)."""
-        ckpt = self.state.load_checkpoint()
+        ckpt = await asyncio.to_thread(self.state.load_checkpoint)
         if ckpt is not None:
             try:
-                self.trainer.load_state_dict(ckpt)
+                await asyncio.to_thread(self.trainer.load_state_dict, ckpt)
                 self.log(f"resumed from the local checkpoint at round {self.trainer.round}")
             except (MurmurError, KeyError, RuntimeError) as err:
                 self.log(f"local checkpoint not usable ({err}); asking peers for the state")
@@ -119,7 +141,7 @@ class TrainingDriver:
                 min_round=self.trainer.round + 1, timeout_s=self.s.state_fetch_timeout_s
             )
         if state is not None:
-            self.trainer.load_shared_tensors(state)
+            await asyncio.to_thread(self.trainer.load_shared_tensors, state)
             self._ratio_base_step = self.trainer.step  # this node's bytes count from here
             self.log(f"took the global state of round {self.trainer.round} from peers")
         elif self.session.in_rounds and self.session.view.newest > self.trainer.round and not self.stop.is_set():
@@ -137,8 +159,9 @@ class TrainingDriver:
                 f"round {newest}"
             )
             self.trainer.renumber(newest)
-        self._last_shared = self.trainer.shared_state()
-        self.dataplane.publish(self.trainer.round, self.trainer.shared_tensors())
+        self._last_shared = await asyncio.to_thread(self.trainer.shared_state)
+        tensors = self.trainer.shared_tensors()
+        self.dataplane.publish(self.trainer.round, tensors, await asyncio.to_thread(tensors_hash, tensors))
         self._committed_sent = self.trainer.sync.bytes.total_sent  # earlier bytes were committed before
 
     def _run_is_ahead(self, gone_after: float) -> bool:

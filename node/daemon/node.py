@@ -158,7 +158,7 @@ class Node:
             )
             self.log(f"{self.o.gpus} local ranks ({'NCCL' if device.type == 'cuda' else 'gloo'}): "
                      f"{cfg.train.batch_size} rows per rank per step")
-        self.driver = TrainingDriver(
+        self.driver = await TrainingDriver.build(
             cfg=cfg,
             dataset=dataset,
             device=device,

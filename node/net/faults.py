@@ -45,6 +45,8 @@ Delays (``delay``: sleep SECONDS at a named point, each time the point is reache
                  a joiner whose DHT is slow or unreachable sees nobody in time
   checkpoint     before a node writes a round's local checkpoint (node/daemon/driver.py): a slow
                  disk between a round's end and its commit
+  build_model    before a node builds its model and optimizer (node/daemon/driver.py), its
+                 heartbeats running: a large model on a slow machine
 
 Spec strings (the command line, `FaultInjector.parse`): ``fault[@ROUND][xTIMES]`` and, for a
 delay, ``delay:POINT:SECONDS[@ROUND][xTIMES]``; TIMES ``*`` fires every time. For example
@@ -88,6 +90,7 @@ CALL_FAULTS = (
 FAULTS = (*CALL_FAULTS, "delay")
 DELAY_POINTS = (
     "rendezvous", "open_input", "send_input", "snapshot_piece", "stage_compute", "peer_lookup", "checkpoint",
+    "build_model",
 )
 ANY = "*"
 POISON_SCALE = 1e4
