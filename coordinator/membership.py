@@ -64,9 +64,9 @@ class Membership:
             r["node_id"]: (max(r["last_heartbeat"], now), r["tokens_per_s"]) for r in store.nodes(status="active")
         }
         self._dirty: set[str] = set()
-        # node id -> until when a node that joined and has not heartbeated yet is not lost (it
-        # starts its peer server and DHT first: settings.join_grace_s). Memory only: after a
-        # coordinator restart, restart_grace_s covers it.
+        # node id -> until when a node that joined, or said it is starting, and has not heartbeated
+        # since is not lost (it starts its peer server and DHT first: settings.join_grace_s).
+        # Memory only: after a coordinator restart, restart_grace_s covers it.
         self._starting: dict[str, float] = {}
         self._flushed_at = now
         self.ban_version = store.counter("ban_version")
@@ -149,12 +149,20 @@ class Membership:
         node_id: str,
         tokens_per_s: float,
         peer: tuple[str, str, int, str] | None = None,
+        *,
+        starting: bool = False,
     ) -> str:
         """Record a heartbeat; ``peer``: (incarnation, peer address, round, state hash) of a
-        trainer. Touches the ledger only when the node is not plainly active, or restarted."""
+        trainer; ``starting``: the process opens its data plane next and heartbeats only after
+        (join_grace_s until then). Touches the ledger only when the node is not plainly active,
+        or restarted."""
         run_id = self.member(node_id)
-        self._seen[node_id] = (self.clock(), tokens_per_s if tokens_per_s >= 0 else 0.0)
-        self.started(node_id)
+        now = self.clock()
+        self._seen[node_id] = (now, tokens_per_s if tokens_per_s >= 0 else 0.0)
+        if starting:
+            self._starting[node_id] = now + self.settings.join_grace_s
+        else:
+            self.started(node_id)
         self._dirty.add(node_id)
         if peer is not None and peer[0]:
             incarnation, address, round_id, state_hash = peer
@@ -165,8 +173,8 @@ class Membership:
 
     def started(self, node_id: str) -> None:
         """The node heartbeats or asks for a lease: the TTL alone decides its liveness from now on
-        (its join grace ends). Not on any call: a joiner's reachability check comes before the
-        start of its DHT."""
+        (its join grace ends). Not on any call: a starting node's reachability check comes
+        before the start of its DHT."""
         self._starting.pop(node_id, None)
 
     def status(self, node_id: str) -> tuple[str, str] | None:

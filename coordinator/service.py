@@ -161,7 +161,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             peer = None
             if request.incarnation:
                 peer = (request.incarnation, request.peer_address, request.round, request.state_hash)
-            self.membership.heartbeat(node_id, request.tokens_per_s, peer)
+            self.membership.heartbeat(node_id, request.tokens_per_s, peer, starting=request.starting)
             order = None
             if request.HasField("stage_peer"):
                 order = self.stage_board.report(node_id, run_id, request.stage_peer)

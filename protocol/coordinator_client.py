@@ -154,10 +154,18 @@ class MemberClient:
         return await call(method, getattr(self.stub, method), request, self.metadata, self.timeout_s)
 
     async def heartbeat(
-        self, tokens_per_s: float = 0.0, state: str = "", *, peer: pb.HeartbeatRequest | None = None
+        self,
+        tokens_per_s: float = 0.0,
+        state: str = "",
+        *,
+        peer: pb.HeartbeatRequest | None = None,
+        starting: bool = False,
     ) -> pb.HeartbeatReply:
-        """``peer``: the node's data-plane fields (incarnation, peer_address, round, state_hash)."""
-        request = pb.HeartbeatRequest(tokens_per_s=tokens_per_s, ban_list_version=self.ban_list_version, state=state)
+        """``peer``: the node's data-plane fields (incarnation, peer_address, round, state_hash);
+        ``starting``: the process opens its data plane next (the coordinator's join grace)."""
+        request = pb.HeartbeatRequest(
+            tokens_per_s=tokens_per_s, ban_list_version=self.ban_list_version, state=state, starting=starting
+        )
         if peer is not None:
             request.MergeFrom(peer)
         reply = await self._call("Heartbeat", request)

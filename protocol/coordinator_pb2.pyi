@@ -59,7 +59,7 @@ class JoinReply(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., run_id: _Optional[str] = ..., certificate_pem: _Optional[bytes] = ..., ca_certificate_pem: _Optional[bytes] = ..., config_toml: _Optional[str] = ..., bootstrap_peers: _Optional[_Iterable[str]] = ..., node_address: _Optional[str] = ..., heartbeat_interval_s: _Optional[float] = ..., heartbeat_ttl_s: _Optional[float] = ..., lease_ttl_s: _Optional[float] = ..., tls_server_name: _Optional[str] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("tokens_per_s", "ban_list_version", "state", "incarnation", "peer_address", "round", "state_hash", "stage_peer")
+    __slots__ = ("tokens_per_s", "ban_list_version", "state", "incarnation", "peer_address", "round", "state_hash", "stage_peer", "starting")
     TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
     BAN_LIST_VERSION_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -68,6 +68,7 @@ class HeartbeatRequest(_message.Message):
     ROUND_FIELD_NUMBER: _ClassVar[int]
     STATE_HASH_FIELD_NUMBER: _ClassVar[int]
     STAGE_PEER_FIELD_NUMBER: _ClassVar[int]
+    STARTING_FIELD_NUMBER: _ClassVar[int]
     tokens_per_s: float
     ban_list_version: int
     state: str
@@ -76,7 +77,8 @@ class HeartbeatRequest(_message.Message):
     round: int
     state_hash: str
     stage_peer: StageReport
-    def __init__(self, tokens_per_s: _Optional[float] = ..., ban_list_version: _Optional[int] = ..., state: _Optional[str] = ..., incarnation: _Optional[str] = ..., peer_address: _Optional[str] = ..., round: _Optional[int] = ..., state_hash: _Optional[str] = ..., stage_peer: _Optional[_Union[StageReport, _Mapping]] = ...) -> None: ...
+    starting: bool
+    def __init__(self, tokens_per_s: _Optional[float] = ..., ban_list_version: _Optional[int] = ..., state: _Optional[str] = ..., incarnation: _Optional[str] = ..., peer_address: _Optional[str] = ..., round: _Optional[int] = ..., state_hash: _Optional[str] = ..., stage_peer: _Optional[_Union[StageReport, _Mapping]] = ..., starting: _Optional[bool] = ...) -> None: ...
 
 class StageReport(_message.Message):
     __slots__ = ("stage", "first_block", "end_block", "address", "state_address", "samples_per_s", "queue", "optimizer_steps", "samples_total", "state_hash", "replica_stage", "replica_hash", "replica_at", "state_source")

@@ -154,10 +154,11 @@ def test_lease_commit_expire_and_exact_accounting(ledger):
     assert store.check_consistency() == []
 
 
-def test_a_joiner_has_the_join_grace_for_its_first_heartbeat_then_the_ttl(ledger):
-    """A node starts its peer server and DHT between its join and its first heartbeat: it is not
-    lost for that (every testnet node was, 3 s after it joined); one that never heartbeats is, at
-    the grace's end; once it heartbeated, the TTL alone decides."""
+def test_a_starting_node_has_the_join_grace_for_its_next_heartbeat_then_the_ttl(ledger):
+    """A node starts its peer server and DHT between its join (or a restart's "starting"
+    heartbeat) and its next heartbeat: it is not lost for that (every testnet node was, 3 s after
+    it joined); one that never heartbeats is, at the grace's end; once it heartbeated, the TTL
+    alone decides."""
     store, members, _runs, clock, _run_id, token = ledger
     grace = members.settings.join_grace_s
     assert grace > members.settings.heartbeat_ttl_s
@@ -171,6 +172,15 @@ def test_a_joiner_has_the_join_grace_for_its_first_heartbeat_then_the_ttl(ledger
     clock.t += members.settings.heartbeat_ttl_s
     assert members.sweep()[0] == [starting]  # it heartbeated once, then went silent for a TTL
     assert store.node(starting)["status"] == store.node(silent)["status"] == "lost"
+    # A restart: its first call says it is starting (it opens its DHT next): welcomed back, and
+    # the grace again, not the TTL, until its next heartbeat.
+    members.heartbeat(starting, 0.0, starting=True)
+    assert store.node(starting)["status"] == "active"
+    clock.t += grace - 1
+    assert members.sweep()[0] == []
+    members.heartbeat(starting, 1.0)
+    clock.t += members.settings.heartbeat_ttl_s + 1
+    assert members.sweep()[0] == [starting]
 
 
 def test_ban_releases_leases_and_refuses_the_node(ledger):

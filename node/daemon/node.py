@@ -145,6 +145,7 @@ class Node:
             bound = await self.metrics_server.start(host or "127.0.0.1", int(port or 0))
             self.log(f"metrics on http://{host or '127.0.0.1'}:{bound}/metrics")
         self.session.in_rounds = not self.o.solo
+        await self.session.starting()
         self.dataplane = await self._open_dataplane(info, ident, cfg)
         # Heartbeats from now on (not before: hivemind forks its DHT process, which must not happen
         # under live gRPC calls); their replies carry the run's live trainers, which the data

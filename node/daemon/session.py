@@ -53,6 +53,7 @@ OUTAGE_CODES = {
 MAX_UNREPORTED_REJECTIONS = 10_000  # rejection reports kept through an outage (the oldest go first)
 REJECTIONS_PER_REPORT = 500  # below the coordinator's limit of one ReportRejections call
 GONE_PER_REPORT = 64  # the coordinator's limit of one ReportGone call
+STARTING_CALL_S = 5.0  # the "starting" heartbeat before the data plane opens; past it, start anyway
 
 
 def is_outage(err: CoordinatorError) -> bool:
@@ -166,6 +167,15 @@ class CoordinatorSession:
         self._commit_lock = asyncio.Lock()  # the committer task and the shutdown both flush
         self._closing = False
         self._tasks: list[asyncio.Task[None]] = []
+
+    async def starting(self) -> None:
+        """Before the data plane opens (heartbeats start only after it: the DHT's process is
+        forked, never under live gRPC calls): one heartbeat that says this process is starting,
+        so the coordinator gives it join_grace_s, not the heartbeat TTL, for its next one. A
+        restarted testnet node (TTL 3 s) was marked lost while its DHT started. Bounded; an
+        outage or a refusal is left to the heartbeats that follow."""
+        with contextlib.suppress(CoordinatorError, TimeoutError):
+            await asyncio.wait_for(self.client.heartbeat(0.0, "starting", starting=True), STARTING_CALL_S)
 
     def start(self) -> None:
         """Heartbeats and the committer, as tasks of the running loop until ``close`` (once)."""
