@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 import sys
 
 from murmur import __version__
@@ -41,8 +42,30 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     return parser
 
 
+class StoppedWhileStarting(BaseException):  # noqa: N818 - a stop, not an error
+    """SIGTERM came before the node's event loop took the signal over."""
+
+
+def _stop_while_starting(signum: int, frame: object) -> None:
+    raise StoppedWhileStarting
+
+
 def main(argv: list[str] | None = None) -> int:
+    as_program = argv is None  # not called from a test's process, whose signals are its own
     argv = list(sys.argv[1:] if argv is None else argv)
+    if as_program and next((a for a in argv if a in SUBCOMMANDS), None) == "node":
+        # A node SIGTERMed while it still imports torch and hivemind (a testnet stopped right after
+        # a chaos restart) has joined nothing and holds nothing: it stops as cleanly as a running
+        # node (exit 0), not killed by the signal (-15). The node's loop takes SIGTERM over later.
+        signal.signal(signal.SIGTERM, _stop_while_starting)
+    try:
+        return _main(argv)
+    except StoppedWhileStarting:
+        print("stopped (SIGTERM) while starting", file=sys.stderr)
+        return 0
+
+
+def _main(argv: list[str]) -> int:
     parser = build_parser(argv)
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
