@@ -13,13 +13,15 @@ How to choose them (docs/coordinator.md has the long version):
   once instead of after heartbeat_ttl_s (coordinator/gone.py). It bounds the connects reports can
   cause (one per live trainer per period), and how soon a peer whose dial was accepted (alive,
   or its port taken over) can be dialed again.
-* join_grace_s: a node that just joined has this long for its first heartbeat, then
-  heartbeat_ttl_s as usual: it starts its peer server and DHT before it heartbeats (hivemind forks
-  the DHT's process, which must not happen under live gRPC calls), 6 s on the testnet's loopback
-  and tens of seconds for a DHT that bootstraps over the internet. With the TTL alone, every
-  testnet node (TTL 3 s) was marked lost 3 s after it joined and "returned" at its first
-  heartbeat. A joiner holds no lease and is no trainer until it heartbeats, so the grace delays
-  nothing but the loss of one that died while starting.
+* join_grace_s: a node that just joined, or whose restarted process said it is starting (the
+  ``starting`` heartbeat), has this long for its next heartbeat, then heartbeat_ttl_s as usual:
+  it starts its peer server and DHT before it heartbeats (hivemind forks the DHT's process, which
+  must not happen under live gRPC calls), 6 s on the testnet's loopback and tens of seconds for
+  a DHT that bootstraps over the internet. With the TTL alone, every testnet node (TTL 3 s) was
+  marked lost 3 s after it joined, and again at each restart. A starting node is no trainer (it
+  reports no peer address yet), so the grace delays no round; a restarted one that dies while
+  starting keeps its previous process's lease until the grace ends (a shard idle that much
+  longer).
 * restart_grace_s: after the coordinator restarts, no node is declared lost and no lease expires
   for this long, counted from the moment it serves again (nobody could renew while it was down,
   and nodes need a moment to reconnect).

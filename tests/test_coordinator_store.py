@@ -159,7 +159,7 @@ def test_a_starting_node_has_the_join_grace_for_its_next_heartbeat_then_the_ttl(
     heartbeat) and its next heartbeat: it is not lost for that (every testnet node was, 3 s after
     it joined); one that never heartbeats is, at the grace's end; once it heartbeated, the TTL
     alone decides."""
-    store, members, _runs, clock, _run_id, token = ledger
+    store, members, _runs, clock, run_id, token = ledger
     grace = members.settings.join_grace_s
     assert grace > members.settings.heartbeat_ttl_s
     starting, silent = join(members, token), join(members, token)
@@ -172,10 +172,14 @@ def test_a_starting_node_has_the_join_grace_for_its_next_heartbeat_then_the_ttl(
     clock.t += members.settings.heartbeat_ttl_s
     assert members.sweep()[0] == [starting]  # it heartbeated once, then went silent for a TTL
     assert store.node(starting)["status"] == store.node(silent)["status"] == "lost"
-    # A restart: its first call says it is starting (it opens its DHT next): welcomed back, and
-    # the grace again, not the TTL, until its next heartbeat.
-    members.heartbeat(starting, 0.0, starting=True)
+    # A restart: its first call says it is starting (it opens its DHT next), with its new
+    # incarnation and no peer address yet: welcomed back, the grace again, not the TTL, until its
+    # next heartbeat, and its previous process no longer listed as a live trainer.
+    members.heartbeat(starting, 0.0, ("old", "127.0.0.1:1", 3, "ab"))
+    assert [n for n, _ in members.live_trainers(run_id)] == [starting]
+    members.heartbeat(starting, 0.0, ("new", "", -1, ""), starting=True)
     assert store.node(starting)["status"] == "active"
+    assert members.live_trainers(run_id) == []
     clock.t += grace - 1
     assert members.sweep()[0] == []
     members.heartbeat(starting, 1.0)

@@ -173,9 +173,14 @@ class CoordinatorSession:
         forked, never under live gRPC calls): one heartbeat that says this process is starting,
         so the coordinator gives it join_grace_s, not the heartbeat TTL, for its next one. A
         restarted testnet node (TTL 3 s) was marked lost while its DHT started. Bounded; an
-        outage or a refusal is left to the heartbeats that follow."""
+        outage or a refusal is left to the heartbeats that follow. It names this process's
+        incarnation (no peer address yet): the coordinator stops listing the previous process as a
+        live trainer at once, so the others neither wait for it nor count it for their quorum."""
+        peer = pb.HeartbeatRequest(incarnation=self.incarnation) if self.in_rounds else None
         with contextlib.suppress(CoordinatorError, TimeoutError):
-            await asyncio.wait_for(self.client.heartbeat(0.0, "starting", starting=True), STARTING_CALL_S)
+            await asyncio.wait_for(
+                self.client.heartbeat(0.0, "starting", peer=peer, starting=True), STARTING_CALL_S
+            )
 
     def start(self) -> None:
         """Heartbeats and the committer, as tasks of the running loop until ``close`` (once)."""
