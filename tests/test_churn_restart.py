@@ -18,6 +18,7 @@ Real processes, real SIGKILLs; no timing assertions (the waits are for log lines
 from __future__ import annotations
 
 import signal
+import time
 
 import pytest
 from _node_helpers import ledger, log, make_testnet, small_dataset, trained, wait_log, wait_rounds
@@ -82,3 +83,34 @@ def test_a_restart_behind_the_run_with_its_holders_dead_never_trains_apart(tmp_p
             assert [r for r in trained(node) if int(r["round"]) > mark and r["peers"] == 2], trained(node)[-4:]
         total, offsets, _ = ledger(net)
         assert sum(offsets.values()) == total
+
+
+def test_a_restarted_holder_of_the_newest_round_does_not_wait_for_peers_that_are_all_down(tmp_path, data):
+    """Both nodes SIGKILLed, one after the other; the last one comes back holding the run's newest
+    round, and the coordinator lists no other live trainer: nobody can serve it a newer state, so it trains on at
+    once instead of looking for peers in the DHT until its rendezvous deadline (60 s here; 8 s of a
+    24 s stall in a chaos testnet at a 5 s MTBF)."""
+    deadline_s = 60.0
+    net = make_testnet(tmp_path, data, overrides=["train.steps=5000"], node_args=FAST_NODE)
+    net.coordinator_args = list(FAST_COORDINATOR)
+    with net:
+        net.start_coordinator()
+        net.create_run(token_uses=4)
+        a, b = (net.add_node(extra=["--min-peers", "2"]) for _ in range(2))
+        for node in (a, b):
+            wait_rounds(node, 3, timeout_s=WAIT_S)
+        # b first: a trains on alone, so a's checkpoint holds the run's newest round (a round's
+        # checkpoint is written before its state is published, hence before anyone hears of it).
+        net.kill_node(b)
+        wait_for(lambda: len([r for r in trained(a) if r["peers"] == 1]) >= 2, WAIT_S, what="a to train alone")
+        net.kill_node(a)
+        mine = last_round(a)
+        since = len(log(a))
+        restarted_at = time.time()
+        net.start_node(a, extra=["--rendezvous-deadline", f"{deadline_s:g}"])
+        wait_log(a, r"resumed from the local checkpoint", timeout_s=WAIT_S, since=since)
+        wait_for(lambda: last_round(a) > mine, WAIT_S, what="a's next round")
+        first = min(float(r["time"]) for r in trained(a) if int(r["round"]) > mine)
+        # Its start-up (imports, DHT) included, far below the deadline it no longer waits out.
+        assert first - restarted_at < deadline_s / 2, first - restarted_at
+        assert "nobody serves" not in log(a)[since:]  # it did not renumber: nothing was ahead of it
