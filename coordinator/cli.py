@@ -47,7 +47,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         ("heartbeat_ttl_s", "a node silent this long is marked lost"),
         ("lease_ttl_s", "a lease not renewed this long expires"),
         ("sweep_interval_s", "how often lost nodes and expired leases are looked for"),
-        ("join_grace_s", "a node that just joined has this long for its first heartbeat"),
+        ("join_grace_s", "a node that just joined, or restarted and is starting, has this long to heartbeat"),
         ("restart_grace_s", "deadlines are pushed this far out after a restart"),
         ("token_ttl_s", "default lifetime of a join token"),
     ):
