@@ -267,10 +267,7 @@ class Membership:
         """Mark an active node lost (the TTL's sweep, or a refused connect): its heartbeats and its
         trainer entry stop counting at once, its leases go back (``lease_expired``), and the
         ledger says why (a ``lost`` event with ``reason``)."""
-        at, tps = self._seen.pop(node_id)
-        self._starting.pop(node_id, None)
-        self._dirty.discard(node_id)
-        self.trainers.drop(node_id)
+        at, tps = self._untrack(node_id)
         run_id = self._nodes.get(node_id, ("", ""))[0]
         with self.store.write():
             self.store.heartbeats([(node_id, at, tps)], self.settings.lease_ttl_s)
@@ -281,12 +278,17 @@ class Membership:
 
     # --- leaving and bans ----------------------------------------------------------------------
 
-    def _forget(self, node_id: str) -> None:
-        """Stop tracking a node's heartbeats (it left or was banned); store the last one first."""
-        entry = self._seen.pop(node_id, None)
+    def _untrack(self, node_id: str) -> tuple[float, float] | None:
+        """Stop tracking a node's heartbeats, start grace and trainer entry; its last (heartbeat
+        time, tokens/s), if it was tracked."""
         self._starting.pop(node_id, None)
         self._dirty.discard(node_id)
         self.trainers.drop(node_id)
+        return self._seen.pop(node_id, None)
+
+    def _forget(self, node_id: str) -> None:
+        """Stop tracking a node's heartbeats (it left or was banned); store the last one first."""
+        entry = self._untrack(node_id)
         if entry is not None:
             with self.store.write():
                 self.store.heartbeat(node_id, *entry)

@@ -27,13 +27,18 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+def _noun(argv: list[str]) -> str | None:
+    """The sub-app asked for: the first argument that names one."""
+    return next((a for a in argv if a in SUBCOMMANDS), None)
+
+
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="murmur", description="Train language models on lent machines.")
     parser.add_argument("--version", action="version", version=f"murmur {__version__}")
     parser.add_argument("--debug", action="store_true", help="show tracebacks")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     # Only import the sub-app that is asked for; list the others by name for --help.
-    wanted = next((a for a in argv if a in SUBCOMMANDS), None)
+    wanted = _noun(argv)
     for noun, (module, help_text) in SUBCOMMANDS.items():
         if noun == wanted:
             importlib.import_module(module).register(sub)
@@ -53,7 +58,7 @@ def _stop_while_starting(signum: int, frame: object) -> None:
 def main(argv: list[str] | None = None) -> int:
     as_program = argv is None  # not called from a test's process, whose signals are its own
     argv = list(sys.argv[1:] if argv is None else argv)
-    if as_program and next((a for a in argv if a in SUBCOMMANDS), None) == "node":
+    if as_program and _noun(argv) == "node":
         # A node SIGTERMed while it still imports torch and hivemind (a testnet stopped right after
         # a chaos restart) has joined nothing and holds nothing: it stops as cleanly as a running
         # node (exit 0), not killed by the signal (-15). The node's loop takes SIGTERM over later.

@@ -160,7 +160,7 @@ class TrainingDriver:
             )
             self.trainer.renumber(newest)
         self._last_shared = await asyncio.to_thread(self.trainer.shared_state)
-        tensors = self.trainer.shared_tensors()
+        tensors = self.trainer.shared_tensors(self._last_shared)  # the copy just taken, not a second one
         self.dataplane.publish(self.trainer.round, tensors, await asyncio.to_thread(tensors_hash, tensors))
         self._committed_sent = self.trainer.sync.bytes.total_sent  # earlier bytes were committed before
 

@@ -173,17 +173,6 @@ class PeerDataPlane:
             self._announcer = asyncio.create_task(self._announce_loop())
         asyncio.create_task(self._announce())
 
-    def _nobody_ahead(self, min_round: int) -> bool:
-        """The coordinator's fresh view lists no other live trainer, and no trainer ever reported
-        a round at or past ``min_round``: nobody serves a newer state or is about to (a node is
-        listed once it holds a state). A restarted node holding the run's newest round, the
-        others restarting too, waited out the rendezvous deadline here for nobody (8 s of a
-        24 s stall in a chaos testnet at a 5 s MTBF)."""
-        view = self.view
-        if view is None or not view.fresh() or view.newest >= min_round:
-            return False
-        return all(m.node_id == self.ident.node_id for m in view.trainers())
-
     async def _others(self, timeout_s: float | None = None) -> list[PeerRecord]:
         """Other trainers' records: the DHT's (a lookup slower than ``timeout_s`` finds nothing),
         and those of the live trainers the coordinator lists (fresher: they win)."""
@@ -225,7 +214,10 @@ class PeerDataPlane:
             except DHTError as err:
                 self.log(f"cannot list peers ({err}); starting from the local state")
                 return None
-            if records or loop.time() >= alone_after or self._nobody_ahead(min_round):
+            # A restarted node holding the run's newest round, the others restarting too, waited
+            # out the deadline here for nobody (8 s of a 24 s stall in a chaos testnet, MTBF 5 s).
+            nobody = self.view is not None and self.view.nobody_ahead(min_round)
+            if records or loop.time() >= alone_after or nobody:
                 break
             await asyncio.sleep(STATE_POLL_S)
         deadline = loop.time() + timeout_s

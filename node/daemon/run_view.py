@@ -113,6 +113,14 @@ class RunView:
             return None
         return len({m.node_id for m in self._alive()} | {self.node_id})
 
+    def nobody_ahead(self, min_round: int) -> bool:
+        """Fresh, listing no live trainer but this node, and no trainer ever reported a round at or
+        past ``min_round``: nobody serves a newer state or is about to (a node is listed once it
+        holds a state)."""
+        if not self.fresh() or self.newest >= min_round:
+            return False
+        return all(m.node_id == self.node_id for m in self.trainers())
+
     def run_round(self) -> int:
         """The newest round a live trainer reports (-1 when none or not fresh)."""
         return max((m.round for m in self.trainers() if m.node_id != self.node_id), default=-1)
