@@ -24,7 +24,7 @@ import pytest
 from _node_helpers import ledger, log, make_testnet, small_dataset, trained, wait_log, wait_rounds
 
 from murmur.node.testnet.chaos import analyze
-from murmur.node.testnet.procs import wait_for
+from murmur.node.testnet.procs import kill_group, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -54,8 +54,14 @@ def test_a_restart_behind_the_run_with_its_holders_dead_never_trains_apart(tmp_p
         net.kill_node(c)
         behind = last_round(c)
         wait_for(lambda: min(last_round(a), last_round(b)) >= behind + 3, WAIT_S, what="a and b to go on without c")
-        net.kill_node(a)
-        net.kill_node(b)
+        # The holders die together. One after the other (A, then B a few ms later), B could complete
+        # a round with A's input after A died; A, back from the checkpoint before it, then completed
+        # that round again with C: two hashes, a gap not fixed yet (docs/failure-model.md, what is
+        # not guaranteed: a round's grant remembers node ids, not incarnations).
+        for node in (a, b):
+            kill_group(node.proc)
+        for node in (a, b):
+            net.kill_node(node)  # reaps it
         run_at = max(last_round(a), last_round(b))
         # C comes back behind the run with nobody to take the run's state from. If the coordinator
         # heard of the run's newest round, C waits for it, gives up after 5 s and goes on numbered
