@@ -22,7 +22,8 @@ writes benchmarks/results/train_throughput.json (rows merged by (preset, impl, b
 gives the median of --repeats runs (fresh processes) and their spread; within a run, the step
 times from CUDA events between steps (their min/median/max show clock or allocator drift) and the
 host's time to queue one step (near the step time: the run is host-bound). --max-batch also
-finds the largest batch that fits (doubling, then bisecting, one process per try).
+finds the largest batch that fits (predicted from peak memory at two batches, then bisected; one
+process per try) and measures a row at it.
 """
 
 from __future__ import annotations
@@ -147,6 +148,7 @@ def measure(preset: str, impl: str, batch: int, steps: int, warmup: int, data: s
         "ms_per_step": round(1000 * seconds / steps, 2),
         "mfu": round(cfg.flops_per_token() * tokens_per_s / (peak * 1e12), 4) if peak else None,
         "peak_mem_mb": round(torch.cuda.max_memory_allocated() / 2**20, 1) if cuda else None,
+        "device_mem_mb": round(torch.cuda.mem_get_info()[1] / 2**20, 1) if cuda else None,
         "step_ms_min_med_max": [round(min(step_ms), 2), round(statistics.median(step_ms), 2),
                                 round(max(step_ms), 2)] if step_ms else None,
         "host_ms_per_step": round(statistics.median(host_ms), 2),
@@ -172,9 +174,9 @@ def measure(preset: str, impl: str, batch: int, steps: int, warmup: int, data: s
     return row
 
 
-def run_one(args, impl: str, batch: int, profile: str | None = None) -> dict:
+def run_one(args, impl: str, batch: int, profile: str | None = None, steps: int | None = None) -> dict:
     cmd = [sys.executable, __file__, "--one", impl, "--preset", args.preset, "--batch", str(batch),
-           "--steps", str(args.steps), "--warmup", str(args.warmup)]
+           "--steps", str(steps or args.steps), "--warmup", str(1 if steps else args.warmup)]
     cmd += (["--data", args.data] if args.data else []) + (["--profile", profile] if profile else [])
     proc = subprocess.run(cmd, env=impl_env(impl), capture_output=True, text=True)
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("ROW ")), None)
@@ -185,14 +187,44 @@ def run_one(args, impl: str, batch: int, profile: str | None = None) -> dict:
     return json.loads(line[4:])
 
 
-def max_batch(args, impl: str, start: int) -> int:
-    """The largest batch whose training steps run without running out of memory."""
-    lo, hi = 0, start
-    while "error" not in run_one(args, impl, hi):
-        lo, hi = hi, hi * 2
-    while hi - lo > max(1, lo // 8):   # to within 1/8
+def fits(args, impl: str, batch: int) -> dict | None:
+    """Two training steps at ``batch`` (one process): the row, or None when they ran out of memory."""
+    row = run_one(args, impl, batch, steps=2)
+    return None if "error" in row else row
+
+
+def max_batch(args, impl: str, measured: dict) -> int:
+    """The largest batch whose training steps run without running out of memory, to within 1/16.
+
+    Peak memory grows linearly with the batch: two measured points (``measured``, the row at
+    --batch, and a try at twice it) predict where the device is full. Tries walk down from the
+    prediction (the allocator's fragmentation makes it overshoot by a few percent) or up from it,
+    then bisection closes the gap; each try is a fresh process of two steps, compile included."""
+    b1, p1 = measured["batch"], measured["peak_mem_mb"]
+    second = fits(args, impl, 2 * b1)
+    lo, hi = (2 * b1, None) if second is not None else (b1, 2 * b1)
+    if second is not None:
+        per_sample = (second["peak_mem_mb"] - p1) / b1
+        guess = int(b1 + (measured["device_mem_mb"] - p1) / per_sample) if per_sample > 0 else 4 * b1
+        cand = max(guess, lo + 1)
+        if fits(args, impl, cand) is not None:
+            lo = cand
+            while hi is None:
+                cand = lo + max(1, lo // 8)
+                lo, hi = (cand, None) if fits(args, impl, cand) is not None else (lo, cand)
+        else:
+            hi = cand
+            for _ in range(3):  # a few steps down; bisection takes a prediction far off
+                cand = int(hi * 0.93)
+                if cand <= lo:
+                    break
+                if fits(args, impl, cand) is not None:
+                    lo = cand
+                    break
+                hi = cand
+    while hi - lo > max(1, lo // 16):
         mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if "error" not in run_one(args, impl, mid) else (lo, mid)
+        lo, hi = (mid, hi) if fits(args, impl, mid) is not None else (lo, mid)
     return lo
 
 
@@ -260,9 +292,16 @@ def main() -> None:
         row = min(good, key=lambda r: abs(r["tokens_per_s"] - statistics.median(tps)))
         row = dict(row, tokens_per_s=round(statistics.median(tps), 1), runs_tokens_per_s=tps,
                    spread_pct=round(100 * (tps[-1] - tps[0]) / statistics.median(tps), 1) if len(tps) > 1 else None)
-        if args.max_batch:
-            row["max_batch"] = max_batch(args, impl, args.batch * 2)
-        rows.append(row)
+        if args.max_batch and row.get("peak_mem_mb"):
+            row["max_batch"] = max_batch(args, impl, row)
+            rows.append(row)
+            # Throughput at that batch: a row of its own (rows are keyed by preset, impl and batch).
+            at_max = run_one(args, impl, row["max_batch"])
+            if "error" not in at_max:
+                at_max["runs_tokens_per_s"] = [at_max["tokens_per_s"]]
+                rows.append(at_max)
+        else:
+            rows.append(row)
         print(f"{row['preset']:6s} {impl:14s} {row['tokens_per_s']:>12,.0f} tok/s  runs {tps}  mfu {row['mfu']}  "
               f"steps {row['step_ms_min_med_max']} ms  host {row['host_ms_per_step']} ms  peak "
               f"{row['peak_mem_mb']} MB  breaks {row['graph_breaks']}  max_batch {row.get('max_batch')}", flush=True)
