@@ -239,6 +239,15 @@ def summary(rows: list[dict]) -> dict:
         for base in ("compile", "eager"):
             if base in tps:
                 out[f"default_over_{base}_{preset}"] = round(tps["default"] / tps[base], 3)
+        # --max-batch: the largest batch of each impl, and default against compile each at its own.
+        found = {r["impl"]: r["max_batch"] for r in rows
+                 if r["preset"] == preset and r.get("batch") == 16 and r.get("max_batch")}
+        if found:
+            out[f"max_batch_{preset}"] = found
+            at = {i: next((r["tokens_per_s"] for r in rows if r["preset"] == preset and r["impl"] == i
+                           and r.get("batch") == b and "tokens_per_s" in r), None) for i, b in found.items()}
+            if at.get("default") and at.get("compile"):
+                out[f"default_over_compile_{preset}_each_at_its_max_batch"] = round(at["default"] / at["compile"], 3)
     targets = {}
     if "default_over_compile_base" in out:
         targets["default >= 1.15x compile (base)"] = out["default_over_compile_base"] >= 1.15
@@ -319,6 +328,7 @@ def main() -> None:
     commands.setdefault(commit or "unknown", []).append("python3 " + " ".join(sys.argv))
     all_rows = keep + rows
     result = {
+        **old,  # sections written by hand (findings, variance probes) stay
         "benchmark": "train_throughput",
         "device": next((r["device"] for r in rows if "device" in r), old.get("device", "unknown")),
         "date": dt.date.today().isoformat(),
@@ -326,7 +336,8 @@ def main() -> None:
         "commit": commit,
         "torch": torch.__version__,
         "peak_tflops": {"measured": MEASURED_TFLOPS, "datasheet": DATASHEET_TFLOPS},
-        "notes": "tokens/s of AdamW training steps with grad clipping, bf16 autocast on a GPU, random "
+        "notes": old.get("notes") or "tokens/s of AdamW training steps with grad clipping, bf16 autocast on a "
+                 "GPU, random "
                  "tokens; adamw names the AdamW implementation of the row (torch's default, foreach, "
                  "for every row but default and compile+fused_adamw); mfu against the measured dense "
                  "bf16 matrix rate (790 TFLOP/s); tokens_per_s is the median of runs_tokens_per_s "
