@@ -193,10 +193,12 @@ class Membership:
         """A commit's round group must not be a split (coordinator/trainers.py); SplitRound if it is."""
         self.trainers.check_round(run_id, node_id, round_id, members, self.is_live)
 
-    def claim_round(self, run_id: str, round_id: int, key: str, members: list[str]) -> bool:
+    def claim_round(self, run_id: str, round_id: int, key: str, members: list[str], run_round: int = 0) -> bool:
         """May this group apply its result of exchange call (round, key)? True granted, False
         undecided (a view not whole yet), SplitRound refused (coordinator/trainers.py)."""
-        return self.trainers.claim(run_id, round_id, key, members, self.is_live, whole=self.view_is_whole())
+        return self.trainers.claim(
+            run_id, round_id, key, members, self.is_live, whole=self.view_is_whole(), run_round=run_round
+        )
 
     def pending_count(self) -> int:
         return len(self._dirty)

@@ -263,7 +263,9 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             node_id, run_id = self._node(context)
             members = list(request.members)[:10_000]
             try:
-                decided = self.membership.claim_round(run_id, request.round, request.key[:200], members)
+                decided = self.membership.claim_round(
+                    run_id, request.round, request.key[:200], members, run_round=max(0, request.run_round)
+                )
             except SplitRound as err:
                 with self.store.write():
                     self.store.event(

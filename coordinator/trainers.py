@@ -13,6 +13,12 @@ Before a node applies an exchange round's result it claims the round for its gro
 ClaimRound call): the first group granted a round is the run's, and a group that shares no member
 with it, or is a minority of the live trainers, is refused, so two lineages of the run can never
 both apply a round (a node alone from an old checkpoint, two halves that cannot see each other).
+A grant remembers its members as processes (node id and incarnation), not as node ids: a member
+that died after giving its input to the granted group and restarted from an older checkpoint is
+another process, with another state, and a group it forms for the same round shares nothing with
+the granted one. A grant also moves the run's newest round to the round the claimant's window
+completes, so a node that comes back behind it, with every holder of that round gone, waits for
+it and then numbers past it (node/daemon/driver.py) instead of claiming it again and again.
 The nodes' own quorum rules keep working through a coordinator outage; this check makes them
 exact while it is up.
 
@@ -62,13 +68,18 @@ class Trainers:
         self._groups: dict[str, OrderedDict[int, frozenset[str]]] = {}  # run -> round -> its commits' group
         # run -> (round, key) of an exchange call -> the group granted to apply its result
         self._claims: dict[str, OrderedDict[tuple[int, str], frozenset[str]]] = {}
-        self.newest: dict[str, int] = {}  # run -> the newest round a trainer reported
+        self.newest: dict[str, int] = {}  # run -> the newest round a trainer reported, or a grant reached
+        # node -> its newest incarnation that took part in rounds (reported a peer address); kept
+        # after the node is lost: a grant names the process that gave its input, dead or not.
+        self._in_rounds: dict[str, str] = {}
 
     def update(
         self, node_id: str, run_id: str, incarnation: str, peer_address: str, round_id: int, state_hash: str
     ) -> bool:
         """Record a trainer's heartbeat; True when it is a new incarnation of a known node."""
         self.newest[run_id] = max(self.newest.get(run_id, -1), round_id if peer_address else -1)
+        if peer_address:
+            self._in_rounds[node_id] = incarnation
         old = self._by_node.get(node_id)
         if old is not None and old.incarnation == incarnation:
             if peer_address and not old.peer_address:
@@ -121,18 +132,32 @@ class Trainers:
         is_live: Callable[[str], bool],
         *,
         whole: bool = True,
+        run_round: int = 0,
     ) -> bool:
         """Whether the group ``members`` may apply its result of exchange call (round, key): True
         granted, SplitRound refused, False undecided (``whole`` is False, a view not yet whole after
-        a restart, and nobody claimed the call since: the claimant decides on its own quorum)."""
+        a restart, and nobody claimed the call since: the claimant decides on its own quorum).
+        ``run_round``: the run round the claimant's window completes with it (0: not said); a grant
+        makes it the run's newest round."""
         claims = self._claims.setdefault(run_id, OrderedDict())
         what = f"round {round_id} {key!r}" if key else f"round {round_id}"
         if not whole and (round_id, key) not in claims:
             return False
         # Every live trainer counts, the newest too: a claim comes right after its call completed,
         # and a trainer that came in meanwhile holds the state and meets the next attempt.
-        self._judge(claims, (round_id, key), what, run_id, frozenset(members), is_live, settle_s=0.0)
+        self._judge(claims, (round_id, key), what, run_id, frozenset(members), is_live, settle_s=0.0,
+                    remembered=self._processes(members))
+        if run_round > 0:
+            self.newest[run_id] = max(self.newest.get(run_id, -1), run_round)
         return True
+
+    def _processes(self, members: list[str]) -> frozenset[tuple[str, str]]:
+        """Each member as the process that took part in a round just completed: its newest
+        incarnation that reported a peer address. A restart still starting has none yet and was
+        in no round, so its predecessor is named. (A claim that arrives after a member died,
+        restarted and reported its new address names the new process: a claim comes right after
+        its call, and a restart takes seconds.)"""
+        return frozenset((n, self._in_rounds.get(n, "")) for n in members)
 
     def _judge(
         self,
@@ -144,18 +169,23 @@ class Trainers:
         is_live: Callable[[str], bool],
         *,
         settle_s: float,
+        remembered: frozenset | None = None,
     ) -> None:
         """The split rules for the group of ``at`` (a round, or an exchange call): it must share a
-        member with the group the run was granted ``at`` with; the first group must be a strict
-        majority of the trainers live for ``settle_s`` or more and of its own members (a commit
-        comes a while after its round: trainers newer than that may have joined after the round
-        was completed). SplitRound if not."""
+        member with the group the run was granted ``at`` with (compared as ``remembered``, the
+        group's node ids by default); the first group must be a strict majority of the trainers
+        live for ``settle_s`` or more and of its own members (a commit comes a while after its
+        round: trainers newer than that may have joined after the round was completed).
+        SplitRound if not."""
+        if remembered is None:
+            remembered = group
         known = groups.get(at)
         if known is not None:
-            if not known & group:
+            if not known & remembered:
                 raise SplitRound(
-                    f"{what} of run {run_id} was completed by {len(known)} other members; this "
-                    f"group of {len(group)} trained apart from the run (a split): drop this work and re-sync"
+                    f"{what} of run {run_id} was completed by {len(known)} other members (or other processes "
+                    f"of them); this group of {len(group)} trained apart from the run (a split): drop this work "
+                    "and re-sync"
                 )
             return
         settled = self.clock() - settle_s
@@ -165,6 +195,6 @@ class Trainers:
                 f"{what} had {len(group)} member(s) but run {run_id} has {len(counted)} live trainers: "
                 "a minority group is a split; drop this work and re-sync"
             )
-        groups[at] = group
+        groups[at] = remembered
         while len(groups) > ROUNDS_KEPT:
             groups.popitem(last=False)

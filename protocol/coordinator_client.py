@@ -223,11 +223,15 @@ class MemberClient:
         reply = await self._call("CheckReachable", pb.CheckReachableRequest(peer_address=peer_address))
         return bool(reply.reachable), reply.reason
 
-    async def claim_round(self, round_id: int, key: str, members: list[str] | tuple[str, ...]) -> bool:
+    async def claim_round(
+        self, round_id: int, key: str, members: list[str] | tuple[str, ...], run_round: int = 0
+    ) -> bool:
         """May this node apply its group's result of exchange call (round, key)? True granted,
         False undecided (the coordinator just restarted); a refusal (a split) is a
-        CoordinatorError with code ABORTED and the reason."""
-        reply = await self._call("ClaimRound", pb.ClaimRoundRequest(round=round_id, key=key, members=list(members)))
+        CoordinatorError with code ABORTED and the reason. ``run_round``: the run round this
+        node's window completes with the result (a grant makes it the run's newest)."""
+        request = pb.ClaimRoundRequest(round=round_id, key=key, members=list(members), run_round=run_round)
+        reply = await self._call("ClaimRound", request)
         return bool(reply.decided)
 
     async def report_gone(self, peers: list[tuple[str, str]] | tuple[tuple[str, str], ...]) -> pb.ReportGoneReply:

@@ -311,14 +311,16 @@ class ReportRejectionsReply(_message.Message):
     def __init__(self, recorded: _Optional[int] = ...) -> None: ...
 
 class ClaimRoundRequest(_message.Message):
-    __slots__ = ("round", "key", "members")
+    __slots__ = ("round", "key", "members", "run_round")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     KEY_FIELD_NUMBER: _ClassVar[int]
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    RUN_ROUND_FIELD_NUMBER: _ClassVar[int]
     round: int
     key: str
     members: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, round: _Optional[int] = ..., key: _Optional[str] = ..., members: _Optional[_Iterable[str]] = ...) -> None: ...
+    run_round: int
+    def __init__(self, round: _Optional[int] = ..., key: _Optional[str] = ..., members: _Optional[_Iterable[str]] = ..., run_round: _Optional[int] = ...) -> None: ...
 
 class ClaimRoundReply(_message.Message):
     __slots__ = ("decided",)

@@ -252,6 +252,51 @@ def test_a_round_is_granted_to_one_group_before_anyone_applies_it(coord):
     assert len(refused) == 3 and {json.loads(e["detail"])["round"] for e in refused} == {3, 4}
 
 
+
+def test_a_grant_names_processes_and_moves_the_runs_newest_round(coord):
+    """A grant remembers its members' processes (incarnations): A gave its input to B's round and
+    died; back from an older checkpoint, A is another process, and its group with C for the same
+    round shares nothing with B's and is refused (by node ids it shared A and was granted: two
+    states of one round). While A's restart is still starting it was in no round, so a claim
+    naming A then names the process before it. And a grant makes the claimant's window round the
+    run's newest (heartbeat replies' run_round), though no heartbeat reported it yet: a node behind
+    it waits for that state rather than claiming the round again."""
+    token = new_token(coord, "--uses", "3")
+
+    async def scenario() -> None:
+        members = [await join(coord, token) for _ in range(3)]
+        clients = [c for c, _ in members]
+        a, b, c = [n for _, n in members]
+
+        async def beat(i: int, incarnation: str, address: str = "", starting: bool = False) -> pb.HeartbeatReply:
+            return await clients[i].heartbeat(peer=pb.HeartbeatRequest(
+                incarnation=incarnation, peer_address=address, round=3, state_hash="ab", starting=starting
+            ))
+
+        try:
+            while True:  # the TTL after the coordinator started
+                replies = [await beat(i, f"inc{i}", f"127.0.0.1:{1000 + i}") for i in range(3)]
+                if all(r.view_whole for r in replies):
+                    break
+                await asyncio.sleep(0.2)
+            assert replies[0].run_round == 3
+            assert await clients[1].claim_round(4, "diloco/0", [a, b], run_round=4) is True
+            assert (await beat(2, "inc2", "127.0.0.1:1002")).run_round == 4  # the grant, not a heartbeat
+            # A dies and restarts: still starting, it has been in no round; C, caught up from B's
+            # result, claims B's group, which names A's previous process: the same group.
+            await beat(0, "inc0-restarted", starting=True)
+            assert await clients[2].claim_round(4, "diloco/0", [a, b], run_round=4) is True
+            await beat(0, "inc0-restarted", "127.0.0.1:1010")
+            with pytest.raises(CoordinatorError, match="other processes of them") as err:
+                await clients[0].claim_round(4, "diloco/0", [a, c], run_round=4)
+            assert err.value.code == grpc.StatusCode.ABORTED
+            assert await clients[0].claim_round(5, "diloco/0", [a, c], run_round=5) is True  # the next is free
+        finally:
+            for cl in clients:
+                await cl.close()
+
+    asyncio.run(scenario())
+
 def test_a_view_with_no_trainer_is_whole_and_says_so(coord):
     """A trainer that is the only one heartbeating still learns the run's newest round: the reply
     is whole with an empty list (a restarting node must not mistake it for no view at all). Not
