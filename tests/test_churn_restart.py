@@ -24,7 +24,7 @@ import pytest
 from _node_helpers import ledger, log, make_testnet, small_dataset, trained, wait_log, wait_rounds
 
 from murmur.node.testnet.chaos import analyze
-from murmur.node.testnet.procs import kill_group, wait_for
+from murmur.node.testnet.procs import wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -54,14 +54,13 @@ def test_a_restart_behind_the_run_with_its_holders_dead_never_trains_apart(tmp_p
         net.kill_node(c)
         behind = last_round(c)
         wait_for(lambda: min(last_round(a), last_round(b)) >= behind + 3, WAIT_S, what="a and b to go on without c")
-        # The holders die together. One after the other (A, then B a few ms later), B could complete
-        # a round with A's input after A died; A, back from the checkpoint before it, then completed
-        # that round again with C: two hashes, a gap not fixed yet (docs/failure-model.md, what is
-        # not guaranteed: a round's grant remembers node ids, not incarnations).
-        for node in (a, b):
-            kill_group(node.proc)
-        for node in (a, b):
-            net.kill_node(node)  # reaps it
+        # The holders die one after the other, A a few ms before B. B may complete a round with A's
+        # input after A died and die before a heartbeat says so; A, back from the checkpoint before
+        # that round, is another process than the one in B's group (a grant names incarnations),
+        # so a group of A and C is refused that round, and the grant made it the run's newest
+        # round: they wait for it, then go on numbered past it (two hashes for one round before).
+        net.kill_node(a)
+        net.kill_node(b)
         run_at = max(last_round(a), last_round(b))
         # C comes back behind the run with nobody to take the run's state from. If the coordinator
         # heard of the run's newest round, C waits for it, gives up after 5 s and goes on numbered
@@ -90,6 +89,89 @@ def test_a_restart_behind_the_run_with_its_holders_dead_never_trains_apart(tmp_p
         total, offsets, _ = ledger(net)
         assert sum(offsets.values()) == total
 
+
+
+def test_a_round_granted_to_a_group_that_died_before_saying_so_is_numbered_past(tmp_path, data):
+    """A and B complete round R (the coordinator granted it to them) and die before any heartbeat
+    reports it: both are held before R's checkpoint, which comes before the state is published
+    and heartbeated, and SIGKILLed there. C comes back behind the run. The grant made R the run's
+    newest round, so C waits for it and then goes on numbered R, not R - 1: as R - 1 its next
+    round would be R, which the coordinator refuses to any group but A and B's. A, back from its
+    checkpoint of R - 1, is behind C and takes C's state (granted by node ids, a group of A and C
+    could complete R again, from C's state and A's: two states). They train on with one hash."""
+    net = make_testnet(tmp_path, data, overrides=["train.steps=5000"], node_args=FAST_NODE)
+    net.coordinator_args = list(FAST_COORDINATOR)
+    with net:
+        net.start_coordinator()
+        net.create_run(token_uses=12)
+        a, c = (net.add_node(extra=["--min-peers", "2"]) for _ in range(2))
+        for node in (a, c):
+            wait_rounds(node, 2, timeout_s=WAIT_S)
+        net.kill_node(c)
+        behind = last_round(c)
+        a.proc.send_signal(signal.SIGTERM)  # to restart it with the hold armed, a few rounds ahead
+        assert a.proc.wait(60) == 0, log(a)[-3000:]
+        held = last_round(a) + 3
+        hold = ["--min-peers", "2", "--fault", f"delay:checkpoint:600@{held}"]
+        since_a = len(log(a))
+        net.start_node(a, extra=hold)
+        b = net.add_node(extra=hold)
+        for node, since in ((a, since_a), (b, 0)):
+            wait_log(node, rf"injected fault: checkpoint delayed 600.0 s \(round {held}\)", WAIT_S, since)
+        assert max(last_round(a), last_round(b)) == held - 1  # nobody recorded or heartbeated round `held`
+        net.kill_node(a)
+        net.kill_node(b)
+        since_c = len(log(c))
+        net.start_node(c, extra=["--state-fetch-timeout", "5"])
+        went_on = wait_log(c, r"going on from this node's round (\d+) as round (\d+)", timeout_s=WAIT_S, since=since_c)
+        assert int(went_on.group(1)) == behind and int(went_on.group(2)) == held, went_on.group(0)
+        net.start_node(a)
+
+        def together() -> bool:
+            return all(any(int(r["round"]) > held and r["peers"] == 2 for r in trained(n)) for n in (a, c))
+
+        wait_for(together, WAIT_S, what="a and c to train on together")
+        for node in (a, c):
+            node.proc.send_signal(signal.SIGTERM)
+        for node in (a, c):
+            assert node.proc.wait(60) == 0, log(node)[-3000:]
+        stats = analyze(net, 0.0, 0.0)
+        assert stats["hash_agreement"] and stats["split_brain_rounds"] == 0, stats
+        assert not [r for n in (a, b, c) for r in trained(n) if int(r["round"]) == held], "round R was recorded"
+        total, offsets, _ = ledger(net)
+        assert sum(offsets.values()) == total
+
+
+def test_a_live_node_refused_a_round_whose_holders_died_goes_on_past_it(tmp_path, data):
+    """The same loss, seen by a node that stays up: C is held at round R's rendezvous (20 s), A and
+    B complete R without it and die before they publish it. C, alone now, trains R, and the
+    coordinator refuses it: A and B's group has it. Every retry is refused the same way, so once
+    nobody has served the run's newer state for state_fetch_timeout_s C goes on numbered R
+    (round R is lost with A and B) and trains R + 1, which it is granted."""
+    held = 6
+    net = make_testnet(tmp_path, data, overrides=["train.steps=5000"], node_args=FAST_NODE)
+    net.coordinator_args = list(FAST_COORDINATOR)
+    with net:
+        net.start_coordinator()
+        net.create_run(token_uses=6)
+        hold = ["--min-peers", "2", "--fault", f"delay:checkpoint:600@{held}"]
+        a, b = (net.add_node(extra=hold) for _ in range(2))
+        # The exchange numbers a DiLoCo round's call from 0: round R is call R - 1.
+        c = net.add_node(extra=["--min-peers", "2", "--state-fetch-timeout", "5",
+                                "--fault", f"delay:rendezvous:20@{held - 1}"])
+        for node in (a, b):
+            wait_log(node, rf"injected fault: checkpoint delayed 600.0 s \(round {held}\)", WAIT_S)
+        net.kill_node(a)
+        net.kill_node(b)
+        wait_log(c, rf"the coordinator refused this group's round {held - 1}", timeout_s=WAIT_S)
+        wait_log(c, rf"the run got to round {held} but nobody serves round {held}", timeout_s=WAIT_S)
+        wait_for(lambda: last_round(c) > held, WAIT_S, what="c's next round")
+        c.proc.send_signal(signal.SIGTERM)
+        assert c.proc.wait(60) == 0, log(c)[-3000:]
+        assert not [r for n in (a, b, c) for r in trained(n) if int(r["round"]) == held], "round R was recorded"
+        assert [int(r["round"]) for r in trained(c)][:held - 1] == list(range(1, held)), "c missed a round before R"
+        total, offsets, _ = ledger(net)
+        assert sum(offsets.values()) == total
 
 def test_a_restarted_holder_of_the_newest_round_does_not_wait_for_peers_that_are_all_down(tmp_path, data):
     """Both nodes SIGKILLed, one after the other; the last one comes back holding the run's newest

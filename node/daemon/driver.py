@@ -110,6 +110,9 @@ class TrainingDriver:
         # The shared state (a CPU copy) of this node's last round: a window whose round failed,
         # with no newer state to take, is undone from it. Set by restore and after every round.
         self._last_shared: dict[str, Any] = {}
+        # Since when (monotonic) this node's rounds have failed while the coordinator said the run
+        # got past its round and nobody served that state (training thread; None: not so).
+        self._behind_since: float | None = None
 
     # -- on the loop: before training -------------------------------------------------------------
 
@@ -213,6 +216,7 @@ class TrainingDriver:
                 self.loop.call_soon_threadsafe(self.stop.request, why)
                 break
             self._before_window()
+            self.session.window_round = trainer.round + 1
             try:
                 result = trainer.run_window(self._next_lease_blocking, self.stop.is_set)
             except ExchangeError as err:
@@ -223,12 +227,16 @@ class TrainingDriver:
                 # trained again (the lease restarts from its committed offset).
                 self.loop.call_soon_threadsafe(self.log, f"round {trainer.round + 1} failed ({err}); re-syncing")
                 trainer.lease, trainer.loader = None, None
-                if not self._resync_blocking():
+                if self._resync_blocking():
+                    self._behind_since = None
+                else:
                     # Nobody serves this round's state or a newer one: the failed window is undone
                     # here too (global copy, counters, the fragments' exchange round ids), so the
                     # retry is the same exchange round as the peers', not the next one.
                     trainer.load_shared_state(self._last_shared)
+                    self._number_past_lost_rounds()
                 continue
+            self._behind_since = None
             if result.stopped:
                 break
             rounds_here += 1
@@ -351,6 +359,37 @@ class TrainingDriver:
             # was left out and caught up): training it is wasted, its update would be left out
             # again, and the others would wait for it in vain. Take the newest state instead.
             self._resync_blocking(min_round=trainer.round + 1)
+
+    def _number_past_lost_rounds(self) -> None:
+        """After a failed round with no newer state served (training thread). The coordinator may
+        know the run got past this node's round while no live trainer holds it: a group was granted
+        the round and all its members died (killed right after it completed, before a heartbeat
+        said so). Every retry of that round is then refused as a split, for good. Once that has
+        lasted state_fetch_timeout_s, the round is lost with its holders: go on numbered as the
+        run's newest round, as a restart behind the run does (``restore``), so the next round is
+        one no group has had."""
+        view, mine = self.session.view, self.trainer.round
+        if not self.session.in_rounds or view.newest <= mine or view.run_round() > mine:
+            self._behind_since = None  # not behind, or a live trainer serves the way ahead
+            return
+        now = time.monotonic()
+        if self._behind_since is None:
+            self._behind_since = now
+        if now - self._behind_since < self.s.state_fetch_timeout_s:
+            return
+        self._behind_since = None
+        newest = view.newest
+        lost = f"round {newest}" if newest == mine + 1 else f"rounds {mine + 1}-{newest}"
+        self.loop.call_soon_threadsafe(
+            self.log, f"the run got to round {newest} but nobody serves {lost} (refused, and waited "
+            f"{self.s.state_fetch_timeout_s:g}s): lost with their holders; going on from round {mine} as round {newest}"
+        )
+        self.trainer.renumber(newest)
+        self._last_shared = self.trainer.shared_state()
+        tensors = self.trainer.shared_tensors(self._last_shared)
+        if self._finisher is not None:
+            self._finisher.drain()  # its last round's state is published first, not after this one
+        self.loop.call_soon_threadsafe(self.dataplane.publish, newest, tensors, tensors_hash(tensors))
 
     def _split_group(self) -> frozenset[str]:
         """The members of split rounds the coordinator refused since the last look (training

@@ -146,6 +146,9 @@ class CoordinatorSession:
         self.exhausted: set[str] = set()
         self.coordinator_up = True
         self.tokens_per_s = 0.0  # what the heartbeats report; the driver sets it after each round
+        # The run round the window under way completes (the training thread sets it before each
+        # window): claims name it, and a grant makes it the run's newest round at the coordinator.
+        self.window_round = 0
         # This process's place on the data plane, reported with every heartbeat; the reply's live
         # trainers land in ``view`` (node/daemon/run_view.py). peer_address stays empty until the
         # node holds the run's state and takes part in rounds (the driver sets it, and round/hash).
@@ -291,7 +294,7 @@ class CoordinatorSession:
         if not self.coordinator_up:
             return
         try:
-            await self.client.claim_round(round_id, key, members)
+            await self.client.claim_round(round_id, key, members, run_round=self.window_round)
         except CoordinatorError as err:
             if err.code == grpc.StatusCode.ABORTED:
                 raise ExchangeError(f"the coordinator refused this group's round {round_id}: {err}") from None
