@@ -23,7 +23,7 @@ from murmur.node.exchange.settings import alignment, chunk_ranges
 from murmur.node.net.faults import FaultInjector
 from murmur.node.net.loop import LoopThread
 from murmur.node.net.server import PublishedState
-from murmur.node.net.state_transfer import StateError, fetch_state, state_name
+from murmur.node.net.state_transfer import StateError, StateFetchSettings, fetch_state, newest_state, state_name
 from murmur.optim.codecs import make_codec
 from murmur.optim.exchange import ExchangeError
 from murmur.protocol import peer_pb2
@@ -339,6 +339,25 @@ def test_fetch_state_from_several_peers_verifies_the_hash():
         with pytest.raises(StateError, match="no peer could serve"):
             fetch_state(sources, 4, b"\0" * 32, identity=peers[2].identity, loop=loop)
 
+
+
+def test_a_peer_names_the_newest_state_it_serves():
+    """A joiner whose DHT record names a state the holder already dropped asks the holder for the
+    newest it serves (NEWEST_STATE): the highest round, not the latest published name (a result is
+    published after its round's state), and a peer serving none says so."""
+    with peer_group(3) as (loop, peers, _):
+        holder, asker = peers[0], peers[2]
+        states = {r: [("w", torch.full((3,), float(r))), ("round", torch.tensor(r))] for r in (4, 6, 5)}
+        for r, state in states.items():
+            holder.server.publish_state(PublishedState(state_name(r), state, tensors_hash(state), []))
+        holder.server.publish_state(PublishedState("result/6/k", states[4], tensors_hash(states[4]), []))
+        ask = StateFetchSettings(call_timeout=10)
+        got = loop.run(newest_state(asker.identity, holder.node_id, holder.server.address, ask))
+        assert got == (6, tensors_hash(states[6]))
+        fetched = fetch_state({holder.node_id: holder.server.address}, 6, got[1], identity=asker.identity, loop=loop)
+        assert torch.equal(fetched["w"], states[6][0][1])
+        with pytest.raises(StateError, match="NOT_FOUND"):
+            loop.run(newest_state(asker.identity, peers[1].node_id, peers[1].server.address, ask))
 
 def test_hello_reports_completed_rounds():
     with peer_group(2) as (loop, peers, _):

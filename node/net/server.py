@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import grpc
 import torch
 
+from murmur.node.net.state_transfer import NEWEST_STATE, state_round
 from murmur.protocol import peer_pb2, peer_pb2_grpc, tls
 from murmur.protocol.identity import BanList, BannedError, Identity, IdentityError
 from murmur.protocol.version import PROTOCOL_VERSION, VERSION_METADATA_KEY, VersionMismatch, check_version
@@ -172,7 +173,7 @@ class PeerServer(peer_pb2_grpc.PeerServicer):
 
     async def GetState(self, request: peer_pb2.StateRequest, context: grpc.aio.ServicerContext):  # noqa: N802
         await self._admit(context)
-        state = self.states.get(request.name)
+        state = self.states.get(request.name) if request.name != NEWEST_STATE else self._newest_state()
         if state is None:
             await context.abort(
                 grpc.StatusCode.NOT_FOUND, f"no published state {request.name!r} on {self.node_id}"
@@ -205,6 +206,11 @@ class PeerServer(peer_pb2_grpc.PeerServicer):
 
     def unpublish_state(self, name: str) -> None:
         self.states.pop(name, None)
+
+    def _newest_state(self) -> PublishedState | None:
+        """The newest ``state/<r>`` published (what NEWEST_STATE asks for)."""
+        rounds = [(r, s) for s in self.states.values() if (r := state_round(s.name)) is not None]
+        return max(rounds, key=lambda rs: rs[0])[1] if rounds else None
 
 
 def node_id_from_auth(context: grpc.aio.ServicerContext) -> str:

@@ -37,8 +37,20 @@ class StateFetchSettings:
     max_state_bytes: int = 64 << 30  # refuse manifests that promise more than this
 
 
+# A name GetState resolves to the newest ``state/<r>`` the peer serves (the manifest names it): a
+# holder that trains alone runs several rounds a second, and drops the state a DHT record of a
+# second ago names before a joiner asks for it (test_churn_restart: a restart chased one for 240 s).
+NEWEST_STATE = "state/newest"
+
+
 def state_name(round_id: int) -> str:
     return f"state/{round_id}"
+
+
+def state_round(name: str) -> int | None:
+    """r of a ``state/<r>`` name (None for any other name)."""
+    prefix, _, r = name.partition("/")
+    return int(r) if prefix == "state" and r.isdigit() else None
 
 
 def result_name(round_id: int, key: str) -> str:
@@ -83,6 +95,20 @@ async def get_parts(
         if manifest is None:
             raise StateError(f"{node_id} sent no manifest for {name!r}")
         return manifest, {k: bytes(v) for k, v in data.items()}
+
+
+async def newest_state(
+    identity: Identity, node_id: str, address: str, settings: StateFetchSettings, ban_list: BanList | None = None
+) -> tuple[int, bytes]:
+    """(round, hash) of the newest global state the peer serves now (StateError if none)."""
+    try:
+        manifest, _ = await get_parts(identity, node_id, address, NEWEST_STATE, [], settings, ban_list)
+    except (grpc.RpcError, BannedError, OSError) as err:
+        raise StateError(f"{node_id}: {_why(err)}") from None
+    r = state_round(manifest.name)
+    if r is None:
+        raise StateError(f"{node_id} answered {NEWEST_STATE!r} with {manifest.name!r}")
+    return r, manifest.state_hash
 
 
 async def afetch(
