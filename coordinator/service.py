@@ -171,7 +171,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 lease_ttl_s=self.settings.lease_ttl_s,
             )
             if peer is not None:
-                self._view_into(reply, run_id)
+                self._view_into(reply, run_id, node_id)
             if order is not None:
                 reply.stage_order.CopyFrom(order)
             version = self.membership.ban_version
@@ -183,7 +183,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
 
         return await self._run("Heartbeat", context, call)
 
-    def _view_into(self, reply: pb.HeartbeatReply | pb.ReportGoneReply, run_id: str) -> None:
+    def _view_into(self, reply: pb.HeartbeatReply | pb.ReportGoneReply, run_id: str, node_id: str) -> None:
         """A trainer's view: the run's live trainers, for its round groups; none while this
         coordinator has not yet heard from every live trainer (just started: a partial list is a split)."""
         if not self.membership.view_is_whole():
@@ -198,7 +198,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             )
             for n, t in self.membership.live_trainers(run_id)
         )
-        reply.run_round = self.membership.trainers.newest.get(run_id, -1)
+        reply.run_round = self.membership.trainers.run_round(run_id, node_id)
         reply.view_whole = True
 
     async def AcquireLease(
@@ -357,7 +357,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
 
         node_id, run_id, peers = await self._run("ReportGone", context, call)
         reply = pb.ReportGoneReply(lost=await self.gone.verify(node_id, run_id, peers))
-        self._view_into(reply, run_id)
+        self._view_into(reply, run_id, node_id)
         return reply
 
     async def CheckReachable(

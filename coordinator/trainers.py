@@ -68,7 +68,9 @@ class Trainers:
         self._groups: dict[str, OrderedDict[int, frozenset[str]]] = {}  # run -> round -> its commits' group
         # run -> (round, key) of an exchange call -> the group granted to apply its result
         self._claims: dict[str, OrderedDict[tuple[int, str], frozenset[str]]] = {}
-        self.newest: dict[str, int] = {}  # run -> the newest round a trainer reported, or a grant reached
+        self.newest: dict[str, int] = {}  # run -> the newest round a trainer reported
+        # run -> run round a grant completes -> the nodes of the groups granted it (run_round)
+        self._granted: dict[str, OrderedDict[int, set[str]]] = {}
         # node -> its newest incarnation that took part in rounds (reported a peer address); kept
         # after the node is lost: a grant names the process that gave its input, dead or not.
         self._in_rounds: dict[str, str] = {}
@@ -148,8 +150,24 @@ class Trainers:
         self._judge(claims, (round_id, key), what, run_id, frozenset(members), is_live, settle_s=0.0,
                     remembered=self._processes(members))
         if run_round > 0:
-            self.newest[run_id] = max(self.newest.get(run_id, -1), run_round)
+            granted = self._granted.setdefault(run_id, OrderedDict())
+            granted.setdefault(run_round, set()).update(members)
+            while len(granted) > ROUNDS_KEPT:
+                granted.popitem(last=False)
         return True
+
+    def run_round(self, run_id: str, node_id: str) -> int:
+        """The newest round of the run as ``node_id`` should see it: the newest a trainer reported,
+        or a grant reached. Not a grant to groups of this node alone (its earlier processes): the
+        node itself is back, from a checkpoint before that round, so nobody holds it and waiting
+        for it would only stall a lone trainer's restart."""
+        newest = self.newest.get(run_id, -1)
+        for r in reversed(self._granted.get(run_id, {})):
+            if r <= newest:
+                break
+            if self._granted[run_id][r] - {node_id}:
+                return r
+        return newest
 
     def _processes(self, members: list[str]) -> frozenset[tuple[str, str]]:
         """Each member as the process that took part in a round just completed: its newest
@@ -180,6 +198,11 @@ class Trainers:
         if remembered is None:
             remembered = group
         known = groups.get(at)
+        if known is not None and not known & remembered and {m[0] for m in known} <= {m[0] for m in remembered}:
+            # Every member of the granted group is back as another process, in this group, and
+            # claims the call again: each restarted from a state before it, so nobody holds its
+            # result (a lone trainer killed between its round and that round's checkpoint).
+            known = None
         if known is not None:
             if not known & remembered:
                 raise SplitRound(

@@ -297,6 +297,37 @@ def test_a_grant_names_processes_and_moves_the_runs_newest_round(coord):
 
     asyncio.run(scenario())
 
+
+def test_a_lone_trainer_back_without_its_granted_round_is_granted_it_again(coord):
+    """A lone trainer's round is granted and the trainer dies before that round's checkpoint: back
+    from the checkpoint before it, it is the only process that could hold the round, and nobody
+    does. Its heartbeat replies do not name that round as the run's newest (it would wait for a
+    state nobody has), while another node's do, and its claim of the round is granted again."""
+    token = new_token(coord, "--uses", "2")
+
+    async def scenario() -> None:
+        (solo, a), (other, _) = [await join(coord, token) for _ in range(2)]
+
+        async def beat(client: MemberClient, incarnation: str, address: str = "") -> pb.HeartbeatReply:
+            return await client.heartbeat(peer=pb.HeartbeatRequest(
+                incarnation=incarnation, peer_address=address, round=6, state_hash="ab", starting=not address
+            ))
+
+        try:
+            while not (await beat(solo, "first", "127.0.0.1:1000")).view_whole:
+                await asyncio.sleep(0.2)
+            assert await solo.claim_round(6, "diloco/0", [a], run_round=7) is True
+            assert (await beat(other, "o1")).run_round == 7  # a node still starting: not a trainer
+            assert (await beat(solo, "first", "127.0.0.1:1000")).run_round == 6
+            await beat(solo, "second")  # killed, back from round 6: starting
+            assert (await beat(solo, "second", "127.0.0.1:1001")).run_round == 6
+            assert await solo.claim_round(6, "diloco/0", [a], run_round=7) is True
+        finally:
+            for cl in (solo, other):
+                await cl.close()
+
+    asyncio.run(scenario())
+
 def test_a_view_with_no_trainer_is_whole_and_says_so(coord):
     """A trainer that is the only one heartbeating still learns the run's newest round: the reply
     is whole with an empty list (a restarting node must not mistake it for no view at all). Not
