@@ -198,10 +198,11 @@ class Trainers:
         if remembered is None:
             remembered = group
         known = groups.get(at)
-        if known is not None and not known & remembered and {m[0] for m in known} <= {m[0] for m in remembered}:
+        if known is not None and not known & remembered and _nodes(known) <= _nodes(remembered):
             # Every member of the granted group is back as another process, in this group, and
             # claims the call again: each restarted from a state before it, so nobody holds its
             # result (a lone trainer killed between its round and that round's checkpoint).
+            # (Groups of node ids that share no member never pass this.)
             known = None
         if known is not None:
             if not known & remembered:
@@ -221,3 +222,8 @@ class Trainers:
         groups[at] = remembered
         while len(groups) > ROUNDS_KEPT:
             groups.popitem(last=False)
+
+
+def _nodes(group: frozenset) -> set[str]:
+    """The node ids of a group of node ids or of (node id, incarnation) processes."""
+    return {m[0] if isinstance(m, tuple) else m for m in group}
