@@ -17,6 +17,7 @@ Real processes, real SIGKILLs; no timing assertions (the waits are for log lines
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import time
 
@@ -38,16 +39,39 @@ def data(tmp_path_factory):
     return small_dataset(tmp_path_factory.mktemp("restart-data"))
 
 
+@contextlib.contextmanager
+def churn_net(tmp_path, data, token_uses: int):
+    """A running coordinator (the DHT bootstrap peer) with a run, fast timeouts, no node yet."""
+    net = make_testnet(tmp_path, data, overrides=["train.steps=5000"], node_args=FAST_NODE)
+    net.coordinator_args = list(FAST_COORDINATOR)
+    with net:
+        net.start_coordinator()
+        net.create_run(token_uses=token_uses)
+        yield net
+
+
+def train_on_together(net, a, c, past: int) -> None:
+    """Wait for a and c to complete a round past ``past`` together (a round count alone is not it:
+    a node going on renumbered jumps past it), stop both, and check every round has one hash."""
+
+    def together() -> bool:
+        return all(any(int(r["round"]) > past and r["peers"] == 2 for r in trained(n)) for n in (a, c))
+
+    wait_for(together, WAIT_S, what="a and c to train on together")
+    for node in (a, c):
+        node.proc.send_signal(signal.SIGTERM)
+    for node in (a, c):
+        assert node.proc.wait(60) == 0, log(node)[-3000:]
+    stats = analyze(net, 0.0, 0.0)
+    assert stats["hash_agreement"] and stats["split_brain_rounds"] == 0, stats
+
+
 def last_round(node) -> int:
     return max((int(r["round"]) for r in trained(node)), default=0)
 
 
 def test_a_restart_behind_the_run_with_its_holders_dead_never_trains_apart(tmp_path, data):
-    net = make_testnet(tmp_path, data, overrides=["train.steps=5000"], node_args=FAST_NODE)
-    net.coordinator_args = list(FAST_COORDINATOR)  # the coordinator is the DHT bootstrap peer
-    with net:
-        net.start_coordinator()
-        net.create_run(token_uses=12)
+    with churn_net(tmp_path, data, token_uses=12) as net:
         a, b, c = (net.add_node(extra=["--min-peers", "3"]) for _ in range(3))
         for node in (a, b, c):
             wait_rounds(node, 2, timeout_s=WAIT_S)
@@ -62,10 +86,10 @@ def test_a_restart_behind_the_run_with_its_holders_dead_never_trains_apart(tmp_p
         net.kill_node(a)
         net.kill_node(b)
         run_at = max(last_round(a), last_round(b))
-        # C comes back behind the run with nobody to take the run's state from. If the coordinator
-        # heard of the run's newest round, C waits for it, gives up after 5 s and goes on numbered
-        # past it; the rounds A and B completed after their last heartbeat the coordinator refuses
-        # to any other group (ClaimRound), so C applies nothing there until A is back.
+        # C comes back behind the run with nobody to take the run's state from. The coordinator
+        # heard of the run's newest round (a heartbeat, or a grant of a round A and B completed
+        # after their last heartbeat): C waits for it, gives up after 5 s and goes on numbered past
+        # it. A group of C and anyone is refused the rounds granted to A and B (ClaimRound).
         since = len(log(c))
         net.start_node(c, extra=["--state-fetch-timeout", "5"])
         either = r"going on from this node's round \d+ as round \d+|refused this group's round"
@@ -73,16 +97,7 @@ def test_a_restart_behind_the_run_with_its_holders_dead_never_trains_apart(tmp_p
         net.start_node(a)
         mark = max(last_round(a), last_round(c))
 
-        def together() -> bool:  # a round count alone is not it: a node going on renumbered jumps past it
-            return all(any(int(r["round"]) > mark and r["peers"] == 2 for r in trained(n)) for n in (a, c))
-
-        wait_for(together, WAIT_S, what="a and c to train on together")
-        for node in (a, c):
-            node.proc.send_signal(signal.SIGTERM)
-        for node in (a, c):
-            assert node.proc.wait(60) == 0, log(node)[-3000:]
-        stats = analyze(net, 0.0, 0.0)
-        assert stats["hash_agreement"] and stats["split_brain_rounds"] == 0, stats
+        train_on_together(net, a, c, past=mark)
         assert not [r for r in trained(c) if behind < int(r["round"]) <= run_at], "c trained rounds the run had done"
         for node in (a, c):  # together again
             assert [r for r in trained(node) if int(r["round"]) > mark and r["peers"] == 2], trained(node)[-4:]
@@ -99,11 +114,7 @@ def test_a_round_granted_to_a_group_that_died_before_saying_so_is_numbered_past(
     round would be R, which the coordinator refuses to any group but A and B's. A, back from its
     checkpoint of R - 1, is behind C and takes C's state (granted by node ids, a group of A and C
     could complete R again, from C's state and A's: two states). They train on with one hash."""
-    net = make_testnet(tmp_path, data, overrides=["train.steps=5000"], node_args=FAST_NODE)
-    net.coordinator_args = list(FAST_COORDINATOR)
-    with net:
-        net.start_coordinator()
-        net.create_run(token_uses=12)
+    with churn_net(tmp_path, data, token_uses=12) as net:
         a, c = (net.add_node(extra=["--min-peers", "2"]) for _ in range(2))
         for node in (a, c):
             wait_rounds(node, 2, timeout_s=WAIT_S)
@@ -129,17 +140,7 @@ def test_a_round_granted_to_a_group_that_died_before_saying_so_is_numbered_past(
         numbered = int(went_on.group(2))
         assert int(went_on.group(1)) == behind and numbered >= held, went_on.group(0)
         net.start_node(a)
-
-        def together() -> bool:
-            return all(any(int(r["round"]) > numbered and r["peers"] == 2 for r in trained(n)) for n in (a, c))
-
-        wait_for(together, WAIT_S, what="a and c to train on together")
-        for node in (a, c):
-            node.proc.send_signal(signal.SIGTERM)
-        for node in (a, c):
-            assert node.proc.wait(60) == 0, log(node)[-3000:]
-        stats = analyze(net, 0.0, 0.0)
-        assert stats["hash_agreement"] and stats["split_brain_rounds"] == 0, stats
+        train_on_together(net, a, c, past=numbered)
         assert not [r for n in (a, b, c) for r in trained(n) if held <= int(r["round"]) <= numbered], "R was recorded"
         total, offsets, _ = ledger(net)
         assert sum(offsets.values()) == total
@@ -152,11 +153,7 @@ def test_a_live_node_refused_a_round_whose_holders_died_goes_on_past_it(tmp_path
     nobody has served the run's newer state for state_fetch_timeout_s C goes on numbered R
     (round R is lost with A and B) and trains R + 1, which it is granted."""
     held = 6
-    net = make_testnet(tmp_path, data, overrides=["train.steps=5000"], node_args=FAST_NODE)
-    net.coordinator_args = list(FAST_COORDINATOR)
-    with net:
-        net.start_coordinator()
-        net.create_run(token_uses=6)
+    with churn_net(tmp_path, data, token_uses=6) as net:
         hold = ["--min-peers", "2", "--fault", f"delay:checkpoint:600@{held}"]
         a, b = (net.add_node(extra=hold) for _ in range(2))
         # The exchange numbers a DiLoCo round's call from 0: round R is call R - 1.
@@ -187,11 +184,7 @@ def test_a_restarted_holder_of_the_newest_round_does_not_wait_for_peers_that_are
     once instead of looking for peers in the DHT until its rendezvous deadline (60 s here; 8 s of a
     24 s stall in a chaos testnet at a 5 s MTBF)."""
     deadline_s = 60.0
-    net = make_testnet(tmp_path, data, overrides=["train.steps=5000"], node_args=FAST_NODE)
-    net.coordinator_args = list(FAST_COORDINATOR)
-    with net:
-        net.start_coordinator()
-        net.create_run(token_uses=4)
+    with churn_net(tmp_path, data, token_uses=4) as net:
         a, b = (net.add_node(extra=["--min-peers", "2"]) for _ in range(2))
         for node in (a, b):
             wait_rounds(node, 3, timeout_s=WAIT_S)
