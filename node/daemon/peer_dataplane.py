@@ -249,11 +249,12 @@ class PeerDataPlane:
                 # Peers move on and drop old states: look again while time is left, rather than
                 # train alone from a stale state.
                 self.log(f"could not fetch the state of round {newest} from {len(holders)} peers: {err}")
-                served = await self._newest_served(holders, min_round, max(1.0, deadline - loop.time()))
-                if served is not None:
-                    return served
                 if loop.time() >= deadline:
                     return None
+                served = await self._served_now(holders)
+                if any(r.round > newest for r in served):
+                    records = served  # they moved on: vote and fetch again, from what they serve now
+                    continue
                 await asyncio.sleep(STATE_POLL_S)
                 try:
                     records = await self._others(self.s.rendezvous_deadline_s)
@@ -263,35 +264,20 @@ class PeerDataPlane:
             self.log(f"fetched the state of round {newest} from {len(holders)} peer(s), hash {digest[:12]} verified")
             return tensors
 
-    async def _newest_served(
-        self, holders: dict[str, str], min_round: int, timeout_s: float
-    ) -> dict[str, torch.Tensor] | None:
-        """The newest state the holders serve now, asked of them directly: a DHT record is a second
-        or more old, and a holder training alone (its peers restarting) runs several rounds a
-        second and drops older states; a restart that followed the records chased one for 240 s.
-        The newest round the holders answer, with the hash most of them give for it; None if
-        none serves one of ``min_round`` or later, or its fetch fails."""
-        settings = StateFetchSettings(call_timeout=min(timeout_s, self.s.rendezvous_deadline_s))
+    async def _served_now(self, holders: dict[str, str]) -> list[PeerRecord]:
+        """Records of the holders' newest states, asked of them directly (NEWEST_STATE): a DHT
+        record is a second or more old, and a holder training alone (its peers restarting) runs
+        several rounds a second and drops older states; a restart that followed the records
+        chased one for 240 s. The caller votes and fetches from these as from the DHT's."""
+        settings = StateFetchSettings(call_timeout=self.s.rendezvous_deadline_s)
         answers = await asyncio.gather(
             *[newest_state(self.ident, n, a, settings) for n, a in holders.items()], return_exceptions=True
         )
-        served = {n: x for n, x in zip(holders, answers, strict=True) if isinstance(x, tuple) and x[0] >= min_round}
-        if not served:
-            return None
-        top = max(r for r, _ in served.values())
-        (r, digest), _ = Counter(x for x in served.values() if x[0] == top).most_common(1)[0]
-        agree = {n: holders[n] for n, x in served.items() if x == (r, digest)}
-        try:
-            tensors, _ = await asyncio.wait_for(
-                afetch(self.ident, agree, state_name(r), digest, settings=StateFetchSettings(call_timeout=timeout_s)),
-                timeout_s,
-            )
-        except (TimeoutError, StateError) as err:
-            self.log(f"could not fetch the state of round {r} its holders serve now: {err}")
-            return None
-        self.log(f"fetched the state of round {r} from {len(agree)} peer(s) (the newest they serve), hash "
-                 f"{digest.hex()[:12]} verified")
-        return tensors
+        return [
+            PeerRecord(node_id=n, address=holders[n], round=x[0], state_hash=x[1].hex())
+            for n, x in zip(holders, answers, strict=True)
+            if isinstance(x, tuple)
+        ]
 
     def last_round_members(self) -> list[str]:
         return self.exchange.members
