@@ -64,7 +64,12 @@ def test_three_nodes_learn_and_hold_the_same_state(tmp_path, data):
         assert len(common) >= 4
         for r in common:
             assert len(set(by_round[r].values())) == 1, f"round {r}: nodes disagree {by_round[r]}"
-        assert max(trained(net.nodes[0])[-1]["peers"] for _ in [0]) == 3
+        # The three trained together: rounds all of them recorded as a group of three. Not the
+        # last round alone: the SIGTERMs land one after another, so on a loaded machine the last
+        # round may be a pair's while the third node is already leaving.
+        peers = {(n.name, r["round"]): r["peers"] for n in net.nodes for r in trained(n)}
+        together = [r for r in common if all(peers[(n.name, r)] == 3 for n in net.nodes)]
+        assert len(together) >= 3, {r: [peers[(n.name, r)] for n in net.nodes] for r in common}
         for r in (r for node in net.nodes for r in trained(node)):
             # A window's time splits into compute, blocked on the exchange (DiLoCo blocks at the
             # end of every window) and the rest: the parts the metrics report.
