@@ -200,6 +200,11 @@ class Membership:
             run_id, round_id, key, members, self.is_live, whole=self.view_is_whole(), run_round=run_round
         )
 
+    def claim_lost_rounds(self, run_id: str, round_id: int, node_id: str) -> None:
+        """May the node number its own state as ``round_id`` (coordinator/trainers.py)? SplitRound
+        if another live process was granted that round's number."""
+        self.trainers.claim_lost_rounds(run_id, round_id, node_id, self.is_live)
+
     def pending_count(self) -> int:
         return len(self._dirty)
 

@@ -263,6 +263,9 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             node_id, run_id = self._node(context)
             members = list(request.members)[:10_000]
             try:
+                if request.lost_rounds:
+                    self.membership.claim_lost_rounds(run_id, request.round, node_id)
+                    return pb.ClaimRoundReply(decided=True)
                 decided = self.membership.claim_round(
                     run_id, request.round, request.key[:200], members, run_round=max(0, request.run_round)
                 )

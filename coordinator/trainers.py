@@ -19,6 +19,9 @@ another process, with another state, and a group it forms for the same round sha
 the granted one. A grant also moves the run's newest round to the round the claimant's window
 completes, so a node that comes back behind it, with every holder of that round gone, waits for
 it and then numbers past it (node/daemon/driver.py) instead of claiming it again and again.
+A node that goes on numbered past rounds lost with their holders claims that too
+(``claim_lost_rounds``): one process per round may, so two nodes back at once from different
+checkpoints never both give their state the same round number.
 The nodes' own quorum rules keep working through a coordinator outage; this check makes them
 exact while it is up.
 
@@ -71,6 +74,9 @@ class Trainers:
         self.newest: dict[str, int] = {}  # run -> the newest round a trainer reported
         # run -> run round a grant completes -> the nodes of the groups granted it (run_round)
         self._granted: dict[str, OrderedDict[int, set[str]]] = {}
+        # run -> round -> the process (node id, incarnation) granted to number its own state as
+        # that round, its holders being gone (claim_lost_rounds)
+        self._renumbered: dict[str, OrderedDict[int, tuple[str, str]]] = {}
         # node -> its newest incarnation that took part in rounds (reported a peer address); kept
         # after the node is lost: a grant names the process that gave its input, dead or not.
         self._in_rounds: dict[str, str] = {}
@@ -155,6 +161,30 @@ class Trainers:
             while len(granted) > ROUNDS_KEPT:
                 granted.popitem(last=False)
         return True
+
+    def claim_lost_rounds(self, run_id: str, round_id: int, node_id: str, is_live: Callable[[str], bool]) -> None:
+        """May ``node_id`` go on from its own state numbered as ``round_id``, every holder of the
+        rounds past its state being gone? Granted to one process per round while it lives (the
+        same process may ask again); SplitRound for any other. Two nodes back behind the run at
+        once, from different checkpoints, would otherwise both number their states as that round:
+        two states of one round, and every later round averaged from two bases. The one refused
+        waits for the granted node's state, which the view lists as soon as it heartbeats it."""
+        me = self._by_node.get(node_id)
+        if me is None or me.run_id != run_id:
+            raise SplitRound(f"{node_id} is not a trainer of run {run_id}: heartbeat first")
+        mine = (node_id, me.incarnation)
+        granted = self._renumbered.setdefault(run_id, OrderedDict())
+        holder = granted.get(round_id)
+        if holder is not None and holder != mine:
+            live = self._by_node.get(holder[0])
+            if is_live(holder[0]) and live is not None and live.incarnation == holder[1]:
+                raise SplitRound(
+                    f"{holder[0]} goes on from its own state as round {round_id} of run {run_id} already: "
+                    "take its state rather than numbering another one as that round"
+                )
+        granted[round_id] = mine
+        while len(granted) > ROUNDS_KEPT:
+            granted.popitem(last=False)
 
     def run_round(self, run_id: str, node_id: str) -> int:
         """The newest round of the run as ``node_id`` should see it: the newest a trainer reported,

@@ -311,16 +311,18 @@ class ReportRejectionsReply(_message.Message):
     def __init__(self, recorded: _Optional[int] = ...) -> None: ...
 
 class ClaimRoundRequest(_message.Message):
-    __slots__ = ("round", "key", "members", "run_round")
+    __slots__ = ("round", "key", "members", "run_round", "lost_rounds")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     KEY_FIELD_NUMBER: _ClassVar[int]
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
     RUN_ROUND_FIELD_NUMBER: _ClassVar[int]
+    LOST_ROUNDS_FIELD_NUMBER: _ClassVar[int]
     round: int
     key: str
     members: _containers.RepeatedScalarFieldContainer[str]
     run_round: int
-    def __init__(self, round: _Optional[int] = ..., key: _Optional[str] = ..., members: _Optional[_Iterable[str]] = ..., run_round: _Optional[int] = ...) -> None: ...
+    lost_rounds: bool
+    def __init__(self, round: _Optional[int] = ..., key: _Optional[str] = ..., members: _Optional[_Iterable[str]] = ..., run_round: _Optional[int] = ..., lost_rounds: _Optional[bool] = ...) -> None: ...
 
 class ClaimRoundReply(_message.Message):
     __slots__ = ("decided",)

@@ -328,6 +328,31 @@ def test_a_lone_trainer_back_without_its_granted_round_is_granted_it_again(coord
 
     asyncio.run(scenario())
 
+def test_two_nodes_back_behind_the_run_at_once_cannot_both_number_their_state_as_its_round(coord):
+    """Every holder of the run's rounds past their checkpoints is gone, and two nodes come back at
+    once from different checkpoints: the first to claim goes on from its state numbered as the
+    run's newest round; the other is refused over the wire (ABORTED, naming the first) and takes
+    that state instead. Once the first is restarted, its number is free again."""
+    token = new_token(coord, "--uses", "2")
+
+    async def scenario() -> None:
+        (a, a_id), (b, _) = [await join(coord, token) for _ in range(2)]
+        try:
+            for client in (a, b):
+                await client.heartbeat(peer=pb.HeartbeatRequest(incarnation="first", round=4, starting=True))
+            await a.claim_lost_rounds(9)
+            with pytest.raises(CoordinatorError, match=f"{a_id} goes on from its own state as round 9") as err:
+                await b.claim_lost_rounds(9)
+            assert err.value.code == grpc.StatusCode.ABORTED
+            await a.heartbeat(peer=pb.HeartbeatRequest(incarnation="second", round=4, starting=True))
+            await b.claim_lost_rounds(9)
+        finally:
+            for cl in (a, b):
+                await cl.close()
+
+    asyncio.run(scenario())
+
+
 def test_a_view_with_no_trainer_is_whole_and_says_so(coord):
     """A trainer that is the only one heartbeating still learns the run's newest round: the reply
     is whole with an empty list (a restarting node must not mistake it for no view at all). Not

@@ -45,3 +45,25 @@ def test_a_claim_is_judged_by_processes_and_regranted_only_when_every_member_is_
     assert t.claim(RUN, 7, "k", ["n1", "n2"], lambda n: True)
     assert t.claim(RUN, 9, "k", ["n3"], lambda n: n == "n3", run_round=10)  # a lone live trainer
     assert t.run_round(RUN, "n3") == 8 and t.run_round(RUN, "n1") == 10
+
+
+def test_one_live_process_at_a_time_numbers_its_own_state_as_a_lost_round():
+    """n1 and n2 come back behind the run at once, every holder of rounds 8-9 gone, from different
+    checkpoints: only the first to claim numbers its state as round 9 (two would give round 9 two
+    states, and average every later round from two bases). The same process may ask again; once
+    it is lost or restarted, the number is free for another node."""
+    t = Trainers(settle_s=0.0)
+    for n in ("n1", "n2"):
+        beat(t, n)
+    live = {"n1", "n2"}
+    t.claim_lost_rounds(RUN, 9, "n1", live.__contains__)
+    t.claim_lost_rounds(RUN, 9, "n1", live.__contains__)  # asked again: still its number
+    with pytest.raises(SplitRound, match="n1 goes on from its own state as round 9"):
+        t.claim_lost_rounds(RUN, 9, "n2", live.__contains__)
+    t.claim_lost_rounds(RUN, 10, "n2", live.__contains__)  # another round's number is another claim
+    beat(t, "n1", "i2")  # n1 restarted: the process granted round 9 is gone
+    t.claim_lost_rounds(RUN, 9, "n2", live.__contains__)
+    live.discard("n2")  # n2 lost: n1's new process may take the number
+    t.claim_lost_rounds(RUN, 9, "n1", live.__contains__)
+    with pytest.raises(SplitRound, match="heartbeat first"):
+        t.claim_lost_rounds(RUN, 9, "n3", live.__contains__)
