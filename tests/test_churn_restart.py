@@ -18,6 +18,7 @@ Real processes, real SIGKILLs; no timing assertions (the waits are for log lines
 from __future__ import annotations
 
 import contextlib
+import re
 import signal
 import time
 
@@ -203,3 +204,37 @@ def test_a_restarted_holder_of_the_newest_round_does_not_wait_for_peers_that_are
         # Its start-up (imports, DHT) included, far below the deadline it no longer waits out.
         assert first - restarted_at < deadline_s / 2, first - restarted_at
         assert "nobody serves" not in log(a)[since:]  # it did not renumber: nothing was ahead of it
+
+
+def test_two_restarts_behind_the_run_at_once_number_one_state_as_its_round(tmp_path, data):
+    """C is killed, then B a few rounds later, then A (alone by then) a few rounds after that: every
+    holder of the run's newest rounds is dead. B and C come back at the same moment from different
+    checkpoints and each waits 5 s for a state nobody serves. Only one may go on numbered as the
+    run's newest round (the coordinator grants that number to one process); the other takes its
+    state. The one granted holds 10 s before it goes on (`delay:lost_rounds`), so the other one
+    claims too whatever their start-up times (else it would see the first one's state before its
+    own wait ends): both numbering their own states as the run's newest round gave that round
+    two states, and every later round was averaged from two bases."""
+    with churn_net(tmp_path, data, token_uses=12) as net:
+        a, b, c = (net.add_node(extra=["--min-peers", "3"]) for _ in range(3))
+        for node in (a, b, c):
+            wait_rounds(node, 2, timeout_s=WAIT_S)
+        net.kill_node(c)
+        wait_for(lambda: last_round(b) >= last_round(c) + 2, WAIT_S, what="a and b to go on without c")
+        net.kill_node(b)
+        wait_for(lambda: last_round(a) >= last_round(b) + 2, WAIT_S, what="a to go on alone")
+        net.kill_node(a)
+        run_at = last_round(a)
+        since = {n.name: len(log(n)) for n in (b, c)}
+        for node in (b, c):
+            net.start_node(node, extra=["--state-fetch-timeout", "5", "--fault", "delay:lost_rounds:10"])
+        went_on = r"going on from this node's round \d+ as round (\d+)"
+        for node in (b, c):
+            wait_log(node, rf"{went_on}|took the global state", timeout_s=WAIT_S, since=since[node.name])
+        numbered = [n for n in (b, c) if re.search(went_on, log(n)[since[n.name]:])]
+        assert len(numbered) == 1, [log(n)[since[n.name]:][-1500:] for n in (b, c)]
+        (refused,) = [n for n in (b, c) if n is not numbered[0]]
+        assert "not numbering this node's state as round" in log(refused)[since[refused.name]:]
+        train_on_together(net, b, c, past=run_at)
+        total, offsets, _ = ledger(net)
+        assert sum(offsets.values()) == total

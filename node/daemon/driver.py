@@ -138,30 +138,38 @@ class TrainingDriver:
                 f"the run is at round {max(self.session.view.run_round(), self.session.view.newest)}, this node "
                 f"at {self.trainer.round}: waiting for that state rather than training alone"
             )
-        while state is None and self._run_is_ahead(gone_after) and not self.stop.is_set():
-            await self.stop.sleep(self.s.lease_wait_s)
-            state = await self.dataplane.fetch_state(
-                min_round=self.trainer.round + 1, timeout_s=self.s.state_fetch_timeout_s
-            )
+        while True:
+            while state is None and self._run_is_ahead(gone_after) and not self.stop.is_set():
+                await self.stop.sleep(self.s.lease_wait_s)
+                state = await self.dataplane.fetch_state(
+                    min_round=self.trainer.round + 1, timeout_s=self.s.state_fetch_timeout_s
+                )
+            # (A stop that cut the wait short says nothing of the holders: no renumbering then. A
+            # chaos round's node, SIGTERMed while it waited, went on as the run's newest round
+            # with its own older state and published it under that number before it left.)
+            newest, mine = self.session.view.newest, self.trainer.round
+            if state is not None or not self.session.in_rounds or newest <= mine or self.stop.is_set():
+                break
+            # Every holder of the run's newer rounds is gone (state_fetch_timeout_s passed): their
+            # rounds are lost with them. Go on from this node's state under the run's newest round
+            # number, so no round of the run ever has two states (a holder that comes back later
+            # takes this lineage, which is ahead of it). The coordinator grants that number to one
+            # node: another one back at the same moment waits for this one's state instead.
+            if await self.session.claim_lost_rounds(newest):
+                if self.faults is not None:  # --fault delay:lost_rounds:S: overtaken by another restart
+                    await self.faults.delay("lost_rounds", self.session.info.node_id, newest)
+                self.log(
+                    f"nobody serves the run's rounds {mine + 1}-{newest} any more (waited "
+                    f"{self.s.state_fetch_timeout_s:g}s): they are lost; going on from this node's round {mine} as "
+                    f"round {newest}"
+                )
+                self.trainer.renumber(newest)
+                break
+            gone_after = asyncio.get_running_loop().time() + self.s.state_fetch_timeout_s
         if state is not None:
             await asyncio.to_thread(self.trainer.load_shared_tensors, state)
             self._ratio_base_step = self.trainer.step  # this node's bytes count from here
             self.log(f"took the global state of round {self.trainer.round} from peers")
-        elif self.session.in_rounds and self.session.view.newest > self.trainer.round and not self.stop.is_set():
-            # (A stop that cut the wait short says nothing of the holders: no renumbering then. A
-            # chaos round's node, SIGTERMed while it waited, went on as the run's newest round
-            # with its own older state and published it under that number before it left.)
-            # Every holder of the run's newer rounds is gone (state_fetch_timeout_s passed): their
-            # rounds are lost with them. Go on from this node's state under the run's newest round
-            # number, so no round of the run ever has two states (a holder that comes back later
-            # takes this lineage, which is ahead of it).
-            newest, mine = self.session.view.newest, self.trainer.round
-            self.log(
-                f"nobody serves the run's rounds {mine + 1}-{newest} any more (waited "
-                f"{self.s.state_fetch_timeout_s:g}s): they are lost; going on from this node's round {mine} as "
-                f"round {newest}"
-            )
-            self.trainer.renumber(newest)
         self._last_shared = await asyncio.to_thread(self.trainer.shared_state)
         tensors = self.trainer.shared_tensors(self._last_shared)  # the copy just taken, not a second one
         self.dataplane.publish(self.trainer.round, tensors, await asyncio.to_thread(tensors_hash, tensors))
@@ -379,6 +387,9 @@ class TrainingDriver:
             return
         self._behind_since = None
         newest = view.newest
+        claim = self.session.claim_lost_rounds(newest)
+        if not asyncio.run_coroutine_threadsafe(claim, self.loop).result():
+            return  # another node goes on as that round: its state is taken at the next re-sync
         lost = f"round {newest}" if newest == mine + 1 else f"rounds {mine + 1}-{newest}"
         self.loop.call_soon_threadsafe(
             self.log, f"the run got to round {newest} but nobody serves {lost} (refused, and waited "

@@ -303,6 +303,25 @@ class CoordinatorSession:
             else:
                 self.log(f"the coordinator could not judge round {round_id}'s group ({err}); the quorum decides")
 
+    async def claim_lost_rounds(self, round_id: int) -> bool:
+        """May this node go on from its own state numbered as ``round_id`` (the holders of the
+        rounds past its state are gone)? False when the coordinator granted that number to another
+        live node: take that node's state instead. Through an outage the node decides alone (the
+        gap failure-model.md names)."""
+        if not self.coordinator_up:
+            return True
+        try:
+            await self.client.claim_lost_rounds(round_id)
+        except CoordinatorError as err:
+            if err.code == grpc.StatusCode.ABORTED:
+                self.log(f"not numbering this node's state as round {round_id}: {err}")
+                return False
+            if is_outage(err):
+                self._mark(False, err)
+            else:
+                self.log(f"the coordinator could not judge this node's numbering as round {round_id} ({err})")
+        return True
+
     # -- bootstrap peers and rejected updates ----------------------------------------------------
 
     async def bootstrap_peers(self) -> list[str] | None:

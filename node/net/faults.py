@@ -45,6 +45,9 @@ Delays (``delay``: sleep SECONDS at a named point, each time the point is reache
                  a joiner whose DHT is slow or unreachable sees nobody in time
   checkpoint     before a node writes a round's local checkpoint (node/daemon/driver.py): a slow
                  disk between a round's end and its commit
+  lost_rounds    after the coordinator granted a node the number of rounds lost with their holders,
+                 before it goes on as that round and publishes its state (node/daemon/driver.py):
+                 a restart slow enough that another one, back at the same moment, claims too
   build_model    before a node builds its model and optimizer (node/daemon/driver.py), its
                  heartbeats running: a large model on a slow machine
 
@@ -90,7 +93,7 @@ CALL_FAULTS = (
 FAULTS = (*CALL_FAULTS, "delay")
 DELAY_POINTS = (
     "rendezvous", "open_input", "send_input", "snapshot_piece", "stage_compute", "peer_lookup", "checkpoint",
-    "build_model",
+    "build_model", "lost_rounds",
 )
 ANY = "*"
 POISON_SCALE = 1e4
