@@ -157,9 +157,7 @@ class Trainers:
                     remembered=self._processes(members))
         if run_round > 0:
             granted = self._granted.setdefault(run_id, OrderedDict())
-            granted.setdefault(run_round, set()).update(members)
-            while len(granted) > ROUNDS_KEPT:
-                granted.popitem(last=False)
+            _keep(granted, run_round, granted.get(run_round, set()) | set(members))
         return True
 
     def claim_lost_rounds(self, run_id: str, round_id: int, node_id: str, is_live: Callable[[str], bool]) -> None:
@@ -182,9 +180,7 @@ class Trainers:
                     f"{holder[0]} goes on from its own state as round {round_id} of run {run_id} already: "
                     "take its state rather than numbering another one as that round"
                 )
-        granted[round_id] = mine
-        while len(granted) > ROUNDS_KEPT:
-            granted.popitem(last=False)
+        _keep(granted, round_id, mine)
 
     def run_round(self, run_id: str, node_id: str) -> int:
         """The newest round of the run as ``node_id`` should see it: the newest a trainer reported,
@@ -249,9 +245,14 @@ class Trainers:
                 f"{what} had {len(group)} member(s) but run {run_id} has {len(counted)} live trainers: "
                 "a minority group is a split; drop this work and re-sync"
             )
-        groups[at] = remembered
-        while len(groups) > ROUNDS_KEPT:
-            groups.popitem(last=False)
+        _keep(groups, at, remembered)
+
+
+def _keep(records: OrderedDict, at: object, value: object) -> None:
+    """Remember ``value`` for ``at``, forgetting the oldest records past ROUNDS_KEPT."""
+    records[at] = value
+    while len(records) > ROUNDS_KEPT:
+        records.popitem(last=False)
 
 
 def _nodes(group: frozenset) -> set[str]:
