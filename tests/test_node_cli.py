@@ -57,16 +57,21 @@ def test_a_node_sigtermed_while_it_imports_stops_cleanly(tmp_path):
     hivemind: a testnet stopped right after a chaos restart): exit 0 and one line, as a running
     node stops, not killed by the signal (-15, which the testnet reports as an unclean exit)."""
     import signal
-    import time
 
+    # -X importtime prints each import as it completes: the node's settings module is imported by
+    # the node sub-app, after the CLI took SIGTERM over and before torch (seconds of imports). A
+    # fixed sleep lost that race on a loaded CI machine: the node got to its token error first.
     proc = subprocess.Popen(
-        [sys.executable, "-m", "murmur.cli", "node", "run", "--state-dir", str(tmp_path / "state"),
+        [sys.executable, "-X", "importtime", "-m", "murmur.cli", "node", "run", "--state-dir", str(tmp_path / "state"),
          "--coordinator", "127.0.0.1:9", "--token", "not-a-token"],
         stderr=subprocess.PIPE, text=True,
     )
-    time.sleep(0.3)  # inside the imports: they take seconds (torch alone ~1 s); no event to await
+    for line in proc.stderr:
+        if line.rstrip().endswith("murmur.node.daemon.settings"):
+            break
     proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=STARTUP_TIMEOUT_S)
+    _, rest = proc.communicate(timeout=STARTUP_TIMEOUT_S)
+    err = "\n".join(line for line in rest.splitlines() if not line.startswith("import time:"))
     assert proc.returncode == 0, err
     assert err.strip() == "stopped (SIGTERM) while starting", err
     assert not (tmp_path / "state").exists() or not any((tmp_path / "state").iterdir())
