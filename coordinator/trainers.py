@@ -170,17 +170,19 @@ class Trainers:
         me = self._by_node.get(node_id)
         if me is None or me.run_id != run_id:
             raise SplitRound(f"{node_id} is not a trainer of run {run_id}: heartbeat first")
-        mine = (node_id, me.incarnation)
         granted = self._renumbered.setdefault(run_id, OrderedDict())
         holder = granted.get(round_id)
-        if holder is not None and holder != mine:
-            live = self._by_node.get(holder[0])
-            if is_live(holder[0]) and live is not None and live.incarnation == holder[1]:
-                raise SplitRound(
-                    f"{holder[0]} goes on from its own state as round {round_id} of run {run_id} already: "
-                    "take its state rather than numbering another one as that round"
-                )
-        _keep(granted, round_id, mine)
+        if holder not in (None, self._process(node_id)) and is_live(holder[0]) and self._process(holder[0]) == holder:
+            raise SplitRound(
+                f"{holder[0]} goes on from its own state as round {round_id} of run {run_id} already: "
+                "take its state rather than numbering another one as that round"
+            )
+        _keep(granted, round_id, self._process(node_id))
+
+    def _process(self, node_id: str) -> tuple[str, str] | None:
+        """The node's process as its latest heartbeat names it (None if it has none)."""
+        t = self._by_node.get(node_id)
+        return (node_id, t.incarnation) if t is not None else None
 
     def run_round(self, run_id: str, node_id: str) -> int:
         """The newest round of the run as ``node_id`` should see it: the newest a trainer reported,

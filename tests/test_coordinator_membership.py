@@ -328,6 +328,7 @@ def test_a_lone_trainer_back_without_its_granted_round_is_granted_it_again(coord
 
     asyncio.run(scenario())
 
+
 def test_two_nodes_back_behind_the_run_at_once_cannot_both_number_their_state_as_its_round(coord):
     """Every holder of the run's rounds past their checkpoints is gone, and two nodes come back at
     once from different checkpoints: the first to claim goes on from its state numbered as the
