@@ -145,8 +145,7 @@ def test_status_page_shows_the_ledger_and_a_lost_node(tmp_path):
 
         wait_for(lost, 60, what="the coordinator to mark the killed node lost")
         # Peers' reports can mark it lost before its heartbeat is a TTL old: the age goes red then.
-        late = lambda: _api_row(url, victim_id)["heartbeat_late"]  # noqa: E731
-        wait_for(late, 60, what="the killed node's heartbeat to pass the TTL")
+        wait_for(lambda: _api_row(url, victim_id)["heartbeat_late"], 60, what="its heartbeat to pass the TTL")
         page = read_page(tmp_path, url)
         assert page.rows[victim_id]["status"] == page.rows[victim_id]["row_status"] == "lost", page.rows
         row = _row_classes(tmp_path, url, victim_id)
