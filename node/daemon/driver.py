@@ -41,6 +41,9 @@ from murmur.protocol.reachability import is_client
 from murmur.protocol.runconfig import RunConfig
 from murmur.protocol.wire import tensors_hash
 
+# The shortest look for a state while waiting for it (a fetch's gRPC calls need a moment).
+STATE_LOOK_MIN_S = 1.0
+
 
 class TrainingDriver:
     """Built on the loop (``build``), once the node has joined and its data plane is up; ``train``
@@ -125,14 +128,16 @@ class TrainingDriver:
                 self.log(f"resumed from the local checkpoint at round {self.trainer.round}")
             except (MurmurError, KeyError, RuntimeError) as err:
                 self.log(f"local checkpoint not usable ({err}); asking peers for the state")
-        state = await self.dataplane.fetch_state(
-            min_round=self.trainer.round + 1, timeout_s=self.s.state_fetch_timeout_s
-        )
         # The coordinator lists live trainers past our round, or saw the run reach a later round
         # (its holders may be restarting): starting from our own state would fork the run, a split
         # of one. Wait for that state instead: while live trainers hold it, for as long as it takes;
-        # while nobody live does, up to state_fetch_timeout_s (then the newest state is gone).
+        # while nobody live does, up to state_fetch_timeout_s from here (then the newest state is
+        # gone). From here, not from after the first fetch: with the holders dead, that fetch
+        # itself retries their records for the whole timeout, and the wait was twice as long.
         gone_after = asyncio.get_running_loop().time() + self.s.state_fetch_timeout_s
+        state = await self.dataplane.fetch_state(
+            min_round=self.trainer.round + 1, timeout_s=self.s.state_fetch_timeout_s
+        )
         if state is None and self._run_is_ahead(gone_after):
             self.log(
                 f"the run is at round {max(self.session.view.run_round(), self.session.view.newest)}, this node "
@@ -142,7 +147,7 @@ class TrainingDriver:
             while state is None and self._run_is_ahead(gone_after) and not self.stop.is_set():
                 await self.stop.sleep(self.s.lease_wait_s)
                 state = await self.dataplane.fetch_state(
-                    min_round=self.trainer.round + 1, timeout_s=self.s.state_fetch_timeout_s
+                    min_round=self.trainer.round + 1, timeout_s=self._fetch_budget(gone_after)
                 )
             # (A stop that cut the wait short says nothing of the holders: no renumbering then. A
             # chaos round's node, SIGTERMed while it waited, went on as the run's newest round
@@ -174,6 +179,15 @@ class TrainingDriver:
         tensors = self.trainer.shared_tensors(self._last_shared)  # the copy just taken, not a second one
         self.dataplane.publish(self.trainer.round, tensors, await asyncio.to_thread(tensors_hash, tensors))
         self._committed_sent = self.trainer.sync.bytes.total_sent  # earlier bytes were committed before
+
+    def _fetch_budget(self, gone_after: float) -> float:
+        """How long one look for the run's newer state may take while waiting for it: as long as
+        a fetch may while live trainers hold it; else what is left until ``gone_after`` (a look
+        at the expired records of dead holders ran out the rendezvous deadline, 8 s past a 5 s
+        wait in the churn tests)."""
+        if self.session.view.run_round() > self.trainer.round:
+            return self.s.state_fetch_timeout_s
+        return max(STATE_LOOK_MIN_S, gone_after - asyncio.get_running_loop().time())
 
     def _run_is_ahead(self, gone_after: float) -> bool:
         view = self.session.view

@@ -204,10 +204,10 @@ class PeerDataPlane:
         """The newest global state some peers (not in ``exclude``) announce, if its round is at
         least ``min_round``."""
         # Right after joining the DHT a lookup may not see anyone yet: look again until some peer
-        # shows up, the rendezvous deadline says this node is the first one, or the coordinator
-        # says nobody can be ahead of it.
+        # shows up, the rendezvous deadline (or the caller's timeout) says this node is the first
+        # one, or the coordinator says nobody can be ahead of it.
         loop = asyncio.get_running_loop()
-        alone_after = loop.time() + self.s.rendezvous_deadline_s
+        alone_after = loop.time() + min(self.s.rendezvous_deadline_s, timeout_s)
         while True:
             try:
                 records = await self._others(max(STATE_POLL_S, alone_after - loop.time()))
