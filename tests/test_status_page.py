@@ -120,7 +120,7 @@ def test_status_page_shows_the_ledger_and_a_lost_node(tmp_path):
         assert int(before["run"]["tokens_committed"]) <= committed <= int(after["run"]["tokens_committed"])
         assert int(page.by_id["run-tokens"]["data-total"]) == int(after["run"]["tokens_total"])
         # Less than DDP: DDP's bytes for the committed tokens at this batch, over the bytes sent.
-        api = json.loads(urllib.request.urlopen(url + "api/status", timeout=30).read())
+        api = _api_status(url)
         shape = shape_of(api["status"]["run"]["config_toml"])
         workers = sum(1 for n in api["nodes"] if n["tokens_committed"] > 0)
         ddp = ddp_equivalent_bytes(shape, int(api["status"]["run"]["tokens_committed"]), workers)
@@ -144,8 +144,11 @@ def test_status_page_shows_the_ledger_and_a_lost_node(tmp_path):
             return any(n["node_id"] == victim_id and n["status"] == "lost" for n in nodes)
 
         wait_for(lost, 60, what="the coordinator to mark the killed node lost")
-        # Peers' reports can mark it lost before its heartbeat is a TTL old: the age goes red then.
-        wait_for(lambda: _api_row(url, victim_id)["heartbeat_late"], 60, what="its heartbeat to pass the TTL")
+
+        def late() -> bool:  # peers' reports can mark it lost before its heartbeat is a TTL old
+            return any(n["node_id"] == victim_id and n["heartbeat_late"] for n in _api_status(url)["nodes"])
+
+        wait_for(late, 60, what="its heartbeat to pass the TTL")
         page = read_page(tmp_path, url)
         assert page.rows[victim_id]["status"] == page.rows[victim_id]["row_status"] == "lost", page.rows
         row = _row_classes(tmp_path, url, victim_id)
@@ -163,9 +166,9 @@ def _node_id(node) -> str:
     return str(json.loads((node.state_dir / "join.json").read_text())["node_id"])
 
 
-def _api_row(url: str, node_id: str) -> dict:
-    api = json.loads(urllib.request.urlopen(url + "api/status", timeout=30).read())
-    return next(n for n in api["nodes"] if n["node_id"] == node_id)
+def _api_status(url: str) -> dict:
+    """What the page's script reads: the status page's JSON."""
+    return json.loads(urllib.request.urlopen(url + "api/status", timeout=30).read())
 
 
 def _row_classes(tmp: Path, url: str, node_id: str) -> str:

@@ -136,7 +136,7 @@ class TrainingDriver:
         # itself retries their records for the whole timeout, and the wait was twice as long.
         gone_after = asyncio.get_running_loop().time() + self.s.state_fetch_timeout_s
         state = await self.dataplane.fetch_state(
-            min_round=self.trainer.round + 1, timeout_s=self.s.state_fetch_timeout_s
+            min_round=self.trainer.round + 1, timeout_s=self._fetch_budget(gone_after)
         )
         if state is None and self._run_is_ahead(gone_after):
             self.log(
