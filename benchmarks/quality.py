@@ -79,6 +79,20 @@ FULL = {
         "sync": {"overlap_steps": 0},
     },
 }
+# Issue 39's regime: 32k tokens per worker-step (128 x 256), where volunteers' GPUs train, with H
+# kept (so the traffic stays low) rather than scaled down with the batch. The warm start is the 8k
+# regime's, unchanged (1000 steps of 128 x 256 at one lr): the rows start from the same weights.
+# DDP's lr swept at its global batch (4 x 32k); the low-communication rows at inner lr x2 (8k's best
+# at H50) unless --sweep names more.
+FULL_32K = {
+    **FULL,
+    "hs": (50, 125, 250),
+    "lr_sweep": (2.0, 4.0, 8.0),
+    "short_sweep": (2.0,),
+    "warm_batch": FULL["workers"] * FULL["base"]["train"]["batch_size"],
+    "base": {**FULL["base"], "name": "quality-32k", "train": {**FULL["base"]["train"], "batch_size": 128}},
+}
+REGIMES = {"8k": FULL, "32k": FULL_32K}
 # Seconds on a loaded 2-core CPU: the tiny model, 2 workers, 2 H values, short sweeps.
 SMOKE = {
     "workers": 2,
@@ -182,28 +196,38 @@ def describe_outer(sync) -> str:
     return f"lr {sync.outer_lr:g}, {kind} {sync.outer_momentum:g}"
 
 
-def run_row(regime, row, data, steps, seeds, device, dataset, init, log, batch=None):
-    """Every variant over every seed; the row at its best mean, with each variant's mean."""
+def run_row(regime, row, data, steps, seeds, device, dataset, init, log, batch=None, sweep_seeds=None):
+    """Every variant over the first ``sweep_seeds`` seeds (default: all); the best of them also over
+    the remaining seeds. The row is reported at its best variant's mean over all seeds, with each
+    variant's mean over the seeds it ran (``seeds`` in each entry of ``variants``)."""
     k = row.workers or regime["workers"]
+    n_sweep = len(seeds) if sweep_seeds is None or len(row.variants) == 1 else max(1, min(sweep_seeds, len(seeds)))
+    def run(variant, some):
+        return [run_sim(row_config(regime, row, variant, data, steps, s, batch), k, device, dataset, init=init,
+                        log=log) for s in some]
+
     best = None
     tried = []
     for variant in row.variants:
-        results = [run_sim(row_config(regime, row, variant, data, steps, s, batch), k, device, dataset, init=init,
-                           log=log) for s in seeds]
-        summary = seed_summary(results, seeds)
+        results = run(variant, seeds[:n_sweep])
+        summary = seed_summary(results, seeds[:n_sweep])
         cfg = row_config(regime, row, variant, data, steps, seeds[0], batch)
         tried.append({"variant": variant, "inner_lr": inner_lr_for(cfg.optim.lr, cfg.sync, k),
-                      "val_loss_mean": round(summary["val_loss_mean"], 4)})
+                      "seeds": seeds[:n_sweep], "val_loss_mean": round(summary["val_loss_mean"], 4)})
         if best is None or summary["val_loss_mean"] < best[1]["val_loss_mean"]:
-            best = (cfg, summary, results)
-    cfg, summary, results = best
+            best = (cfg, summary, results, variant, len(tried) - 1)
+    cfg, summary, results, variant, at = best
+    if n_sweep < len(seeds):
+        results = results + run(variant, seeds[n_sweep:])
+        summary = seed_summary(results, seeds)
+        tried[at] = {**tried[at], "seeds": list(seeds), "val_loss_mean": round(summary["val_loss_mean"], 4)}
     r = results[0]
     seq = cfg.model.seq_len or regime["base"]["model"]["seq_len"]
     out = {
         "name": row.name, "algo": cfg.sync.algorithm, "codec": r.codec, "H": cfg.sync.inner_steps, "workers": k,
         "per_worker_batch_tokens": cfg.train.batch_size * seq, "tokens": r.tokens,
         "inner_lr": inner_lr_for(cfg.optim.lr, cfg.sync, k),
-        "outer": describe_outer(cfg.sync), "seeds": list(seeds),
+        "outer": describe_outer(cfg.sync), "seeds": list(seeds), "val_losses": summary["val_losses"],
         "val_loss_mean": round(summary["val_loss_mean"], 4), "val_loss_spread": round(summary["val_loss_spread"], 4),
         "loss_gap_pct": None, "bytes_per_worker": r.bytes_per_worker,
         "reduction_vs_ddp": round(r.reduction_vs_ddp, 1) if r.bytes_per_worker else None,
@@ -281,7 +305,7 @@ def warm_start(regime, data, steps, device, path: Path) -> dict:
     d = copy.deepcopy(regime["base"])
     d["data"]["path"] = data
     rows_batch = d["train"]["batch_size"]
-    d["train"].update(steps=steps, batch_size=regime["workers"] * rows_batch)
+    d["train"].update(steps=steps, batch_size=regime.get("warm_batch", regime["workers"] * rows_batch))
     d["optim"]["min_lr_ratio"] = 1.0  # stay at the peak: the rows' schedules continue one schedule
     cfg = config_from_dict(d)
     torch.manual_seed(cfg.seed)
@@ -407,7 +431,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="auto")
     p.add_argument("--steps", type=int, help="inner steps per row after the warm start (default 1000; smoke 4)")
     p.add_argument("--warm-start-steps", type=int, help="warm start steps at DDP's batch (default 1000; smoke 2)")
+    p.add_argument("--regime", choices=sorted(REGIMES), default="8k",
+                   help="tokens per worker-step of the rows: 8k (32 x 256; H 25-250) or 32k (128 x 256; H 50, 125, "
+                        "250; DDP's lr swept x2, x4, x8); both start from the same warm start")
+    p.add_argument("--workers", type=int, help="K, the number of workers (default 4): the K=8 row")
     p.add_argument("--seeds", type=int, default=2, help="seeds per variant (default 2)")
+    p.add_argument("--sweep-seeds", type=int, help="run a row's variants on this many seeds first and only the best "
+                                                   "on the rest (default: every variant on every seed)")
     p.add_argument("--rows", help="comma-separated subset of the rows (default all)")
     p.add_argument("--sweep", help="lr multiples for DDP's and the rows' lr sweeps, comma-separated (default: the "
                                    "regime's, 0.5,1,2,4 for the main rows and 1,2 for the others): to fit a budget")
@@ -430,7 +460,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.combine:
         combine([Path(x) for x in args.combine.split(",")], Path(args.results_dir))
         return 0
-    regime = dict(SMOKE if args.smoke else FULL)
+    regime = dict(SMOKE if args.smoke else REGIMES[args.regime])
+    if args.workers:
+        regime["workers"] = args.workers
     def numbers(text: str, kind=float) -> tuple:
         return tuple(kind(x) for x in text.split(","))
 
@@ -471,10 +503,13 @@ def main(argv: list[str] | None = None) -> int:
     init_file = {"path": str(init_path), "sha256": sha256(Path(init_path))} if init_path else None
     quiet = (lambda s: None) if args.smoke else (lambda s: print(s, flush=True))
     argv_text = " ".join(sys.argv[1:] if argv is None else argv)
+    seq_len = regime["base"]["model"]["seq_len"]
     payload = {
         "device": device_name(device), "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "command": f"python3 benchmarks/quality.py {argv_text}", "commit": args.commit or commit(),
-        "regime": {"workers": regime["workers"], "steps_after_warm_start": steps, "seeds": seeds,
+        "regime": {"name": "smoke" if args.smoke else args.regime, "workers": regime["workers"],
+                   "per_worker_batch_tokens": regime["base"]["train"]["batch_size"] * seq_len,
+                   "steps_after_warm_start": steps, "seeds": seeds, "sweep_seeds": args.sweep_seeds,
                    "lr_sweep": regime["lr_sweep"], "short_sweep": regime["short_sweep"],
                    "model": regime["base"]["model"], "optim": regime["base"]["optim"], "train": regime["base"]["train"],
                    "corpus": f"{data}: {sum(dataset.shard_size(i) for i in range(dataset.num_shards)):,} train tokens",
@@ -488,7 +523,8 @@ def main(argv: list[str] | None = None) -> int:
     best_variant: dict[str, dict] = {}
     for row in rows:
         print(f"== {row.name}", flush=True)
-        out, curve, _ = run_row(regime, row, data, steps, seeds, device, dataset, init, quiet)
+        out, curve, _ = run_row(regime, row, data, steps, seeds, device, dataset, init, quiet,
+                                sweep_seeds=args.sweep_seeds)
         best_variant[row.name] = min(out["variants"], key=lambda v: v["val_loss_mean"])["variant"]
         payload["rows"].append(out)
         payload["curves"][row.name] = curve

@@ -160,3 +160,30 @@ def test_combine_keeps_the_best_of_a_row_run_by_several_calls_with_every_variant
     assert [p["rows"] for p in merged["parts"]] == [["ddp", "avg"], ["ddp"]]
     assert [p["init"] for p in merged["parts"]] == [None, {"path": "w.pt", "sha256": "ab"}]
     assert merged["warm_start"] == {"val_loss": 3.41}
+
+
+def test_the_32k_regime_keeps_h_and_the_warm_start_and_sweeps_ddp_around_its_winner(quality):
+    """Issue 39's regime: 128 x 256 tokens per worker-step, H in {50, 125, 250} (not scaled down
+    with the batch), the 8k regime's warm start (same batch, same steps), DDP's lr over three values."""
+    r32 = quality.REGIMES["32k"]
+    assert r32["base"]["train"]["batch_size"] * r32["base"]["model"]["seq_len"] == 32768
+    assert r32["warm_batch"] == quality.FULL["workers"] * quality.FULL["base"]["train"]["batch_size"]
+    assert quality.FULL["base"]["train"]["batch_size"] == 32  # the 8k regime is left as it was
+    by = {r.name: r for r in quality.build_rows(r32, smoke=False)}
+    assert {f"outer1-nesterov0.5-int4-H{h}" for h in (50, 125, 250)} <= set(by)
+    assert "sparseloco-topk2bit-ef0.95-H50" in by
+    assert len(by["ddp"].variants) >= 3
+
+
+def test_sweep_seeds_runs_the_variants_on_the_first_seeds_and_only_the_best_on_the_rest(quality, byte_dataset,
+                                                                                          tmp_path):
+    out = tmp_path / "res"
+    rc = quality.main(["--smoke", "--data", str(byte_dataset.root), "--results-dir", str(out), "--old-table", "",
+                       "--warm-dir", str(tmp_path), "--seeds", "2", "--sweep", "1,2", "--sweep-seeds", "1",
+                       "--no-curve", "--rows", "ddp"])
+    assert rc == 0
+    [ddp] = json.loads((out / "quality.json").read_text())["rows"]
+    assert ddp["seeds"] == [0, 1] and len(ddp["val_losses"]) == 2
+    assert sorted(len(v["seeds"]) for v in ddp["variants"]) == [1, 2]
+    best = next(v for v in ddp["variants"] if len(v["seeds"]) == 2)
+    assert best["val_loss_mean"] == ddp["val_loss_mean"]
