@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from murmur.node.model.data import Dataset
-from murmur.node.pipeline.client import StageClient, StagePeer
+from murmur.node.pipeline.client import StageClient, StageEndpoint
 from murmur.node.pipeline.config import (
     add_model_args,
     log_to_stderr,
@@ -53,11 +53,11 @@ def emit(**record: object) -> None:
     print(json.dumps(record), flush=True)
 
 
-def read_peers(path: Path) -> dict[int, list[StagePeer]]:
+def read_peers(path: Path) -> dict[int, list[StageEndpoint]]:
     data = json.loads(path.read_text())
-    out: dict[int, list[StagePeer]] = {}
+    out: dict[int, list[StageEndpoint]] = {}
     for p in data["peers"]:
-        out.setdefault(int(p["stage"]), []).append(StagePeer(p["node_id"], p["address"], int(p["stage"])))
+        out.setdefault(int(p["stage"]), []).append(StageEndpoint(p["node_id"], p["address"], int(p["stage"])))
     return out
 
 
@@ -116,10 +116,10 @@ async def drive(args: argparse.Namespace) -> int:
     async def refresh() -> None:
         if pipelined:  # the coordinator's view: each peer under the stage it serves now
             view = await member.stages()
-            by_stage: dict[int, list[StagePeer]] = {s: [] for s in range(cfg.stages)}
+            by_stage: dict[int, list[StageEndpoint]] = {s: [] for s in range(cfg.stages)}
             for p in view.peers:
                 if 0 <= p.report.stage < cfg.stages and p.report.address:
-                    by_stage[p.report.stage].append(StagePeer(p.node_id, p.report.address, p.report.stage))
+                    by_stage[p.report.stage].append(StageEndpoint(p.node_id, p.report.address, p.report.stage))
         else:
             by_stage = read_peers(Path(args.peers))
         for stage, peers in by_stage.items():
