@@ -7,5 +7,8 @@ checks), client (calls to stage peers), router (stochastic wiring: per-hop peer 
 estimated load, benching, adaptive deadlines), driver (microbatches through the stages with
 bounded retries; only completed microbatches count), membership (join, heartbeats, a driver's
 lease and ledger commits), stage_state (a stage's weights published for, and fetched by, peers
-joining the stage), peer (one stage peer as a process), drive (one driver as a process).
+joining the stage), stage_sync (a stage's peers keep its weights together: DiLoCo's outer step
+on the clock), stage_peer (a stage peer: serves a stage, moves between stages),
+stage_peer_process and driver_process (one stage peer, one driver, each as a process: the
+`python -m` entry points).
 """

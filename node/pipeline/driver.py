@@ -13,6 +13,8 @@ deadline; a failed attempt benches the peer. When a hop runs out of peers the mi
 as a whole (`MicrobatchFailed`) and is run again from the start later; its tokens count only
 when it completes. `CommitWindow` turns completions, which arrive out of order when several
 microbatches are in flight, into the contiguous prefix of microbatches that may be committed.
+
+One driver as a process (the data, the coordinator's lease and ledger): node/pipeline/driver_process.py.
 """
 
 from __future__ import annotations

@@ -13,6 +13,8 @@ its stage's parameters (node/pipeline/stage_state.py). In a pipelined run it hea
 - **Replicas**: every ``replica_every_s`` a peer of stage s copies the weights of stage s+1 (the
   last stage: of stage 0) from that stage's peers, when they changed, and publishes the copy. A
   stage whose every peer dies is then refilled with weights at most that old, not the seed's.
+
+One stage peer as a process (its command line, its JSON lines): node/pipeline/stage_peer_process.py.
 """
 
 from __future__ import annotations

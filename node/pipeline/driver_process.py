@@ -1,6 +1,6 @@
 """One pipeline driver as a process: it holds the data and sends microbatches through the stages.
 
-    python -m murmur.node.pipeline.drive --identity DIR --run RUN --peers peers.json \
+    python -m murmur.node.pipeline.driver_process --identity DIR --run RUN --peers peers.json \
         --stages 2 [model args] --data DATASET --shard 0 --microbatches 40 \
         [--microbatch-size 4] [--concurrency 2] [--codec bf16] [--commit-log FILE]
 
@@ -196,7 +196,7 @@ async def drive(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m murmur.node.pipeline.drive")
+    ap = argparse.ArgumentParser(prog="python -m murmur.node.pipeline.driver_process")
     ap.add_argument("--identity", help="folder with node.key, node.crt, ca.crt (without --coordinator)")
     ap.add_argument("--coordinator", default="", help="join this coordinator, lease a shard, commit to its ledger")
     ap.add_argument("--token", default="", help="join token (with --coordinator)")

@@ -1,7 +1,7 @@
 """One stage peer as a process: the tests' multi-process pipelines, the testnet and a manual check.
 
-    python -m murmur.node.pipeline.peer --coordinator HOST:PORT --token TOKEN [--stage S]
-    python -m murmur.node.pipeline.peer --identity DIR --run RUN --stage 1 --stages 2 \
+    python -m murmur.node.pipeline.stage_peer_process --coordinator HOST:PORT --token TOKEN [--stage S]
+    python -m murmur.node.pipeline.stage_peer_process --identity DIR --run RUN --stage 1 --stages 2 \
         [--layers 2,2] [--preset tiny --dim 64 ...] [--target-samples 16] [--lr 1e-3] \
         [--fault delay:stage_compute:0.2@x*]
 
@@ -70,7 +70,7 @@ def settings_of(args: argparse.Namespace, member: Membership | None):
 
 async def show_progress(peer: StagePeer, every_s: float) -> None:
     """A line on stderr now and then: the stage it serves and how it goes."""
-    log = logging.getLogger("murmur.node.pipeline.peer")
+    log = logging.getLogger("murmur.node.pipeline.stage_peer_process")
     while every_s > 0:
         await asyncio.sleep(every_s)
         rep = peer.report()
@@ -124,7 +124,7 @@ async def serve(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m murmur.node.pipeline.peer")
+    ap = argparse.ArgumentParser(prog="python -m murmur.node.pipeline.stage_peer_process")
     ap.add_argument("--identity", help="folder with node.key, node.crt, ca.crt (without --coordinator)")
     ap.add_argument("--coordinator", default="", help="join this coordinator for a certificate")
     ap.add_argument("--token", default="", help="join token (with --coordinator)")
