@@ -1,7 +1,7 @@
 """The node's session with the coordinator: join, heartbeats, leases and the commit journal.
 
 Everything here runs on the daemon's asyncio loop. The training thread reaches it through the
-training driver (node/daemon/driver.py): it asks for leases and hands back commits.
+thread's bridge (node/daemon/training_thread.py): it asks for leases and hands back commits.
 
 Coordinator outage: heartbeats and commits fail, the session logs it once and the node keeps
 training on the lease it holds; commits wait in the journal (the state folder) and are replayed,
@@ -145,13 +145,13 @@ class CoordinatorSession:
         # ``acquire`` asks for another shard beside them (the training thread fills it).
         self.exhausted: set[str] = set()
         self.coordinator_up = True
-        self.tokens_per_s = 0.0  # what the heartbeats report; the driver sets it after each round
+        self.tokens_per_s = 0.0  # what the heartbeats report; the training thread sets it after each round
         # The run round the window under way completes (the training thread sets it before each
         # window): claims name it, and a grant makes it the run's newest round at the coordinator.
         self.window_round = 0
         # This process's place on the data plane, reported with every heartbeat; the reply's live
         # trainers land in ``view`` (node/daemon/run_view.py). peer_address stays empty until the
-        # node holds the run's state and takes part in rounds (the driver sets it, and round/hash).
+        # node holds the run's state and takes part in rounds (the training thread sets it, and round/hash).
         self.incarnation = new_incarnation()
         self.peer_address = ""
         self.round, self.state_hash = -1, ""
