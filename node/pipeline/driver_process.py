@@ -42,7 +42,7 @@ from murmur.node.pipeline.config import (
     refuse_model_args,
 )
 from murmur.node.pipeline.driver import Driver, MicrobatchFailed, MicrobatchResult, run_in_order
-from murmur.node.pipeline.membership import Membership
+from murmur.node.pipeline.member import PipelineMember
 from murmur.node.pipeline.router import Router
 from murmur.protocol.coordinator_client import CoordinatorError
 from murmur.protocol.identity import Identity
@@ -101,7 +101,7 @@ def pipeline_of(args: argparse.Namespace, run: RunConfig | None):
 async def drive(args: argparse.Namespace) -> int:
     member = lease = run = None
     if args.coordinator:
-        member = await Membership.join(args.coordinator, args.token)
+        member = await PipelineMember.join(args.coordinator, args.token)
         identity = member.ident
         run = parse_config(member.info.config_toml, "the run config")
     else:

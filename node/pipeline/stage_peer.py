@@ -32,7 +32,7 @@ from murmur.node.net.faults import FaultInjector
 from murmur.node.net.server import PeerServer, PeerServerSettings, PublishedState
 from murmur.node.net.state_transfer import StateError, afetch
 from murmur.node.pipeline import stage_state
-from murmur.node.pipeline.membership import Membership
+from murmur.node.pipeline.member import PipelineMember
 from murmur.node.pipeline.service import StageService, StageServiceSettings
 from murmur.node.pipeline.stage_sync import StageSync, outer_name
 from murmur.node.pipeline.worker import StageWorker
@@ -68,7 +68,7 @@ class StagePeer:
         model: ModelConfig,
         settings: StagePeerSettings,
         *,
-        member: Membership | None = None,
+        member: PipelineMember | None = None,
         faults: FaultInjector | None = None,
         on_event: Callable[..., None] = lambda **_: None,
     ) -> None:

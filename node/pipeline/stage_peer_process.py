@@ -37,7 +37,7 @@ from murmur.node.pipeline.config import (
     model_from_run,
     refuse_model_args,
 )
-from murmur.node.pipeline.membership import Membership
+from murmur.node.pipeline.member import PipelineMember
 from murmur.node.pipeline.stage_peer import StagePeer, StagePeerSettings
 from murmur.protocol.identity import Identity
 from murmur.protocol.runconfig import OptimSection, parse_config
@@ -47,7 +47,7 @@ def emit(**record: object) -> None:
     print(json.dumps(record), flush=True)
 
 
-def settings_of(args: argparse.Namespace, member: Membership | None):
+def settings_of(args: argparse.Namespace, member: PipelineMember | None):
     """(model, StagePeerSettings) from the run config when it is pipelined, else from the command line."""
     run = parse_config(member.info.config_toml, "the run config") if member is not None else None
     if run is not None and run.pipeline is not None:
@@ -81,7 +81,7 @@ async def show_progress(peer: StagePeer, every_s: float) -> None:
 
 
 async def serve(args: argparse.Namespace) -> None:
-    member = await Membership.join(args.coordinator, args.token) if args.coordinator else None
+    member = await PipelineMember.join(args.coordinator, args.token) if args.coordinator else None
     model, settings = settings_of(args, member)
     ident = member.ident if member is not None else Identity.load(args.identity)
     run_id = member.info.run_id if member is not None else args.run
