@@ -42,7 +42,7 @@ from murmur.node.daemon.metrics import metrics_server as make_metrics_server
 from murmur.node.daemon.ranks import LocalRanks, RankError
 from murmur.node.daemon.session import CoordinatorSession, join
 from murmur.node.daemon.settings import NodeSettings
-from murmur.node.daemon.state_dir import JoinInfo, StateDir
+from murmur.node.daemon.state_dir import JoinRecord, StateDir
 from murmur.node.daemon.stop import StopSignal
 from murmur.node.daemon.training_thread import TrainingThread
 from murmur.node.model.data import Dataset
@@ -190,7 +190,7 @@ class Node:
         )
         return True
 
-    async def _open_dataplane(self, info: JoinInfo, ident: identity.Identity, cfg: RunConfig) -> DataPlane:
+    async def _open_dataplane(self, info: JoinRecord, ident: identity.Identity, cfg: RunConfig) -> DataPlane:
         if self.o.solo:
             self.log("solo mode: a one-member exchange, no peer server, no DHT")
             return SoloDataPlane(info.node_id, cfg)

@@ -25,7 +25,7 @@ from murmur.errors import MurmurError
 from murmur.node.daemon.metrics import NodeMetrics
 from murmur.node.daemon.run_view import RunView, new_incarnation
 from murmur.node.daemon.settings import NodeSettings
-from murmur.node.daemon.state_dir import JoinInfo, PendingCommit, StateDir
+from murmur.node.daemon.state_dir import JoinRecord, PendingCommit, StateDir
 from murmur.node.daemon.stop import StopSignal
 from murmur.node.daemon.training import LeaseView
 from murmur.node.net.loop import next_due
@@ -80,7 +80,7 @@ async def join(
     state: StateDir,
     settings: NodeSettings,
     log: Callable[[str], None],
-) -> tuple[JoinInfo, identity.Identity, str]:
+) -> tuple[JoinRecord, identity.Identity, str]:
     """The membership this state folder holds for ``coordinator``, else a new one from ``token``:
     (join info, identity, the run configuration as TOML)."""
     saved = state.load_join()
@@ -96,7 +96,7 @@ async def join(
     ident, joined = await join_run(
         coordinator, token, state.node_key(), hardware=hardware(), timeout_s=settings.join_timeout_s
     )
-    info = JoinInfo(
+    info = JoinRecord(
         node_id=joined.node_id,
         run_id=joined.run_id,
         coordinator=coordinator,
@@ -117,7 +117,7 @@ class CoordinatorSession:
 
     def __init__(
         self,
-        info: JoinInfo,
+        info: JoinRecord,
         ident: identity.Identity,
         *,
         settings: NodeSettings,
@@ -334,7 +334,7 @@ class CoordinatorSession:
             return None
         if peers and peers != self.info.bootstrap_peers:
             self.info.bootstrap_peers = list(peers)
-            self.state.save_join_info(self.info)
+            self.state.save_join_record(self.info)
         return peers
 
     async def check_reachable(self, peer_address: str) -> tuple[bool, str] | None:

@@ -34,7 +34,11 @@ class StateError(MurmurError):
 
 
 @dataclass(slots=True)
-class JoinInfo:
+class JoinRecord:
+    """What join.json keeps of a join, for a restart to rejoin as the same node: the join reply
+    (protocol/coordinator_client.py's JoinInfo) without the run config (config.toml holds it),
+    with the coordinator's public address the node joined through."""
+
     node_id: str
     run_id: str
     coordinator: str  # the public address the node joined through
@@ -112,23 +116,23 @@ class StateDir:
         self.identity_dir.mkdir(exist_ok=True)
         return identity.load_or_create_key(self.identity_dir / "node.key")
 
-    def save_join(self, info: JoinInfo, cert_pem: bytes, ca_pem: bytes, config_toml: str) -> None:
+    def save_join(self, info: JoinRecord, cert_pem: bytes, ca_pem: bytes, config_toml: str) -> None:
         (self.identity_dir / "node.crt").write_bytes(cert_pem)
         (self.identity_dir / "ca.crt").write_bytes(ca_pem)
         _atomic_write(self.root / "config.toml", config_toml.encode())
         _atomic_write(self.root / "join.json", (json.dumps(asdict(info), indent=1) + "\n").encode())
 
-    def save_join_info(self, info: JoinInfo) -> None:
+    def save_join_record(self, info: JoinRecord) -> None:
         """The join record alone (the coordinator handed out new bootstrap peers)."""
         _atomic_write(self.root / "join.json", (json.dumps(asdict(info), indent=1) + "\n").encode())
 
-    def load_join(self) -> tuple[JoinInfo, identity.Identity, str] | None:
+    def load_join(self) -> tuple[JoinRecord, identity.Identity, str] | None:
         """The saved join (info, identity, config text), or None when the node never joined."""
         path = self.root / "join.json"
         if not path.is_file():
             return None
         try:
-            info = JoinInfo(**json.loads(path.read_text()))
+            info = JoinRecord(**json.loads(path.read_text()))
             ident = identity.Identity.load(self.identity_dir)
             config = (self.root / "config.toml").read_text()
         except (OSError, TypeError, json.JSONDecodeError) as err:
