@@ -29,8 +29,9 @@ from murmur.node.daemon import checkpoint_file
 from murmur.protocol import identity
 
 
-class StateError(MurmurError):
-    pass
+class StateDirError(MurmurError):
+    """The state folder cannot be used (locked, unwritable, a damaged file). Not to be confused with
+    node/net/state_transfer.py's StateError: a training state that could not be fetched from peers."""
 
 
 @dataclass(slots=True)
@@ -80,7 +81,7 @@ class StateDir:
         try:
             self.root.mkdir(parents=True, exist_ok=True)
         except OSError as err:
-            raise StateError(f"cannot create the state folder {self.root}: {err.strerror}") from None
+            raise StateDirError(f"cannot create the state folder {self.root}: {err.strerror}") from None
         self._lock_file: Any = None
 
     # -- exclusive use ---------------------------------------------------------------------------
@@ -92,7 +93,7 @@ class StateDir:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             f.close()
-            raise StateError(
+            raise StateDirError(
                 f"another murmur node is running on {self.root}; give each node its own --state-dir"
             ) from None
         f.seek(0)
@@ -136,7 +137,7 @@ class StateDir:
             ident = identity.Identity.load(self.identity_dir)
             config = (self.root / "config.toml").read_text()
         except (OSError, TypeError, json.JSONDecodeError) as err:
-            raise StateError(
+            raise StateDirError(
                 f"{self.root} holds a damaged join record ({err}); remove join.json to join afresh"
             ) from None
         return info, ident, config
@@ -163,7 +164,7 @@ class StateDir:
         try:
             return checkpoint_file.load(self.checkpoint_path)
         except Exception as err:  # noqa: BLE001 - any unreadable file is the same user error
-            raise StateError(
+            raise StateDirError(
                 f"checkpoint {self.checkpoint_path} cannot be read ({type(err).__name__}); delete it and "
                 "the node will fetch the state from its peers"
             ) from None
