@@ -4,10 +4,11 @@
         [--rates 1000,100,20] [--codecs bf16,int8] [--mtbf 0,30] [--microbatches 120] \
         [--kill-microbatches 400] [--concurrency 4]
 
-Every process (one driver, S x P stage peers: `python -m murmur.node.pipeline.peer` / `drive`)
-runs in its own network namespace on one bridge, its upload shaped by ``tc tbf`` to the link rate
-(the namespaces and shaping of benchmarks/exchange.py, reused; do not run both at once). The
-model is the tiny preset (4 blocks, dim 128, seq 128) cut into S stages, microbatches of 4 rows.
+Every process (S x P stage peers, `python -m murmur.node.pipeline.stage_peer_process`, and one
+driver, `python -m murmur.node.pipeline.driver_process`) runs in its own network namespace on one
+bridge, its upload shaped by ``tc tbf`` to the link rate (the namespaces and shaping of
+benchmarks/exchange.py, reused; do not run both at once). The model is the tiny preset (4 blocks,
+dim 128, seq 128) cut into S stages, microbatches of 4 rows.
 
 With ``mtbf_s > 0`` a chaos thread gives every stage peer an exponential lifetime of mean
 ``mtbf_s``; a peer that dies (SIGKILL) is restarted at once on the same stage (a fresh process
@@ -76,9 +77,10 @@ class Peer:
         self.stopped: dict = {}
 
     def start(self) -> None:
-        cmd = in_ns(self.slot, sys.executable, "-m", "murmur.node.pipeline.peer", "--identity", str(self.ident),
-                    "--run", "bench", "--stage", str(self.stage), "--stages", str(self.args.stages), *MODEL,
-                    "--host", ip(self.slot), "--target-samples", "16", "--threads", str(self.args.threads))
+        cmd = in_ns(self.slot, sys.executable, "-m", "murmur.node.pipeline.stage_peer_process",
+                    "--identity", str(self.ident), "--run", "bench", "--stage", str(self.stage),
+                    "--stages", str(self.args.stages), *MODEL, "--host", ip(self.slot), "--target-samples", "16",
+                    "--threads", str(self.args.threads))
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env(self.args.threads), cwd=REPO)
         line = self.proc.stdout.readline()
         if not line:
@@ -148,7 +150,7 @@ def one_row(args, work: Path, data: Path, rate: int, codec: str, mtbf: float) ->
             t.join(START_TIMEOUT_S)
         write_peers(peers_file, peers, lock)
         count = args.kill_microbatches if mtbf else args.microbatches
-        cmd = in_ns(0, sys.executable, "-m", "murmur.node.pipeline.drive", "--identity", str(row_dir / "id0"),
+        cmd = in_ns(0, sys.executable, "-m", "murmur.node.pipeline.driver_process", "--identity", str(row_dir / "id0"),
                     "--run", "bench", "--peers", str(peers_file), "--stages", str(args.stages), *MODEL,
                     "--data", str(data), "--microbatches", str(count), "--microbatch-size", str(MICROBATCH),
                     "--concurrency", str(args.concurrency), "--codec", codec, "--hop-timeout-s", "30",
@@ -229,7 +231,7 @@ def recovery_row(args, work: Path, data: Path, repeat: int) -> dict:
     driver = None
     try:
         for _ in range(4):
-            p = subprocess.Popen([sys.executable, "-m", "murmur.node.pipeline.peer", *join, "--threads",
+            p = subprocess.Popen([sys.executable, "-m", "murmur.node.pipeline.stage_peer_process", *join, "--threads",
                                   str(args.threads)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                                  env=env(args.threads), cwd=REPO)
             peers.append(p)
@@ -238,9 +240,9 @@ def recovery_row(args, work: Path, data: Path, repeat: int) -> dict:
             ready.append(rec)
         out_path = root / "driver.jsonl"
         with open(out_path, "w") as out:
-            driver = subprocess.Popen([sys.executable, "-m", "murmur.node.pipeline.drive", *join, "--data", str(data),
-                                       "--microbatches", str(args.recovery_microbatches), "--concurrency",
-                                       str(args.concurrency), "--threads", str(args.threads)],
+            driver = subprocess.Popen([sys.executable, "-m", "murmur.node.pipeline.driver_process", *join,
+                                       "--data", str(data), "--microbatches", str(args.recovery_microbatches),
+                                       "--concurrency", str(args.concurrency), "--threads", str(args.threads)],
                                       stdout=out, text=True, env=env(args.threads), cwd=REPO)
 
             def records(kind: str) -> list[dict]:

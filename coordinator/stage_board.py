@@ -10,7 +10,7 @@ the stage its lease names is not the one it serves. The lease is a row of the le
   throughput, then the lowest index); it loads that stage's state and reports it, and the lease
   becomes **serving**. A peer started on a stage of its own choosing (``--stage``) has it as its
   lease from its first heartbeat.
-- **moving**: `Rebalancer` (coordinator/stages.py) decided to move the peer; it keeps serving its
+- **moving**: `Rebalancer` (coordinator/rebalance.py) decided to move the peer; it keeps serving its
   old stage until it holds the new one's state, then reports the new stage (serving again). One
   move at a time per run; a stage left with no peer is refilled at once, other moves wait for
   ``rebalance_every_s`` and two agreeing checks.
@@ -35,7 +35,7 @@ from murmur.errors import MurmurError
 from murmur.protocol import coordinator_pb2 as pb
 from murmur.protocol.runconfig import ConfigError, PipelineSection, parse_config
 
-from .stages import Move, Rebalancer
+from .rebalance import Move, Rebalancer
 from .store import Store
 
 # A peer that has not reported its new stage this long after it was told to move has failed the

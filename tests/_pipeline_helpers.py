@@ -53,7 +53,7 @@ def membership(ca: CertificateAuthority, folder: Path, join: tuple[str, str] | N
 
 def start_peer(ca: CertificateAuthority, folder: Path, stage: int, *extra: str,
                join: tuple[str, str] | None = None) -> PeerProc:
-    cmd = [PYTHON, "-m", "murmur.node.pipeline.peer", *membership(ca, folder, join),
+    cmd = [PYTHON, "-m", "murmur.node.pipeline.stage_peer_process", *membership(ca, folder, join),
            "--stage", str(stage), *MODEL, "--target-samples", "8", "--lr", "3e-3", *extra]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=python_env(), cwd=REPO)
     line = proc.stdout.readline()
@@ -66,7 +66,8 @@ def start_peer(ca: CertificateAuthority, folder: Path, stage: int, *extra: str,
 def start_run_peer(folder: Path, join: tuple[str, str], *extra: str) -> PeerProc:
     """A stage peer of a pipelined run: the model, the pipeline and (without --stage) its stage
     come from the coordinator."""
-    cmd = [PYTHON, "-m", "murmur.node.pipeline.peer", "--coordinator", join[0], "--token", join[1], *extra]
+    cmd = [PYTHON, "-m", "murmur.node.pipeline.stage_peer_process", "--coordinator", join[0], "--token", join[1],
+           *extra]
     err = open(folder.with_suffix(".log"), "ab")  # noqa: SIM115 - the child holds it
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=python_env(), cwd=REPO)
     before = []
@@ -147,7 +148,7 @@ def start_driver(ca: CertificateAuthority | None, tmp_path: Path, data: Path, na
     else:
         shape = [*membership(ca, tmp_path / name, join), "--peers", str(tmp_path / "peers.json"), *MODEL,
                  "--microbatch-size", str(MICROBATCH)]
-    cmd = [PYTHON, "-m", "murmur.node.pipeline.drive", *shape, "--data", str(data),
+    cmd = [PYTHON, "-m", "murmur.node.pipeline.driver_process", *shape, "--data", str(data),
            "--commit-log", str(tmp_path / f"{name}.commits"), *extra]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=python_env(), cwd=REPO)
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from murmur.node.daemon import checkpoint_file
-from murmur.node.daemon.state_dir import StateDir, StateError
+from murmur.node.daemon.state_dir import StateDir, StateDirError
 
 
 def _state() -> dict:
@@ -64,5 +64,5 @@ def test_a_torn_checkpoint_is_a_clear_error_in_the_state_folder(tmp_path):
     _equal(_state(), sd.load_checkpoint())
     data = sd.checkpoint_path.read_bytes()
     sd.checkpoint_path.write_bytes(data[: len(data) - 20])  # the last tensor cut short
-    with pytest.raises(StateError, match="cannot be read"):
+    with pytest.raises(StateDirError, match="cannot be read"):
         sd.load_checkpoint()

@@ -1,8 +1,8 @@
 """Peers as separate processes meeting through the DHT: a SIGKILLed peer, a peer that catches up,
 and a peer killed between meeting the others and sending anything.
 
-Each peer is ``python -m murmur.node.testnet.exchange_peer`` with its own TLS identity; the test
-process runs the bootstrap DHT. Spans travel as three pipeline chunks. Peer 3 is armed with the
+Each peer is ``python -m murmur.node.testnet.exchange_peer_process`` with its own TLS identity;
+the test process runs the bootstrap DHT. Spans travel as three pipeline chunks. Peer 3 is armed with the
 ``exit_midstream`` fault for round 2: halfway through streaming its chunks it SIGKILLs itself.
 Peer 1 loses a reduced chunk in round 1 (a cut connection) and must catch up from the peers that
 completed.
@@ -35,7 +35,7 @@ def run_peers(tmp_path, n: int, faults: dict[int, list[str]], peer_timeout: floa
             cmd = [
                 PYTHON,
                 "-m",
-                "murmur.node.testnet.exchange_peer",
+                "murmur.node.testnet.exchange_peer_process",
                 "--identity",
                 str(tmp_path / str(i)),
                 "--run",

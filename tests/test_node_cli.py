@@ -40,12 +40,12 @@ def test_bad_input_is_one_line(tmp_path, args, needle):
 
 
 def test_second_daemon_on_one_state_dir_is_refused(tmp_path):
-    from murmur.node.daemon.state_dir import StateDir, StateError
+    from murmur.node.daemon.state_dir import StateDir, StateDirError
 
     first = StateDir(tmp_path / "s")
     first.lock()
     try:
-        with pytest.raises(StateError, match="another murmur node is running"):
+        with pytest.raises(StateDirError, match="another murmur node is running"):
             StateDir(tmp_path / "s").lock()
     finally:
         first.unlock()

@@ -23,7 +23,7 @@ from _pipeline_helpers import (
 )
 
 from murmur.node.net.loop import LoopThread
-from murmur.node.pipeline.client import StageClient, StagePeer
+from murmur.node.pipeline.client import StageClient, StageEndpoint
 
 # Five to seven processes, each importing torch, on a loaded 2-core machine: more than the default.
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -71,7 +71,7 @@ def test_a_sigkilled_stage_peer_mid_microbatch_its_hops_go_to_its_stage_mate(tmp
         client = StageClient(watcher_identity(join), run_id=net.run_id)
         try:
             async def busy() -> None:  # until the victim is computing a hop
-                peer = StagePeer(victim.node_id, victim.ready["address"], 1)
+                peer = StageEndpoint(victim.node_id, victim.ready["address"], 1)
                 while (await client.info(peer)).queue == 0:
                     await asyncio.sleep(0.01)
             loop.run(busy(), timeout=RUN_TIMEOUT)

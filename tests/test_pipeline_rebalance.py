@@ -1,10 +1,11 @@
-"""The coordinator's stage rebalancing rule (coordinator/stages.py, not wired in yet)."""
+"""The coordinator's stage rebalancing rule alone (coordinator/rebalance.py); wired into the stage
+leases, it is tested in tests/test_stage_board.py."""
 
 from __future__ import annotations
 
 import pytest
 
-from murmur.coordinator.stages import Rebalancer
+from murmur.coordinator.rebalance import Rebalancer
 
 
 def test_an_empty_stage_is_refilled_at_once_from_a_stage_that_keeps_a_peer():

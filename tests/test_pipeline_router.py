@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from murmur.node.pipeline.client import StagePeer
+from murmur.node.pipeline.client import StageEndpoint
 from murmur.node.pipeline.driver import CommitWindow
 from murmur.node.pipeline.router import Router
 from murmur.protocol.runconfig import PipelineSection
@@ -18,8 +18,8 @@ class Clock:
         return self.now
 
 
-def peers(stage: int, *names: str) -> list[StagePeer]:
-    return [StagePeer(n, f"127.0.0.1:{i + 1}", stage) for i, n in enumerate(names)]
+def peers(stage: int, *names: str) -> list[StageEndpoint]:
+    return [StageEndpoint(n, f"127.0.0.1:{i + 1}", stage) for i, n in enumerate(names)]
 
 
 def make(**kw) -> tuple[Router, Clock]:

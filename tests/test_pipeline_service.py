@@ -15,7 +15,7 @@ from murmur.node.model.transformer import model_config
 from murmur.node.net.faults import FaultInjector
 from murmur.node.net.loop import LoopThread
 from murmur.node.pipeline import codec
-from murmur.node.pipeline.client import StageClient, StagePeer
+from murmur.node.pipeline.client import StageClient, StageEndpoint
 from murmur.node.pipeline.service import StageService, StageServiceSettings
 from murmur.node.pipeline.worker import StageWorker
 from murmur.protocol import pipeline_pb2, pipeline_pb2_grpc, tls
@@ -46,7 +46,7 @@ def pipeline():
             services.append(svc)
         client_id = ca.issue()
         client = StageClient(client_id, run_id=RUN)
-        peers = [StagePeer(s.identity.node_id, s.address, s.span.index) for s in services]
+        peers = [StageEndpoint(s.identity.node_id, s.address, s.span.index) for s in services]
         yield loop, ca, services, client, peers, ban, client_id
     finally:
         loop.run(client.aclose())
@@ -80,7 +80,7 @@ def test_round_trip_matches_the_local_computation(pipeline, wire):
     assert [s.worker.stats.samples_accumulated for s in services] == [ROWS, ROWS]
 
 
-def raw(loop, peer: StagePeer, method: str, request, channel_credentials=None, client_id=None):
+def raw(loop, peer: StageEndpoint, method: str, request, channel_credentials=None, client_id=None):
     """One hand-made call; returns the status code and details."""
     async def go():
         if channel_credentials is None:

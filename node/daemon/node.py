@@ -5,8 +5,8 @@
     CoordinatorSession   join, heartbeats, leases, the commit journal and its replay, outages
                          (node/daemon/session.py)
     DataPlane            solo, or the peer server + DHT + gRPC exchange (node/daemon/dataplane.py)
-    TrainingDriver       the training thread and its bridge to the loop, restore, round records
-                         (node/daemon/driver.py)
+    TrainingThread       the training thread and its bridge to the loop, restore, round records
+                         (node/daemon/training_thread.py)
 
 Concurrency: one asyncio loop owns every socket (coordinator client, peer server, DHT handle,
 metrics endpoint); training runs in one thread and talks to the loop only through
@@ -37,14 +37,14 @@ from pathlib import Path
 
 from murmur.errors import MurmurError
 from murmur.node.daemon.dataplane import DataPlane, SoloDataPlane
-from murmur.node.daemon.driver import TrainingDriver
 from murmur.node.daemon.metrics import MetricsServer, NodeMetrics
 from murmur.node.daemon.metrics import metrics_server as make_metrics_server
 from murmur.node.daemon.ranks import LocalRanks, RankError
 from murmur.node.daemon.session import CoordinatorSession, join
 from murmur.node.daemon.settings import NodeSettings
-from murmur.node.daemon.state_dir import JoinInfo, StateDir
+from murmur.node.daemon.state_dir import JoinRecord, StateDir
 from murmur.node.daemon.stop import StopSignal
+from murmur.node.daemon.training_thread import TrainingThread
 from murmur.node.model.data import Dataset
 from murmur.node.net.faults import FaultInjector
 from murmur.node.train.build import resolve_device
@@ -94,7 +94,7 @@ class Node:
         self.session: CoordinatorSession | None = None
         self.metrics_server: MetricsServer | None = None
         self.dataplane: DataPlane | None = None
-        self.driver: TrainingDriver | None = None
+        self.training: TrainingThread | None = None
         self.ranks: LocalRanks | None = None
         self.leave_on_exit = True  # say Leave (and forget the join record) when the node exits
 
@@ -114,9 +114,9 @@ class Node:
                 raise
             if not started:
                 return 0
-            assert self.session is not None and self.driver is not None
+            assert self.session is not None and self.training is not None
             try:
-                await asyncio.to_thread(self.driver.train)
+                await asyncio.to_thread(self.training.train)
             except RankError:
                 # A local rank died: stop cleanly, keep the membership; a restart resumes from the checkpoint.
                 self.leave_on_exit = False
@@ -159,7 +159,7 @@ class Node:
             )
             self.log(f"{self.o.gpus} local ranks ({'NCCL' if device.type == 'cuda' else 'gloo'}): "
                      f"{cfg.train.batch_size} rows per rank per step")
-        self.driver = await TrainingDriver.build(
+        self.training = await TrainingThread.build(
             cfg=cfg,
             dataset=dataset,
             device=device,
@@ -182,15 +182,15 @@ class Node:
             return False
         with contextlib.suppress(TimeoutError):  # a coordinator outage: the DHT alone decides
             await asyncio.wait_for(self.session.viewed.wait(), self.s.rpc_timeout_s)
-        await self.driver.restore()
+        await self.training.restore()
         self.log(
             f"node {info.node_id}: {cfg.sync.algorithm} codec={cfg.sync.codec} H={cfg.sync.inner_steps} "
-            f"model {cfg.model.preset} ({self.driver.trainer.n_params / 1e6:.2f}M params) on {device}, "
-            f"from round {self.driver.trainer.round}"
+            f"model {cfg.model.preset} ({self.training.trainer.n_params / 1e6:.2f}M params) on {device}, "
+            f"from round {self.training.trainer.round}"
         )
         return True
 
-    async def _open_dataplane(self, info: JoinInfo, ident: identity.Identity, cfg: RunConfig) -> DataPlane:
+    async def _open_dataplane(self, info: JoinRecord, ident: identity.Identity, cfg: RunConfig) -> DataPlane:
         if self.o.solo:
             self.log("solo mode: a one-member exchange, no peer server, no DHT")
             return SoloDataPlane(info.node_id, cfg)

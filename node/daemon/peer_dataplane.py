@@ -35,7 +35,7 @@ from murmur.errors import MurmurError
 from murmur.node.daemon.dataplane import MemberTracker
 from murmur.node.daemon.run_view import RunView
 from murmur.node.daemon.settings import NodeSettings
-from murmur.node.daemon.state_dir import JoinInfo
+from murmur.node.daemon.state_dir import JoinRecord
 from murmur.node.exchange.group import DHTGroup, RendezvousSettings, RoundGate
 from murmur.node.exchange.peer import ExchangePeer, PeerSpec, abuild_peer
 from murmur.node.exchange.settings import ExchangeSettings
@@ -304,7 +304,7 @@ class PeerDataPlane:
 
 async def _start_dht(
     ident: identity.Identity,
-    info: JoinInfo,
+    info: JoinRecord,
     host: str,
     dht_peers: list[str],
     settings: NodeSettings,
@@ -393,7 +393,7 @@ async def _settle_client_mode(
 async def open_peer_dataplane(
     *,
     ident: identity.Identity,
-    info: JoinInfo,
+    info: JoinRecord,
     cfg: RunConfig,
     settings: NodeSettings,
     listen: str,

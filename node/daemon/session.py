@@ -1,7 +1,7 @@
 """The node's session with the coordinator: join, heartbeats, leases and the commit journal.
 
 Everything here runs on the daemon's asyncio loop. The training thread reaches it through the
-training driver (node/daemon/driver.py): it asks for leases and hands back commits.
+thread's bridge (node/daemon/training_thread.py): it asks for leases and hands back commits.
 
 Coordinator outage: heartbeats and commits fail, the session logs it once and the node keeps
 training on the lease it holds; commits wait in the journal (the state folder) and are replayed,
@@ -25,7 +25,7 @@ from murmur.errors import MurmurError
 from murmur.node.daemon.metrics import NodeMetrics
 from murmur.node.daemon.run_view import RunView, new_incarnation
 from murmur.node.daemon.settings import NodeSettings
-from murmur.node.daemon.state_dir import JoinInfo, PendingCommit, StateDir
+from murmur.node.daemon.state_dir import JoinRecord, PendingCommit, StateDir
 from murmur.node.daemon.stop import StopSignal
 from murmur.node.daemon.training import LeaseView
 from murmur.node.net.loop import next_due
@@ -80,7 +80,7 @@ async def join(
     state: StateDir,
     settings: NodeSettings,
     log: Callable[[str], None],
-) -> tuple[JoinInfo, identity.Identity, str]:
+) -> tuple[JoinRecord, identity.Identity, str]:
     """The membership this state folder holds for ``coordinator``, else a new one from ``token``:
     (join info, identity, the run configuration as TOML)."""
     saved = state.load_join()
@@ -96,7 +96,7 @@ async def join(
     ident, joined = await join_run(
         coordinator, token, state.node_key(), hardware=hardware(), timeout_s=settings.join_timeout_s
     )
-    info = JoinInfo(
+    info = JoinRecord(
         node_id=joined.node_id,
         run_id=joined.run_id,
         coordinator=coordinator,
@@ -117,7 +117,7 @@ class CoordinatorSession:
 
     def __init__(
         self,
-        info: JoinInfo,
+        info: JoinRecord,
         ident: identity.Identity,
         *,
         settings: NodeSettings,
@@ -145,13 +145,13 @@ class CoordinatorSession:
         # ``acquire`` asks for another shard beside them (the training thread fills it).
         self.exhausted: set[str] = set()
         self.coordinator_up = True
-        self.tokens_per_s = 0.0  # what the heartbeats report; the driver sets it after each round
+        self.tokens_per_s = 0.0  # what the heartbeats report; the training thread sets it after each round
         # The run round the window under way completes (the training thread sets it before each
         # window): claims name it, and a grant makes it the run's newest round at the coordinator.
         self.window_round = 0
         # This process's place on the data plane, reported with every heartbeat; the reply's live
         # trainers land in ``view`` (node/daemon/run_view.py). peer_address stays empty until the
-        # node holds the run's state and takes part in rounds (the driver sets it, and round/hash).
+        # node holds the run's state and takes part in rounds (the training thread sets it, and round/hash).
         self.incarnation = new_incarnation()
         self.peer_address = ""
         self.round, self.state_hash = -1, ""
@@ -334,7 +334,7 @@ class CoordinatorSession:
             return None
         if peers and peers != self.info.bootstrap_peers:
             self.info.bootstrap_peers = list(peers)
-            self.state.save_join_info(self.info)
+            self.state.save_join_record(self.info)
         return peers
 
     async def check_reachable(self, peer_address: str) -> tuple[bool, str] | None:

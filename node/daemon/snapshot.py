@@ -35,7 +35,7 @@ def take(obj: Any, *, on_device: bool = False) -> Any:
     ``on_device=False``: a CPU copy (GPU tensors go to page-locked memory, all transfers queued at
     once and waited for together). ``on_device=True``: GPU tensors are cloned on their device and
     nothing waits; whoever reads the copy off the device waits for the training stream first (an
-    event recorded after `take`, as node/daemon/driver.py does, and `to_host`)."""
+    event recorded after `take`, as node/daemon/training_thread.py does, and `to_host`)."""
     devices: set[torch.device] = set()
 
     def copy(v: Any) -> Any:

@@ -29,12 +29,17 @@ from murmur.node.daemon import checkpoint_file
 from murmur.protocol import identity
 
 
-class StateError(MurmurError):
-    pass
+class StateDirError(MurmurError):
+    """The state folder cannot be used (locked, unwritable, a damaged file). Not to be confused with
+    node/net/state_transfer.py's StateError: a training state that could not be fetched from peers."""
 
 
 @dataclass(slots=True)
-class JoinInfo:
+class JoinRecord:
+    """What join.json keeps of a join, for a restart to rejoin as the same node: the join reply
+    (protocol/coordinator_client.py's JoinInfo) without the run config (config.toml holds it),
+    with the coordinator's public address the node joined through."""
+
     node_id: str
     run_id: str
     coordinator: str  # the public address the node joined through
@@ -76,7 +81,7 @@ class StateDir:
         try:
             self.root.mkdir(parents=True, exist_ok=True)
         except OSError as err:
-            raise StateError(f"cannot create the state folder {self.root}: {err.strerror}") from None
+            raise StateDirError(f"cannot create the state folder {self.root}: {err.strerror}") from None
         self._lock_file: Any = None
 
     # -- exclusive use ---------------------------------------------------------------------------
@@ -88,7 +93,7 @@ class StateDir:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             f.close()
-            raise StateError(
+            raise StateDirError(
                 f"another murmur node is running on {self.root}; give each node its own --state-dir"
             ) from None
         f.seek(0)
@@ -112,27 +117,27 @@ class StateDir:
         self.identity_dir.mkdir(exist_ok=True)
         return identity.load_or_create_key(self.identity_dir / "node.key")
 
-    def save_join(self, info: JoinInfo, cert_pem: bytes, ca_pem: bytes, config_toml: str) -> None:
+    def save_join(self, info: JoinRecord, cert_pem: bytes, ca_pem: bytes, config_toml: str) -> None:
         (self.identity_dir / "node.crt").write_bytes(cert_pem)
         (self.identity_dir / "ca.crt").write_bytes(ca_pem)
         _atomic_write(self.root / "config.toml", config_toml.encode())
         _atomic_write(self.root / "join.json", (json.dumps(asdict(info), indent=1) + "\n").encode())
 
-    def save_join_info(self, info: JoinInfo) -> None:
+    def save_join_record(self, info: JoinRecord) -> None:
         """The join record alone (the coordinator handed out new bootstrap peers)."""
         _atomic_write(self.root / "join.json", (json.dumps(asdict(info), indent=1) + "\n").encode())
 
-    def load_join(self) -> tuple[JoinInfo, identity.Identity, str] | None:
+    def load_join(self) -> tuple[JoinRecord, identity.Identity, str] | None:
         """The saved join (info, identity, config text), or None when the node never joined."""
         path = self.root / "join.json"
         if not path.is_file():
             return None
         try:
-            info = JoinInfo(**json.loads(path.read_text()))
+            info = JoinRecord(**json.loads(path.read_text()))
             ident = identity.Identity.load(self.identity_dir)
             config = (self.root / "config.toml").read_text()
         except (OSError, TypeError, json.JSONDecodeError) as err:
-            raise StateError(
+            raise StateDirError(
                 f"{self.root} holds a damaged join record ({err}); remove join.json to join afresh"
             ) from None
         return info, ident, config
@@ -159,7 +164,7 @@ class StateDir:
         try:
             return checkpoint_file.load(self.checkpoint_path)
         except Exception as err:  # noqa: BLE001 - any unreadable file is the same user error
-            raise StateError(
+            raise StateDirError(
                 f"checkpoint {self.checkpoint_path} cannot be read ({type(err).__name__}); delete it and "
                 "the node will fetch the state from its peers"
             ) from None

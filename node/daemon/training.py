@@ -1,10 +1,10 @@
 """The node's training side: one replica, its inner optimizer and its sync algorithm.
 
-It runs in the daemon's training thread (node_lifecycle.py owns the asyncio loop). The inner step is
-every engine's (node/train/step.py), with the node's extras: the data comes from the shard
-the coordinator leased, compute time is measured apart from time spent waiting for the exchange,
-and the whole state (model, AdamW, global copy, outer momentum, round counters) can be saved,
-restored, hashed and handed to a joiner.
+It runs in the daemon's training thread (node/daemon/training_thread.py; node/daemon/node.py owns
+the asyncio loop). The inner step is every engine's (node/train/step.py), with the node's extras:
+the data comes from the shard the coordinator leased, compute time is measured apart from time
+spent waiting for the exchange, and the whole state (model, AdamW, global copy, outer momentum,
+round counters) can be saved, restored, hashed and handed to a joiner.
 
 One *window* is H inner steps (sync.inner_steps); a window ends with the run's sync point for
 DiLoCo (and for Streaming DiLoCo the last fragment of the window is launched; it lands tau steps
@@ -389,7 +389,7 @@ class NodeTrainer:
 
     def renumber(self, round_id: int) -> None:
         """Go on from this state as round ``round_id``: the run got that far, and every holder of
-        the rounds between is gone (node/daemon/driver.py's restore). The counters move as if those
+        the rounds between is gone (node/daemon/training_thread.py's restore). The counters move as if those
         rounds were trained here (steps for the schedule and DeMo's round ids, the fragments'
         exchange round ids), so no round number of the run is ever used for two states."""
         gap = round_id - self.round

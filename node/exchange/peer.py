@@ -1,9 +1,9 @@
 """One exchange peer, built in one place: its TLS peer server, its `GrpcExchange`, its group.
 
 Every caller that needs an exchange peer calls this module: the node's data plane
-(node/daemon/peer_dataplane.py, on its own loop: ``await abuild_peer(...)``), the testnet's exchange
-peer process (node/testnet/exchange_peer.py), the exchange benchmark and the tests (from another
-thread, through a LoopThread: ``build_peer(...)``). The spec names what differs between them; the
+(node/daemon/peer_dataplane.py, on its own loop: ``await abuild_peer(...)``), the testnet's
+exchange peer process (node/testnet/exchange_peer_process.py), the exchange benchmark and the
+tests (from another thread, through a LoopThread: ``build_peer(...)``). The spec names what differs between them; the
 wiring (the server started before the exchange exists, the address peers dial, the group that may
 need that address, the exchange's handlers on the server) is the same for all.
 """

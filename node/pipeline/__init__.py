@@ -3,9 +3,12 @@
 Modules: config (the pipeline's typed settings), worker (a stage's forward, backward by
 recomputation and optimizer steps, free of transport), codec (activations and gradients on the
 wire: fp32, bf16, int8 blockwise), service (the gRPC stage service with mutual TLS and input
-checks), client (calls to stage peers), router (stochastic wiring: per-hop peer choice by
-estimated load, benching, adaptive deadlines), driver (microbatches through the stages with
-bounded retries; only completed microbatches count), membership (join, heartbeats, a driver's
-lease and ledger commits), stage_state (a stage's weights published for, and fetched by, peers
-joining the stage), peer (one stage peer as a process), drive (one driver as a process).
+checks), client (calls to stage peers, each reached at a StageEndpoint), router (stochastic
+wiring: per-hop peer choice by estimated load, benching, adaptive deadlines), driver (microbatches
+through the stages with bounded retries; only completed microbatches count), member (a pipeline
+process's seat in the run: join, heartbeats, a driver's lease and ledger commits), stage_state (a
+stage's weights published for, and fetched by, peers joining the stage), stage_sync (a stage's
+peers keep its weights together: DiLoCo's outer step on the clock), stage_peer (a stage peer:
+serves a stage, moves between stages), stage_peer_process and driver_process (one stage peer, one
+driver, each as a process: the `python -m` entry points).
 """

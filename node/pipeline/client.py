@@ -19,7 +19,11 @@ from murmur.protocol.version import PROTOCOL_VERSION, version_metadata
 
 
 @dataclass(frozen=True, slots=True)
-class StagePeer:
+class StageEndpoint:
+    """Where a caller reaches one peer of a stage: the node id it announced (the name its TLS
+    certificate must carry), its address and the stage it serves. Only the caller's handle: the
+    peer itself, which serves the stage, is `StagePeer` (node/pipeline/stage_peer.py)."""
+
     node_id: str
     address: str
     stage: int
@@ -46,7 +50,7 @@ class StageClient:
         self.max_message_bytes = max_message_bytes
         self._channels: dict[tuple[str, str], grpc.aio.Channel] = {}
 
-    def _stub(self, peer: StagePeer) -> pipeline_pb2_grpc.StageStub:
+    def _stub(self, peer: StageEndpoint) -> pipeline_pb2_grpc.StageStub:
         key = (peer.node_id, peer.address)
         channel = self._channels.get(key)
         if channel is None:
@@ -58,7 +62,7 @@ class StageClient:
         return pipeline_pb2_grpc.StageStub(channel)
 
     async def forward(
-        self, peer: StagePeer, microbatch: str, inputs: torch.Tensor, *, reply_codec: str, timeout: float,
+        self, peer: StageEndpoint, microbatch: str, inputs: torch.Tensor, *, reply_codec: str, timeout: float,
         dim: int,
     ) -> tuple[torch.Tensor, int]:
         """The stage's outputs (fp32) and the bytes that crossed the wire."""
@@ -71,7 +75,7 @@ class StageClient:
         return out, request.ByteSize() + reply.ByteSize()
 
     async def backward(
-        self, peer: StagePeer, microbatch: str, inputs: torch.Tensor, *,
+        self, peer: StageEndpoint, microbatch: str, inputs: torch.Tensor, *,
         grad_outputs: torch.Tensor | None = None, targets: torch.Tensor | None = None,
         reply_codec: str, timeout: float, dim: int,
     ) -> BackwardAnswer:
@@ -90,7 +94,7 @@ class StageClient:
             grad = codec.decode(reply.grad_inputs, shape=shape, what=f"grad_inputs of {peer.node_id}")
         return BackwardAnswer(grad, reply.loss, reply.stepped, request.ByteSize() + reply.ByteSize())
 
-    async def info(self, peer: StagePeer, timeout: float = 10.0) -> pipeline_pb2.StageInfo:
+    async def info(self, peer: StageEndpoint, timeout: float = 10.0) -> pipeline_pb2.StageInfo:
         return await self._stub(peer).Info(
             pipeline_pb2.StageInfoRequest(protocol_version=PROTOCOL_VERSION),
             metadata=version_metadata(), timeout=timeout,

@@ -13,6 +13,8 @@ deadline; a failed attempt benches the peer. When a hop runs out of peers the mi
 as a whole (`MicrobatchFailed`) and is run again from the start later; its tokens count only
 when it completes. `CommitWindow` turns completions, which arrive out of order when several
 microbatches are in flight, into the contiguous prefix of microbatches that may be committed.
+
+One driver as a process (the data, the coordinator's lease and ledger): node/pipeline/driver_process.py.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import grpc
 import torch
 
 from murmur.errors import MurmurError
-from murmur.node.pipeline.client import StageClient, StagePeer
+from murmur.node.pipeline.client import StageClient, StageEndpoint
 from murmur.node.pipeline.router import Router
 from murmur.protocol.identity import BannedError
 from murmur.protocol.runconfig import PipelineSection
@@ -65,8 +67,8 @@ class Driver:
         self.client, self.router, self.cfg, self.dim = client, router, cfg, dim
 
     async def _hop(
-        self, stage: int, kind: str, samples: int, call: Callable[[StagePeer, float], Awaitable],
-        prefer: StagePeer | None = None,
+        self, stage: int, kind: str, samples: int, call: Callable[[StageEndpoint, float], Awaitable],
+        prefer: StageEndpoint | None = None,
     ):
         tried: list[str] = []
         errors: list[str] = []
@@ -98,7 +100,7 @@ class Driver:
             + (f" ({'; '.join(errors)})" if errors else "")
         )
 
-    def _pick(self, stage: int, kind: str, samples: int, tried: list[str], prefer: StagePeer | None):
+    def _pick(self, stage: int, kind: str, samples: int, tried: list[str], prefer: StageEndpoint | None):
         if prefer is not None:
             st = self.router.state(prefer)
             if st is not None and st.benched_until <= self.router.clock():
@@ -115,7 +117,7 @@ class Driver:
         codec = self.cfg.activation_codec
         res = MicrobatchResult(loss=float("nan"))
         inputs: list[torch.Tensor] = [x]
-        forward_peers: list[StagePeer] = []
+        forward_peers: list[StageEndpoint] = []
         for stage in range(s_last):
             async def fwd(peer, timeout, inp=inputs[-1]):
                 return await self.client.forward(peer, name, inp, reply_codec=codec, timeout=timeout, dim=self.dim)

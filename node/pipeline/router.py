@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from murmur.node.pipeline.client import StagePeer
+from murmur.node.pipeline.client import StageEndpoint
 from murmur.protocol.runconfig import PipelineSection
 
 EMA_ALPHA = 0.1  # SWARM's throughput EMA
@@ -36,7 +36,7 @@ BACKWARD_COST = 2.5  # a backward (recompute + backward) costs ~2.5 forwards, as
 
 @dataclass(slots=True)
 class PeerState:
-    peer: StagePeer
+    peer: StageEndpoint
     busy: float = 0.0  # virtual busy time, seconds of estimated work
     ema_raw: float = 0.0
     ema_n: int = 0
@@ -63,7 +63,7 @@ class Router:
 
     # -- membership ------------------------------------------------------------------------------
 
-    def set_peers(self, stage: int, peers: Iterable[StagePeer]) -> None:
+    def set_peers(self, stage: int, peers: Iterable[StageEndpoint]) -> None:
         """The stage's current peers (from the DHT or the coordinator); keeps what it knew of those
         that stay, forgets those that left, and lets newcomers in at the current minimum."""
         known = self.stages.setdefault(stage, {})
@@ -84,7 +84,7 @@ class Router:
 
     # -- choice ----------------------------------------------------------------------------------
 
-    def choose(self, stage: int, samples: int, *, kind: str = "forward", exclude: Iterable[str] = ()) -> StagePeer:
+    def choose(self, stage: int, samples: int, *, kind: str = "forward", exclude: Iterable[str] = ()) -> StageEndpoint:
         """The least-busy peer of ``stage`` not in ``exclude``, charged with the hop's work."""
         excluded = set(exclude)
         candidates = [s for s in self.stages.get(stage, {}).values() if s.peer.node_id not in excluded]
@@ -100,12 +100,12 @@ class Router:
         best.busy += cost * samples / best.throughput(self.initial_throughput)
         return best.peer
 
-    def state(self, peer: StagePeer) -> PeerState | None:
+    def state(self, peer: StageEndpoint) -> PeerState | None:
         return self.stages.get(peer.stage, {}).get(peer.node_id)
 
     # -- deadlines -------------------------------------------------------------------------------
 
-    def deadline(self, peer: StagePeer, kind: str) -> float:
+    def deadline(self, peer: StageEndpoint, kind: str) -> float:
         st = self.state(peer)
         if st is None or kind not in st.srtt:
             return self.cfg.hop_timeout_s
@@ -114,7 +114,7 @@ class Router:
 
     # -- outcomes --------------------------------------------------------------------------------
 
-    def succeeded(self, peer: StagePeer, kind: str, samples: int, seconds: float) -> None:
+    def succeeded(self, peer: StageEndpoint, kind: str, samples: int, seconds: float) -> None:
         st = self.state(peer)
         if st is None:
             return
@@ -130,7 +130,7 @@ class Router:
         st.failures = 0
         st.hops += 1
 
-    def failed(self, peer: StagePeer, kind: str, *, timed_out: bool) -> None:
+    def failed(self, peer: StageEndpoint, kind: str, *, timed_out: bool) -> None:
         st = self.state(peer)
         if st is None:
             return

@@ -13,6 +13,8 @@ its stage's parameters (node/pipeline/stage_state.py). In a pipelined run it hea
 - **Replicas**: every ``replica_every_s`` a peer of stage s copies the weights of stage s+1 (the
   last stage: of stage 0) from that stage's peers, when they changed, and publishes the copy. A
   stage whose every peer dies is then refilled with weights at most that old, not the seed's.
+
+One stage peer as a process (its command line, its JSON lines): node/pipeline/stage_peer_process.py.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from murmur.node.net.faults import FaultInjector
 from murmur.node.net.server import PeerServer, PeerServerSettings, PublishedState
 from murmur.node.net.state_transfer import StateError, afetch
 from murmur.node.pipeline import stage_state
-from murmur.node.pipeline.membership import Membership
+from murmur.node.pipeline.member import PipelineMember
 from murmur.node.pipeline.service import StageService, StageServiceSettings
 from murmur.node.pipeline.stage_sync import StageSync, outer_name
 from murmur.node.pipeline.worker import StageWorker
@@ -66,7 +68,7 @@ class StagePeer:
         model: ModelConfig,
         settings: StagePeerSettings,
         *,
-        member: Membership | None = None,
+        member: PipelineMember | None = None,
         faults: FaultInjector | None = None,
         on_event: Callable[..., None] = lambda **_: None,
     ) -> None:

@@ -3,5 +3,6 @@
 Modules: cli (the command: live rows, summary, loss plot, chaos), procs (starting, watching and
 killing those processes; also the harness of the integration tests), chaos (random SIGKILLs and
 restarts, and what the run made of them: rounds, stalls, hash agreement, splits, the ledger),
-exchange_peer (one exchange peer as a process, for the exchange benchmark and tests).
+exchange_peer_process (one exchange peer as a process: the multi-process exchange tests and a
+manual check; the exchange peer itself is built by node/exchange/peer.py).
 """

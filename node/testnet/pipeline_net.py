@@ -78,7 +78,8 @@ def run_pipeline(args, out: Path, config_path: Path, data: Path, coordinator_arg
         join = ["--coordinator", str(info["address"]), "--token", token]
         py = [sys.executable, "-m"]
         for i in range(args.nodes):
-            p = PipelineProc(f"peer-{i}", [*py, "murmur.node.pipeline.peer", *join, "--threads", str(args.threads)],
+            p = PipelineProc(f"peer-{i}",
+                             [*py, "murmur.node.pipeline.stage_peer_process", *join, "--threads", str(args.threads)],
                              out / "nodes" / f"peer-{i}.jsonl", out / "nodes" / f"peer-{i}.log")
             p.start(args.threads)
             peers.append(p)
@@ -87,7 +88,7 @@ def run_pipeline(args, out: Path, config_path: Path, data: Path, coordinator_arg
         for i in range(args.drivers):
             d = PipelineProc(
                 f"driver-{i}",
-                [*py, "murmur.node.pipeline.drive", *join, "--data", str(data), "--microbatches",
+                [*py, "murmur.node.pipeline.driver_process", *join, "--data", str(data), "--microbatches",
                  str(DRIVER_MICROBATCHES), "--threads", str(args.threads),
                  "--commit-log", str(out / "nodes" / f"driver-{i}.commits")],
                 out / "nodes" / f"driver-{i}.jsonl", out / "nodes" / f"driver-{i}.log",

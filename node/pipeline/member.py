@@ -1,11 +1,11 @@
 """A pipeline process's membership of the run: join with a token, heartbeats, a driver's lease
 and its commits, through the coordinator's member protocol (protocol/coordinator_client.py).
+This is the member's side; the coordinator's register of all members is coordinator/membership.py.
 
 Stage peers join for their certificate and heartbeat to stay members; in a pipelined run (a
 ``[pipeline]`` section in the run config) each heartbeat carries the peer's `StageReport` and
 its reply may carry a `StageOrder` (coordinator/stage_board.py), handed to ``on_order``. A driver
-also leases
-a shard and commits the token ranges of completed microbatches, in order: the ledger's rule
+also leases a shard and commits the token ranges of completed microbatches, in order: the ledger's rule
 (a commit starts at the shard's committed offset) is the same one `CommitWindow` keeps.
 
 Not yet here (the daemon's session has them, node/daemon/session.py): the commit journal that
@@ -34,7 +34,7 @@ COMMIT_ATTEMPTS = 30
 
 
 @dataclass(slots=True)
-class Membership:
+class PipelineMember:
     ident: identity.Identity
     info: JoinInfo
     client: MemberClient
@@ -44,7 +44,7 @@ class Membership:
     on_order: Callable[[pb.StageOrder], None] | None = None
 
     @classmethod
-    async def join(cls, coordinator: str, token: str) -> Membership:
+    async def join(cls, coordinator: str, token: str) -> PipelineMember:
         ident, info = await join_run(coordinator, token, identity.generate_key())
         client = MemberClient(info.node_address, ident, server_name=info.tls_server_name,
                               reconnect_backoff_s=info.heartbeat_interval_s)

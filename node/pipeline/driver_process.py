@@ -1,6 +1,6 @@
 """One pipeline driver as a process: it holds the data and sends microbatches through the stages.
 
-    python -m murmur.node.pipeline.drive --identity DIR --run RUN --peers peers.json \
+    python -m murmur.node.pipeline.driver_process --identity DIR --run RUN --peers peers.json \
         --stages 2 [model args] --data DATASET --shard 0 --microbatches 40 \
         [--microbatch-size 4] [--concurrency 2] [--codec bf16] [--commit-log FILE]
 
@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from murmur.node.model.data import Dataset
-from murmur.node.pipeline.client import StageClient, StagePeer
+from murmur.node.pipeline.client import StageClient, StageEndpoint
 from murmur.node.pipeline.config import (
     add_model_args,
     log_to_stderr,
@@ -42,7 +42,7 @@ from murmur.node.pipeline.config import (
     refuse_model_args,
 )
 from murmur.node.pipeline.driver import Driver, MicrobatchFailed, MicrobatchResult, run_in_order
-from murmur.node.pipeline.membership import Membership
+from murmur.node.pipeline.member import PipelineMember
 from murmur.node.pipeline.router import Router
 from murmur.protocol.coordinator_client import CoordinatorError
 from murmur.protocol.identity import Identity
@@ -53,11 +53,11 @@ def emit(**record: object) -> None:
     print(json.dumps(record), flush=True)
 
 
-def read_peers(path: Path) -> dict[int, list[StagePeer]]:
+def read_peers(path: Path) -> dict[int, list[StageEndpoint]]:
     data = json.loads(path.read_text())
-    out: dict[int, list[StagePeer]] = {}
+    out: dict[int, list[StageEndpoint]] = {}
     for p in data["peers"]:
-        out.setdefault(int(p["stage"]), []).append(StagePeer(p["node_id"], p["address"], int(p["stage"])))
+        out.setdefault(int(p["stage"]), []).append(StageEndpoint(p["node_id"], p["address"], int(p["stage"])))
     return out
 
 
@@ -101,7 +101,7 @@ def pipeline_of(args: argparse.Namespace, run: RunConfig | None):
 async def drive(args: argparse.Namespace) -> int:
     member = lease = run = None
     if args.coordinator:
-        member = await Membership.join(args.coordinator, args.token)
+        member = await PipelineMember.join(args.coordinator, args.token)
         identity = member.ident
         run = parse_config(member.info.config_toml, "the run config")
     else:
@@ -116,10 +116,10 @@ async def drive(args: argparse.Namespace) -> int:
     async def refresh() -> None:
         if pipelined:  # the coordinator's view: each peer under the stage it serves now
             view = await member.stages()
-            by_stage: dict[int, list[StagePeer]] = {s: [] for s in range(cfg.stages)}
+            by_stage: dict[int, list[StageEndpoint]] = {s: [] for s in range(cfg.stages)}
             for p in view.peers:
                 if 0 <= p.report.stage < cfg.stages and p.report.address:
-                    by_stage[p.report.stage].append(StagePeer(p.node_id, p.report.address, p.report.stage))
+                    by_stage[p.report.stage].append(StageEndpoint(p.node_id, p.report.address, p.report.stage))
         else:
             by_stage = read_peers(Path(args.peers))
         for stage, peers in by_stage.items():
@@ -196,7 +196,7 @@ async def drive(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m murmur.node.pipeline.drive")
+    ap = argparse.ArgumentParser(prog="python -m murmur.node.pipeline.driver_process")
     ap.add_argument("--identity", help="folder with node.key, node.crt, ca.crt (without --coordinator)")
     ap.add_argument("--coordinator", default="", help="join this coordinator, lease a shard, commit to its ledger")
     ap.add_argument("--token", default="", help="join token (with --coordinator)")

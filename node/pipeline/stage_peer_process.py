@@ -1,7 +1,7 @@
 """One stage peer as a process: the tests' multi-process pipelines, the testnet and a manual check.
 
-    python -m murmur.node.pipeline.peer --coordinator HOST:PORT --token TOKEN [--stage S]
-    python -m murmur.node.pipeline.peer --identity DIR --run RUN --stage 1 --stages 2 \
+    python -m murmur.node.pipeline.stage_peer_process --coordinator HOST:PORT --token TOKEN [--stage S]
+    python -m murmur.node.pipeline.stage_peer_process --identity DIR --run RUN --stage 1 --stages 2 \
         [--layers 2,2] [--preset tiny --dim 64 ...] [--target-samples 16] [--lr 1e-3] \
         [--fault delay:stage_compute:0.2@x*]
 
@@ -37,7 +37,7 @@ from murmur.node.pipeline.config import (
     model_from_run,
     refuse_model_args,
 )
-from murmur.node.pipeline.membership import Membership
+from murmur.node.pipeline.member import PipelineMember
 from murmur.node.pipeline.stage_peer import StagePeer, StagePeerSettings
 from murmur.protocol.identity import Identity
 from murmur.protocol.runconfig import OptimSection, parse_config
@@ -47,7 +47,7 @@ def emit(**record: object) -> None:
     print(json.dumps(record), flush=True)
 
 
-def settings_of(args: argparse.Namespace, member: Membership | None):
+def settings_of(args: argparse.Namespace, member: PipelineMember | None):
     """(model, StagePeerSettings) from the run config when it is pipelined, else from the command line."""
     run = parse_config(member.info.config_toml, "the run config") if member is not None else None
     if run is not None and run.pipeline is not None:
@@ -70,7 +70,7 @@ def settings_of(args: argparse.Namespace, member: Membership | None):
 
 async def show_progress(peer: StagePeer, every_s: float) -> None:
     """A line on stderr now and then: the stage it serves and how it goes."""
-    log = logging.getLogger("murmur.node.pipeline.peer")
+    log = logging.getLogger("murmur.node.pipeline.stage_peer_process")
     while every_s > 0:
         await asyncio.sleep(every_s)
         rep = peer.report()
@@ -81,7 +81,7 @@ async def show_progress(peer: StagePeer, every_s: float) -> None:
 
 
 async def serve(args: argparse.Namespace) -> None:
-    member = await Membership.join(args.coordinator, args.token) if args.coordinator else None
+    member = await PipelineMember.join(args.coordinator, args.token) if args.coordinator else None
     model, settings = settings_of(args, member)
     ident = member.ident if member is not None else Identity.load(args.identity)
     run_id = member.info.run_id if member is not None else args.run
@@ -124,7 +124,7 @@ async def serve(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m murmur.node.pipeline.peer")
+    ap = argparse.ArgumentParser(prog="python -m murmur.node.pipeline.stage_peer_process")
     ap.add_argument("--identity", help="folder with node.key, node.crt, ca.crt (without --coordinator)")
     ap.add_argument("--coordinator", default="", help="join this coordinator for a certificate")
     ap.add_argument("--token", default="", help="join token (with --coordinator)")

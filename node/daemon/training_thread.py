@@ -1,4 +1,4 @@
-"""The training driver: the node's training thread and its bridge to the daemon's asyncio loop.
+"""The node's training thread and its bridge to the daemon's asyncio loop.
 
 The thread trains window after window (node/daemon/training.py) and touches no socket. It talks to
 the loop only through `asyncio.run_coroutine_threadsafe` (a lease request or a state fetch: it
@@ -45,7 +45,7 @@ from murmur.protocol.wire import tensors_hash
 STATE_LOOK_MIN_S = 1.0
 
 
-class TrainingDriver:
+class TrainingThread:
     """Built on the loop (``build``), once the node has joined and its data plane is up; ``train``
     is the training thread's body, everything else runs on the loop. What takes long (building
     the model, reading a checkpoint, hashing the state) runs in worker threads: the loop sends
@@ -56,8 +56,8 @@ class TrainingDriver:
     async def build(cls, *, cfg: RunConfig, dataset: Dataset, device: torch.device, dataplane: DataPlane,
                     session: CoordinatorSession, settings: NodeSettings, threads: int,
                     ranks: LocalRanks | None = None, faults: FaultInjector | None = None,
-                    **rest: Any) -> TrainingDriver:
-        """The driver, with its trainer (the model and optimizer) built in a worker thread."""
+                    **rest: Any) -> TrainingThread:
+        """The training thread's state, with its trainer (the model and optimizer) built in a worker thread."""
 
         def trainer() -> NodeTrainer:
             if faults is not None:  # --fault delay:build_model:S: a large model on a slow machine

@@ -1,6 +1,6 @@
 """One exchange peer as a process: the tests' SIGKILL and multi-process runs, and a manual check.
 
-    python -m murmur.node.testnet.exchange_peer --identity DIR --run RUN --bootstrap MADDR \
+    python -m murmur.node.testnet.exchange_peer_process --identity DIR --run RUN --bootstrap MADDR \
         --peers 4 --rounds 3 --numel 65536 --codec int8 [--chunk-mb 4] [--fault exit@2] \
         [--fault exit_midstream@2] [--fault lose_result@2]
 
@@ -43,7 +43,7 @@ def emit(**record: object) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m murmur.node.testnet.exchange_peer")
+    ap = argparse.ArgumentParser(prog="python -m murmur.node.testnet.exchange_peer_process")
     ap.add_argument("--identity", required=True, help="folder with node.key, node.crt, ca.crt")
     ap.add_argument("--run", default="murmur-run")
     ap.add_argument("--bootstrap", action="append", default=[], help="DHT multiaddr to join (repeatable)")
