@@ -18,7 +18,7 @@ from murmur.errors import MurmurError
 # noun -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "data": ("murmur.node.model.data_cli", "prepare and inspect token datasets"),
-    "train": ("murmur.node.train.trainer", "train one model on this machine"),
+    "train": ("murmur.node.train.train_cli", "train one model on this machine"),
     "sim": ("murmur.node.sim.cli", "simulate K workers of a low-communication run in one process"),
     "node": ("murmur.node.daemon.cli", "run a volunteer node"),
     "testnet": ("murmur.node.testnet.cli", "a local network: coordinator and nodes on loopback"),
