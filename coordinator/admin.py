@@ -17,13 +17,13 @@ from typing import Any
 
 from murmur.errors import MurmurError
 
+from .settings import ADMIN_CALL_TIMEOUT_S
+
 TIMEOUT_HELP = "seconds to wait for the coordinator (default %(default)s)"
 
 
 def _common() -> argparse.ArgumentParser:
     # Shared by every leaf command so the options may follow the verb: `murmur admin status --output json`.
-    from .admin_client import ADMIN_CALL_TIMEOUT_S
-
     p = argparse.ArgumentParser(add_help=False)
     p.add_argument("--coordinator", help="public address HOST:PORT (default $MURMUR_COORDINATOR or 127.0.0.1:7700)")
     p.add_argument("--admin-key", help="file with the admin secret (<db>.admin-key); or set $MURMUR_ADMIN_KEY")

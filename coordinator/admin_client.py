@@ -19,9 +19,8 @@ from murmur.errors import MurmurError
 from murmur.protocol import coordinator_pb2_grpc as pb_grpc
 from murmur.protocol.version import version_metadata
 
-from .settings import ADMIN_METADATA_KEY, TLS_SERVER_NAME
+from .settings import ADMIN_CALL_TIMEOUT_S, ADMIN_METADATA_KEY, TLS_SERVER_NAME
 
-ADMIN_CALL_TIMEOUT_S = 15.0
 DEFAULT_COORDINATOR = "127.0.0.1:7700"
 
 

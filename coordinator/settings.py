@@ -35,6 +35,9 @@ from murmur.errors import MurmurError
 
 ADMIN_METADATA_KEY = "murmur-admin-key"
 TLS_SERVER_NAME = "murmur-coordinator"  # the DNS SAN of the coordinator's certificate
+# `murmur admin --timeout`'s default. Here, not in admin_client.py (grpc), so that declaring the
+# admin commands' flags (`murmur admin --help`) imports no grpc.
+ADMIN_CALL_TIMEOUT_S = 15.0
 
 
 class SettingsError(MurmurError):

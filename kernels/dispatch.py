@@ -34,14 +34,11 @@ from typing import Any
 
 import torch
 
-from murmur.errors import MurmurError
+# MURMUR_KERNELS and MURMUR_COMPILE are read and checked by murmur.gpu_choice, which the commands'
+# flags import without torch. KernelError and compile_requested are imported from here too.
+from murmur.gpu_choice import CHOICES, KERNELS_ENV, KernelError, compile_requested, requested
 
-KERNELS_ENV = "MURMUR_KERNELS"
-COMPILE_ENV = "MURMUR_COMPILE"
 INTERPRET_ENV = "TRITON_INTERPRET"
-CHOICES = ("auto", "triton", "torch")
-COMPILE_CHOICES = ("auto", "on", "off")
-MODEL_OPS = ("rms_norm", "rotary", "swiglu", "linear_cross_entropy")
 # Ops whose Triton kernel made the compiled training step faster than Inductor's code for the
 # reference (train_throughput.json): under torch.compile with MURMUR_KERNELS=auto only these take
 # Triton. On an H200 (torch 2.11, base preset) the fused cross-entropy gave +0.6% tokens/s and 8%
@@ -50,20 +47,8 @@ MODEL_OPS = ("rms_norm", "rotary", "swiglu", "linear_cross_entropy")
 COMPILED_TRITON_OPS: frozenset[str] = frozenset({"linear_cross_entropy"})
 
 
-class KernelError(MurmurError):
-    """Bad arguments to a kernel entry point, or an impossible implementation choice."""
-
-
 def interpreting() -> bool:
     return os.environ.get(INTERPRET_ENV, "0").strip().lower() in ("1", "true", "yes", "on")
-
-
-def requested() -> str:
-    choice = os.environ.get(KERNELS_ENV, "auto").strip().lower() or "auto"
-    if choice not in CHOICES and not set(choice.split(",")) <= set(MODEL_OPS):
-        raise KernelError(f"{KERNELS_ENV}={choice!r} is not one of {'|'.join(CHOICES)} nor a comma-separated "
-                          f"list of {','.join(MODEL_OPS)}")
-    return choice
 
 
 def under_vmap(*tensors: torch.Tensor) -> bool:
@@ -98,13 +83,6 @@ def _functorch_active() -> bool:
     """Inside any torch.func transform (vmap, grad, ...), where torch.compile must not start."""
     peek = getattr(torch._C._functorch, "peek_interpreter_stack", None)
     return peek is not None and peek() is not None
-
-
-def compile_requested() -> str:
-    choice = os.environ.get(COMPILE_ENV, "auto").strip().lower() or "auto"
-    if choice not in COMPILE_CHOICES:
-        raise KernelError(f"{COMPILE_ENV}={choice!r} is not one of {'|'.join(COMPILE_CHOICES)}")
-    return choice
 
 
 def compile_enabled(x: torch.Tensor) -> bool:

@@ -2,7 +2,10 @@
 
 Sub-apps are imported lazily so `murmur data ...` does not pay for gRPC or hivemind imports.
 Each module named below exposes ``register(subparsers)``, which adds its parser and sets
-``func`` (called with the parsed arguments, returning an exit code).
+``func`` (called with the parsed arguments, returning an exit code). Those modules stay light:
+torch, hivemind and scipy (seconds of imports) are imported by ``func`` once the arguments hold
+up, never to declare them, so --help, --version and usage errors answer at once
+(tests/test_startup.py).
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from murmur.errors import MurmurError
 # noun -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "data": ("murmur.node.model.data_cli", "prepare and inspect token datasets"),
-    "train": ("murmur.node.train.trainer", "train one model on this machine"),
+    "train": ("murmur.node.train.train_cli", "train one model on this machine"),
     "sim": ("murmur.node.sim.cli", "simulate K workers of a low-communication run in one process"),
     "node": ("murmur.node.daemon.cli", "run a volunteer node"),
     "testnet": ("murmur.node.testnet.cli", "a local network: coordinator and nodes on loopback"),
@@ -59,9 +62,10 @@ def main(argv: list[str] | None = None) -> int:
     as_program = argv is None  # not called from a test's process, whose signals are its own
     argv = list(sys.argv[1:] if argv is None else argv)
     if as_program and _noun(argv) == "node":
-        # A node SIGTERMed while it still imports torch and hivemind (a testnet stopped right after
-        # a chaos restart) has joined nothing and holds nothing: it stops as cleanly as a running
-        # node (exit 0), not killed by the signal (-15). The node's loop takes SIGTERM over later.
+        # A node SIGTERMed while it still imports torch and grpc (a testnet stopped right after a
+        # chaos restart; node/daemon/cli.py imports them once its arguments hold up) has joined
+        # nothing and holds nothing: it stops as cleanly as a running node (exit 0), not killed by
+        # the signal (-15). The node's loop takes SIGTERM over later.
         signal.signal(signal.SIGTERM, _stop_while_starting)
     try:
         return _main(argv)

@@ -59,8 +59,9 @@ def test_a_node_sigtermed_while_it_imports_stops_cleanly(tmp_path):
     import signal
 
     # -X importtime prints each import as it completes: the node's settings module is imported by
-    # the node sub-app, after the CLI took SIGTERM over and before torch (seconds of imports). A
-    # fixed sleep lost that race on a loaded CI machine: the node got to its token error first.
+    # the node sub-app, after the CLI took SIGTERM over and before the node's stack (torch, grpc:
+    # seconds of imports), which `node run` imports once its arguments hold up. A fixed sleep lost
+    # that race on a loaded CI machine: the node got to its token error first.
     proc = subprocess.Popen(
         [sys.executable, "-X", "importtime", "-m", "murmur.cli", "node", "run", "--state-dir", str(tmp_path / "state"),
          "--coordinator", "127.0.0.1:9", "--token", "not-a-token"],
@@ -72,6 +73,9 @@ def test_a_node_sigtermed_while_it_imports_stops_cleanly(tmp_path):
     proc.send_signal(signal.SIGTERM)
     _, rest = proc.communicate(timeout=STARTUP_TIMEOUT_S)
     err = "\n".join(line for line in rest.splitlines() if not line.startswith("import time:"))
+    imported = {line.rpartition("|")[2].strip() for line in rest.splitlines() if line.startswith("import time:")}
+    # The signal landed while the node's stack was still importing: its module never finished.
+    assert "murmur.node.daemon.node" not in imported, err
     assert proc.returncode == 0, err
     assert err.strip() == "stopped (SIGTERM) while starting", err
     assert not (tmp_path / "state").exists() or not any((tmp_path / "state").iterdir())

@@ -163,8 +163,6 @@ def _debug_log(level: str | None) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from murmur.node.daemon.node import NodeOptions, run_node  # grpc, torch: only when running
-
     apply_gpu_path_flags(args)
     if not args.coordinator:
         raise MurmurError("--coordinator HOST:PORT is required (or set MURMUR_COORDINATOR)")
@@ -178,6 +176,11 @@ def _run(args: argparse.Namespace) -> int:
 
     def log(msg: str) -> None:
         print(msg, flush=True)
+
+    # grpc, torch and the node's stack: only once the command line holds up, so a usage error
+    # answers at once. Still before the event loop takes SIGTERM over: a node stopped during these
+    # seconds of imports stops "while starting" (murmur/cli.py).
+    from murmur.node.daemon.node import NodeOptions, run_node
 
     options = NodeOptions(
         coordinator=args.coordinator,

@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import Any
 
 from murmur.errors import MurmurError
-from murmur.node.daemon import checkpoint_file
 from murmur.protocol import identity
 
 
@@ -153,7 +152,12 @@ class StateDir:
     def checkpoint_path(self) -> Path:
         return self.root / "checkpoint.pt"
 
+    # The checkpoint file's module imports torch: only these two methods need it, so the folder's
+    # other readers (the testnet's and the tests' round records, `murmur testnet`) stay free of it.
+
     def save_checkpoint(self, state: dict[str, Any]) -> None:
+        from murmur.node.daemon import checkpoint_file
+
         tmp = self.checkpoint_path.with_name("checkpoint.pt.tmp")
         checkpoint_file.save(state, tmp)  # fsynced
         tmp.replace(self.checkpoint_path)
@@ -161,6 +165,8 @@ class StateDir:
     def load_checkpoint(self) -> dict[str, Any] | None:
         if not self.checkpoint_path.is_file():
             return None
+        from murmur.node.daemon import checkpoint_file
+
         try:
             return checkpoint_file.load(self.checkpoint_path)
         except Exception as err:  # noqa: BLE001 - any unreadable file is the same user error

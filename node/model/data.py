@@ -17,13 +17,16 @@ import random
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from murmur.errors import MurmurError
 from murmur.node.model.corpus import bundled_corpus, iter_text_files, read_source
 from murmur.node.model.tokenizer import get_tokenizer
+
+if TYPE_CHECKING:
+    import torch
 
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
@@ -277,6 +280,8 @@ class BatchLoader:
         self.position = Position(self.shards[i], 0)
 
     def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        import torch  # here, not at the top: preparing and checking shards (`murmur data`) needs no torch
+
         for _ in range(len(self.shards) + 1):
             if self.position.offset + self.span + 1 <= self.dataset.shard_size(self.position.shard):
                 break
@@ -293,6 +298,8 @@ class BatchLoader:
 def eval_batches(dataset: Dataset, batch_size: int, seq_len: int, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """``n`` batches of the validation split (fewer if it is short; the same every time), their
     rows spread evenly over the whole split, so a few batches still cover every part of it."""
+    import torch
+
     val = dataset.val()
     fit = (len(val) - 1) // seq_len  # whole rows the split holds
     n = min(n, fit // batch_size)

@@ -25,13 +25,15 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from murmur.node.sim.replicas import SimError, read_warm_start
-from murmur.node.sim.report import format_seeds, format_table, seed_summary, write_outputs
-from murmur.node.sim.run import ENGINES, run_sim
-from murmur.node.train.build import open_run_dataset, resolve_device
+# Only what declaring the flags and checking them needs is imported here; torch, the model and the
+# engines once the command runs (_run), so `murmur sim --help` and a bad flag answer at once.
+from murmur.node.sim.errors import SimError
 from murmur.node.train.gpu_path import add_gpu_path_flags, apply_gpu_path_flags
 from murmur.node.train.overrides import add_set_flag, config_from_args
-from murmur.optim.factory import check_sync_config
+
+# The engines' names: the keys of node/sim/run.py's ENGINES, which imports torch
+# (tests/test_startup.py checks that the two agree).
+ENGINE_NAMES = ("stacked", "threads")
 
 # The shortcut flags, applied before --set (node/train/overrides.py: --set wins).
 SHORTCUTS = {
@@ -52,7 +54,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--data", help="data.path")
     add_set_flag(p)
     p.add_argument("--device", default="auto", help="auto, cpu or cuda")
-    p.add_argument("--engine", choices=ENGINES, default="stacked",
+    p.add_argument("--engine", choices=ENGINE_NAMES, default="stacked",
                    help="stacked: one vmapped step for all replicas (default); threads: a thread per replica")
     p.add_argument("--init-from", metavar="CKPT",
                    help="start every replica from a murmur train checkpoint (weights and AdamW state): a warm start")
@@ -82,6 +84,13 @@ def _run(args: argparse.Namespace) -> int:
     if args.workers < 1:
         raise SimError(f"--workers must be at least 1, got {args.workers}")
     cfg = config_from_args(args, SHORTCUTS)
+    # torch, the model and the engines: only once the command line and the run config hold up.
+    from murmur.node.sim.replicas import read_warm_start
+    from murmur.node.sim.report import format_seeds, format_table, seed_summary, write_outputs
+    from murmur.node.sim.run import run_sim
+    from murmur.node.train.build import open_run_dataset, resolve_device
+    from murmur.optim.factory import check_sync_config
+
     check_sync_config(cfg.sync)
     device = resolve_device(args.device)
     dataset = open_run_dataset(cfg)

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import torch
 
-from murmur.errors import MurmurError
 from murmur.node.model.data import BatchLoader, Dataset, Position
+from murmur.node.sim.errors import SimError
 from murmur.node.train.build import build_model_from_config
 from murmur.optim.factory import check_sync_config, make_aggregator_for, make_codec_for
 from murmur.optim.inner import adamw_state_in_order
@@ -21,10 +21,6 @@ from murmur.protocol.runconfig import RunConfig
 
 Batches = Iterator[tuple[torch.Tensor, torch.Tensor]]
 BatchesFor = Callable[[int, int], Batches]  # (replica i, of k) -> its batches
-
-
-class SimError(MurmurError):
-    pass
 
 
 def peer_names(k: int) -> list[str]:

@@ -13,7 +13,9 @@ from __future__ import annotations
 import argparse
 import os
 
-from murmur.kernels.dispatch import COMPILE_CHOICES, COMPILE_ENV, KERNELS_ENV, compile_requested, requested
+# murmur.gpu_choice, not murmur.kernels: declaring and checking the flags must not import torch
+# (`murmur node run --help` and a usage error answer before any torch import).
+from murmur.gpu_choice import COMPILE_CHOICES, COMPILE_ENV, KERNELS_ENV, compile_requested, requested
 
 
 def add_gpu_path_flags(p: argparse.ArgumentParser) -> None:

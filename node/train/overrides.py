@@ -11,8 +11,10 @@ from __future__ import annotations
 import argparse
 import json
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
-from murmur.protocol.runconfig import RunConfig, apply_override, config_from_dict, load_config
+if TYPE_CHECKING:
+    from murmur.protocol.runconfig import RunConfig
 
 # A command's shortcut flags: argparse destination -> the config key it sets.
 Shortcuts = Mapping[str, str]
@@ -33,6 +35,9 @@ def overrides(args: argparse.Namespace, shortcuts: Shortcuts) -> list[str]:
 
 def config_from_args(args: argparse.Namespace, shortcuts: Shortcuts) -> RunConfig:
     """``args.config`` (or the defaults) with the command line's overrides applied by the rule above."""
+    # The schema (pydantic, a few hundred ms) only once a config is built: not for --help.
+    from murmur.protocol.runconfig import apply_override, config_from_dict, load_config
+
     items = overrides(args, shortcuts)
     if args.config:
         return load_config(args.config, items)

@@ -9,7 +9,6 @@ simulator and the node run (node/train/step.py), on a model built as theirs are 
 
 from __future__ import annotations
 
-import argparse
 import math
 import time
 from dataclasses import dataclass
@@ -20,8 +19,6 @@ import torch
 from murmur.errors import MurmurError
 from murmur.node.model.data import BatchLoader, Dataset, Position, eval_batches
 from murmur.node.train.build import build_model_from_config, open_run_dataset, resolve_device
-from murmur.node.train.gpu_path import add_gpu_path_flags, apply_gpu_path_flags
-from murmur.node.train.overrides import add_set_flag, config_from_args
 from murmur.node.train.step import InnerStep, clip_grad_norm, evaluate
 from murmur.optim.inner import make_inner_optimizer
 from murmur.protocol.runconfig import RunConfig
@@ -112,37 +109,17 @@ class Trainer:
 
 
 # ---------------------------------------------------------------------------------------------
-# The command
+# The command's training (its arguments: node/train/train_cli.py)
 
 
-def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("train", help="train one model on this machine")
-    p.add_argument("--config", help="run TOML (default: built-in defaults)")
-    add_set_flag(p)
-    p.add_argument("--steps", type=int, help="shortcut for --set train.steps=N")
-    p.add_argument("--data", help="shortcut for --set data.path=DIR")
-    p.add_argument("--preset", help="shortcut for --set model.preset=NAME")
-    p.add_argument("--device", default="auto", help="auto, cpu or cuda")
-    p.add_argument("--out", help="run folder for checkpoints (default runs/<name>)")
-    p.add_argument("--resume", action="store_true", help="continue from the run folder's checkpoint")
-    add_gpu_path_flags(p)
-    p.set_defaults(func=_run)
-
-
-# The shortcut flags, applied before --set (node/train/overrides.py: --set wins).
-SHORTCUTS = {"steps": "train.steps", "data": "data.path", "preset": "model.preset"}
-
-
-def _run(args: argparse.Namespace) -> int:
-    apply_gpu_path_flags(args)
-    cfg = config_from_args(args, SHORTCUTS)
-    device = resolve_device(args.device)
+def train(cfg: RunConfig, *, device: str = "auto", out: str | None = None, resume: bool = False) -> int:
+    """`murmur train` once its command line gave ``cfg``: train, validate, checkpoint to OUT."""
+    dev = resolve_device(device)
     dataset = open_run_dataset(cfg)
     torch.manual_seed(cfg.seed)
-    trainer = Trainer(cfg, dataset, device)
-    out = Path(args.out or Path("runs") / cfg.name)
-    ckpt = out / "checkpoint.pt"
-    if args.resume:
+    trainer = Trainer(cfg, dataset, dev)
+    ckpt = Path(out or Path("runs") / cfg.name) / "checkpoint.pt"
+    if resume:
         if not ckpt.is_file():
             raise MurmurError(f"--resume: no checkpoint at {ckpt}")
         trainer.load(ckpt)
@@ -151,7 +128,7 @@ def _run(args: argparse.Namespace) -> int:
     mc = trainer.model.cfg
     print(
         f"training {cfg.model.preset} ({n_params / 1e6:.2f}M params, {mc.n_layers}x{mc.dim}, seq {mc.seq_len}) "
-        f"on {cfg.data.path} ({dataset.tokenizer}) with {device}, {cfg.train.steps} steps of "
+        f"on {cfg.data.path} ({dataset.tokenizer}) with {dev}, {cfg.train.steps} steps of "
         f"{cfg.train.batch_size}x{mc.seq_len} tokens"
     )
     t_start = time.perf_counter()
