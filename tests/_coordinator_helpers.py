@@ -6,12 +6,12 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from murmur.node.testnet.procs import run_murmur, start_murmur
 from murmur.protocol import identity
 from murmur.protocol.coordinator_client import MemberClient, join_run
 
@@ -109,10 +109,7 @@ class CoordinatorProc:
 
 
 def start_coordinator(db: Path, *extra: str, listen: str = "127.0.0.1:0", dht: bool = False) -> CoordinatorProc:
-    cmd = [
-        sys.executable,
-        "-m",
-        "murmur.cli",
+    args = [
         "coordinator",
         "serve",
         "--db",
@@ -126,7 +123,7 @@ def start_coordinator(db: Path, *extra: str, listen: str = "127.0.0.1:0", dht: b
         *([] if dht else ["--no-dht"]),
         *extra,
     ]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = start_murmur(args, env=dict(os.environ), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + START_TIMEOUT_S
     assert proc.stdout is not None
     line = proc.stdout.readline()  # blocks until the one JSON line, or EOF if it died
@@ -148,10 +145,9 @@ def admin(
     if coord is not None and not creds:
         base = ["--coordinator", coord.address, "--ca-cert", str(coord.info["ca_cert_file"])]
     # The common options belong to the leaf command: put them after the verb(s).
-    cmd = [sys.executable, "-m", "murmur.cli", "admin", *args, *base]
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("MURMUR_ADMIN")}
     full_env.update(env or {})
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=CLI_TIMEOUT_S, env=full_env)
+    return run_murmur(["admin", *args, *base], env=full_env, timeout=CLI_TIMEOUT_S)
 
 
 def admin_json(coord: CoordinatorProc, *args: str) -> Any:

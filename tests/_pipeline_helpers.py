@@ -11,10 +11,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from _net_helpers import PYTHON, REPO, python_env
+from _net_helpers import REPO, python_env
 from _node_helpers import ledger, make_testnet
 
-from murmur.node.testnet.procs import Testnet
+from murmur.node.testnet.procs import Testnet, start_module
 from murmur.protocol.coordinator_client import join_run
 from murmur.protocol.identity import CertificateAuthority, Identity, generate_key
 
@@ -53,9 +53,10 @@ def membership(ca: CertificateAuthority, folder: Path, join: tuple[str, str] | N
 
 def start_peer(ca: CertificateAuthority, folder: Path, stage: int, *extra: str,
                join: tuple[str, str] | None = None) -> PeerProc:
-    cmd = [PYTHON, "-m", "murmur.node.pipeline.stage_peer_process", *membership(ca, folder, join),
-           "--stage", str(stage), *MODEL, "--target-samples", "8", "--lr", "3e-3", *extra]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=python_env(), cwd=REPO)
+    args = [*membership(ca, folder, join), "--stage", str(stage), *MODEL, "--target-samples", "8", "--lr", "3e-3",
+            *extra]
+    proc = start_module("murmur.node.pipeline.stage_peer_process", args, stdout=subprocess.PIPE, stderr=None,
+                        text=True, env=python_env(), cwd=REPO)
     line = proc.stdout.readline()
     if not line:
         proc.wait(10)
@@ -66,10 +67,9 @@ def start_peer(ca: CertificateAuthority, folder: Path, stage: int, *extra: str,
 def start_run_peer(folder: Path, join: tuple[str, str], *extra: str) -> PeerProc:
     """A stage peer of a pipelined run: the model, the pipeline and (without --stage) its stage
     come from the coordinator."""
-    cmd = [PYTHON, "-m", "murmur.node.pipeline.stage_peer_process", "--coordinator", join[0], "--token", join[1],
-           *extra]
     err = open(folder.with_suffix(".log"), "ab")  # noqa: SIM115 - the child holds it
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=python_env(), cwd=REPO)
+    proc = start_module("murmur.node.pipeline.stage_peer_process", ["--coordinator", join[0], "--token", join[1],
+                        *extra], stdout=subprocess.PIPE, stderr=err, text=True, env=python_env(), cwd=REPO)
     before = []
     while True:  # the stage it was assigned comes first
         line = proc.stdout.readline()
@@ -148,9 +148,9 @@ def start_driver(ca: CertificateAuthority | None, tmp_path: Path, data: Path, na
     else:
         shape = [*membership(ca, tmp_path / name, join), "--peers", str(tmp_path / "peers.json"), *MODEL,
                  "--microbatch-size", str(MICROBATCH)]
-    cmd = [PYTHON, "-m", "murmur.node.pipeline.driver_process", *shape, "--data", str(data),
-           "--commit-log", str(tmp_path / f"{name}.commits"), *extra]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=python_env(), cwd=REPO)
+    args = [*shape, "--data", str(data), "--commit-log", str(tmp_path / f"{name}.commits"), *extra]
+    return start_module("murmur.node.pipeline.driver_process", args, stdout=subprocess.PIPE, stderr=None, text=True,
+                        env=python_env(), cwd=REPO)
 
 
 def finish(driver: subprocess.Popen[str]) -> str:

@@ -15,13 +15,12 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
-from murmur.node.testnet.procs import Testnet, TestnetError, _env, stop_process
+from murmur.node.testnet.procs import Testnet, TestnetError, _env, start_module, stop_process
 
 VIEW_EVERY_S = 3.0  # each view is one `murmur admin stages` call
 READY_TIMEOUT_S = 180.0  # a stage peer imports torch and loads its stage
@@ -31,7 +30,8 @@ DRIVER_MICROBATCHES = 10**9  # a driver runs until its lease's shard is used up 
 @dataclass(slots=True)
 class PipelineProc:
     name: str
-    cmd: list[str]
+    module: str  # run as `python -m module args`
+    args: list[str]
     out_path: Path
     log_path: Path
     proc: subprocess.Popen | None = None
@@ -41,7 +41,7 @@ class PipelineProc:
         self.out_path.parent.mkdir(parents=True, exist_ok=True)
         out, log = open(self.out_path, "ab"), open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
         self._files = [out, log]
-        self.proc = subprocess.Popen(self.cmd, stdout=out, stderr=log, env=_env(threads), start_new_session=True)
+        self.proc = start_module(self.module, self.args, env=_env(threads), stdout=out, stderr=log)
 
     def records(self) -> list[dict]:
         if not self.out_path.is_file():
@@ -76,10 +76,9 @@ def run_pipeline(args, out: Path, config_path: Path, data: Path, coordinator_arg
         print(f"coordinator on {info['address']} (ledger {net.db}, admin key {info['admin_key_file']})")
         token = net.create_run(token_uses=(args.nodes + args.drivers) * 4)
         join = ["--coordinator", str(info["address"]), "--token", token]
-        py = [sys.executable, "-m"]
         for i in range(args.nodes):
-            p = PipelineProc(f"peer-{i}",
-                             [*py, "murmur.node.pipeline.stage_peer_process", *join, "--threads", str(args.threads)],
+            p = PipelineProc(f"peer-{i}", "murmur.node.pipeline.stage_peer_process",
+                             [*join, "--threads", str(args.threads)],
                              out / "nodes" / f"peer-{i}.jsonl", out / "nodes" / f"peer-{i}.log")
             p.start(args.threads)
             peers.append(p)
@@ -88,9 +87,9 @@ def run_pipeline(args, out: Path, config_path: Path, data: Path, coordinator_arg
         for i in range(args.drivers):
             d = PipelineProc(
                 f"driver-{i}",
-                [*py, "murmur.node.pipeline.driver_process", *join, "--data", str(data), "--microbatches",
-                 str(DRIVER_MICROBATCHES), "--threads", str(args.threads),
-                 "--commit-log", str(out / "nodes" / f"driver-{i}.commits")],
+                "murmur.node.pipeline.driver_process",
+                [*join, "--data", str(data), "--microbatches", str(DRIVER_MICROBATCHES), "--threads",
+                 str(args.threads), "--commit-log", str(out / "nodes" / f"driver-{i}.commits")],
                 out / "nodes" / f"driver-{i}.jsonl", out / "nodes" / f"driver-{i}.log",
             )
             d.start(args.threads)

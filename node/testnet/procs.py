@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import IO, Any, TypeVar
 
 from murmur.errors import MurmurError
+from murmur.node.testnet import warm
 
 COORDINATOR_START_TIMEOUT_S = 60.0  # the coordinator prints its listening line within this
 ADMIN_TIMEOUT_S = 60.0  # one `murmur admin` call
@@ -37,6 +38,30 @@ class TestnetError(MurmurError):
 
 def murmur_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "murmur.cli", *args]
+
+
+def run_murmur(args: list[str], *, env: dict[str, str], timeout: float) -> subprocess.CompletedProcess[str]:
+    """``murmur <args>`` to its end, output captured (text): forked warm unless warm starts are off."""
+    if warm.enabled():
+        return warm.run(args, env=env, timeout=timeout)
+    return subprocess.run(murmur_cmd(*args), capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def start_module(module: str, args: list[str], *, env: dict[str, str], stdout, stderr, cwd=None, text: bool = False,
+                 prefix: list[str] | None = None):
+    """``python -m <module> <args>`` as a process of its own session: forked warm from the fork
+    server (node/testnet/warm.py) unless warm starts are off or the command runs under a prefix
+    (``ip netns exec NS``). Returns a `subprocess.Popen` or its warm stand-in (the same calls)."""
+    if warm.enabled() and not prefix:
+        return warm.popen(args, env=env, stdout=stdout, stderr=stderr, cwd=cwd, text=text, module=module)
+    return subprocess.Popen([*(prefix or []), sys.executable, "-m", module, *args], stdout=stdout, stderr=stderr,
+                            env=env, cwd=cwd, text=text, start_new_session=True)
+
+
+def start_murmur(args: list[str], *, env: dict[str, str], stdout, stderr, text: bool = False,
+                 prefix: list[str] | None = None):
+    """``murmur <args>`` (see `start_module`)."""
+    return start_module("murmur.cli", args, env=env, stdout=stdout, stderr=stderr, text=text, prefix=prefix)
 
 
 def _env(threads: int) -> dict[str, str]:
@@ -116,15 +141,11 @@ class Testnet:
         """Start (or restart, on the same ledger and, when given, the same address) the coordinator."""
         self.root.mkdir(parents=True, exist_ok=True)
         err = open(self.root / "coordinator.log", "ab")  # noqa: SIM115 - closed in stop()
-        cmd = murmur_cmd(
-            "coordinator", "serve", "--db", str(self.db), "--listen", listen, *self.coordinator_args
-        )
+        args = ["coordinator", "serve", "--db", str(self.db), "--listen", listen, *self.coordinator_args]
         if self.info.get("node_address") and listen != "127.0.0.1:0":
             # A restart keeps both addresses (nodes hold them); metrics may move.
-            cmd += ["--node-listen", str(self.info["node_address"]), "--metrics-listen", "127.0.0.1:0"]
-        self.coordinator = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=err, env=_env(0), start_new_session=True
-        )
+            args += ["--node-listen", str(self.info["node_address"]), "--metrics-listen", "127.0.0.1:0"]
+        self.coordinator = start_murmur(args, env=_env(0), stdout=subprocess.PIPE, stderr=err)
         self._coord_log = err
         line = self._read_line(self.coordinator, COORDINATOR_START_TIMEOUT_S)
         try:
@@ -186,17 +207,11 @@ class Testnet:
 
     def admin(self, *args: str) -> Any:
         """One `murmur admin` call with JSON output."""
-        cmd = murmur_cmd(
-            "admin",
-            *args,
-            "--coordinator",
-            str(self.info["address"]),
-            "--admin-key",
-            str(self.info["admin_key_file"]),
-            "--output",
-            "json",
+        done = run_murmur(
+            ["admin", *args, "--coordinator", str(self.info["address"]), "--admin-key",
+             str(self.info["admin_key_file"]), "--output", "json"],
+            env=_env(0), timeout=ADMIN_TIMEOUT_S,
         )
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=ADMIN_TIMEOUT_S, env=_env(0))
         if done.returncode != 0:
             raise TestnetError(f"murmur admin {' '.join(args)}: {done.stderr.strip() or done.stdout.strip()}")
         return json.loads(done.stdout) if done.stdout.strip() else None
@@ -267,7 +282,7 @@ class Testnet:
         if node._log is not None:
             node._log.close()
         node._log = open(node.log_path, "ab")  # noqa: SIM115 - closed when the node stops
-        cmd = murmur_cmd(
+        args = [
             "node",
             "run",
             "--coordinator",
@@ -282,14 +297,9 @@ class Testnet:
             str(self.threads),
             *self.node_args,
             *(extra or []),
-        )
-        node.proc = subprocess.Popen(
-            [*node.prefix, *cmd],
-            stdout=node._log,
-            stderr=subprocess.STDOUT,
-            env=_env(self.threads),
-            start_new_session=True,
-        )
+        ]
+        node.proc = start_murmur(args, env=_env(self.threads), stdout=node._log, stderr=subprocess.STDOUT,
+                                 prefix=node.prefix)
         node.starts += 1
 
     def kill_node(self, node: NodeProc) -> None:
