@@ -5,14 +5,21 @@ PY      := .venv/bin/python
 STAMP   := .venv/.installed-stamp
 DATA    := data/shakespeare-byte/manifest.json
 
-.PHONY: demo test lint install clean
+.PHONY: demo test test-quick lint install clean
 
 # The main job: a coordinator and three nodes on loopback train together for three minutes.
 demo: $(STAMP) $(DATA)
 	$(PY) -m murmur.cli testnet up --nodes 3 --config configs/testnet-small.toml --duration 180
 
+# The whole suite (what CI runs) on two workers, a test file to a worker: most of the process tests
+# wait on their processes, so two workers fit two cores. TEST_WORKERS=0 runs it in this process.
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+
+# The unit tier only (pyproject.toml's markers): what a contributor runs after each change.
+test-quick: $(STAMP)
+	$(PY) -m pytest -q -m unit -n $(TEST_WORKERS) --dist loadfile
 
 lint: $(STAMP)
 	.venv/bin/ruff check .

@@ -1,4 +1,5 @@
-"""Shared fixtures: a small real dataset, and a guard that no test leaves a process behind."""
+"""Shared fixtures: a small real dataset, and a guard that no test leaves a process behind; the test
+tiers (pyproject.toml's markers): a test not marked `integration` or `system` is a `unit` test."""
 
 from __future__ import annotations
 
@@ -6,6 +7,26 @@ import time
 
 import psutil
 import pytest
+
+TIERS = ("system", "integration", "unit")
+# The longest files first, so that two xdist workers (`make test`) do not end on one of them alone:
+# the compose test (~3 min: an image build and three containers) and the chaos run lead.
+FIRST = ("test_compose.py", "test_churn_chaos.py", "test_churn_restart.py", "test_poisoning.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark every test of no tier a unit test (`make test-quick` runs those), and order the
+    collection system, integration, unit (the longest first), the same on every xdist worker."""
+    for item in items:
+        if not any(item.get_closest_marker(tier) for tier in TIERS[:2]):
+            item.add_marker(pytest.mark.unit)
+
+    def rank(item) -> tuple[int, int]:
+        tier = next(i for i, t in enumerate(TIERS) if item.get_closest_marker(t))
+        name = item.path.name
+        return (FIRST.index(name) if name in FIRST else len(FIRST), tier)
+
+    items.sort(key=rank)  # stable: a file's tests keep their order
 
 
 @pytest.fixture(autouse=True)

@@ -11,7 +11,7 @@ import urllib.request
 import pytest
 from _coordinator_helpers import FAST, admin, admin_json, join, new_token, start_coordinator, write_run_files
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.integration
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ from _node_helpers import log, make_testnet, small_dataset, trained, wait_rounds
 from murmur.node.testnet.chaos import Chaos, analyze, round_records
 from murmur.node.testnet.cli import LOOPBACK_COORDINATOR, LOOPBACK_NODE
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
+pytestmark = [pytest.mark.system, pytest.mark.timeout(1200)]
 
 NODES = 4
 MTBF_S = 12.0

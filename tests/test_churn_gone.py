@@ -23,7 +23,7 @@ from _node_helpers import log, make_testnet, small_dataset, trained, wait_rounds
 from murmur.node.testnet.cli import LOOPBACK_NODE
 from murmur.node.testnet.procs import wait_for
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
 TTL_S = 30.0
 COORDINATOR = ["--dht", "--heartbeat-ttl", f"{TTL_S:g}", "--lease-ttl", "6", "--restart-grace", "6"]

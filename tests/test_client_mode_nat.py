@@ -19,7 +19,7 @@ from _node_helpers import hashes_by_round, ledger, log, make_testnet, small_data
 from murmur.node.testnet.procs import TestnetError, wait_for
 
 pytestmark = [
-    pytest.mark.slow,
+    pytest.mark.system,
     pytest.mark.skipif(
         os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("iptables"),
         reason="needs root, ip and iptables for a network namespace with dropped inbound connections",

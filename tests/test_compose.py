@@ -22,7 +22,7 @@ from _node_helpers import TINY, small_dataset
 
 from murmur.node.testnet.procs import wait_for
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.system
 
 REPO = Path(__file__).resolve().parents[1]
 COMPOSE_BIN = REPO / ".venv" / "bin" / "docker-compose"

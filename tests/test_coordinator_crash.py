@@ -11,7 +11,7 @@ from _coordinator_helpers import admin, admin_json, join, new_token, start_coord
 from murmur.coordinator.store import Store
 from murmur.protocol.coordinator_client import CoordinatorError
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.integration
 
 NODES = 4
 SPAN = 10  # tokens per commit

@@ -188,7 +188,7 @@ def test_peers_of_another_run_are_not_the_reporters_business(ledger):
 
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_report_gone_over_the_wire_verifies_and_answers_with_the_new_view(tmp_path, listening):
     """A real coordinator process: ReportGone from a member loses the trainer whose address is
     closed (a `lost` event with reason "refused" in its ledger) and keeps the listening one; the

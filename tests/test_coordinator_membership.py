@@ -17,7 +17,7 @@ from murmur.protocol import identity
 from murmur.protocol.coordinator_client import CoordinatorError, MemberClient, join_run
 from murmur.protocol.jointoken import JoinToken, JoinTokenError, fetch_pinned_ca
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.integration
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ import asyncio
 import pytest
 from _coordinator_helpers import admin_json, join, new_token, start_coordinator, write_run_files
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.integration
 
 HEARTBEAT_TTL_S = 1.5
 SHORT = ["--heartbeat-interval", "0.2", "--heartbeat-ttl", str(HEARTBEAT_TTL_S), "--lease-ttl",

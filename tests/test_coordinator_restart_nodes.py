@@ -20,7 +20,7 @@ from _node_helpers import ledger, log, make_testnet, small_dataset, trained, wai
 
 from murmur.protocol import coordinator_pb2 as pb
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
 RESTARTS = 3
 # The grace outlasts the time nodes need to see the coordinator back; the TTLs are short, so a

@@ -20,7 +20,7 @@ from murmur.protocol import coordinator_pb2 as pb
 from murmur.protocol import dht as D
 from murmur.protocol.identity import CertificateAuthority
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.integration
 START_TIMEOUT = 120  # seconds for a child process to import torch/hivemind and join: the CI box is busy
 
 

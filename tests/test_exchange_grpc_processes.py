@@ -20,7 +20,7 @@ from _net_helpers import PYTHON, REPO, p2pd_processes, python_env
 from murmur.protocol.dht import MurmurDHT
 from murmur.protocol.identity import CertificateAuthority
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.integration
 PROCESS_TIMEOUT = 280  # child start-up (torch, hivemind) on a busy 2-core machine dominates
 
 

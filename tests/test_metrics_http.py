@@ -18,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from murmur.node.daemon.metrics import NodeCollector, NodeMetrics
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.integration
 
 
 @pytest.fixture

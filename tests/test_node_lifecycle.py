@@ -12,7 +12,7 @@ import urllib.request
 import pytest
 from _node_helpers import ROUND_WAIT_S, ledger, log, make_testnet, small_dataset, trained, wait_log, wait_rounds
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")

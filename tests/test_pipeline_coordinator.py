@@ -26,7 +26,7 @@ from _pipeline_helpers import (
 
 from murmur.node.testnet.procs import murmur_cmd
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
 # Bottleneck moves are checked every 10 minutes here, so the one move the test sees is the refill
 # of the emptied stage, which does not wait for the check (tests/test_stage_board.py covers both).
@@ -67,16 +67,18 @@ def test_stages_are_assigned_synced_and_refilled_after_their_peers_are_killed(tm
             assert [p.ready["stage"] for p in peers] == [0, 1, 0, 1, 0]
             assert [p.ready["state_source"] for p in peers] == ["seed", "seed", "peers", "peers", "peers"]
             assert peers[2].ready["state_hash"] == peers[0].ready["state_hash"]
-            driver = start_driver(None, tmp_path, byte_dataset.root, "driver", "--microbatches", str(MICROBATCHES),
-                                  "--concurrency", "2", join=join)
-            log = tmp_path / "driver.commits"
-            wait_for("the first commits", lambda: committed(log) >= 10)
 
             def replicas():
                 view = net.admin("stages", "--peers")
                 return all(p["report"]["replica_stage"] == 1 for p in view["peers"] if p["report"]["stage"] == 0)
 
+            # the replicas first (they refresh every second), so that the kill lands right after the
+            # first commits and the driver still has most of its microbatches to send through the refill
             wait_for("stage 0's copies of stage 1", replicas)
+            driver = start_driver(None, tmp_path, byte_dataset.root, "driver", "--microbatches", str(MICROBATCHES),
+                                  "--concurrency", "2", join=join)
+            log = tmp_path / "driver.commits"
+            wait_for("the first commits", lambda: committed(log) >= 10, every_s=0.1)
             killed_at = time.time()
             for p in peers:
                 if p.ready["stage"] == 1:
@@ -89,8 +91,11 @@ def test_stages_are_assigned_synced_and_refilled_after_their_peers_are_killed(tm
                 hashes = {p["report"]["state_hash"] for p in view["peers"] if p["report"]["stage"] == 0}
                 return view if len(hashes) == 1 else None
 
+            # the move is the coordinator's, after the heartbeat TTL and a sweep: awaited, not assumed
+            # done because the driver is
+            events = wait_for("the emptied stage's refill",
+                              lambda: net.admin("events", "--kind", "stage_move")["events"], timeout_s=60)
             view = wait_for("stage 0's peers to agree", agreed, timeout_s=60)
-            events = net.admin("events", "--kind", "stage_move")["events"]
             table = subprocess.run(
                 murmur_cmd("admin", "stages", "--coordinator", str(net.info["address"]), "--admin-key",
                            str(net.info["admin_key_file"])), capture_output=True, text=True, timeout=120,

@@ -26,7 +26,7 @@ from murmur.node.net.loop import LoopThread
 from murmur.node.pipeline.client import StageClient, StageEndpoint
 
 # Five to seven processes, each importing torch, on a loaded 2-core machine: more than the default.
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
 
 def test_two_stages_of_two_peers_and_two_drivers_train_and_the_loss_falls(tmp_path, byte_dataset):

@@ -14,7 +14,7 @@ from _pipeline_helpers import (
     write_peers,
 )
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
 
 def run_driver(ca, tmp_path, data, name, count):

@@ -124,7 +124,7 @@ def test_the_store_counts_rounds_with_a_refused_update_per_sender(tmp_path):
 
 ROUNDS = 8
 # Several 4-node runs: slow, and the first one also runs the clean reference (a module fixture).
-e2e = pytest.mark.slow
+e2e = pytest.mark.integration
 e2e_timeout = pytest.mark.timeout(900)
 # What makes the final loss a measure of the aggregator and not of the run's luck: with the testnet's
 # Nesterov 0.9 outer step over 8 rounds the validation loss swings by 3-4% from round to round (the

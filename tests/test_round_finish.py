@@ -52,15 +52,20 @@ def test_rounds_are_handed_over_in_order_each_after_its_checkpoint_with_both_has
 def test_a_failed_checkpoint_write_hands_over_neither_its_round_nor_later_ones_and_raises(tmp_path):
     handed: list[int] = []
     written = threading.Event()
+    submitted = threading.Event()
 
     def save(ckpt):
         written.set()
+        # fails only once round 3 is in: failing earlier, the write's error is (rightly) raised by
+        # submit(3) itself, which test_the_next_submit_raises_the_earlier_failure covers
+        assert submitted.wait(30)
         raise OSError(28, "No space left on device")
 
     finisher = RoundFinisher(save, lambda record, *_: handed.append(record["round"]))
     finisher.submit({"round": 1}, [], _shared(1.0), None)
     finisher.submit({"round": 2}, [], _shared(2.0), {"round": 2})
     finisher.submit({"round": 3}, [], _shared(3.0), None)
+    submitted.set()
     assert written.wait(30)
     with pytest.raises(OSError, match="No space left"):
         finisher.close()

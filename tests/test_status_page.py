@@ -21,7 +21,7 @@ from _node_helpers import log, make_testnet, small_dataset, wait_rounds
 from murmur.coordinator.runs import ddp_equivalent_bytes, shape_of
 from murmur.node.testnet.procs import kill_group, wait_for
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.system
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 FAST_COORDINATOR = ["--heartbeat-ttl", "3", "--lease-ttl", "4", "--restart-grace", "5"]

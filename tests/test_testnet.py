@@ -15,7 +15,7 @@ from _node_helpers import hashes_by_round, ledger, log, make_testnet, small_data
 
 from murmur.node.testnet.procs import wait_for
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.system
 
 # Short coordinator deadlines, so a killed node's lease comes back within the test.
 FAST_COORDINATOR = ["--heartbeat-ttl", "3", "--lease-ttl", "4", "--restart-grace", "5"]
@@ -57,8 +57,12 @@ def _together(nodes) -> list[int]:
     return sorted(r for r in peers[0] if all(p.get(r) == len(nodes) for p in peers))
 
 
-def test_three_nodes_learn_and_hold_the_same_state(tmp_path, data):
+def test_three_nodes_learn_and_hold_the_same_state(tmp_path, data, monkeypatch):
+    # Started cold, as a volunteer starts them (`python -m murmur.cli ...`): the one testnet of the
+    # suite that does not fork its processes from the warm-start server (node/testnet/warm.py)
+    monkeypatch.setenv("MURMUR_WARM_START", "0")
     with _start(tmp_path, data, 3) as net:
+        assert all(isinstance(p, subprocess.Popen) for p in [net.coordinator, *(n.proc for n in net.nodes)])
         for node in net.nodes:
             wait_rounds(node, 6, timeout_s=240)
         # The three train together: rounds all of them recorded as a group of three. Waited for,
