@@ -64,7 +64,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         v.add_argument("--solo", action="store_true", help=argparse.SUPPRESS)  # nodes without peers
         if verb == "up":
             v.add_argument("--stages", type=int, default=0,
-                           help="a pipelined run of S stages: --nodes stage peers and --drivers drivers")
+                           help="a pipelined run of S stages: --nodes stage peers and --drivers drivers "
+                                "(--duration then counts from the drivers' start)")
             v.add_argument("--drivers", type=int, default=1, help="with --stages: drivers (default 1)")
         if verb == "chaos":
             v.add_argument("--mtbf", type=float, default=30.0, help="mean seconds between kills (default 30)")
