@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import signal
 import sys
 
@@ -50,12 +51,23 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     return parser
 
 
-class StoppedWhileStarting(BaseException):  # noqa: N818 - a stop, not an error
-    """SIGTERM came before the node's event loop took the signal over."""
+STOPPED_WHILE_STARTING = b"stopped (SIGTERM) while starting\n"
 
 
 def _stop_while_starting(signum: int, frame: object) -> None:
-    raise StoppedWhileStarting
+    """SIGTERM came before the node's event loop took the signal over: the process ends here, at
+    once, with exit 0 and one line, wherever its main thread is. Until then a node has joined
+    nothing and holds nothing (no lock, lease, socket or child; the loop takes SIGTERM over before
+    any), so there is nothing to clean up. Raising from here instead unwound whatever the main
+    thread ran, an import most of the time, and a C extension interrupted half-way through its
+    import (numpy's) failed on the next one with a traceback and exit 1 (issue 37). Deferring the
+    stop to a safe point would leave the node importing torch for seconds after it was told to go."""
+    try:
+        sys.stdout.flush()  # what the node printed so far (a flush this interrupted is not redone)
+    except Exception:  # noqa: BLE001, S110 - a reentrant flush, a closed pipe: nothing to keep then
+        pass
+    os.write(2, STOPPED_WHILE_STARTING)
+    os._exit(0)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -65,13 +77,10 @@ def main(argv: list[str] | None = None) -> int:
         # A node SIGTERMed while it still imports torch and grpc (a testnet stopped right after a
         # chaos restart; node/daemon/cli.py imports them once its arguments hold up) has joined
         # nothing and holds nothing: it stops as cleanly as a running node (exit 0), not killed by
-        # the signal (-15). The node's loop takes SIGTERM over later.
+        # the signal (-15), nor with a traceback from an import cut short. The node's loop takes
+        # SIGTERM over later.
         signal.signal(signal.SIGTERM, _stop_while_starting)
-    try:
-        return _main(argv)
-    except StoppedWhileStarting:
-        print("stopped (SIGTERM) while starting", file=sys.stderr)
-        return 0
+    return _main(argv)
 
 
 def _main(argv: list[str]) -> int:

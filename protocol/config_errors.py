@@ -53,8 +53,15 @@ def _describe_one(error: ErrorDetails, root: type[BaseModel]) -> str:
         return f"{key} = {value} is not one of {ctx.get('expected', '')}"
     if kind in _BOUND_ERRORS:
         field = _field(loc, root)
-        allowed = _range(field) if field is not None else error["msg"].replace("Input should ", "", 1)
-        why = (field.json_schema_extra or {}).get("why") if field is not None else None
+        extra: Any = (field.json_schema_extra or {}) if field is not None else {}
+        # A sanity cap (runconfig's ``_bounded``) is named only to a value above it: a 0 is told
+        # that it must be positive, not that it must be within (0, 1000000000].
+        low_failed = extra.get("cap") and kind in ("greater_than", "greater_than_equal")
+        if field is None:
+            allowed = error["msg"].replace("Input should ", "", 1)
+        else:
+            allowed = _range(field, lower_only=bool(low_failed))
+        why = None if low_failed else extra.get("why")
         return f"{key} must {allowed}, got {value}" + (f" ({why})" if why else "")
     if kind == "cross_field":
         return f"{key} {error['msg']}"
@@ -97,16 +104,21 @@ def _field(loc: tuple[str, ...], root: type[BaseModel]) -> FieldInfo | None:
     return section.model_fields.get(loc[-1]) if section is not None and loc else None
 
 
-def _range(field: FieldInfo) -> str:
-    """What a field's ``Field(gt=..., le=...)`` constraints allow, in words (after "must")."""
-    bounds = {
-        name: getattr(item, name) for item in field.metadata for name in ("gt", "ge", "lt", "le") if hasattr(item, name)
-    }
+def _range(field: FieldInfo, lower_only: bool = False) -> str:
+    """What a field's ``Field(gt=..., le=...)`` constraints allow, in words (after "must");
+    ``lower_only``: its lower bound alone."""
+    names = ("gt", "ge") if lower_only else ("gt", "ge", "lt", "le")
+    bounds = {name: getattr(item, name) for item in field.metadata for name in names if hasattr(item, name)}
     low, high = bounds.get("gt", bounds.get("ge")), bounds.get("lt", bounds.get("le"))
     if high is None:
         if low == 0:
             return "be positive" if "gt" in bounds else "not be negative"
-        return f"be {'greater than' if 'gt' in bounds else 'at least'} {low:g}"
+        return f"be {'greater than' if 'gt' in bounds else 'at least'} {_num(low)}"
     if low is None:
-        return f"be {'below' if 'lt' in bounds else 'at most'} {high:g}"
-    return f"be within {'(' if 'gt' in bounds else '['}{low:g}, {high:g}{')' if 'lt' in bounds else ']'}"
+        return f"be {'below' if 'lt' in bounds else 'at most'} {_num(high)}"
+    return f"be within {'(' if 'gt' in bounds else '['}{_num(low)}, {_num(high)}{')' if 'lt' in bounds else ']'}"
+
+
+def _num(bound: float) -> str:
+    """A bound as a reader writes it: integers whole (1000000000, not 1e+09), others short."""
+    return str(bound) if isinstance(bound, int) else f"{bound:g}"

@@ -41,6 +41,22 @@ MAX_EXCHANGE_CHUNK_MB = 8.0
 _CHUNK_WHY = {"why": "a chunk travels as one gRPC message of at most 8 MiB"}
 
 
+# Upper bounds. Generous (past any run this code could train) but finite, so that an absurd number
+# (``steps = 2^63``) is refused where the config is read (`admin runs create`, `train`, `sim`,
+# `testnet up`) with the key's name, instead of being stored and failing on a node. Each says why in
+# its error (the ``why`` below) and in docs/configuration.md's table of bounds.
+MAX_STEPS = 10**9
+_STEPS_WHY = "a billion steps is 30 years at one step a second"
+MAX_SECONDS = 86_400.0
+_SECONDS_WHY = "a day"
+MAX_LAYERS = 1024
+
+
+def _bounded(default: Any, limit: float, why: str, **low: Any) -> Any:
+    """``Field(default, **low, le=limit)`` whose out-of-range error says ``why`` the limit is there."""
+    return Field(default, le=limit, json_schema_extra={"why": why, "cap": True}, **low)
+
+
 class ConfigError(MurmurError):
     """A run configuration that cannot be used; the message names the key and what to do."""
 
@@ -55,13 +71,13 @@ class Section(BaseModel):
 class ModelSection(Section):
     preset: ModelPreset = "tiny"
     # Any of these overrides the preset's value (None keeps the preset's).
-    dim: int | None = Field(None, gt=0)
-    n_layers: int | None = Field(None, gt=0)
-    n_heads: int | None = Field(None, gt=0)
-    n_kv_heads: int | None = Field(None, gt=0)
-    hidden_dim: int | None = Field(None, gt=0)
-    seq_len: int | None = Field(None, gt=0)
-    vocab_size: int | None = Field(None, gt=0)
+    dim: int | None = _bounded(None, 1 << 16, "GPT-3's is 12288", gt=0)
+    n_layers: int | None = _bounded(None, MAX_LAYERS, "GPT-3 has 96 blocks", gt=0)
+    n_heads: int | None = _bounded(None, 1024, "GPT-3 has 96 heads", gt=0)
+    n_kv_heads: int | None = _bounded(None, 1024, "GPT-3 has 96 heads", gt=0)
+    hidden_dim: int | None = _bounded(None, 1 << 18, "4x the widest dim", gt=0)
+    seq_len: int | None = _bounded(None, 1 << 20, "a million tokens of context", gt=0)
+    vocab_size: int | None = _bounded(None, 1 << 21, "the largest tokenizers have about 256k tokens", gt=0)
 
 
 class DataSection(Section):
@@ -72,23 +88,23 @@ class DataSection(Section):
 class OptimSection(Section):
     """The inner optimizer: AdamW with linear warm-up and cosine decay (docs/algorithms.md)."""
 
-    lr: float = Field(4e-4, ge=0)
+    lr: float = _bounded(4e-4, 10.0, "AdamW moves a weight by about lr a step", ge=0)
     min_lr_ratio: float = Field(0.1, ge=0, le=1)
-    weight_decay: float = Field(0.1, ge=0)
+    weight_decay: float = _bounded(0.1, 10.0, "weights shrink by lr x weight_decay a step; 0.01-0.1 is usual", ge=0)
     beta1: float = Field(0.9, ge=0, lt=1)
     beta2: float = Field(0.95, ge=0, lt=1)
-    eps: float = Field(1e-8, gt=0)
-    grad_clip: float = Field(1.0, ge=0)  # 0: off
-    warmup_steps: int = Field(100, ge=0)
+    eps: float = _bounded(1e-8, 1.0, "an eps of 1 drowns the second moment", gt=0)
+    grad_clip: float = _bounded(1.0, 1e6, "a clip this high never acts: 0 turns it off", ge=0)  # 0: off
+    warmup_steps: int = _bounded(100, MAX_STEPS, _STEPS_WHY, ge=0)
 
 
 class TrainSection(Section):
-    steps: int = Field(1000, gt=0)
-    batch_size: int = Field(16, gt=0)
-    eval_every: int = Field(100, gt=0)
-    eval_batches: int = Field(8, gt=0)
-    checkpoint_every: int = Field(0, ge=0)  # 0: only at the end
-    log_every: int = Field(1, gt=0)
+    steps: int = _bounded(1000, MAX_STEPS, _STEPS_WHY, gt=0)
+    batch_size: int = _bounded(16, 1 << 16, "more sequences a step than any machine holds", gt=0)
+    eval_every: int = _bounded(100, MAX_STEPS, _STEPS_WHY, gt=0)
+    eval_batches: int = _bounded(8, 1 << 16, "more batches an evaluation than any machine holds", gt=0)
+    checkpoint_every: int = _bounded(0, MAX_STEPS, _STEPS_WHY, ge=0)  # 0: only at the end
+    log_every: int = _bounded(1, MAX_STEPS, _STEPS_WHY, gt=0)
     dtype: Literal["auto", "fp32", "bf16"] = "auto"  # auto: bf16 autocast on a GPU, fp32 on the CPU
     compile: bool = False
 
@@ -97,15 +113,16 @@ class SyncSection(Section):
     """How replicas stay together. Used by `murmur sim` and the node; ignored by `murmur train`."""
 
     algorithm: Literal["ddp", "diloco", "streaming", "demo"] = "diloco"
-    inner_steps: int = Field(50, gt=0)  # H
+    inner_steps: int = _bounded(50, 10**6, "a million steps between syncs is no syncing", gt=0)  # H
     # The outer step: lr 1 with Nesterov momentum 0.5, the best measured row at every H run in
     # benchmarks/results/quality.json (4 workers, 8k tokens per worker-step: 8.5% behind DDP at H50
     # against 11.1% for the DiLoCo paper's 0.7/0.9, 11.5% against 16.0% at H250).
-    outer_lr: float = Field(1.0, ge=0)
+    outer_lr: float = _bounded(1.0, 10.0, "the outer step of DiLoCo runs is 0.7-1", ge=0)
     outer_momentum: float = Field(0.5, ge=0, lt=1)
     nesterov: bool = True
-    fragments: int = Field(4, gt=0)  # Streaming DiLoCo: P
-    overlap_steps: int = Field(5, ge=0)  # Streaming DiLoCo: tau, below inner_steps (checked below)
+    fragments: int = _bounded(4, MAX_LAYERS, "at most one fragment a block", gt=0)  # Streaming DiLoCo: P
+    # Streaming DiLoCo: tau, below inner_steps (checked below)
+    overlap_steps: int = _bounded(5, 10**6, "a million steps between syncs is no syncing", ge=0)
     mix_alpha: float = Field(0.0, ge=0, le=1)  # Streaming DiLoCo: alpha
     global_on_cpu: bool = False
     # Streaming DiLoCo: how the fragments are cut. contiguous: consecutive layers per fragment;
@@ -116,21 +133,21 @@ class SyncSection(Section):
     inner_lr_scale: Literal["none", "sqrt_k"] = "none"
     # DeMo
     demo_beta: float = Field(0.999, ge=0, lt=1)
-    demo_topk: int = Field(32, gt=0)
-    demo_chunk: int = Field(64, gt=0)
+    demo_topk: int = _bounded(32, 1 << 24, "a 4096x4096 chunk's coefficients", gt=0)
+    demo_chunk: int = _bounded(64, 4096, "the DCT of a chunk costs chunk^3", gt=0)
     # The DCT coefficients on the wire. The paper sends fp32; bf16 tied it on the H200 (2 seeds, one
     # warm start: val 2.9906 against 2.9909, benchmarks/results/quality.json rows_run_2026_12_03_q5)
     # at 1.5x less traffic, so it is the default.
     demo_values: Literal["fp32", "bf16"] = "bf16"
     # The codec of the exchanged update and the aggregation rule.
     codec: Codec = "fp32"
-    codec_block: int = Field(64, gt=0)
+    codec_block: int = _bounded(64, 1 << 21, "a pipeline chunk holds at most 2M fp32 values", gt=0)
     topk_fraction: float = Field(0.0156, gt=0, le=1)
-    powersgd_rank: int = Field(4, gt=0)
+    powersgd_rank: int = _bounded(4, 1024, "a rank this high sends more than the matrix", gt=0)
     ef_decay: float = Field(1.0, gt=0, le=1)  # error feedback: residual kept per round (SparseLoCo uses 0.95)
     aggregator: Literal["mean", "trimmed_mean", "centered_clip"] = "mean"
-    trim: int = Field(1, ge=0)
-    clip_tau: float = Field(1.0, gt=0)
+    trim: int = _bounded(1, 1024, "values dropped at each end: more than a round's members", ge=0)
+    clip_tau: float = _bounded(1.0, 1e6, "a radius this large never clips", gt=0)
     # The peer exchange: MB of the fp32 update per pipeline chunk. Part of the stream layout, so
     # every node of a run must use the same value (the run config is how they agree).
     exchange_chunk_mb: float = Field(4.0, gt=0, le=MAX_EXCHANGE_CHUNK_MB, json_schema_extra=_CHUNK_WHY)
@@ -150,40 +167,48 @@ class PipelineSection(Section):
     """SWARM mode: the model cut into stages served by peers, microbatches sent through them by
     drivers (docs/pipeline.md). Absent from a run config: the data-parallel mode."""
 
-    stages: int = Field(2, gt=0)
+    stages: int = _bounded(2, MAX_LAYERS, "at most one stage a block", gt=0)
     layers: list[int] | None = None  # blocks per stage; None: an even split
-    microbatch_size: int = Field(4, gt=0)  # rows (sequences) per microbatch
+    # rows (sequences) per microbatch
+    microbatch_size: int = _bounded(4, 1 << 16, "more rows than any stage holds", gt=0)
     activation_codec: ActivationCodec = "bf16"  # for activations and their gradients
     # The longest a hop may take (forward or backward of one stage, wire included). Deadlines
     # adapt to each peer's measured latency below this; until a peer is measured this is its
     # deadline. SWARM uses 30 s forward and 75 s backward; a tiny CPU model needs far less.
-    hop_timeout_s: float = Field(30.0, gt=0)
-    min_hop_timeout_s: float = Field(2.0, gt=0)  # adaptive deadlines never go below this (scheduler noise)
-    hop_attempts: int = Field(3, gt=0)  # peers tried per hop before the microbatch is given up
-    microbatch_attempts: int = Field(3, gt=0)  # times a driver runs a failing microbatch before stopping
+    hop_timeout_s: float = _bounded(30.0, MAX_SECONDS, _SECONDS_WHY, gt=0)
+    # adaptive deadlines never go below this (scheduler noise)
+    min_hop_timeout_s: float = _bounded(2.0, MAX_SECONDS, _SECONDS_WHY, gt=0)
+    # peers tried per hop before the microbatch is given up
+    hop_attempts: int = _bounded(3, 1000, "a thousand tries of one hop", gt=0)
+    # times a driver runs a failing microbatch before stopping
+    microbatch_attempts: int = _bounded(3, 1000, "a thousand runs of one microbatch", gt=0)
     # Pause before re-running a failed microbatch, doubling per failure, at most 30 s: a stage
     # whose every peer is down needs time to be refilled, and re-running at once would only
     # spend the attempts.
-    microbatch_retry_s: float = Field(1.0, ge=0)
-    target_samples: int = Field(16, gt=0)  # samples per stage peer per optimizer step
-    rebalance_every_s: float = Field(60.0, gt=0)  # the coordinator's bottleneck check
-    bench_s: float = Field(2.0, gt=0)  # a failed peer is benched this long, doubling per failure in a row
-    max_bench_s: float = Field(60.0, gt=0)
+    microbatch_retry_s: float = _bounded(1.0, MAX_SECONDS, _SECONDS_WHY, ge=0)
+    # samples per stage peer per optimizer step
+    target_samples: int = _bounded(16, 1 << 24, "16M samples a step", gt=0)
+    rebalance_every_s: float = _bounded(60.0, MAX_SECONDS, _SECONDS_WHY, gt=0)  # the coordinator's bottleneck check
+    # a failed peer is benched this long, doubling per failure in a row
+    bench_s: float = _bounded(2.0, MAX_SECONDS, _SECONDS_WHY, gt=0)
+    max_bench_s: float = _bounded(60.0, MAX_SECONDS, _SECONDS_WHY, gt=0)
     # Every peer of stage s keeps a copy of stage s+1's weights (the last stage: of stage 0),
     # refreshed this often, so that a stage whose every peer dies is refilled with weights at
     # most this old instead of the seed's. 0: no copies.
-    replica_every_s: float = Field(10.0, ge=0)
+    replica_every_s: float = _bounded(10.0, MAX_SECONDS, _SECONDS_WHY, ge=0)
     # Stage-mates sync their stage's weights (the run's codec, aggregator and outer step) every
     # this many seconds of the clock, beside the compute (node/pipeline/stage_sync.py). 0: never.
-    sync_every_s: float = Field(30.0, ge=0)
+    sync_every_s: float = _bounded(30.0, MAX_SECONDS, _SECONDS_WHY, ge=0)
 
     @model_validator(mode="after")
     def _consistent(self) -> PipelineSection:
-        if self.layers is not None and (len(self.layers) != self.stages or min(self.layers) < 1):
+        if self.layers is not None and (
+            len(self.layers) != self.stages or min(self.layers) < 1 or max(self.layers) > MAX_LAYERS
+        ):
             raise PydanticCustomError(
                 "cross_field",
-                "must name at least one block for each of the pipeline.stages = {stages} stages, got {value}",
-                {"config_key": "layers", "stages": self.stages, "value": self.layers},
+                "must name 1 to {most} blocks for each of the pipeline.stages = {stages} stages, got {value}",
+                {"config_key": "layers", "stages": self.stages, "value": self.layers, "most": MAX_LAYERS},
             )
         if self.min_hop_timeout_s > self.hop_timeout_s:
             raise PydanticCustomError(
@@ -202,7 +227,7 @@ class PipelineSection(Section):
 
 class RunConfig(Section):
     name: str = "murmur-run"
-    seed: int = 0
+    seed: int = _bounded(0, 2**63 - 1, "a seed is a signed 64-bit integer", ge=-(2**63))
     model: ModelSection = Field(default_factory=ModelSection)
     data: DataSection = Field(default_factory=DataSection)
     optim: OptimSection = Field(default_factory=OptimSection)

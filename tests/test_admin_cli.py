@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import subprocess
 import sys
 import urllib.request
@@ -188,6 +189,12 @@ def test_malformed_run_toml_and_manifest_change_nothing(coord, tmp_path):
     assert "'tokens' must be" in one_error_line(
         admin(coord, "runs", "create", "--config", str(config), "--manifest", str(bad_manifest))
     )
+    # absurd numbers (issue 37: batch_size = 2^63-1 and steps = 2^63 went into the ledger)
+    for key, value in (("batch_size", 2**63 - 1), ("steps", 2**63)):
+        absurd = tmp_path / f"absurd_{key}.toml"
+        absurd.write_text(re.sub(rf"(?m)^{key} = .*$", f"{key} = {value}", config.read_text()))
+        err = one_error_line(admin(coord, "runs", "create", "--config", str(absurd), "--manifest", str(manifest)))
+        assert f"train.{key} must be within (0, " in err, err
     no_data = tmp_path / "no_data.toml"
     no_data.write_text(config.read_text() + '[data]\npath = "nowhere/at-all"\n')
     assert "nowhere/at-all/manifest.json does not exist" in one_error_line(

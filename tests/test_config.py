@@ -1,5 +1,6 @@
 import subprocess
 import sys
+import typing
 from pathlib import Path
 
 import pytest
@@ -57,6 +58,59 @@ def test_bad_config_is_a_one_line_error_naming_the_key(text, message):
     assert "\n" not in str(err.value)
 
 
+def _numeric_keys() -> list[tuple[str, object]]:
+    """(dotted key, its field) of every number of the schema (ints and floats, optional or not)."""
+    from murmur.protocol.runconfig import PipelineSection
+
+    out = []
+    sections = {"": RunConfig, "pipeline": PipelineSection}
+    sections.update({name: type(getattr(RunConfig(), name)) for name in ("model", "data", "optim", "train", "sync")})
+    for prefix, model in sections.items():
+        for name, field in model.model_fields.items():
+            kinds = typing.get_args(field.annotation) or (field.annotation,)
+            if any(k in (int, float) for k in kinds):
+                out.append((f"{prefix}.{name}" if prefix else name, field))
+    return out
+
+
+def _cap(field) -> float:
+    caps = [getattr(m, n) for m in field.metadata for n in ("le", "lt") if hasattr(m, n)]
+    assert caps, "no upper bound"
+    return caps[0]
+
+
+@pytest.mark.parametrize(("key", "field"), _numeric_keys(), ids=lambda v: v if isinstance(v, str) else "")
+def test_every_number_has_an_upper_bound_and_past_it_is_a_one_line_error_naming_the_key(key, field):
+    cap = _cap(field)
+    over = 2**63 if isinstance(cap, int) and int in typing.get_args(field.annotation) + (field.annotation,) else 1e300
+    data: dict = {}
+    apply_override(data, f"{key}={over!r}")
+    with pytest.raises(ConfigError) as err:
+        config_from_dict(data)
+    msg = str(err.value)
+    assert msg.startswith(f"{key} must ") and "\n" not in msg, msg
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        # what issue 37 found in a ledger
+        ("[train]\nsteps = 9223372036854775808",
+         "train.steps must be within (0, 1000000000], got 9223372036854775808 (a billion steps is 30 years"),
+        ("[train]\nbatch_size = 9223372036854775807", "train.batch_size must be within (0, 65536], got"),
+        ("[pipeline]\nhop_timeout_s = 1e12",
+         "pipeline.hop_timeout_s must be within (0, 86400], got 1000000000000.0 (a day)"),
+        ("[pipeline]\nstages = 2\nlayers = [1, 5000]", "pipeline.layers must name 1 to 1024 blocks"),
+        # a cap is named only to a value above it
+        ("[train]\nsteps = 0", "train.steps must be positive, got 0"),
+    ],
+)
+def test_absurd_numbers_are_refused_naming_the_key(text, message):
+    with pytest.raises(ConfigError) as err:
+        parse_config(text)
+    assert str(err.value).startswith(message), str(err.value)
+
+
 def test_a_config_that_is_not_a_table_is_refused():
     with pytest.raises(ConfigError, match="the run config must be a table, got 3"):
         config_from_dict(3)
@@ -105,6 +159,21 @@ def test_override_errors():
         apply_override({}, "train.steps")
     with pytest.raises(ConfigError, match="train is not a table"):
         apply_override({"train": 3}, "train.steps=1")
+
+
+@pytest.mark.parametrize("command", [["train"], ["sim", "--workers", "2"], ["testnet", "up"]])
+def test_train_sim_and_testnet_refuse_an_absurd_number_in_one_line_before_doing_anything(tmp_path, capsys, command):
+    from murmur.cli import main
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "kept").write_text("an earlier run's file")
+    argv = [*command, "--config", str(ROOT / "configs" / "testnet-tiny.toml"), "--out", str(out),
+            "--set", "train.steps=9223372036854775808"]
+    assert main(argv) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: train.steps must be within (0, 1000000000]"), err
+    assert (out / "kept").is_file()  # testnet up wipes its folder only for a config that holds up
 
 
 def test_cli_prints_one_line_and_fails(tmp_path):

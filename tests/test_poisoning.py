@@ -55,7 +55,15 @@ def _robust_peers(loop: LoopThread, n: int, rule: str):
     return built
 
 
-@pytest.mark.parametrize("kind, why", [("poison_scale", "norm"), ("poison_nan", "NaN|finite")])
+@pytest.mark.parametrize(
+    "kind, why",
+    [
+        ("poison_scale", "norm"),
+        ("poison_nan", "NaN|finite"),
+        # declared past max_payload_bytes: refused before a byte is read, and recorded with the sizes
+        ("oversize", r"^oversized update: \d+ bytes declared, over the limit of \d+$"),
+    ],
+)
 def test_the_owners_record_who_sent_a_refused_update(kind, why):
     loop = LoopThread()
     peers = []
@@ -225,3 +233,41 @@ def test_with_the_plain_mean_a_flipped_update_under_the_norm_filter_shows_the_da
     losses, _ = _run(tmp_path, data, "mean", "poison_flip")
     assert all(not loss <= reference * 1.05 for loss in losses), (losses, reference)  # NaN is damage too
 
+
+
+@e2e
+@pytest.mark.timeout(600)
+def test_an_oversized_update_is_refused_logged_once_and_counted_on_the_coordinator(tmp_path, data):
+    """Node 2 declares every update past the receivers' limit (the ``oversize`` fault): each owner
+    refuses it, the node logs one line naming the sender and both sizes (once per round and owner),
+    and the coordinator counts it against the sender, as a NaN update is. It was dropped in silence:
+    left out of every round, no line, no count."""
+    rounds = 3
+    overrides = [f"train.steps={rounds * 5}", "train.eval_every=5", *STEADY]
+    net = make_testnet(tmp_path, data, overrides=overrides, node_args=[*FAST_NODE, "--min-peers", "3"])
+    net.coordinator_args = ["--dht"]
+    with net:
+        net.start_coordinator()
+        net.create_run(token_uses=3)
+        for i in range(3):
+            net.add_node(extra=["--fault", "oversize@x*"] if i == 2 else None)
+        honest, bad = net.nodes[:2], net.nodes[2]
+        line = (r"refused the update of (\S+) in round (\d+): "
+                r"oversized update: (\d+) bytes declared, over the limit of (\d+)")
+        for node in honest:  # they stop at the schedule's end
+            assert node.proc.wait(300) == 0, log(node)[-3000:]
+        net.stop_node(bad)
+        m = re.search(line, log(honest[0]))
+        assert m, log(honest[0])[-3000:]
+        sender = m.group(1)
+        assert int(m.group(3)) == int(m.group(4)) + 1  # the fault declares the limit + 1
+        assert sender in log(bad)
+        for node in honest:
+            refusals = [(g[0], g[1]) for g in re.findall(line, log(node))]
+            assert refusals and {who for who, _ in refusals} == {sender}, refusals
+            assert len(refusals) == len(set(refusals)), refusals  # one line a round
+        view = net.admin("nodes", "show", sender)
+        assert int(view.get("updates_rejected", 0)) >= 1, view
+        for node in honest:
+            other = net.admin("nodes", "show", trained(node)[-1]["node"])
+            assert int(other.get("updates_rejected", 0)) == 0, other

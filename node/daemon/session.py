@@ -471,6 +471,9 @@ class CoordinatorSession:
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        # The refusals of the last rounds too (the heartbeat that would carry them is gone now).
+        with contextlib.suppress(TimeoutError, CoordinatorError):
+            await asyncio.wait_for(self._report_rejections(), left())
         if self.pending:
             self.log(f"{len(self.pending)} commits still pending (kept in {self.state.journal_path})")
         lease = self.current_lease

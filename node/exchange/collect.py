@@ -144,6 +144,12 @@ def _attempt_answer(
     if reason:
         att.reject(peer_id, reason)
         return status(REFUSED, reason=reason, members=list(att.members), attempt=att.number)
+    reason = _oversized(h, s)
+    if reason:
+        # Refused for what it holds, as a NaN or corrupt input is: the owner records who sent it
+        # (the node logs it and reports it to the coordinator, which counts it), once per attempt.
+        att.refuse_input(peer_id, reason)
+        return status(REFUSED, reason=reason, members=list(att.members), attempt=att.number)
     return None
 
 
@@ -156,8 +162,14 @@ def _header_problem(att: Attempt, h: peer_pb2.ExchangeHeader, peer_id: str, s: S
         return f"span [{h.span_start}, {h.span_end}) is not the span this peer owns {list(att.span)}"
     if not math.isfinite(h.weight) or h.weight < 0:
         return f"weight {h.weight} is not a finite non-negative number"
-    if h.payload_bytes < 0 or h.payload_bytes > s.max_payload_bytes:
-        return f"payload of {h.payload_bytes} bytes is over the limit of {s.max_payload_bytes}"
+    if h.payload_bytes < 0:
+        return f"payload of {h.payload_bytes} bytes declared"
+    return ""
+
+
+def _oversized(h: peer_pb2.ExchangeHeader, s: ServeSettings) -> str:
+    if h.payload_bytes > s.max_payload_bytes:
+        return f"oversized update: {h.payload_bytes} bytes declared, over the limit of {s.max_payload_bytes}"
     return ""
 
 
@@ -224,7 +236,7 @@ async def _read_chunks(att: ReduceAttempt, h, peer_id: str, context, s: ServeSet
             total += len(data)
             att.bytes_received += len(data)
             if total > h.payload_bytes:
-                raise InputRejected(f"sent more than the {h.payload_bytes} bytes it declared")
+                raise _sent_too_much(att, peer_id, total, h.payload_bytes)
             # Decode chunk j in a worker thread while chunk j+1 is read.
             if decoding is not None:
                 att.add_chunk(peer_id, j - 1, await _decoded(att, peer_id, decoding))
@@ -262,6 +274,13 @@ async def _next_chunk(context, s: ServeSettings, j: int, n: int) -> bytes:
     if frame.WhichOneof("kind") != "data":
         raise InputRejected("a second header in one stream")
     return frame.data
+
+
+def _sent_too_much(att: Attempt, peer_id: str, sent: int, declared: int) -> InputRejected:
+    """An input past its declared size: refused for what it holds, recorded as an oversized one."""
+    why = f"oversized update: {sent} bytes sent, more than the {declared} it declared"
+    att.refuse_input(peer_id, why)
+    return InputRejected(why)
 
 
 # --- gather: one whole payload, then the outcome -------------------------------------------------
@@ -303,7 +322,7 @@ async def _read_payload(att: GatherAttempt, h: peer_pb2.ExchangeHeader, context,
             raise InputRejected("a second header in one stream")
         buf += frame.data
         if len(buf) > h.payload_bytes:
-            raise InputRejected(f"sent more than the {h.payload_bytes} bytes it declared")
+            raise _sent_too_much(att, h.sender, len(buf), h.payload_bytes)
         if h.payload_bytes == 0:
             break
     att.bytes_received += len(buf)

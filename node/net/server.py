@@ -23,7 +23,7 @@ import grpc
 import torch
 
 from murmur.node.net.state_transfer import NEWEST_STATE, state_round
-from murmur.protocol import peer_pb2, peer_pb2_grpc, tls
+from murmur.protocol import malformed, peer_pb2, peer_pb2_grpc, tls
 from murmur.protocol.identity import BanList, BannedError, Identity, IdentityError
 from murmur.protocol.version import PROTOCOL_VERSION, VERSION_METADATA_KEY, VersionMismatch, check_version
 from murmur.protocol.wire import dtype_name, split, tensor_bytes
@@ -60,16 +60,18 @@ ExchangeHandler = Callable[[str, grpc.aio.ServicerContext], Awaitable[None]]
 
 
 async def start_mtls_server(
-    add_servicer: Callable[[grpc.aio.Server], None],
+    add_servicer: Callable[[object, grpc.aio.Server], None],
+    servicer: object,
     ident: Identity,
     host: str,
     port: int,
     options: list[tuple[str, int]],
     what: str,
 ) -> tuple[grpc.aio.Server, str]:
-    """Start a gRPC server that requires a certificate of the run's CA; (server, "host:port")."""
+    """Start a gRPC server that requires a certificate of the run's CA, serving ``servicer`` through
+    ``add_servicer`` (a generated ``add_*Servicer_to_server``); (server, "host:port")."""
     server = grpc.aio.server(options=options)
-    add_servicer(server)
+    malformed.register(add_servicer, servicer, server)  # a request that does not parse: one line
     try:
         bound = server.add_secure_port(f"{host}:{port}", tls.server_credentials(ident))
     except RuntimeError:  # gRPC's "Failed to bind": without SO_REUSEPORT, a port another process holds
@@ -112,8 +114,7 @@ class PeerServer(peer_pb2_grpc.PeerServicer):
         self._stopping = False
         options = [*tls.server_options(s.max_message_bytes), (STREAM_WINDOW_OPTION, s.stream_window_bytes)]
         self._server, self.address = await start_mtls_server(
-            lambda server: peer_pb2_grpc.add_PeerServicer_to_server(self, server),
-            self.identity, s.host, s.port, options, "the peer server",
+            peer_pb2_grpc.add_PeerServicer_to_server, self, self.identity, s.host, s.port, options, "the peer server",
         )
         return self.address
 

@@ -93,7 +93,7 @@ class StageService(pipeline_pb2_grpc.StageServicer):
     async def start(self) -> str:
         s = self.settings
         self._server, self.address = await start_mtls_server(
-            lambda server: pipeline_pb2_grpc.add_StageServicer_to_server(self, server),
+            pipeline_pb2_grpc.add_StageServicer_to_server, self,
             self.identity, s.host, s.port, tls.server_options(s.max_message_bytes), "the stage service",
         )
         return self.address

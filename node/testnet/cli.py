@@ -252,10 +252,13 @@ def _run(args: argparse.Namespace) -> int:
     if stages and args.nodes < stages:
         raise MurmurError(f"--nodes {args.nodes} cannot serve --stages {stages}: every stage needs a peer")
     out = Path(args.out)
-    fresh_folder(out)
     overrides = list(args.set) + ([f'sync.algorithm="{args.algo}"'] if args.algo else [])
     if stages:
         overrides.append(f"pipeline.stages={stages}")
+    from murmur.protocol.runconfig import load_config
+
+    load_config(args.config, overrides)  # a config that does not hold up wipes nothing
+    fresh_folder(out)
     config_path, data = prepare_run(args.config, overrides, out)
     if stages:  # stage peers find each other through the coordinator: no DHT
         return run_pipeline(args, out, config_path, data, [a for a in LOOPBACK_COORDINATOR if a != "--dht"])
