@@ -26,8 +26,12 @@ def _common() -> argparse.ArgumentParser:
     # Shared by every leaf command so the options may follow the verb: `murmur admin status --output json`.
     p = argparse.ArgumentParser(add_help=False)
     p.add_argument("--coordinator", help="public address HOST:PORT (default $MURMUR_COORDINATOR or 127.0.0.1:7700)")
-    p.add_argument("--admin-key", help="file with the admin secret (<db>.admin-key); or set $MURMUR_ADMIN_KEY")
-    p.add_argument("--ca-cert", help="the coordinator's CA certificate (default: <db>.ca.crt beside --admin-key)")
+    p.add_argument("--admin-key", metavar="FILE",
+                   help="file with the admin secret, <db>.admin-key (default $MURMUR_ADMIN_KEY_FILE; "
+                   "$MURMUR_ADMIN_KEY may hold the secret itself)")
+    p.add_argument("--ca-cert", metavar="FILE",
+                   help="the coordinator's CA certificate (default $MURMUR_CA_CERT, else <db>.ca.crt beside "
+                   "the admin key file)")
     p.add_argument("--output", choices=("table", "json"), default="table", help="output format")
     p.add_argument("--timeout", type=float, default=ADMIN_CALL_TIMEOUT_S, help=TIMEOUT_HELP)
     return p
@@ -112,9 +116,9 @@ def _pb():
 
 
 def _to_json(message: Any) -> Any:
-    from google.protobuf.json_format import MessageToDict
+    from .message_json import message_json
 
-    return MessageToDict(message, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+    return message_json(message)
 
 
 def _emit(args: argparse.Namespace, message: Any, table: Callable[[], str]) -> None:

@@ -103,7 +103,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         if not given:
             raise _Unauthenticated(
                 "this call needs the admin credential: pass --admin-key FILE (the coordinator wrote it "
-                "next to its database as <db>.admin-key) or set MURMUR_ADMIN_KEY"
+                "next to its database as <db>.admin-key) or set MURMUR_ADMIN_KEY_FILE"
             )
         if not hmac.compare_digest(given.encode(), self.admin_key.encode()):
             raise _Denied("the admin credential is wrong: use the <db>.admin-key file of this coordinator")

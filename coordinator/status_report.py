@@ -12,12 +12,11 @@ import json
 import time
 from typing import Any
 
-from google.protobuf.json_format import MessageToDict
-
 from murmur.protocol import coordinator_pb2 as pb
 from murmur.protocol.reachability import is_client
 
 from .membership import Membership
+from .message_json import message_json
 from .runs import NotFound, RunError, Runs, ddp_equivalent_bytes, shape_of, sync_of
 from .settings import CoordinatorSettings
 from .store import Store
@@ -154,9 +153,7 @@ class StatusSource:
                 "reduction_vs_ddp": ddp / reply.bytes_sent if reply.bytes_sent and ddp else 0.0,
             },
             # The very JSON `murmur admin status --output json` prints, for the same moment.
-            "status": MessageToDict(
-                reply, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
-            ),
+            "status": message_json(reply),
             "nodes": nodes,
             "rounds": [
                 {"round": r["outer_step"], "loss": r["loss"], "tokens": r["tokens"], "bytes_sent": r["bytes_sent"]}

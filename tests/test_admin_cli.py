@@ -9,7 +9,16 @@ import sys
 import urllib.request
 
 import pytest
-from _coordinator_helpers import FAST, admin, admin_json, join, new_token, start_coordinator, write_run_files
+from _coordinator_helpers import (
+    FAST,
+    admin,
+    admin_json,
+    closed_pipe_run,
+    join,
+    new_token,
+    start_coordinator,
+    write_run_files,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -72,23 +81,33 @@ def test_operator_flow_run_token_join_lease_commit_status(steady_coord, tmp_path
     assert "loss 2.5000" in out and "bytes sent 4.1 KB" in out and node_id in out
 
     status = admin_json(coord, "status")
-    assert status["run"]["tokens_committed"] == "250" and status["run"]["outer_step"] == "3"
-    assert status["last_loss"] == 2.5 and status["bytes_sent"] == "4096" and status["tokens_per_s"] > 0
+    assert status["run"]["tokens_committed"] == 250 and status["run"]["outer_step"] == 3
+    assert status["last_loss"] == 2.5 and status["bytes_sent"] == 4096 and status["tokens_per_s"] > 0
     assert status["nodes_by_status"] == {"active": 1}
     assert [n["node_id"] for n in status["nodes"]] == [node_id]
-    assert status["nodes"][0]["shards_held"] == ["0"] and status["nodes"][0]["tokens_per_s"] == 1234.0
+    assert status["nodes"][0]["shards_held"] == [0] and status["nodes"][0]["tokens_per_s"] == 1234.0
 
     shards = admin_json(coord, "shards", "list")["shards"]
-    assert [(s.get("shard_id", "0"), s["committed_offset"], s["holder"]) for s in shards] == [
-        ("0", "250", node_id),
-        ("1", "0", ""),
+    assert [(s["shard_id"], s["committed_offset"], s["holder"]) for s in shards] == [
+        (0, 250, node_id),
+        (1, 0, ""),
     ]
     shown = admin_json(coord, "nodes", "show", node_id)
-    assert "BEGIN CERTIFICATE" in shown["certificate_pem"] and shown["tokens_committed"] == "250"
+    assert "BEGIN CERTIFICATE" in shown["certificate_pem"] and shown["tokens_committed"] == 250
     tokens = admin_json(coord, "tokens", "list")["tokens"]
     assert tokens[0]["uses_left"] == 1 and tokens[0]["note"] == "alice"
-    kinds = [e["kind"] for e in admin_json(coord, "events")["events"]]
-    assert {"run_created", "token_created", "join", "lease_granted"} <= set(kinds)
+    events = admin_json(coord, "events")["events"]
+    assert {"run_created", "token_created", "join", "lease_granted"} <= {e["kind"] for e in events}
+    # numbers are JSON numbers and an event's detail the JSON object it holds, not text to parse again
+    assert all(isinstance(e["seq"], int) and isinstance(e["detail"], dict) for e in events), events
+    assert next(e for e in events if e["kind"] == "lease_granted")["detail"]["shard"] == 0
+
+    # `murmur admin events | head -1`: the reader goes away, the command ends quietly
+    from murmur.cli import EXIT_BROKEN_PIPE
+
+    for args in (["events"], ["status"]):
+        piped = closed_pipe_run(["admin", *args, *coord.admin_args])
+        assert piped.stderr == "" and piped.returncode == EXIT_BROKEN_PIPE, (args, piped.stderr)
     assert "test-run" in admin(coord, "runs", "list").stdout
     assert 'preset = "tiny"' in admin(coord, "runs", "show").stdout
 
