@@ -37,10 +37,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     serve.add_argument(
         "--dht",
         action=argparse.BooleanOptionalAction,
-        default=False,
-        help="also be a DHT bootstrap peer and publish this address there",
+        default=True,
+        help="be the run's DHT bootstrap peer, handed to every node in its join reply, and publish this "
+        "address there (default on). --no-dht: nodes find each other only through --dht-peer addresses "
+        "their operators pass (every node but the first of a run)",
     )
-    serve.add_argument("--dht-listen", default="127.0.0.1:0", help="HOST:PORT of the DHT (default %(default)s)")
+    serve.add_argument(
+        "--dht-listen",
+        default="",
+        help="HOST:PORT of the DHT (default: the --listen host, the port it had last time or a free one)",
+    )
     d = CoordinatorSettings()
     for name, help_text in (
         ("heartbeat_interval_s", "how often nodes heartbeat"),
