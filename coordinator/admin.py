@@ -135,7 +135,10 @@ def _when(t: float) -> str:
 def _ago(t: float) -> str:
     if not t:
         return "-"
-    s = max(0.0, time.time() - t)
+    return _age(max(0.0, time.time() - t))
+
+
+def _age(s: float) -> str:
     return f"{s:.1f}s ago" if s < 120 else f"{s / 60:.0f}m ago" if s < 7200 else f"{s / 3600:.1f}h ago"
 
 
@@ -423,7 +426,9 @@ def _status(client: Any, args: argparse.Namespace) -> None:
                 f"run {r.run_id} ({r.state})   nodes: {counts}",
                 f"progress: {r.tokens_committed}/{r.tokens_total} tokens ({pct:.1f}%), "
                 f"{r.shards_done}/{r.shards_total} shards done, outer step {r.outer_step}, {st.rounds} rounds",
-                f"loss {st.last_loss:.4f}   tokens/s {st.tokens_per_s:.1f}   bytes sent {_bytes(st.bytes_sent)}",
+                f"loss {st.last_loss:.4f}   tokens/s {st.tokens_per_s:.1f}   bytes sent {_bytes(st.bytes_sent)}   "
+                f"last round {_age(st.last_round_age_s) if st.last_round_at else 'none yet'}",
+                *([f"STALLED (no round for over {st.stall_after_s:.0f}s): {st.stall_reason}"] if st.stalled else []),
                 "",
                 _node_rows(st.nodes),
             ]

@@ -56,6 +56,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         ("join_grace_s", "a node that just joined, or restarted and is starting, has this long to heartbeat"),
         ("restart_grace_s", "deadlines are pushed this far out after a restart"),
         ("token_ttl_s", "default lifetime of a join token"),
+        ("stall_after_s", "active nodes that complete no round for this long show as stalled"),
     ):
         flag = "--" + name.removesuffix("_s").replace("_", "-")
         serve.add_argument(
@@ -80,6 +81,7 @@ def _serve(args: argparse.Namespace) -> int:
         join_grace_s=args.join_grace_s,
         restart_grace_s=args.restart_grace_s,
         token_ttl_s=args.token_ttl_s,
+        stall_after_s=args.stall_after_s,
         wal_checkpoint_pages=args.wal_checkpoint_pages,
     )
     return run(

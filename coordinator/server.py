@@ -114,7 +114,8 @@ class Coordinator:
             self.stages,
         )
         collector = LedgerCollector(
-            self.store, self.service.stats, self.membership.pending_count, self.membership.tokens_per_s
+            self.store, self.service.stats, self.membership.pending_count, self.membership.tokens_per_s,
+            self.service.status.progress,
         )
         self.metrics = StatusApp(self.service.status, self.membership, collector, self.secrets.admin_key).server()
         self.server: grpc.aio.Server | None = None

@@ -23,6 +23,10 @@ from .store import Store
 
 EVENTS_SHOWN = 20  # the page's event list
 ROUNDS_SHOWN = 500  # points of the loss chart
+# Stalled: no round for stall_after_s, or for this many of the recent rounds' median gap if that is
+# longer (a run of 10-minute rounds is not stalled 3 minutes into one), the gap over this many rounds.
+STALL_GAPS = 3
+GAP_ROUNDS = 10
 
 
 class StatusSource:
@@ -95,15 +99,57 @@ class StatusSource:
         now = time.time() if now is None else now
         tokens, first = self.store.committed_since(run_id, now - self.settings.tokens_per_s_window_s)
         last = self.store.last_round(run_id)
-        return pb.StatusReply(
+        rows = self.store.nodes(run_id)
+        reply = pb.StatusReply(
             run=info,
-            nodes=[self.node_info(r) for r in self.store.nodes(run_id)],
+            nodes=[self.node_info(r) for r in rows],
             last_loss=(last["loss_sum"] / last["commits"]) if last else 0.0,
             tokens_per_s=tokens / max(now - first, 1.0) if first is not None else 0.0,
             bytes_sent=self.store.bytes_sent(run_id),
             rounds=self.store.round_count(run_id),
             nodes_by_status=self.store.nodes_by_status(run_id),
         )
+        self._progress(reply, [r["joined_at"] for r in rows if r["status"] == "active"], now)
+        return reply
+
+    def progress(self, now: float | None = None) -> list[pb.StatusReply]:
+        """Each run's progress fields alone (round, last round, stalled), for the metrics: the same
+        rules as `status_reply` without a row per node."""
+        now = time.time() if now is None else now
+        replies = []
+        for row in self.store.runs():
+            last = self.store.last_round(row["run_id"])
+            reply = pb.StatusReply(run=pb.RunInfo(run_id=row["run_id"], state=row["state"],
+                                                  outer_step=last["outer_step"] if last else 0))
+            self._progress(reply, [n["joined_at"] for n in self.store.nodes(row["run_id"], "active")], now)
+            replies.append(reply)
+        return replies
+
+    def _progress(self, reply: pb.StatusReply, active_joined: list[float], now: float) -> None:
+        """The last round's time and age, and whether the run looks stalled, and why."""
+        times = self.store.round_times(reply.run.run_id, GAP_ROUNDS + 1)
+        gaps = sorted(b - a for a, b in zip(times, times[1:], strict=False))
+        reply.stall_after_s = max(self.settings.stall_after_s, STALL_GAPS * gaps[len(gaps) // 2] if gaps else 0.0)
+        reply.last_round_at = times[-1] if times else 0.0
+        reply.last_round_age_s = max(0.0, now - reply.last_round_at) if times else 0.0
+        if reply.run.state != "active" or not active_joined:
+            return  # paused, finished, or nobody to make progress: idle, not stalled
+        # Waiting since the last round, or since the first of today's active nodes joined if later
+        # (a run picked up again after everyone had left is not stalled the moment one joins).
+        since = max(reply.last_round_at, min(active_joined))
+        waited = now - since
+        if waited <= reply.stall_after_s:
+            return
+        reply.stalled = True
+        what = f"round {reply.run.outer_step}" if times else "any round"
+        why = [f"no round completed for {waited:.0f}s after {what} with {len(active_joined)} active node(s)"]
+        for row in self.store.refusals_since(reply.run.run_id, since):
+            detail = json.loads(row["detail_json"] or "{}")
+            label = "rounds refused as a split" if row["kind"] == "round_refused" else "commits refused"
+            why.append(f"{row['n']} {label} (last: {str(detail.get('why', '')) or row['kind']})")
+        if len(why) == 1:
+            why.append("none refused: the nodes may be waiting for peers or failing their exchange (see their logs)")
+        reply.stall_reason = "; ".join(why)
 
     def page_status(self, run_id: str = "") -> dict[str, Any]:
         """Everything the status page draws, read in one pass over the ledger."""

@@ -368,6 +368,21 @@ class Store:
     def last_round(self, run_id: str) -> sqlite3.Row | None:
         return self._one("SELECT * FROM rounds WHERE run_id = ? ORDER BY outer_step DESC LIMIT 1", (run_id,))
 
+    def round_times(self, run_id: str, limit: int) -> list[float]:
+        """When each of the newest ``limit`` rounds completed (its last commit), oldest first."""
+        rows = self._q("SELECT last_at FROM rounds WHERE run_id = ? ORDER BY outer_step DESC LIMIT ?", (run_id, limit))
+        return sorted(float(r["last_at"]) for r in rows)
+
+    def refusals_since(self, run_id: str, since: float) -> list[sqlite3.Row]:
+        """Per kind (round_refused, commit_refused): how many since ``since`` and the newest one's detail."""
+        # SQLite's bare column beside MAX(): detail_json comes from the row holding the newest seq.
+        return self._q(
+            "SELECT kind, COUNT(*) AS n, MAX(seq) AS seq, detail_json FROM events "
+            "WHERE run_id = ? AND at >= ? AND kind IN ('round_refused', 'commit_refused') "
+            "GROUP BY kind ORDER BY kind DESC",
+            (run_id, since),
+        )
+
     def round_count(self, run_id: str) -> int:
         row = self._one("SELECT COUNT(*) AS n FROM rounds WHERE run_id = ?", (run_id,))
         return int(row["n"]) if row else 0

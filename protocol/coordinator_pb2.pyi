@@ -615,7 +615,7 @@ class StatusRequest(_message.Message):
     def __init__(self, run_id: _Optional[str] = ...) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("run", "nodes", "last_loss", "tokens_per_s", "bytes_sent", "rounds", "nodes_by_status")
+    __slots__ = ("run", "nodes", "last_loss", "tokens_per_s", "bytes_sent", "rounds", "nodes_by_status", "last_round_at", "last_round_age_s", "stall_after_s", "stalled", "stall_reason")
     class NodesByStatusEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -630,6 +630,11 @@ class StatusReply(_message.Message):
     BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
     NODES_BY_STATUS_FIELD_NUMBER: _ClassVar[int]
+    LAST_ROUND_AT_FIELD_NUMBER: _ClassVar[int]
+    LAST_ROUND_AGE_S_FIELD_NUMBER: _ClassVar[int]
+    STALL_AFTER_S_FIELD_NUMBER: _ClassVar[int]
+    STALLED_FIELD_NUMBER: _ClassVar[int]
+    STALL_REASON_FIELD_NUMBER: _ClassVar[int]
     run: RunInfo
     nodes: _containers.RepeatedCompositeFieldContainer[NodeInfo]
     last_loss: float
@@ -637,7 +642,12 @@ class StatusReply(_message.Message):
     bytes_sent: int
     rounds: int
     nodes_by_status: _containers.ScalarMap[str, int]
-    def __init__(self, run: _Optional[_Union[RunInfo, _Mapping]] = ..., nodes: _Optional[_Iterable[_Union[NodeInfo, _Mapping]]] = ..., last_loss: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., bytes_sent: _Optional[int] = ..., rounds: _Optional[int] = ..., nodes_by_status: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    last_round_at: float
+    last_round_age_s: float
+    stall_after_s: float
+    stalled: bool
+    stall_reason: str
+    def __init__(self, run: _Optional[_Union[RunInfo, _Mapping]] = ..., nodes: _Optional[_Iterable[_Union[NodeInfo, _Mapping]]] = ..., last_loss: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., bytes_sent: _Optional[int] = ..., rounds: _Optional[int] = ..., nodes_by_status: _Optional[_Mapping[str, int]] = ..., last_round_at: _Optional[float] = ..., last_round_age_s: _Optional[float] = ..., stall_after_s: _Optional[float] = ..., stalled: _Optional[bool] = ..., stall_reason: _Optional[str] = ...) -> None: ...
 
 class GetStagesRequest(_message.Message):
     __slots__ = ("run_id",)
