@@ -47,7 +47,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         p.set_defaults(func=lambda args: _execute(fn, args))
         return p
 
-    runs = nouns.add_parser("runs", help="create and manage runs").add_subparsers(dest="verb", required=True)
+    def verbs(noun: str, help_text: str) -> Any:
+        return nouns.add_parser(noun, help=help_text).add_subparsers(dest="verb", metavar="VERB", required=True)
+
+    runs = verbs("runs", "create and manage runs")
     p = leaf(runs, "create", _runs_create, "create a run from a run TOML and a dataset manifest")
     p.add_argument("--config", required=True, type=Path, help="the run TOML")
     p.add_argument("--manifest", type=Path, help="the dataset's manifest.json (default: <data.path>/manifest.json)")
@@ -59,28 +62,31 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         ("resume", _runs_state("active"), "hand out leases again"),
         ("finish", _runs_state("finished"), "end a run for good"),
     ):
-        leaf(runs, verb, fn, text).add_argument("run", nargs="?", default="", help="run id (default: the only run)")
+        leaf(runs, verb, fn, text).add_argument("run", nargs="?", default="", metavar="RUN",
+                                               help="run id (default: the only run)")
 
-    tokens = nouns.add_parser("tokens", help="join tokens").add_subparsers(dest="verb", required=True)
+    tokens = verbs("tokens", "join tokens")
     p = leaf(tokens, "create", _tokens_create, "make a join token (shown once)")
     p.add_argument("--run", default="", help="run id (default: the only run)")
     p.add_argument("--ttl", default="24h", help="lifetime, e.g. 3600, 90m, 24h, 7d (default %(default)s)")
     p.add_argument("--uses", type=int, default=1, help="how many nodes may join with it (default %(default)s)")
     p.add_argument("--note", default="", help="a note for the listing")
     leaf(tokens, "list", _tokens_list, "list tokens").add_argument("--run", default="")
-    leaf(tokens, "revoke", _tokens_revoke, "revoke a token").add_argument("token_id")
+    leaf(tokens, "revoke", _tokens_revoke, "revoke a token").add_argument("token_id", metavar="TOKEN_ID")
 
-    nodes = nouns.add_parser("nodes", help="members").add_subparsers(dest="verb", required=True)
+    nodes = verbs("nodes", "members")
     p = leaf(nodes, "list", _nodes_list, "list nodes")
     p.add_argument("--run", default="")
     p.add_argument("--status", default="", choices=("", "active", "lost", "left", "banned"))
-    leaf(nodes, "show", _nodes_show, "show one node").add_argument("node_id")
+    leaf(nodes, "show", _nodes_show, "show one node").add_argument("node_id", metavar="NODE_ID")
     p = leaf(nodes, "ban", _nodes_ban, "ban a node: its leases go back, peers refuse it")
-    p.add_argument("node_id")
+    p.add_argument("node_id", metavar="NODE_ID")
     p.add_argument("--reason", default="banned by the run's admin")
-    leaf(nodes, "unban", _nodes_unban, "lift a ban (the node rejoins with a token)").add_argument("node_id")
+    leaf(nodes, "unban", _nodes_unban, "lift a ban (the node rejoins with a token)").add_argument(
+        "node_id", metavar="NODE_ID"
+    )
 
-    shards = nouns.add_parser("shards", help="dataset shards").add_subparsers(dest="verb", required=True)
+    shards = verbs("shards", "dataset shards")
     leaf(shards, "list", _shards_list, "list shards, holders, offsets").add_argument("--run", default="")
 
     p = leaf(nouns, "stages", _stages, "a pipelined run's stages: blocks, peers, samples/s, queue, last move")

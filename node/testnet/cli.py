@@ -51,7 +51,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         ("up", "start a coordinator and N nodes, show them train, summarize"),
         ("chaos", "like up, and kill and restart nodes at random"),
     ):
-        v = verbs.add_parser(verb, help=help_text, description=__doc__)
+        # The examples at the top of the description stay one to a line.
+        v = verbs.add_parser(verb, help=help_text, description=__doc__,
+                             formatter_class=argparse.RawDescriptionHelpFormatter)
         v.add_argument("--nodes", "-n", type=int, default=3, help="how many nodes (default 3)")
         v.add_argument("--config", default=DEFAULT_CONFIG, help="run TOML (default %(default)s)")
         v.add_argument("--duration", type=float, default=180.0, help="seconds before stopping (default 180)")
