@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 
 import pytest
@@ -71,6 +72,8 @@ def test_a_run_started_as_the_readme_says_trains_as_one_group(tmp_path):
             return len(rounds[0] & rounds[1]) >= 2
 
         wait_for(together, TOGETHER_S, what="two rounds the two nodes trained as one group")
+        first = states[0].with_suffix(".log").read_text().splitlines()[0]
+        assert re.match(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}[+-]\d\d:\d\d joined run ", first), first
     finally:
         for p in reversed(procs):
             stop_process(p)

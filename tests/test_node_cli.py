@@ -100,3 +100,11 @@ def test_help_keeps_the_test_only_fault_flag_out():
     assert done.returncode == 0, done.stderr
     assert "--fault" not in done.stdout and "poison" not in done.stdout, done.stdout
     assert "cuda:N" in done.stdout and "CUDA_VISIBLE_DEVICES" in done.stdout
+
+
+def test_a_bad_log_format_from_the_environment_is_one_line(tmp_path):
+    import os
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MURMUR_")} | {"MURMUR_LOG_FORMAT": "xml"}
+    done = _node(tmp_path, "--coordinator", "127.0.0.1:9", env=env)
+    assert done.returncode == 1 and done.stderr == "error: --log-format 'xml': use text or json\n", done.stderr

@@ -27,6 +27,7 @@ from pathlib import Path
 
 from murmur.errors import MurmurError
 from murmur.gpu_choice import check_device_name
+from murmur.logline import FORMATS, line_writer
 from murmur.node.daemon.settings import NodeSettings
 from murmur.node.train.gpu_path import add_gpu_path_flags, apply_gpu_path_flags
 
@@ -127,6 +128,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="wait for this many peers (this one included) before the first round (default 1)",
     )
     r.add_argument(
+        "--log-format",
+        choices=FORMATS,
+        default=_env("MURMUR_LOG_FORMAT", "text"),
+        help="each log line stamped with its time as text, or one JSON object a line "
+        "(default %(default)s; env MURMUR_LOG_FORMAT)",
+    )
+    r.add_argument(
         "--fault",
         action="append",
         default=[],
@@ -178,6 +186,8 @@ def _run(args: argparse.Namespace) -> int:
     if args.gpus < 1:
         raise MurmurError(f"--gpus must be at least 1, not {args.gpus}")
     args.device = check_device_name(args.device)
+    if args.log_format not in FORMATS:  # from MURMUR_LOG_FORMAT, which argparse's choices do not check
+        raise MurmurError(f"--log-format {args.log_format!r}: use {' or '.join(FORMATS)}")
     if args.gpus > 1 and ":" in args.device:
         raise MurmurError(
             f"--device {args.device} picks one GPU but --gpus {args.gpus} uses cuda:0 to cuda:{args.gpus - 1}: "
@@ -187,8 +197,7 @@ def _run(args: argparse.Namespace) -> int:
     faults = _faults(args.fault)
     _debug_log(_env("MURMUR_LOG_LEVEL"))
 
-    def log(msg: str) -> None:
-        print(msg, flush=True)
+    log = line_writer(args.log_format)
 
     # grpc, torch and the node's stack: only once the command line holds up, so a usage error
     # answers at once. Still before the event loop takes SIGTERM over: a node stopped during these
