@@ -298,10 +298,11 @@ def _tokens_revoke(client: Any, args: argparse.Namespace) -> None:
 
 def _node_rows(nodes: Sequence[Any]) -> str:
     return table(
-        ["NODE", "STATUS", "HEARTBEAT", "TOK/S", "TOKENS", "SENT", "SHARDS", "REACH", "DEVICE"],
+        ["NODE", "NAME", "STATUS", "HEARTBEAT", "TOK/S", "TOKENS", "SENT", "SHARDS", "REACH", "DEVICE"],
         [
             [
                 n.node_id,
+                n.name or "-",
                 n.status,
                 _ago(n.last_heartbeat),
                 f"{n.tokens_per_s:.0f}",

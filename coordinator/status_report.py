@@ -70,6 +70,7 @@ class StatusSource:
         live = self.membership.peer_address(row["node_id"])
         info = pb.NodeInfo(
             node_id=row["node_id"],
+            name=row["name"],
             run_id=row["run_id"],
             status=row["status"],
             joined_at=row["joined_at"],
@@ -167,6 +168,7 @@ class StatusSource:
             nodes.append(
                 {
                     "node_id": n.node_id,
+                    "name": n.name,
                     "status": n.status,
                     "heartbeat_age_s": age,
                     # Red past the TTL: an active node about to be declared lost, or a lost one

@@ -143,6 +143,10 @@ MIGRATIONS: list[str] = [
     );
     CREATE INDEX stage_leases_run ON stage_leases(run_id);
     """,
+    # v4: the name a volunteer gave its node (`murmur node run --name`)
+    """
+    ALTER TABLE nodes ADD COLUMN name TEXT NOT NULL DEFAULT '';
+    """,
 ]
 SCHEMA_VERSION = len(MIGRATIONS)
 
@@ -435,15 +439,16 @@ class Store:
     # --- nodes ---------------------------------------------------------------------------------
 
     def upsert_node(
-        self, node_id: str, run_id: str, cert_pem: str, hardware_json: str, peer_address: str, now: float
+        self, node_id: str, run_id: str, cert_pem: str, hardware_json: str, peer_address: str, now: float,
+        name: str = "",
     ) -> None:
         self.db.execute(
             "INSERT INTO nodes(node_id, run_id, cert_pem, status, joined_at, last_heartbeat, hardware_json, "
-            "peer_address) VALUES (?, ?, ?, 'active', ?, ?, ?, ?) "
+            "peer_address, name) VALUES (?, ?, ?, 'active', ?, ?, ?, ?, ?) "
             "ON CONFLICT(node_id) DO UPDATE SET run_id = excluded.run_id, cert_pem = excluded.cert_pem, "
             "status = 'active', last_heartbeat = excluded.last_heartbeat, "
-            "hardware_json = excluded.hardware_json, peer_address = excluded.peer_address",
-            (node_id, run_id, cert_pem, now, now, hardware_json, peer_address),
+            "hardware_json = excluded.hardware_json, peer_address = excluded.peer_address, name = excluded.name",
+            (node_id, run_id, cert_pem, now, now, hardware_json, peer_address, name),
         )
 
     def node(self, node_id: str) -> sqlite3.Row | None:
@@ -497,6 +502,11 @@ class Store:
             r["node_id"]: r["ban_reason"]
             for r in self._q("SELECT node_id, ban_reason FROM nodes WHERE status = 'banned' ORDER BY node_id")
         }
+
+    def node_rounds(self, node_id: str) -> int:
+        """The rounds (outer steps) in which this node's commits were accepted."""
+        row = self._one("SELECT COUNT(DISTINCT outer_step) AS n FROM commits WHERE node_id = ?", (node_id,))
+        return int(row["n"]) if row else 0
 
     def node_totals(self, node_id: str) -> tuple[int, int]:
         row = self._one(

@@ -161,9 +161,9 @@ def new_token(coord: CoordinatorProc, *args: str) -> str:
     return str(admin_json(coord, "tokens", "create", *args)["token"])
 
 
-async def join(coord: CoordinatorProc, token: str) -> tuple[MemberClient, str]:
+async def join(coord: CoordinatorProc, token: str, name: str = "") -> tuple[MemberClient, str]:
     key = identity.generate_key()
-    ident, info = await join_run(coord.address, token, key)
+    ident, info = await join_run(coord.address, token, key, name=name)
     return MemberClient(info.node_address, ident, server_name=info.tls_server_name), info.node_id
 
 

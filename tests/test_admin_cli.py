@@ -59,7 +59,7 @@ def test_operator_flow_run_token_join_lease_commit_status(steady_coord, tmp_path
     assert token.startswith("mrm1.") and coord.info["ca_fingerprint"] in token
 
     async def node_work() -> str:
-        client, node_id = await join(coord, token)
+        client, node_id = await join(coord, token, name="alice's laptop")
         async with client:
             hb = await client.heartbeat(tokens_per_s=1234.0)
             assert hb.run_state == "active"
@@ -79,12 +79,13 @@ def test_operator_flow_run_token_join_lease_commit_status(steady_coord, tmp_path
     out = table.stdout
     assert "run test-run (active)" in out and "250/1400 tokens" in out and "outer step 3" in out
     assert "loss 2.5000" in out and "bytes sent 4.1 KB" in out and node_id in out
+    assert f"{node_id}  alice's laptop  active" in out  # the name beside the id
 
     status = admin_json(coord, "status")
     assert status["run"]["tokens_committed"] == 250 and status["run"]["outer_step"] == 3
     assert status["last_loss"] == 2.5 and status["bytes_sent"] == 4096 and status["tokens_per_s"] > 0
     assert status["nodes_by_status"] == {"active": 1}
-    assert [n["node_id"] for n in status["nodes"]] == [node_id]
+    assert [(n["node_id"], n["name"]) for n in status["nodes"]] == [(node_id, "alice's laptop")]
     assert status["nodes"][0]["shards_held"] == [0] and status["nodes"][0]["tokens_per_s"] == 1234.0
 
     shards = admin_json(coord, "shards", "list")["shards"]
@@ -330,3 +331,35 @@ def test_a_run_that_completes_no_round_shows_as_stalled(tmp_path):
         assert 'murmur_run_stalled{run="test-run"} 1.0' in metrics and 'murmur_run_round{run="test-run"} 0.0' in metrics
     finally:
         coord.stop()
+
+
+def test_a_leaving_node_hears_what_it_gave_and_a_bad_name_is_refused(steady_coord, tmp_path):
+    from murmur.protocol.coordinator_client import CoordinatorError
+
+    coord = steady_coord
+    config, manifest = write_run_files(tmp_path, [400, 200])
+    assert admin(coord, "runs", "create", "--config", str(config), "--manifest", str(manifest)).returncode == 0
+    token = new_token(coord, "--uses", "3")
+
+    async def work() -> None:
+        with pytest.raises(CoordinatorError, match="at most 40 characters"):
+            await join(coord, token, name="x" * 41)
+        client, _ = await join(coord, token)
+        async with client:
+            await client.heartbeat(tokens_per_s=1.0)
+            lease = (await client.acquire()).lease
+            await client.commit(lease.lease_id, lease.shard_id, 0, 250, outer_step=3, loss=2.5, bytes_sent=1, seconds=1)
+            await client.commit(lease.lease_id, lease.shard_id, 250, 400, outer_step=4, loss=2.4, bytes_sent=1,
+                                seconds=1)
+            other, _ = await join(coord, token, name="bob")
+            async with other:
+                await other.heartbeat(tokens_per_s=1.0)
+                second = (await other.acquire()).lease
+                await other.commit(second.lease_id, second.shard_id, 0, 200, outer_step=4, loss=2.4,
+                                   bytes_sent=1, seconds=1)
+            reply = await client.leave("done")
+        assert (reply.tokens_committed, reply.rounds, reply.run_tokens_committed) == (400, 2, 600)
+
+    asyncio.run(work())
+    uses = [t["uses_left"] for t in admin_json(coord, "tokens", "list")["tokens"]]
+    assert uses == [1]  # the refused name used nothing up

@@ -74,6 +74,12 @@ def test_a_run_started_as_the_readme_says_trains_as_one_group(tmp_path):
         wait_for(together, TOGETHER_S, what="two rounds the two nodes trained as one group")
         first = states[0].with_suffix(".log").read_text().splitlines()[0]
         assert re.match(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}[+-]\d\d:\d\d joined run ", first), first
+        # SIGTERM: each node leaves and says what it gave the run, as the ledger counts it.
+        for p, state in zip(procs[1:], states, strict=True):
+            assert stop_process(p) == 0
+            said = re.search(r"left the run: this node committed ([\d,]+) tokens in (\d+) round\(s\), ([\d.]+)% of",
+                             state.with_suffix(".log").read_text())
+            assert said and int(said.group(2)) >= 1 and 0 < float(said.group(3)) <= 100, state
     finally:
         for p in reversed(procs):
             stop_process(p)

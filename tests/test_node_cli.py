@@ -27,6 +27,7 @@ def _node(tmp_path, *args, env=None):
          "cannot reach the coordinator"),
         (["--coordinator", "127.0.0.1:9", "--threads", "-1"], "must not be negative"),
         (["--coordinator", "127.0.0.1:9", "--device", "gpu"], "use auto, cpu, cuda or cuda:N"),
+        (["--coordinator", "127.0.0.1:9", "--name", "a/b"], "--name 'a/b': at most 40 characters"),
         (["--coordinator", "127.0.0.1:9", "--device", "cuda:1", "--gpus", "2"], "CUDA_VISIBLE_DEVICES"),
     ],
 )
@@ -108,3 +109,14 @@ def test_a_bad_log_format_from_the_environment_is_one_line(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("MURMUR_")} | {"MURMUR_LOG_FORMAT": "xml"}
     done = _node(tmp_path, "--coordinator", "127.0.0.1:9", env=env)
     assert done.returncode == 1 and done.stderr == "error: --log-format 'xml': use text or json\n", done.stderr
+
+
+def test_node_names():
+    from murmur.errors import MurmurError
+    from murmur.protocol.node_name import check_node_name
+
+    assert check_node_name("  alice's laptop ") == "alice's laptop" and check_node_name("") == ""
+    assert check_node_name("gpu-box_2.lan@home") == "gpu-box_2.lan@home"
+    for bad in ("x" * 41, "-dash", "tab\there", "<b>", "ünï"):
+        with pytest.raises(MurmurError, match="at most 40 characters"):
+            check_node_name(bad)

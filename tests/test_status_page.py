@@ -134,6 +134,9 @@ def test_status_page_shows_the_ledger_and_a_lost_node(tmp_path):
         for node_id, row in page.rows.items():
             lo, hi = cli_tokens[node_id]
             assert lo <= int(row["tokens_value"]) <= hi, (node_id, row, lo, hi)
+        # each row names its node as the testnet does (--name), and gives its share of the run's tokens
+        assert sorted(row["name"] for row in page.rows.values()) == ["node-0", "node-1"], page.rows
+        assert all(row["share"].endswith("%") for row in page.rows.values()), page.rows
 
         victim = second
         victim_id = _node_id(victim)

@@ -30,6 +30,7 @@ from murmur.gpu_choice import check_device_name
 from murmur.logline import FORMATS, line_writer
 from murmur.node.daemon.settings import NodeSettings
 from murmur.node.train.gpu_path import add_gpu_path_flags, apply_gpu_path_flags
+from murmur.protocol.node_name import check_node_name
 
 DEFAULT_STATE_DIR = "~/.murmur/node"
 
@@ -56,6 +57,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=_env("MURMUR_TOKEN"),
         help="join token from `murmur admin tokens create` (env MURMUR_TOKEN); "
         "not needed to restart a node that already joined",
+    )
+    r.add_argument(
+        "--name",
+        default=_env("MURMUR_NAME", ""),
+        help="a name for this node, shown beside its id in `murmur admin` and on the status page "
+        "(set when it joins; env MURMUR_NAME)",
     )
     r.add_argument(
         "--data",
@@ -186,6 +193,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.gpus < 1:
         raise MurmurError(f"--gpus must be at least 1, not {args.gpus}")
     args.device = check_device_name(args.device)
+    args.name = check_node_name(args.name)
     if args.log_format not in FORMATS:  # from MURMUR_LOG_FORMAT, which argparse's choices do not check
         raise MurmurError(f"--log-format {args.log_format!r}: use {' or '.join(FORMATS)}")
     if args.gpus > 1 and ":" in args.device:
@@ -207,6 +215,7 @@ def _run(args: argparse.Namespace) -> int:
     options = NodeOptions(
         coordinator=args.coordinator,
         token=args.token or None,
+        name=args.name,
         state_dir=Path(os.path.expanduser(args.state_dir)),
         data=Path(args.data) if args.data else None,
         device=args.device,

@@ -63,6 +63,7 @@ class NodeOptions:
     state_dir: Path
     data: Path | None = None  # default: the run config's data.path
     device: str = "auto"
+    name: str = ""  # the volunteer's name for this node (--name), shown beside its id
     listen: str = "127.0.0.1:0"  # the peer gRPC server (data plane)
     advertise_host: str = ""  # the host peers should dial (default: the listen host)
     metrics_listen: str = "127.0.0.1:0"  # Prometheus /metrics; "off" disables it
@@ -134,7 +135,9 @@ class Node:
         # and leaves no member behind in the coordinator's ledger.
         device = resolve_device(self.o.device)
         checked = self._data_before_join()
-        info, ident, config_toml = await join(self.o.coordinator, self.o.token, self.state, self.s, self.log)
+        info, ident, config_toml = await join(
+            self.o.coordinator, self.o.token, self.state, self.s, self.log, name=self.o.name
+        )
         cfg = parse_config(config_toml, "the run configuration")
         data_path = self.o.data or Path(cfg.data.path)
         dataset = checked if checked is not None and checked.root == data_path else Dataset.open(data_path)

@@ -300,6 +300,8 @@ class Testnet:
             str(self.data),
             "--threads",
             str(self.threads),
+            "--name",
+            node.name,  # node-0, node-1, ...: the testnet's rows and the status page say the same
             *self.node_args,
             *(extra or []),
         ]
