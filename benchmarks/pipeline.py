@@ -272,7 +272,7 @@ def recovery_row(args, work: Path, data: Path, repeat: int) -> dict:
 
     def first(kind: str, **match) -> dict:
         return next(e for e in events if e["kind"] == kind and e["at"] >= killed_at
-                    and all(f'"{k}": {json.dumps(v)}' in e["detail"] for k, v in match.items()))
+                    and all(e["detail"].get(k) == v for k, v in match.items()))
 
     lost, move = first("stage_lost"), first("stage_move")
     serving = next(e for e in events if e["kind"] == "stage_serving" and e["node_id"] == move["node_id"]
@@ -285,7 +285,7 @@ def recovery_row(args, work: Path, data: Path, repeat: int) -> dict:
         "replica_every_s": args.replica_every, "sync_every_s": args.sync_every,
         "lost_after_s": round(lost["at"] - killed_at, 2), "moved_after_s": round(move["at"] - killed_at, 2),
         "rebalance_recovery_s": round(serving["at"] - killed_at, 2),
-        "state_source": json.loads(serving["detail"]).get("source"),
+        "state_source": serving["detail"].get("source"),
         "driver_gap_s": round(max(gaps), 2) if gaps else None,
         "microbatches": args.recovery_microbatches,
         "microbatches_lost": args.recovery_microbatches - done["committed_end"], "load": shaped.load(),

@@ -26,8 +26,12 @@ def _common() -> argparse.ArgumentParser:
     # Shared by every leaf command so the options may follow the verb: `murmur admin status --output json`.
     p = argparse.ArgumentParser(add_help=False)
     p.add_argument("--coordinator", help="public address HOST:PORT (default $MURMUR_COORDINATOR or 127.0.0.1:7700)")
-    p.add_argument("--admin-key", help="file with the admin secret (<db>.admin-key); or set $MURMUR_ADMIN_KEY")
-    p.add_argument("--ca-cert", help="the coordinator's CA certificate (default: <db>.ca.crt beside --admin-key)")
+    p.add_argument("--admin-key", metavar="FILE",
+                   help="file with the admin secret, <db>.admin-key (default $MURMUR_ADMIN_KEY_FILE; "
+                   "$MURMUR_ADMIN_KEY may hold the secret itself)")
+    p.add_argument("--ca-cert", metavar="FILE",
+                   help="the coordinator's CA certificate (default $MURMUR_CA_CERT, else <db>.ca.crt beside "
+                   "the admin key file)")
     p.add_argument("--output", choices=("table", "json"), default="table", help="output format")
     p.add_argument("--timeout", type=float, default=ADMIN_CALL_TIMEOUT_S, help=TIMEOUT_HELP)
     return p
@@ -43,7 +47,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         p.set_defaults(func=lambda args: _execute(fn, args))
         return p
 
-    runs = nouns.add_parser("runs", help="create and manage runs").add_subparsers(dest="verb", required=True)
+    def verbs(noun: str, help_text: str) -> Any:
+        return nouns.add_parser(noun, help=help_text).add_subparsers(dest="verb", metavar="VERB", required=True)
+
+    runs = verbs("runs", "create and manage runs")
     p = leaf(runs, "create", _runs_create, "create a run from a run TOML and a dataset manifest")
     p.add_argument("--config", required=True, type=Path, help="the run TOML")
     p.add_argument("--manifest", type=Path, help="the dataset's manifest.json (default: <data.path>/manifest.json)")
@@ -55,28 +62,31 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         ("resume", _runs_state("active"), "hand out leases again"),
         ("finish", _runs_state("finished"), "end a run for good"),
     ):
-        leaf(runs, verb, fn, text).add_argument("run", nargs="?", default="", help="run id (default: the only run)")
+        leaf(runs, verb, fn, text).add_argument("run", nargs="?", default="", metavar="RUN",
+                                               help="run id (default: the only run)")
 
-    tokens = nouns.add_parser("tokens", help="join tokens").add_subparsers(dest="verb", required=True)
+    tokens = verbs("tokens", "join tokens")
     p = leaf(tokens, "create", _tokens_create, "make a join token (shown once)")
     p.add_argument("--run", default="", help="run id (default: the only run)")
     p.add_argument("--ttl", default="24h", help="lifetime, e.g. 3600, 90m, 24h, 7d (default %(default)s)")
     p.add_argument("--uses", type=int, default=1, help="how many nodes may join with it (default %(default)s)")
     p.add_argument("--note", default="", help="a note for the listing")
     leaf(tokens, "list", _tokens_list, "list tokens").add_argument("--run", default="")
-    leaf(tokens, "revoke", _tokens_revoke, "revoke a token").add_argument("token_id")
+    leaf(tokens, "revoke", _tokens_revoke, "revoke a token").add_argument("token_id", metavar="TOKEN_ID")
 
-    nodes = nouns.add_parser("nodes", help="members").add_subparsers(dest="verb", required=True)
+    nodes = verbs("nodes", "members")
     p = leaf(nodes, "list", _nodes_list, "list nodes")
     p.add_argument("--run", default="")
     p.add_argument("--status", default="", choices=("", "active", "lost", "left", "banned"))
-    leaf(nodes, "show", _nodes_show, "show one node").add_argument("node_id")
+    leaf(nodes, "show", _nodes_show, "show one node").add_argument("node_id", metavar="NODE_ID")
     p = leaf(nodes, "ban", _nodes_ban, "ban a node: its leases go back, peers refuse it")
-    p.add_argument("node_id")
+    p.add_argument("node_id", metavar="NODE_ID")
     p.add_argument("--reason", default="banned by the run's admin")
-    leaf(nodes, "unban", _nodes_unban, "lift a ban (the node rejoins with a token)").add_argument("node_id")
+    leaf(nodes, "unban", _nodes_unban, "lift a ban (the node rejoins with a token)").add_argument(
+        "node_id", metavar="NODE_ID"
+    )
 
-    shards = nouns.add_parser("shards", help="dataset shards").add_subparsers(dest="verb", required=True)
+    shards = verbs("shards", "dataset shards")
     leaf(shards, "list", _shards_list, "list shards, holders, offsets").add_argument("--run", default="")
 
     p = leaf(nouns, "stages", _stages, "a pipelined run's stages: blocks, peers, samples/s, queue, last move")
@@ -112,9 +122,9 @@ def _pb():
 
 
 def _to_json(message: Any) -> Any:
-    from google.protobuf.json_format import MessageToDict
+    from .message_json import message_json
 
-    return MessageToDict(message, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+    return message_json(message)
 
 
 def _emit(args: argparse.Namespace, message: Any, table: Callable[[], str]) -> None:
@@ -131,7 +141,10 @@ def _when(t: float) -> str:
 def _ago(t: float) -> str:
     if not t:
         return "-"
-    s = max(0.0, time.time() - t)
+    return _age(max(0.0, time.time() - t))
+
+
+def _age(s: float) -> str:
     return f"{s:.1f}s ago" if s < 120 else f"{s / 60:.0f}m ago" if s < 7200 else f"{s / 3600:.1f}h ago"
 
 
@@ -285,10 +298,11 @@ def _tokens_revoke(client: Any, args: argparse.Namespace) -> None:
 
 def _node_rows(nodes: Sequence[Any]) -> str:
     return table(
-        ["NODE", "STATUS", "HEARTBEAT", "TOK/S", "TOKENS", "SENT", "SHARDS", "REACH", "DEVICE"],
+        ["NODE", "NAME", "STATUS", "HEARTBEAT", "TOK/S", "TOKENS", "SENT", "SHARDS", "REACH", "DEVICE"],
         [
             [
                 n.node_id,
+                n.name or "-",
                 n.status,
                 _ago(n.last_heartbeat),
                 f"{n.tokens_per_s:.0f}",
@@ -419,7 +433,9 @@ def _status(client: Any, args: argparse.Namespace) -> None:
                 f"run {r.run_id} ({r.state})   nodes: {counts}",
                 f"progress: {r.tokens_committed}/{r.tokens_total} tokens ({pct:.1f}%), "
                 f"{r.shards_done}/{r.shards_total} shards done, outer step {r.outer_step}, {st.rounds} rounds",
-                f"loss {st.last_loss:.4f}   tokens/s {st.tokens_per_s:.1f}   bytes sent {_bytes(st.bytes_sent)}",
+                f"loss {st.last_loss:.4f}   tokens/s {st.tokens_per_s:.1f}   bytes sent {_bytes(st.bytes_sent)}   "
+                f"last round {_age(st.last_round_age_s) if st.last_round_at else 'none yet'}",
+                *([f"STALLED (no round for over {st.stall_after_s:.0f}s): {st.stall_reason}"] if st.stalled else []),
                 "",
                 _node_rows(st.nodes),
             ]

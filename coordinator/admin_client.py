@@ -50,7 +50,7 @@ def resolve(address: str | None, admin_key_file: str | None, ca_cert_file: str |
     if not secret:
         raise AdminError(
             "this command needs the admin credential: pass --admin-key FILE (the <db>.admin-key "
-            "the coordinator wrote next to its database) or set MURMUR_ADMIN_KEY"
+            "the coordinator wrote next to its database) or set MURMUR_ADMIN_KEY_FILE"
         )
     ca_path = ca_cert_file or os.environ.get("MURMUR_CA_CERT")
     if not ca_path and key_path and key_path.endswith(".admin-key"):

@@ -37,10 +37,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     serve.add_argument(
         "--dht",
         action=argparse.BooleanOptionalAction,
-        default=False,
-        help="also be a DHT bootstrap peer and publish this address there",
+        default=True,
+        help="be the run's DHT bootstrap peer, handed to every node in its join reply, and publish this "
+        "address there (default on). --no-dht: nodes find each other only through --dht-peer addresses "
+        "their operators pass (every node but the first of a run)",
     )
-    serve.add_argument("--dht-listen", default="127.0.0.1:0", help="HOST:PORT of the DHT (default %(default)s)")
+    serve.add_argument(
+        "--dht-listen",
+        default="",
+        help="HOST:PORT of the DHT (default: the --listen host, the port it had last time or a free one)",
+    )
     d = CoordinatorSettings()
     for name, help_text in (
         ("heartbeat_interval_s", "how often nodes heartbeat"),
@@ -50,6 +56,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         ("join_grace_s", "a node that just joined, or restarted and is starting, has this long to heartbeat"),
         ("restart_grace_s", "deadlines are pushed this far out after a restart"),
         ("token_ttl_s", "default lifetime of a join token"),
+        ("stall_after_s", "active nodes that complete no round for this long show as stalled"),
     ):
         flag = "--" + name.removesuffix("_s").replace("_", "-")
         serve.add_argument(
@@ -74,6 +81,7 @@ def _serve(args: argparse.Namespace) -> int:
         join_grace_s=args.join_grace_s,
         restart_grace_s=args.restart_grace_s,
         token_ttl_s=args.token_ttl_s,
+        stall_after_s=args.stall_after_s,
         wal_checkpoint_pages=args.wal_checkpoint_pages,
     )
     return run(

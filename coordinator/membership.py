@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from murmur.errors import MurmurError
 from murmur.protocol import identity
 from murmur.protocol.jointoken import JoinToken, JoinTokenError, secret_hash
+from murmur.protocol.node_name import check_node_name
 
 from .leases import Leases
 from .settings import CoordinatorSettings
@@ -84,10 +85,13 @@ class Membership:
 
     # --- joining -------------------------------------------------------------------------------
 
-    def join(self, token_text: str, csr_pem: bytes, hardware: dict[str, object], peer_address: str) -> Joined:
+    def join(
+        self, token_text: str, csr_pem: bytes, hardware: dict[str, object], peer_address: str, name: str = ""
+    ) -> Joined:
         try:
             token = JoinToken.parse(token_text)
-        except JoinTokenError as err:
+            name = check_node_name(name)
+        except (JoinTokenError, MurmurError) as err:
             raise JoinRefused(str(err)) from None
         now = self.clock()
         with self.store.write():
@@ -111,9 +115,12 @@ class Membership:
                 raise JoinRefused(str(err)) from None
             node_id = identity.node_id_of_certificate(cert_pem)
             self.store.use_token(token.token_id)
-            self.store.upsert_node(node_id, run["run_id"], cert_pem.decode(), json.dumps(hardware), peer_address, now)
+            self.store.upsert_node(
+                node_id, run["run_id"], cert_pem.decode(), json.dumps(hardware), peer_address, now, name
+            )
             self.store.event(
-                "join", run_id=run["run_id"], node_id=node_id, at=now, token=token.token_id, hardware=hardware
+                "join", run_id=run["run_id"], node_id=node_id, at=now, token=token.token_id, hardware=hardware,
+                **({"name": name} if name else {}),
             )
         self._nodes[node_id] = (run["run_id"], "active")
         self._seen[node_id] = (now, 0.0)

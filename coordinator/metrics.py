@@ -12,6 +12,8 @@ from collections.abc import Callable, Iterator
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from murmur.protocol.coordinator_pb2 import StatusReply
+
 from .runs import sync_of
 from .service import Stats
 from .store import Store
@@ -25,11 +27,13 @@ class LedgerCollector:
     """Yields every coordinator metric, read from the ledger (and the in-memory call counts)."""
 
     def __init__(self, store: Store, stats: Stats, pending_heartbeats: Callable[[], int],
-                 tokens_per_s: Callable[[str], float | None]) -> None:
+                 tokens_per_s: Callable[[str], float | None],
+                 progress: Callable[[], list[StatusReply]] | None = None) -> None:
         self.store = store
         self.stats = stats
         self.pending_heartbeats = pending_heartbeats
         self.tokens_per_s = tokens_per_s  # the live figure from heartbeats not yet flushed
+        self.progress = progress  # each run's round, last round and stall (status_report.py)
 
     def collect(self) -> Iterator[Metric]:
         counters = self.store.counters()
@@ -80,6 +84,24 @@ class LedgerCollector:
         for row in self.store.bytes_sent_by_run():
             sent.add_metric([row["run_id"], str(sync_of(row["config_toml"])["codec"])], row["bytes_sent"])
         yield sent
+        if self.progress is None:
+            return
+        step = GaugeMetricFamily("murmur_run_round", "The run's newest completed round (outer step).", labels=["run"])
+        age = GaugeMetricFamily("murmur_run_seconds_since_round",
+                                "Seconds since the run's newest round completed (absent before the first).",
+                                labels=["run"])
+        stalled = GaugeMetricFamily("murmur_run_stalled",
+                                    "1 while active nodes have completed no round for the stall threshold.",
+                                    labels=["run"])
+        for reply in self.progress():
+            run = [reply.run.run_id]
+            step.add_metric(run, reply.run.outer_step)
+            if reply.last_round_at:
+                age.add_metric(run, reply.last_round_age_s)
+            stalled.add_metric(run, int(reply.stalled))
+        yield step
+        yield age
+        yield stalled
 
     def _per_node(self) -> Iterator[Metric]:
         tps = GaugeMetricFamily(

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import ipaddress
 import json
 import signal
 import sys
@@ -51,7 +52,7 @@ class ServeOptions:
     metrics_listen: str = ""  # default: the listen host, port + 2; "off" disables it
     advertise_host: str = ""  # the host nodes should dial; default: the listen host (127.0.0.1 for 0.0.0.0)
     dht: bool = False
-    dht_listen: str = "127.0.0.1:0"  # where the DHT (libp2p) listens
+    dht_listen: str = ""  # where the DHT (libp2p) listens (default: the --listen host, port 0)
     settings: CoordinatorSettings = field(default_factory=CoordinatorSettings)
 
 
@@ -68,6 +69,18 @@ def _derived(listen: str, given: str, offset: int, what: str) -> str:
         return given
     host, port = split_address(listen, "--listen")
     return f"{host}:{port + offset if port else 0}"
+
+
+def _dht_default(listen: str) -> str:
+    """The DHT beside the public address: its host when that is an IPv4 address (libp2p listens on
+    addresses, not names), else every interface; port 0 takes the port saved beside the ledger,
+    else a free one (discovery.py)."""
+    host = split_address(listen, "--listen")[0]
+    try:
+        ipaddress.IPv4Address(host)
+    except ValueError:
+        host = "0.0.0.0"  # a name or IPv6 --listen: the DHT listens wherever the name may lead
+    return f"{host}:0"
 
 
 class Coordinator:
@@ -101,7 +114,8 @@ class Coordinator:
             self.stages,
         )
         collector = LedgerCollector(
-            self.store, self.service.stats, self.membership.pending_count, self.membership.tokens_per_s
+            self.store, self.service.stats, self.membership.pending_count, self.membership.tokens_per_s,
+            self.service.status.progress,
         )
         self.metrics = StatusApp(self.service.status, self.membership, collector, self.secrets.admin_key).server()
         self.server: grpc.aio.Server | None = None
@@ -167,7 +181,7 @@ class Coordinator:
     async def _start_dht(self) -> None:
         from .discovery import Discovery
 
-        host, port = split_address(self.options.dht_listen, "--dht-listen")
+        host, port = split_address(self.options.dht_listen or _dht_default(self.options.listen), "--dht-listen")
         self.dht = Discovery(
             self.secrets.ca,
             self.options.db,
@@ -179,7 +193,7 @@ class Coordinator:
         try:
             await self.dht.start()
         except MurmurError as err:
-            raise ServeError(f"{err}; start without --dht to run with no discovery") from None
+            raise ServeError(f"{err}; --no-dht runs with no discovery (nodes then need --dht-peer)") from None
 
     async def sweeper(self) -> None:
         while not self._stop.is_set():

@@ -103,7 +103,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         if not given:
             raise _Unauthenticated(
                 "this call needs the admin credential: pass --admin-key FILE (the coordinator wrote it "
-                "next to its database as <db>.admin-key) or set MURMUR_ADMIN_KEY"
+                "next to its database as <db>.admin-key) or set MURMUR_ADMIN_KEY_FILE"
             )
         if not hmac.compare_digest(given.encode(), self.admin_key.encode()):
             raise _Denied("the admin credential is wrong: use the <db>.admin-key file of this coordinator")
@@ -135,6 +135,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                     "accelerator_memory_bytes": hw.accelerator_memory_bytes,
                 },
                 request.peer_address[:200],
+                request.name[:200],
             )
             s = self.settings
             return pb.JoinReply(
@@ -308,8 +309,15 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
 
     async def Leave(self, request: pb.LeaveRequest, context: grpc.aio.ServicerContext) -> pb.LeaveReply:
         def call() -> pb.LeaveReply:
-            node_id, _ = self._node(context)
-            return pb.LeaveReply(leases_released=self.membership.leave(node_id, request.reason))
+            node_id, run_id = self._node(context)
+            released = self.membership.leave(node_id, request.reason)
+            tokens, _ = self.store.node_totals(node_id)
+            return pb.LeaveReply(
+                leases_released=released,
+                tokens_committed=tokens,
+                rounds=self.store.node_rounds(node_id),
+                run_tokens_committed=self.store.run_totals(run_id)["tokens_committed"],
+            )
 
         return await self._run("Leave", context, call)
 

@@ -22,6 +22,10 @@ How to choose them (docs/coordinator.md has the long version):
   reports no peer address yet), so the grace delays no round; a restarted one that dies while
   starting keeps its previous process's lease until the grace ends (a shard idle that much
   longer).
+* stall_after_s: a run whose active nodes complete no round for this long (or for 3 of its recent
+  rounds' median gap, if longer: a run of slow rounds is not stalled after one) shows as stalled
+  in `murmur admin status`, on the status page and in the metrics. 180 s is over the node's
+  round_timeout_s (120 s), after which a round that could not complete has failed at every node.
 * restart_grace_s: after the coordinator restarts, no node is declared lost and no lease expires
   for this long, counted from the moment it serves again (nobody could renew while it was down,
   and nodes need a moment to reconnect).
@@ -63,6 +67,7 @@ class CoordinatorSettings:
     grpc_grace_s: float = 2.0  # in-flight calls get this long on shutdown
     dht_start_timeout_s: float = 30.0
     wal_checkpoint_pages: int = 1000  # SQLite's automatic WAL checkpoint threshold (0: never automatic)
+    stall_after_s: float = 180.0  # no round completed this long while nodes are active: stalled
 
     def __post_init__(self) -> None:
         for name in (
@@ -74,6 +79,7 @@ class CoordinatorSettings:
             "tokens_per_s_window_s",
             "gone_dial_every_s",
             "join_grace_s",
+            "stall_after_s",
         ):
             if getattr(self, name) <= 0:
                 raise SettingsError(f"{name} must be positive, got {getattr(self, name)}")

@@ -12,18 +12,21 @@ import json
 import time
 from typing import Any
 
-from google.protobuf.json_format import MessageToDict
-
 from murmur.protocol import coordinator_pb2 as pb
 from murmur.protocol.reachability import is_client
 
 from .membership import Membership
+from .message_json import message_json
 from .runs import NotFound, RunError, Runs, ddp_equivalent_bytes, shape_of, sync_of
 from .settings import CoordinatorSettings
 from .store import Store
 
 EVENTS_SHOWN = 20  # the page's event list
 ROUNDS_SHOWN = 500  # points of the loss chart
+# Stalled: no round for stall_after_s, or for this many of the recent rounds' median gap if that is
+# longer (a run of 10-minute rounds is not stalled 3 minutes into one), the gap over this many rounds.
+STALL_GAPS = 3
+GAP_ROUNDS = 10
 
 
 class StatusSource:
@@ -67,6 +70,7 @@ class StatusSource:
         live = self.membership.peer_address(row["node_id"])
         info = pb.NodeInfo(
             node_id=row["node_id"],
+            name=row["name"],
             run_id=row["run_id"],
             status=row["status"],
             joined_at=row["joined_at"],
@@ -96,15 +100,57 @@ class StatusSource:
         now = time.time() if now is None else now
         tokens, first = self.store.committed_since(run_id, now - self.settings.tokens_per_s_window_s)
         last = self.store.last_round(run_id)
-        return pb.StatusReply(
+        rows = self.store.nodes(run_id)
+        reply = pb.StatusReply(
             run=info,
-            nodes=[self.node_info(r) for r in self.store.nodes(run_id)],
+            nodes=[self.node_info(r) for r in rows],
             last_loss=(last["loss_sum"] / last["commits"]) if last else 0.0,
             tokens_per_s=tokens / max(now - first, 1.0) if first is not None else 0.0,
             bytes_sent=self.store.bytes_sent(run_id),
             rounds=self.store.round_count(run_id),
             nodes_by_status=self.store.nodes_by_status(run_id),
         )
+        self._progress(reply, [r["joined_at"] for r in rows if r["status"] == "active"], now)
+        return reply
+
+    def progress(self, now: float | None = None) -> list[pb.StatusReply]:
+        """Each run's progress fields alone (round, last round, stalled), for the metrics: the same
+        rules as `status_reply` without a row per node."""
+        now = time.time() if now is None else now
+        replies = []
+        for row in self.store.runs():
+            last = self.store.last_round(row["run_id"])
+            reply = pb.StatusReply(run=pb.RunInfo(run_id=row["run_id"], state=row["state"],
+                                                  outer_step=last["outer_step"] if last else 0))
+            self._progress(reply, [n["joined_at"] for n in self.store.nodes(row["run_id"], "active")], now)
+            replies.append(reply)
+        return replies
+
+    def _progress(self, reply: pb.StatusReply, active_joined: list[float], now: float) -> None:
+        """The last round's time and age, and whether the run looks stalled, and why."""
+        times = self.store.round_times(reply.run.run_id, GAP_ROUNDS + 1)
+        gaps = sorted(b - a for a, b in zip(times, times[1:], strict=False))
+        reply.stall_after_s = max(self.settings.stall_after_s, STALL_GAPS * gaps[len(gaps) // 2] if gaps else 0.0)
+        reply.last_round_at = times[-1] if times else 0.0
+        reply.last_round_age_s = max(0.0, now - reply.last_round_at) if times else 0.0
+        if reply.run.state != "active" or not active_joined:
+            return  # paused, finished, or nobody to make progress: idle, not stalled
+        # Waiting since the last round, or since the first of today's active nodes joined if later
+        # (a run picked up again after everyone had left is not stalled the moment one joins).
+        since = max(reply.last_round_at, min(active_joined))
+        waited = now - since
+        if waited <= reply.stall_after_s:
+            return
+        reply.stalled = True
+        what = f"round {reply.run.outer_step}" if times else "any round"
+        why = [f"no round completed for {waited:.0f}s after {what} with {len(active_joined)} active node(s)"]
+        for row in self.store.refusals_since(reply.run.run_id, since):
+            detail = json.loads(row["detail_json"] or "{}")
+            label = "rounds refused as a split" if row["kind"] == "round_refused" else "commits refused"
+            why.append(f"{row['n']} {label} (last: {str(detail.get('why', '')) or row['kind']})")
+        if len(why) == 1:
+            why.append("none refused: the nodes may be waiting for peers or failing their exchange (see their logs)")
+        reply.stall_reason = "; ".join(why)
 
     def page_status(self, run_id: str = "") -> dict[str, Any]:
         """Everything the status page draws, read in one pass over the ledger."""
@@ -122,6 +168,7 @@ class StatusSource:
             nodes.append(
                 {
                     "node_id": n.node_id,
+                    "name": n.name,
                     "status": n.status,
                     "heartbeat_age_s": age,
                     # Red past the TTL: an active node about to be declared lost, or a lost one
@@ -154,9 +201,7 @@ class StatusSource:
                 "reduction_vs_ddp": ddp / reply.bytes_sent if reply.bytes_sent and ddp else 0.0,
             },
             # The very JSON `murmur admin status --output json` prints, for the same moment.
-            "status": MessageToDict(
-                reply, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
-            ),
+            "status": message_json(reply),
             "nodes": nodes,
             "rounds": [
                 {"round": r["outer_step"], "loss": r["loss"], "tokens": r["tokens"], "bytes_sent": r["bytes_sent"]}

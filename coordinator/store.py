@@ -143,6 +143,10 @@ MIGRATIONS: list[str] = [
     );
     CREATE INDEX stage_leases_run ON stage_leases(run_id);
     """,
+    # v4: the name a volunteer gave its node (`murmur node run --name`)
+    """
+    ALTER TABLE nodes ADD COLUMN name TEXT NOT NULL DEFAULT '';
+    """,
 ]
 SCHEMA_VERSION = len(MIGRATIONS)
 
@@ -368,6 +372,21 @@ class Store:
     def last_round(self, run_id: str) -> sqlite3.Row | None:
         return self._one("SELECT * FROM rounds WHERE run_id = ? ORDER BY outer_step DESC LIMIT 1", (run_id,))
 
+    def round_times(self, run_id: str, limit: int) -> list[float]:
+        """When each of the newest ``limit`` rounds completed (its last commit), oldest first."""
+        rows = self._q("SELECT last_at FROM rounds WHERE run_id = ? ORDER BY outer_step DESC LIMIT ?", (run_id, limit))
+        return sorted(float(r["last_at"]) for r in rows)
+
+    def refusals_since(self, run_id: str, since: float) -> list[sqlite3.Row]:
+        """Per kind (round_refused, commit_refused): how many since ``since`` and the newest one's detail."""
+        # SQLite's bare column beside MAX(): detail_json comes from the row holding the newest seq.
+        return self._q(
+            "SELECT kind, COUNT(*) AS n, MAX(seq) AS seq, detail_json FROM events "
+            "WHERE run_id = ? AND at >= ? AND kind IN ('round_refused', 'commit_refused') "
+            "GROUP BY kind ORDER BY kind DESC",
+            (run_id, since),
+        )
+
     def round_count(self, run_id: str) -> int:
         row = self._one("SELECT COUNT(*) AS n FROM rounds WHERE run_id = ?", (run_id,))
         return int(row["n"]) if row else 0
@@ -420,15 +439,16 @@ class Store:
     # --- nodes ---------------------------------------------------------------------------------
 
     def upsert_node(
-        self, node_id: str, run_id: str, cert_pem: str, hardware_json: str, peer_address: str, now: float
+        self, node_id: str, run_id: str, cert_pem: str, hardware_json: str, peer_address: str, now: float,
+        name: str = "",
     ) -> None:
         self.db.execute(
             "INSERT INTO nodes(node_id, run_id, cert_pem, status, joined_at, last_heartbeat, hardware_json, "
-            "peer_address) VALUES (?, ?, ?, 'active', ?, ?, ?, ?) "
+            "peer_address, name) VALUES (?, ?, ?, 'active', ?, ?, ?, ?, ?) "
             "ON CONFLICT(node_id) DO UPDATE SET run_id = excluded.run_id, cert_pem = excluded.cert_pem, "
             "status = 'active', last_heartbeat = excluded.last_heartbeat, "
-            "hardware_json = excluded.hardware_json, peer_address = excluded.peer_address",
-            (node_id, run_id, cert_pem, now, now, hardware_json, peer_address),
+            "hardware_json = excluded.hardware_json, peer_address = excluded.peer_address, name = excluded.name",
+            (node_id, run_id, cert_pem, now, now, hardware_json, peer_address, name),
         )
 
     def node(self, node_id: str) -> sqlite3.Row | None:
@@ -482,6 +502,11 @@ class Store:
             r["node_id"]: r["ban_reason"]
             for r in self._q("SELECT node_id, ban_reason FROM nodes WHERE status = 'banned' ORDER BY node_id")
         }
+
+    def node_rounds(self, node_id: str) -> int:
+        """The rounds (outer steps) in which this node's commits were accepted."""
+        row = self._one("SELECT COUNT(DISTINCT outer_step) AS n FROM commits WHERE node_id = ?", (node_id,))
+        return int(row["n"]) if row else 0
 
     def node_totals(self, node_id: str) -> tuple[int, int]:
         row = self._one(

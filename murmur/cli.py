@@ -19,6 +19,8 @@ import sys
 from murmur import __version__
 from murmur.errors import MurmurError
 
+EXIT_BROKEN_PIPE = 128 + signal.SIGPIPE  # what a shell reports for a tool that SIGPIPE ended
+
 # noun -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "data": ("murmur.node.model.data_cli", "prepare and inspect token datasets"),
@@ -80,7 +82,17 @@ def main(argv: list[str] | None = None) -> int:
         # the signal (-15), nor with a traceback from an import cut short. The node's loop takes
         # SIGTERM over later.
         signal.signal(signal.SIGTERM, _stop_while_starting)
-    return _main(argv)
+    try:
+        try:
+            return _main(argv)
+        finally:
+            sys.stdout.flush()  # what is still buffered: a reader that went away shows here, not at exit
+    except BrokenPipeError:
+        # The reader went away (`murmur admin events | head -1`): stop quietly, as `cat` does.
+        # Whatever is still buffered for stdout goes nowhere, so the interpreter's last flush
+        # cannot raise again on the way out.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
 
 
 def _main(argv: list[str]) -> int:

@@ -39,3 +39,15 @@ def compile_requested() -> str:
     if choice not in COMPILE_CHOICES:
         raise KernelError(f"{COMPILE_ENV}={choice!r} is not one of {'|'.join(COMPILE_CHOICES)}")
     return choice
+
+
+def check_device_name(name: str) -> str:
+    """``--device`` as written: auto, cpu, cuda or cuda:N (one GPU of several), else a one-line
+    error. Whether that GPU exists is node/train/build.py's resolve_device (it needs torch)."""
+    name = name.strip().lower()
+    if name in ("auto", "cpu", "cuda"):
+        return name
+    kind, _, index = name.partition(":")
+    if kind == "cuda" and index.isdigit():
+        return f"cuda:{int(index)}"
+    raise MurmurError(f"--device {name!r}: use auto, cpu, cuda or cuda:N (N: a GPU's index, from 0)")

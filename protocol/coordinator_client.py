@@ -73,6 +73,7 @@ async def join_run(
     peer_address: str = "",
     timeout_s: float = CALL_TIMEOUT_S,
     server_name: str = "murmur-coordinator",
+    name: str = "",
 ) -> tuple[identity.Identity, JoinInfo]:
     """Join the run a token admits to; returns the node's identity (key + certificate + CA)."""
     parsed = JoinToken.parse(token)
@@ -87,6 +88,7 @@ async def join_run(
             csr_pem=identity.make_csr(key),
             hardware=hardware or pb.Hardware(device="cpu"),
             peer_address=peer_address,
+            name=name,
         )
         reply = await call("Join", stub.Join, request, version_metadata(), timeout_s)
     if reply.ca_certificate_pem != ca_pem and identity.load_certificate(

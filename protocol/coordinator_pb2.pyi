@@ -19,18 +19,20 @@ class Hardware(_message.Message):
     def __init__(self, device: _Optional[str] = ..., cpu_cores: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., accelerator_memory_bytes: _Optional[int] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
-    __slots__ = ("protocol_version", "token", "csr_pem", "hardware", "peer_address")
+    __slots__ = ("protocol_version", "token", "csr_pem", "hardware", "peer_address", "name")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     CSR_PEM_FIELD_NUMBER: _ClassVar[int]
     HARDWARE_FIELD_NUMBER: _ClassVar[int]
     PEER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     token: str
     csr_pem: bytes
     hardware: Hardware
     peer_address: str
-    def __init__(self, protocol_version: _Optional[int] = ..., token: _Optional[str] = ..., csr_pem: _Optional[bytes] = ..., hardware: _Optional[_Union[Hardware, _Mapping]] = ..., peer_address: _Optional[str] = ...) -> None: ...
+    name: str
+    def __init__(self, protocol_version: _Optional[int] = ..., token: _Optional[str] = ..., csr_pem: _Optional[bytes] = ..., hardware: _Optional[_Union[Hardware, _Mapping]] = ..., peer_address: _Optional[str] = ..., name: _Optional[str] = ...) -> None: ...
 
 class JoinReply(_message.Message):
     __slots__ = ("node_id", "run_id", "certificate_pem", "ca_certificate_pem", "config_toml", "bootstrap_peers", "node_address", "heartbeat_interval_s", "heartbeat_ttl_s", "lease_ttl_s", "tls_server_name")
@@ -255,10 +257,16 @@ class LeaveRequest(_message.Message):
     def __init__(self, reason: _Optional[str] = ...) -> None: ...
 
 class LeaveReply(_message.Message):
-    __slots__ = ("leases_released",)
+    __slots__ = ("leases_released", "tokens_committed", "rounds", "run_tokens_committed")
     LEASES_RELEASED_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_COMMITTED_FIELD_NUMBER: _ClassVar[int]
+    ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    RUN_TOKENS_COMMITTED_FIELD_NUMBER: _ClassVar[int]
     leases_released: int
-    def __init__(self, leases_released: _Optional[int] = ...) -> None: ...
+    tokens_committed: int
+    rounds: int
+    run_tokens_committed: int
+    def __init__(self, leases_released: _Optional[int] = ..., tokens_committed: _Optional[int] = ..., rounds: _Optional[int] = ..., run_tokens_committed: _Optional[int] = ...) -> None: ...
 
 class GetBanListRequest(_message.Message):
     __slots__ = ()
@@ -483,7 +491,7 @@ class RevokeTokenRequest(_message.Message):
     def __init__(self, token_id: _Optional[str] = ...) -> None: ...
 
 class NodeInfo(_message.Message):
-    __slots__ = ("node_id", "run_id", "status", "joined_at", "last_heartbeat", "hardware", "tokens_per_s", "peer_address", "certificate_pem", "tokens_committed", "bytes_sent", "shards_held", "ban_reason", "updates_rejected", "reachability")
+    __slots__ = ("node_id", "run_id", "status", "joined_at", "last_heartbeat", "hardware", "tokens_per_s", "peer_address", "certificate_pem", "tokens_committed", "bytes_sent", "shards_held", "ban_reason", "updates_rejected", "reachability", "name")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
@@ -499,6 +507,7 @@ class NodeInfo(_message.Message):
     BAN_REASON_FIELD_NUMBER: _ClassVar[int]
     UPDATES_REJECTED_FIELD_NUMBER: _ClassVar[int]
     REACHABILITY_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     run_id: str
     status: str
@@ -514,7 +523,8 @@ class NodeInfo(_message.Message):
     ban_reason: str
     updates_rejected: int
     reachability: str
-    def __init__(self, node_id: _Optional[str] = ..., run_id: _Optional[str] = ..., status: _Optional[str] = ..., joined_at: _Optional[float] = ..., last_heartbeat: _Optional[float] = ..., hardware: _Optional[_Union[Hardware, _Mapping]] = ..., tokens_per_s: _Optional[float] = ..., peer_address: _Optional[str] = ..., certificate_pem: _Optional[str] = ..., tokens_committed: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., shards_held: _Optional[_Iterable[int]] = ..., ban_reason: _Optional[str] = ..., updates_rejected: _Optional[int] = ..., reachability: _Optional[str] = ...) -> None: ...
+    name: str
+    def __init__(self, node_id: _Optional[str] = ..., run_id: _Optional[str] = ..., status: _Optional[str] = ..., joined_at: _Optional[float] = ..., last_heartbeat: _Optional[float] = ..., hardware: _Optional[_Union[Hardware, _Mapping]] = ..., tokens_per_s: _Optional[float] = ..., peer_address: _Optional[str] = ..., certificate_pem: _Optional[str] = ..., tokens_committed: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., shards_held: _Optional[_Iterable[int]] = ..., ban_reason: _Optional[str] = ..., updates_rejected: _Optional[int] = ..., reachability: _Optional[str] = ..., name: _Optional[str] = ...) -> None: ...
 
 class ListNodesRequest(_message.Message):
     __slots__ = ("run_id", "status")
@@ -615,7 +625,7 @@ class StatusRequest(_message.Message):
     def __init__(self, run_id: _Optional[str] = ...) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("run", "nodes", "last_loss", "tokens_per_s", "bytes_sent", "rounds", "nodes_by_status")
+    __slots__ = ("run", "nodes", "last_loss", "tokens_per_s", "bytes_sent", "rounds", "nodes_by_status", "last_round_at", "last_round_age_s", "stall_after_s", "stalled", "stall_reason")
     class NodesByStatusEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -630,6 +640,11 @@ class StatusReply(_message.Message):
     BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
     NODES_BY_STATUS_FIELD_NUMBER: _ClassVar[int]
+    LAST_ROUND_AT_FIELD_NUMBER: _ClassVar[int]
+    LAST_ROUND_AGE_S_FIELD_NUMBER: _ClassVar[int]
+    STALL_AFTER_S_FIELD_NUMBER: _ClassVar[int]
+    STALLED_FIELD_NUMBER: _ClassVar[int]
+    STALL_REASON_FIELD_NUMBER: _ClassVar[int]
     run: RunInfo
     nodes: _containers.RepeatedCompositeFieldContainer[NodeInfo]
     last_loss: float
@@ -637,7 +652,12 @@ class StatusReply(_message.Message):
     bytes_sent: int
     rounds: int
     nodes_by_status: _containers.ScalarMap[str, int]
-    def __init__(self, run: _Optional[_Union[RunInfo, _Mapping]] = ..., nodes: _Optional[_Iterable[_Union[NodeInfo, _Mapping]]] = ..., last_loss: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., bytes_sent: _Optional[int] = ..., rounds: _Optional[int] = ..., nodes_by_status: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    last_round_at: float
+    last_round_age_s: float
+    stall_after_s: float
+    stalled: bool
+    stall_reason: str
+    def __init__(self, run: _Optional[_Union[RunInfo, _Mapping]] = ..., nodes: _Optional[_Iterable[_Union[NodeInfo, _Mapping]]] = ..., last_loss: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., bytes_sent: _Optional[int] = ..., rounds: _Optional[int] = ..., nodes_by_status: _Optional[_Mapping[str, int]] = ..., last_round_at: _Optional[float] = ..., last_round_age_s: _Optional[float] = ..., stall_after_s: _Optional[float] = ..., stalled: _Optional[bool] = ..., stall_reason: _Optional[str] = ...) -> None: ...
 
 class GetStagesRequest(_message.Message):
     __slots__ = ("run_id",)

@@ -6,6 +6,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -160,7 +161,21 @@ def new_token(coord: CoordinatorProc, *args: str) -> str:
     return str(admin_json(coord, "tokens", "create", *args)["token"])
 
 
-async def join(coord: CoordinatorProc, token: str) -> tuple[MemberClient, str]:
+async def join(coord: CoordinatorProc, token: str, name: str = "") -> tuple[MemberClient, str]:
     key = identity.generate_key()
-    ident, info = await join_run(coord.address, token, key)
+    ident, info = await join_run(coord.address, token, key, name=name)
     return MemberClient(info.node_address, ident, server_name=info.tls_server_name), info.node_id
+
+
+def closed_pipe_run(args: list[str], timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    """``murmur <args>`` writing into a pipe whose reader has already gone (`| head -1` after its
+    line): every write fails with EPIPE, with no race about who finishes first."""
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", "murmur.cli", *args], stdout=write, stderr=subprocess.PIPE,
+                                text=True)
+    finally:
+        os.close(write)
+    _, err = proc.communicate(timeout=timeout)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, "", err)

@@ -10,7 +10,16 @@ import sys
 import urllib.request
 
 import pytest
-from _coordinator_helpers import FAST, admin, admin_json, join, new_token, start_coordinator, write_run_files
+from _coordinator_helpers import (
+    FAST,
+    admin,
+    admin_json,
+    closed_pipe_run,
+    join,
+    new_token,
+    start_coordinator,
+    write_run_files,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -51,7 +60,7 @@ def test_operator_flow_run_token_join_lease_commit_status(steady_coord, tmp_path
     assert token.startswith("mrm1.") and coord.info["ca_fingerprint"] in token
 
     async def node_work() -> str:
-        client, node_id = await join(coord, token)
+        client, node_id = await join(coord, token, name="alice's laptop")
         async with client:
             hb = await client.heartbeat(tokens_per_s=1234.0)
             assert hb.run_state == "active"
@@ -71,25 +80,36 @@ def test_operator_flow_run_token_join_lease_commit_status(steady_coord, tmp_path
     out = table.stdout
     assert "run test-run (active)" in out and "250/1400 tokens" in out and "outer step 3" in out
     assert "loss 2.5000" in out and "bytes sent 4.1 KB" in out and node_id in out
+    assert f"{node_id}  alice's laptop  active" in out  # the name beside the id
 
     status = admin_json(coord, "status")
-    assert status["run"]["tokens_committed"] == "250" and status["run"]["outer_step"] == "3"
-    assert status["last_loss"] == 2.5 and status["bytes_sent"] == "4096" and status["tokens_per_s"] > 0
+    assert status["run"]["tokens_committed"] == 250 and status["run"]["outer_step"] == 3
+    assert status["last_loss"] == 2.5 and status["bytes_sent"] == 4096 and status["tokens_per_s"] > 0
     assert status["nodes_by_status"] == {"active": 1}
-    assert [n["node_id"] for n in status["nodes"]] == [node_id]
-    assert status["nodes"][0]["shards_held"] == ["0"] and status["nodes"][0]["tokens_per_s"] == 1234.0
+    assert [(n["node_id"], n["name"]) for n in status["nodes"]] == [(node_id, "alice's laptop")]
+    assert status["nodes"][0]["shards_held"] == [0] and status["nodes"][0]["tokens_per_s"] == 1234.0
 
     shards = admin_json(coord, "shards", "list")["shards"]
-    assert [(s.get("shard_id", "0"), s["committed_offset"], s["holder"]) for s in shards] == [
-        ("0", "250", node_id),
-        ("1", "0", ""),
+    assert [(s["shard_id"], s["committed_offset"], s["holder"]) for s in shards] == [
+        (0, 250, node_id),
+        (1, 0, ""),
     ]
     shown = admin_json(coord, "nodes", "show", node_id)
-    assert "BEGIN CERTIFICATE" in shown["certificate_pem"] and shown["tokens_committed"] == "250"
+    assert "BEGIN CERTIFICATE" in shown["certificate_pem"] and shown["tokens_committed"] == 250
     tokens = admin_json(coord, "tokens", "list")["tokens"]
     assert tokens[0]["uses_left"] == 1 and tokens[0]["note"] == "alice"
-    kinds = [e["kind"] for e in admin_json(coord, "events")["events"]]
-    assert {"run_created", "token_created", "join", "lease_granted"} <= set(kinds)
+    events = admin_json(coord, "events")["events"]
+    assert {"run_created", "token_created", "join", "lease_granted"} <= {e["kind"] for e in events}
+    # numbers are JSON numbers and an event's detail the JSON object it holds, not text to parse again
+    assert all(isinstance(e["seq"], int) and isinstance(e["detail"], dict) for e in events), events
+    assert next(e for e in events if e["kind"] == "lease_granted")["detail"]["shard"] == 0
+
+    # `murmur admin events | head -1`: the reader goes away, the command ends quietly
+    from murmur.cli import EXIT_BROKEN_PIPE
+
+    for args in (["events"], ["status"]):
+        piped = closed_pipe_run(["admin", *args, *coord.admin_args])
+        assert piped.stderr == "" and piped.returncode == EXIT_BROKEN_PIPE, (args, piped.stderr)
     assert "test-run" in admin(coord, "runs", "list").stdout
     assert 'preset = "tiny"' in admin(coord, "runs", "show").stdout
 
@@ -285,3 +305,68 @@ def test_serve_migrates_an_older_ledger_and_refuses_an_unknown_one(tmp_path):
         timeout=60,
     )
     assert "newer than this murmur knows" in one_error_line(refused)
+
+
+def test_a_run_that_completes_no_round_shows_as_stalled(tmp_path):
+    """An active member and no round past --stall-after: `admin status`, /api/status and /metrics
+    all say stalled (test_coordinator_stall.py has the rules, on a hand-driven clock)."""
+    from murmur.node.testnet.procs import wait_for
+
+    coord = start_coordinator(tmp_path / "coord.db", "--heartbeat-ttl", "120", "--lease-ttl", "120",
+                              "--stall-after", "1")
+    try:
+        config, manifest = write_run_files(tmp_path, [1000])
+        assert admin(coord, "runs", "create", "--config", str(config), "--manifest", str(manifest)).returncode == 0
+        token = new_token(coord)
+
+        async def member() -> None:
+            client, _ = await join(coord, token)
+            async with client:
+                await client.heartbeat(tokens_per_s=10.0)
+
+        asyncio.run(member())
+        status = wait_for(lambda: (s := admin_json(coord, "status"))["stalled"] and s, timeout_s=60,
+                          what="the run to show as stalled")
+        assert status["last_round_at"] == 0 and status["stall_after_s"] == 1
+        assert "with 1 active node" in status["stall_reason"], status
+        table = admin(coord, "status").stdout
+        assert "STALLED (no round for over 1s): no round completed" in table and "last round none yet" in table
+        base = f"http://{coord.info['metrics']}"
+        api = json.loads(urllib.request.urlopen(f"{base}/api/status", timeout=10).read())
+        assert api["status"]["stalled"] is True and api["status"]["stall_reason"]
+        metrics = urllib.request.urlopen(f"{base}/metrics", timeout=10).read().decode()
+        assert 'murmur_run_stalled{run="test-run"} 1.0' in metrics and 'murmur_run_round{run="test-run"} 0.0' in metrics
+    finally:
+        coord.stop()
+
+
+def test_a_leaving_node_hears_what_it_gave_and_a_bad_name_is_refused(steady_coord, tmp_path):
+    from murmur.protocol.coordinator_client import CoordinatorError
+
+    coord = steady_coord
+    config, manifest = write_run_files(tmp_path, [400, 200])
+    assert admin(coord, "runs", "create", "--config", str(config), "--manifest", str(manifest)).returncode == 0
+    token = new_token(coord, "--uses", "3")
+
+    async def work() -> None:
+        with pytest.raises(CoordinatorError, match="at most 40 characters"):
+            await join(coord, token, name="x" * 41)
+        client, _ = await join(coord, token)
+        async with client:
+            await client.heartbeat(tokens_per_s=1.0)
+            lease = (await client.acquire()).lease
+            await client.commit(lease.lease_id, lease.shard_id, 0, 250, outer_step=3, loss=2.5, bytes_sent=1, seconds=1)
+            await client.commit(lease.lease_id, lease.shard_id, 250, 400, outer_step=4, loss=2.4, bytes_sent=1,
+                                seconds=1)
+            other, _ = await join(coord, token, name="bob")
+            async with other:
+                await other.heartbeat(tokens_per_s=1.0)
+                second = (await other.acquire()).lease
+                await other.commit(second.lease_id, second.shard_id, 0, 200, outer_step=4, loss=2.4,
+                                   bytes_sent=1, seconds=1)
+            reply = await client.leave("done")
+        assert (reply.tokens_committed, reply.rounds, reply.run_tokens_committed) == (400, 2, 600)
+
+    asyncio.run(work())
+    uses = [t["uses_left"] for t in admin_json(coord, "tokens", "list")["tokens"]]
+    assert uses == [1]  # the refused name used nothing up

@@ -14,7 +14,6 @@ ledger events, never for a fixed time."""
 
 from __future__ import annotations
 
-import json
 import time
 
 import pytest
@@ -69,7 +68,7 @@ def test_two_of_four_sigkilled_are_lost_at_once_and_the_survivors_train_on(tmp_p
 
         def lost_refused() -> dict[str, float]:
             events = net.admin("events", "--run", net.run_id, "--kind", "lost")["events"]
-            return {e["node_id"]: float(e["at"]) for e in events if json.loads(e["detail"]).get("reason") == "refused"}
+            return {e["node_id"]: float(e["at"]) for e in events if e["detail"].get("reason") == "refused"}
 
         def alone(node) -> list[dict]:
             """Its rounds of two after the coordinator lost both (before that, a group of two

@@ -236,7 +236,7 @@ def test_report_gone_over_the_wire_verifies_and_answers_with_the_new_view(tmp_pa
         reply = asyncio.run(scenario())
         assert reply.view_whole and len(reply.members) == 2
         lost = admin_json(coord, "events", "--kind", "lost")["events"]
-        assert len(lost) == 1 and json.loads(lost[0]["detail"])["reason"] == "refused"
-        assert json.loads(lost[0]["detail"])["address"] == dead_address
+        assert len(lost) == 1 and lost[0]["detail"]["reason"] == "refused"
+        assert lost[0]["detail"]["address"] == dead_address
     finally:
         coord.stop()

@@ -95,9 +95,10 @@ def test_api_status_agrees_with_the_ledger_and_the_admin_cli(coord, tmp_path):
     assert code == 200, text
     page = json.loads(text)
     cli = admin_json(coord, "status")
-    # The same builder serves both: every field but the moving rate agrees.
+    # The same builder serves both: every field but the moving rate and the last round's age agrees.
     for d in (page["status"], cli):
         d.pop("tokens_per_s")
+        assert 0 <= d.pop("last_round_age_s") < 120 and not d["stalled"]
         for n in d["nodes"]:
             n.pop("last_heartbeat")
     assert page["status"] == cli

@@ -26,6 +26,9 @@ def _node(tmp_path, *args, env=None):
         (["--coordinator", "127.0.0.1:1", "--token", "mrm1.abcdefgh." + "s" * 16 + "." + "0" * 64],
          "cannot reach the coordinator"),
         (["--coordinator", "127.0.0.1:9", "--threads", "-1"], "must not be negative"),
+        (["--coordinator", "127.0.0.1:9", "--device", "gpu"], "use auto, cpu, cuda or cuda:N"),
+        (["--coordinator", "127.0.0.1:9", "--name", "a/b"], "--name 'a/b': at most 40 characters"),
+        (["--coordinator", "127.0.0.1:9", "--device", "cuda:1", "--gpus", "2"], "CUDA_VISIBLE_DEVICES"),
     ],
 )
 def test_bad_input_is_one_line(tmp_path, args, needle):
@@ -79,3 +82,41 @@ def test_a_node_sigtermed_while_it_imports_stops_cleanly(tmp_path):
     assert proc.returncode == 0, err
     assert err.strip() == "stopped (SIGTERM) while starting", err
     assert not (tmp_path / "state").exists() or not any((tmp_path / "state").iterdir())
+
+
+def test_device_names():
+    from murmur.errors import MurmurError
+    from murmur.gpu_choice import check_device_name
+
+    assert [check_device_name(n) for n in ("auto", "CPU", "cuda", "cuda:1", "cuda:01")] == [
+        "auto", "cpu", "cuda", "cuda:1", "cuda:1"]
+    for bad in ("gpu", "cuda:", "cuda:-1", "cuda:x", "mps"):
+        with pytest.raises(MurmurError, match="cuda:N"):
+            check_device_name(bad)
+
+
+def test_help_keeps_the_test_only_fault_flag_out():
+    done = subprocess.run([sys.executable, "-m", "murmur.cli", "node", "run", "--help"],
+                          capture_output=True, text=True, timeout=STARTUP_TIMEOUT_S)
+    assert done.returncode == 0, done.stderr
+    assert "--fault" not in done.stdout and "poison" not in done.stdout, done.stdout
+    assert "cuda:N" in done.stdout and "CUDA_VISIBLE_DEVICES" in done.stdout
+
+
+def test_a_bad_log_format_from_the_environment_is_one_line(tmp_path):
+    import os
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MURMUR_")} | {"MURMUR_LOG_FORMAT": "xml"}
+    done = _node(tmp_path, "--coordinator", "127.0.0.1:9", env=env)
+    assert done.returncode == 1 and done.stderr == "error: --log-format 'xml': use text or json\n", done.stderr
+
+
+def test_node_names():
+    from murmur.errors import MurmurError
+    from murmur.protocol.node_name import check_node_name
+
+    assert check_node_name("  alice's laptop ") == "alice's laptop" and check_node_name("") == ""
+    assert check_node_name("gpu-box_2.lan@home") == "gpu-box_2.lan@home"
+    for bad in ("x" * 41, "-dash", "tab\there", "<b>", "ünï"):
+        with pytest.raises(MurmurError, match="at most 40 characters"):
+            check_node_name(bad)

@@ -109,7 +109,7 @@ def test_stages_are_assigned_synced_and_refilled_after_their_peers_are_killed(tm
     assert tokens == MICROBATCHES * TOKENS_PER_MB  # no microbatch lost or counted twice
     # the coordinator moved one stage-0 peer to the emptied stage, which took its replica
     (move,) = events
-    assert move["kind"] == "stage_move" and '"reason": "empty stage"' in move["detail"], move
+    assert move["kind"] == "stage_move" and move["detail"]["reason"] == "empty stage", move
     moved = next(p for p in peers if p.node_id == move["node_id"])
     (stage,) = [r for r in moved.lines if r.get("event") == "stage" and r["from_stage"] >= 0]
     assert (stage["from_stage"], stage["stage"], stage["source"]) == (0, 1, "replica")

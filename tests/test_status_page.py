@@ -134,6 +134,9 @@ def test_status_page_shows_the_ledger_and_a_lost_node(tmp_path):
         for node_id, row in page.rows.items():
             lo, hi = cli_tokens[node_id]
             assert lo <= int(row["tokens_value"]) <= hi, (node_id, row, lo, hi)
+        # each row names its node as the testnet does (--name), and gives its share of the run's tokens
+        assert sorted(row["name"] for row in page.rows.values()) == ["node-0", "node-1"], page.rows
+        assert all(row["share"].endswith("%") for row in page.rows.values()), page.rows
 
         victim = second
         victim_id = _node_id(victim)
@@ -175,3 +178,35 @@ def _row_classes(tmp: Path, url: str, node_id: str) -> str:
     dom = chromium(tmp, url, "--dump-dom")
     start = dom.index(f'data-node="{node_id}"')
     return dom[start:dom.index("</tr>", start)]
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (apt-get install -y chromium chromium-driver)")
+def test_a_run_that_completes_no_round_shows_a_stalled_banner(tmp_path):
+    """An active member that completes no round past --stall-after: the page shows the red
+    banner with the reason, and "none yet" as the last round."""
+    import asyncio
+
+    from _coordinator_helpers import admin, admin_json, join, new_token, start_coordinator, write_run_files
+
+    coord = start_coordinator(tmp_path / "coord.db", "--heartbeat-ttl", "120", "--lease-ttl", "120",
+                              "--stall-after", "1")
+    try:
+        config, manifest = write_run_files(tmp_path, [1000])
+        assert admin(coord, "runs", "create", "--config", str(config), "--manifest", str(manifest)).returncode == 0
+        token = new_token(coord)
+
+        async def member() -> None:
+            client, _ = await join(coord, token)
+            async with client:
+                await client.heartbeat(tokens_per_s=10.0)
+
+        asyncio.run(member())
+        wait_for(lambda: admin_json(coord, "status")["stalled"], timeout_s=60, what="the run to stall")
+        dom = chromium(tmp_path, f"http://{coord.info['metrics']}/", "--dump-dom")
+        assert 'data-stalled="true"' in dom, dom[:3000]
+        start = dom.index('id="stalled"')
+        banner = dom[start:dom.index("</div>", start)]
+        assert "hidden" not in banner and "Stalled (no round for over 1.0 s): no round completed" in banner, banner
+        assert ">none yet<" in dom
+    finally:
+        coord.stop()

@@ -9,7 +9,10 @@ leases a shard, and trains: H inner steps, an exchange round with the run's algo
 aggregator, the outer step, a progress commit; again and again. SIGTERM or Ctrl+C: the node
 finishes its step, commits, releases its lease, leaves and exits 0. Every flag also reads an
 environment variable (MURMUR_COORDINATOR, MURMUR_TOKEN, ...), which is how deploy/compose.yaml
-configures it. ``--fault SPEC`` (repeatable, hidden) arms a fault of the production injector
+configures it. The device and the data folder are checked before the node joins: a mistake there
+spends no use of the token and leaves no member behind.
+
+``--fault SPEC`` (repeatable, hidden from --help) arms a fault of the production injector
 (node/net/faults.py) in the node's exchange: ``poison_sign@x*`` poisons every round's update,
 ``delay:rendezvous:5@3`` waits 5 s before round 3's rendezvous; tests and the chaos tool use it.
 """
@@ -23,8 +26,11 @@ import sys
 from pathlib import Path
 
 from murmur.errors import MurmurError
+from murmur.gpu_choice import check_device_name
+from murmur.logline import FORMATS, line_writer
 from murmur.node.daemon.settings import NodeSettings
 from murmur.node.train.gpu_path import add_gpu_path_flags, apply_gpu_path_flags
+from murmur.protocol.node_name import check_node_name
 
 DEFAULT_STATE_DIR = "~/.murmur/node"
 
@@ -53,12 +59,21 @@ def register(sub: argparse._SubParsersAction) -> None:
         "not needed to restart a node that already joined",
     )
     r.add_argument(
+        "--name",
+        default=_env("MURMUR_NAME", ""),
+        help="a name for this node, shown beside its id in `murmur admin` and on the status page "
+        "(set when it joins; env MURMUR_NAME)",
+    )
+    r.add_argument(
         "--data",
         default=_env("MURMUR_DATA"),
         help="the run's prepared dataset (default: the run config's data.path; env MURMUR_DATA)",
     )
     r.add_argument(
-        "--device", default=_env("MURMUR_DEVICE", "auto"), help="auto, cpu or cuda (env MURMUR_DEVICE)"
+        "--device",
+        default=_env("MURMUR_DEVICE", "auto"),
+        help="auto, cpu, cuda or cuda:N, one GPU of several (env MURMUR_DEVICE; "
+        "CUDA_VISIBLE_DEVICES decides which GPUs this process sees)",
     )
     r.add_argument(
         "--state-dir",
@@ -120,6 +135,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="wait for this many peers (this one included) before the first round (default 1)",
     )
     r.add_argument(
+        "--log-format",
+        choices=FORMATS,
+        default=_env("MURMUR_LOG_FORMAT", "text"),
+        help="each log line stamped with its time as text, or one JSON object a line "
+        "(default %(default)s; env MURMUR_LOG_FORMAT)",
+    )
+    r.add_argument(
         "--fault",
         action="append",
         default=[],
@@ -170,12 +192,20 @@ def _run(args: argparse.Namespace) -> int:
         raise MurmurError("--threads and --max-rounds must not be negative")
     if args.gpus < 1:
         raise MurmurError(f"--gpus must be at least 1, not {args.gpus}")
+    args.device = check_device_name(args.device)
+    args.name = check_node_name(args.name)
+    if args.log_format not in FORMATS:  # from MURMUR_LOG_FORMAT, which argparse's choices do not check
+        raise MurmurError(f"--log-format {args.log_format!r}: use {' or '.join(FORMATS)}")
+    if args.gpus > 1 and ":" in args.device:
+        raise MurmurError(
+            f"--device {args.device} picks one GPU but --gpus {args.gpus} uses cuda:0 to cuda:{args.gpus - 1}: "
+            "choose the GPUs with CUDA_VISIBLE_DEVICES instead"
+        )
     settings = NodeSettings(**{name: getattr(args, name) for name in NodeSettings.names()})
     faults = _faults(args.fault)
     _debug_log(_env("MURMUR_LOG_LEVEL"))
 
-    def log(msg: str) -> None:
-        print(msg, flush=True)
+    log = line_writer(args.log_format)
 
     # grpc, torch and the node's stack: only once the command line holds up, so a usage error
     # answers at once. Still before the event loop takes SIGTERM over: a node stopped during these
@@ -185,6 +215,7 @@ def _run(args: argparse.Namespace) -> int:
     options = NodeOptions(
         coordinator=args.coordinator,
         token=args.token or None,
+        name=args.name,
         state_dir=Path(os.path.expanduser(args.state_dir)),
         data=Path(args.data) if args.data else None,
         device=args.device,

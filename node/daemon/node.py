@@ -63,6 +63,7 @@ class NodeOptions:
     state_dir: Path
     data: Path | None = None  # default: the run config's data.path
     device: str = "auto"
+    name: str = ""  # the volunteer's name for this node (--name), shown beside its id
     listen: str = "127.0.0.1:0"  # the peer gRPC server (data plane)
     advertise_host: str = ""  # the host peers should dial (default: the listen host)
     metrics_listen: str = "127.0.0.1:0"  # Prometheus /metrics; "off" disables it
@@ -130,10 +131,16 @@ class Node:
     async def _start(self) -> bool:
         """Join, open the data plane, build the trainer and take the newest state; False when a
         stop came before there was anything to train."""
-        info, ident, config_toml = await join(self.o.coordinator, self.o.token, self.state, self.s, self.log)
+        # The node's own inputs first: a bad device or data folder costs no use of the join token
+        # and leaves no member behind in the coordinator's ledger.
+        device = resolve_device(self.o.device)
+        checked = self._data_before_join()
+        info, ident, config_toml = await join(
+            self.o.coordinator, self.o.token, self.state, self.s, self.log, name=self.o.name
+        )
         cfg = parse_config(config_toml, "the run configuration")
         data_path = self.o.data or Path(cfg.data.path)
-        dataset = Dataset.open(data_path)
+        dataset = checked if checked is not None and checked.root == data_path else Dataset.open(data_path)
         if dataset.tokenizer != cfg.data.tokenizer:
             raise NodeError(f"{data_path} holds {dataset.tokenizer} tokens but the run uses {cfg.data.tokenizer}")
         self.session = CoordinatorSession(
@@ -151,7 +158,6 @@ class Node:
         # under live gRPC calls); their replies carry the run's live trainers, which the data
         # plane's rendezvous and a joiner's state fetch check the DHT against (run_view.py).
         self.session.start()
-        device = resolve_device(self.o.device)
         if self.o.gpus > 1:
             self.ranks = await asyncio.to_thread(
                 LocalRanks, self.o.gpus, device, str(self.state.root / "config.toml"), dataset.vocab_size,
@@ -189,6 +195,17 @@ class Node:
             f"from round {self.training.trainer.round}"
         )
         return True
+
+    def _data_before_join(self) -> Dataset | None:
+        """The dataset, opened before joining where its folder is known: ``--data``, or the run
+        config this state folder saved when it joined this coordinator. A first join without
+        ``--data`` learns the folder (the run's data.path) only from the coordinator."""
+        if self.o.data is not None:
+            return Dataset.open(self.o.data)
+        saved = self.state.load_join()
+        if saved is not None and saved[0].coordinator == self.o.coordinator:
+            return Dataset.open(parse_config(saved[2], "the saved run configuration").data.path)
+        return None
 
     async def _open_dataplane(self, info: JoinRecord, ident: identity.Identity, cfg: RunConfig) -> DataPlane:
         if self.o.solo:

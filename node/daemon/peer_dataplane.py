@@ -358,8 +358,9 @@ async def _start_dht(
             await asyncio.sleep(DHT_RETRY_S)
     if not initial:
         log(
-            "no DHT bootstrap peers (the coordinator runs no DHT and none was given): "
-            "this node starts the run's DHT; others can join it with --dht-peer"
+            "no DHT bootstrap peers (the coordinator runs with --no-dht and no --dht-peer was given): "
+            "this node starts the run's DHT; start every other node of the run with "
+            f"--dht-peer {dht.addresses[0] if dht.addresses else 'ADDRESS'}, or they will train alone"
         )
     return dht
 

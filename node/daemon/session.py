@@ -62,7 +62,7 @@ def is_outage(err: CoordinatorError) -> bool:
 
 def hardware() -> pb.Hardware:
     if torch.cuda.is_available():
-        props = torch.cuda.get_device_properties(0)
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())  # --device cuda:N set it
         return pb.Hardware(
             device=f"cuda:{props.name}",
             cpu_cores=os.cpu_count() or 0,
@@ -80,6 +80,7 @@ async def join(
     state: StateDir,
     settings: NodeSettings,
     log: Callable[[str], None],
+    name: str = "",
 ) -> tuple[JoinRecord, identity.Identity, str]:
     """The membership this state folder holds for ``coordinator``, else a new one from ``token``:
     (join info, identity, the run configuration as TOML)."""
@@ -94,7 +95,7 @@ async def join(
             "pass --token (from `murmur admin tokens create`)"
         )
     ident, joined = await join_run(
-        coordinator, token, state.node_key(), hardware=hardware(), timeout_s=settings.join_timeout_s
+        coordinator, token, state.node_key(), hardware=hardware(), timeout_s=settings.join_timeout_s, name=name
     )
     info = JoinRecord(
         node_id=joined.node_id,
@@ -108,8 +109,17 @@ async def join(
         lease_ttl_s=joined.lease_ttl_s,
     )
     state.save_join(info, ident.cert_pem, ident.ca_cert_pem, joined.config_toml)
-    log(f"joined run {info.run_id} as {info.node_id}")
+    log(f"joined run {info.run_id} as {info.node_id}" + (f" ({name})" if name else ""))
     return info, ident, joined.config_toml
+
+
+def contribution(reply: pb.LeaveReply) -> str:
+    """What this node gave the run, as the ledger counts it (tokens of refused commits are not in)."""
+    share = 100.0 * reply.tokens_committed / reply.run_tokens_committed if reply.run_tokens_committed else 0.0
+    return (
+        f"this node committed {reply.tokens_committed:,} tokens in {reply.rounds} round(s), {share:.1f}% of the "
+        f"{reply.run_tokens_committed:,} the run has committed"
+    )
 
 
 class CoordinatorSession:
@@ -485,9 +495,9 @@ class CoordinatorSession:
             self.log(f"kept the membership in {self.state.root}: a restart rejoins as {self.info.node_id}")
         elif not self.pending:
             try:
-                await asyncio.wait_for(self.client.leave(self.stop.reason[:200]), left())
+                reply = await asyncio.wait_for(self.client.leave(self.stop.reason[:200]), left())
                 self.state.forget_join()  # a left node joins afresh next time
-                self.log("left the run")
+                self.log("left the run: " + contribution(reply))
             except (TimeoutError, CoordinatorError) as err:
                 self.log(f"could not say goodbye to the coordinator ({err}); its lease expires on its own")
         with contextlib.suppress(Exception):

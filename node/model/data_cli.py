@@ -30,7 +30,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     prep.set_defaults(func=_prepare)
 
     info = verbs.add_parser("info", help="show a dataset's manifest and verify its hashes")
-    info.add_argument("path")
+    info.add_argument("path", metavar="DIR", help="a folder `murmur data prepare` wrote")
     info.set_defaults(func=_info)
 
 

@@ -53,7 +53,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--steps", type=int, help="train.steps (inner steps per worker)")
     p.add_argument("--data", help="data.path")
     add_set_flag(p)
-    p.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     p.add_argument("--engine", choices=ENGINE_NAMES, default="stacked",
                    help="stacked: one vmapped step for all replicas (default); threads: a thread per replica")
     p.add_argument("--init-from", metavar="CKPT",

@@ -23,12 +23,16 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from murmur.errors import MurmurError
 from murmur.node.daemon.state_dir import read_rounds
 from murmur.node.testnet.chaos import Chaos
 from murmur.node.testnet.pipeline_net import run_pipeline
 from murmur.node.testnet.procs import NodeProc, Testnet, TestnetError
+
+if TYPE_CHECKING:
+    from murmur.protocol.runconfig import RunConfig
 
 DEFAULT_CONFIG = "configs/testnet-small.toml"
 REFRESH_S = 1.0  # how often the live rows are redrawn
@@ -47,7 +51,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         ("up", "start a coordinator and N nodes, show them train, summarize"),
         ("chaos", "like up, and kill and restart nodes at random"),
     ):
-        v = verbs.add_parser(verb, help=help_text, description=__doc__)
+        # The examples at the top of the description stay one to a line.
+        v = verbs.add_parser(verb, help=help_text, description=__doc__,
+                             formatter_class=argparse.RawDescriptionHelpFormatter)
         v.add_argument("--nodes", "-n", type=int, default=3, help="how many nodes (default 3)")
         v.add_argument("--config", default=DEFAULT_CONFIG, help="run TOML (default %(default)s)")
         v.add_argument("--duration", type=float, default=180.0, help="seconds before stopping (default 180)")
@@ -80,10 +86,20 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def prepare_run(config: str, overrides: list[str], out: Path) -> tuple[Path, Path]:
     """Write OUT/run.toml (with overrides and an absolute data path); prepare the data if missing."""
-    from murmur.node.model.data import prepare
+    return write_run(load_run(config, overrides), out)
+
+
+def load_run(config: str, overrides: list[str]) -> RunConfig:
+    """The run config, read and checked (a typo is a one-line error); nothing is written."""
     from murmur.protocol.runconfig import load_config
 
-    cfg = load_config(config, overrides)
+    return load_config(config, overrides)
+
+
+def write_run(cfg: RunConfig, out: Path) -> tuple[Path, Path]:
+    """OUT/run.toml with an absolute data path, the data prepared from the bundled corpus if missing."""
+    from murmur.node.model.data import prepare
+
     data = Path(cfg.data.path).resolve()
     if not (data / "manifest.json").is_file():
         print(f"preparing {data} from the bundled corpus ({cfg.data.tokenizer} tokens) ...", flush=True)
@@ -238,32 +254,43 @@ def plot_losses(nodes: list[NodeProc], path: Path, title: str) -> None:
 # The command
 
 
-def _run(args: argparse.Namespace) -> int:
+def _check_args(args: argparse.Namespace) -> None:
+    """Every argument, before anything is touched: a mistake leaves the previous run's folder as it was."""
     if args.nodes < 1:
         raise MurmurError(f"--nodes must be at least 1, got {args.nodes}")
     if args.duration <= 0:
         raise MurmurError(f"--duration must be positive, got {args.duration}")
-    chaos = args.verb == "chaos"
-    if chaos and args.mtbf <= 0:
-        raise MurmurError(f"--mtbf must be positive, got {args.mtbf}")
+    if args.threads < 0:
+        raise MurmurError(f"--threads must not be negative, got {args.threads}")
+    if args.gpus < 1:
+        raise MurmurError(f"--gpus must be at least 1, got {args.gpus}")
+    if args.verb == "chaos" and (args.mtbf <= 0 or args.restart_delay < 0):
+        raise MurmurError(f"--mtbf must be positive and --restart-delay not negative, got {args.mtbf}, "
+                          f"{args.restart_delay}")
     stages = getattr(args, "stages", 0)
     if stages < 0 or (stages and args.drivers < 1):
         raise MurmurError("--stages must be positive and --drivers at least 1")
     if stages and args.nodes < stages:
         raise MurmurError(f"--nodes {args.nodes} cannot serve --stages {stages}: every stage needs a peer")
     out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise MurmurError(f"--out {out} is a file, not a folder")
+
+
+def _run(args: argparse.Namespace) -> int:
+    _check_args(args)
+    chaos = args.verb == "chaos"
+    stages = getattr(args, "stages", 0)
+    out = Path(args.out)
     overrides = list(args.set) + ([f'sync.algorithm="{args.algo}"'] if args.algo else [])
     if stages:
         overrides.append(f"pipeline.stages={stages}")
-    from murmur.protocol.runconfig import load_config
-
-    load_config(args.config, overrides)  # a config that does not hold up wipes nothing
+    cfg = load_run(args.config, overrides)  # a typo stops here, before the old run is wiped
     fresh_folder(out)
-    config_path, data = prepare_run(args.config, overrides, out)
+    config_path, data = write_run(cfg, out)
     if stages:  # stage peers find each other through the coordinator: no DHT
-        return run_pipeline(args, out, config_path, data, [a for a in LOOPBACK_COORDINATOR if a != "--dht"])
-    if args.gpus < 1:
-        raise MurmurError(f"--gpus must be at least 1, got {args.gpus}")
+        return run_pipeline(args, out, config_path, data,
+                            [*(a for a in LOOPBACK_COORDINATOR if a != "--dht"), "--no-dht"])
     node_args = (["--solo"] if args.solo else list(LOOPBACK_NODE)) + ["--device", args.device, "--gpus", str(args.gpus)]
     net = Testnet(root=out, config_path=config_path, data=data, threads=args.threads, node_args=node_args,
                   coordinator_args=list(LOOPBACK_COORDINATOR))

@@ -142,6 +142,11 @@ class Testnet:
         self.root.mkdir(parents=True, exist_ok=True)
         err = open(self.root / "coordinator.log", "ab")  # noqa: SIM115 - closed in stop()
         args = ["coordinator", "serve", "--db", str(self.db), "--listen", listen, *self.coordinator_args]
+        if "--dht" not in self.coordinator_args:
+            # The coordinator's DHT is on by default; a testnet has it only when coordinator_args
+            # say --dht, else its nodes bootstrap from each other (dht_bootstrap below): both paths
+            # are tested.
+            args.append("--no-dht")
         if self.info.get("node_address") and listen != "127.0.0.1:0":
             # A restart keeps both addresses (nodes hold them); metrics may move.
             args += ["--node-listen", str(self.info["node_address"]), "--metrics-listen", "127.0.0.1:0"]
@@ -295,6 +300,8 @@ class Testnet:
             str(self.data),
             "--threads",
             str(self.threads),
+            "--name",
+            node.name,  # node-0, node-1, ...: the testnet's rows and the status page say the same
             *self.node_args,
             *(extra or []),
         ]

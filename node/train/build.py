@@ -11,19 +11,32 @@ import math
 import torch
 
 from murmur.errors import MurmurError
+from murmur.gpu_choice import check_device_name
 from murmur.node.model.data import Dataset
 from murmur.node.model.transformer import ModelConfig, Transformer, model_config
 from murmur.protocol.runconfig import RunConfig
 
 
 def resolve_device(name: str = "auto") -> torch.device:
+    """``--device`` (auto, cpu, cuda, cuda:N) as a device that exists here, else a one-line error.
+    cuda:N also becomes the current CUDA device: kernels launch and NCCL binds there."""
+    name = check_device_name(name)
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise MurmurError("--device cuda was asked for but no CUDA device is available: use --device cpu")
-    if name not in ("cpu", "cuda"):
-        raise MurmurError(f"--device {name!r}: use auto, cpu or cuda")
-    return torch.device(name)
+    if name == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise MurmurError(f"--device {name} was asked for but no CUDA device is available: use --device cpu")
+    device = torch.device(name)
+    if device.index is not None:
+        count = torch.cuda.device_count()
+        if device.index >= count:
+            raise MurmurError(
+                f"--device {name}: {count} GPU(s) are visible (cuda:0 to cuda:{count - 1}); "
+                "CUDA_VISIBLE_DEVICES decides which GPUs a process sees and numbers them from 0"
+            )
+        torch.cuda.set_device(device)
+    return device
 
 
 def open_run_dataset(cfg: RunConfig) -> Dataset:

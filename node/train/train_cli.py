@@ -23,7 +23,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--steps", type=int, help="shortcut for --set train.steps=N")
     p.add_argument("--data", help="shortcut for --set data.path=DIR")
     p.add_argument("--preset", help="shortcut for --set model.preset=NAME")
-    p.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     p.add_argument("--out", help="run folder for checkpoints (default runs/<name>)")
     p.add_argument("--resume", action="store_true", help="continue from the run folder's checkpoint")
     add_gpu_path_flags(p)
