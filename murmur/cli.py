@@ -27,6 +27,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "testnet": ("murmur.node.testnet.cli", "a local network: coordinator and nodes on loopback"),
     "coordinator": ("murmur.coordinator.cli", "serve a run's coordinator"),
     "admin": ("murmur.coordinator.admin", "operate a coordinator: runs, tokens, nodes, status"),
+    "export": ("murmur.node.export.export_cli", "write a run's model as a Llama folder that transformers loads"),
 }
 
 
