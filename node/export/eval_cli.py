@@ -30,14 +30,15 @@ def _run(args: argparse.Namespace) -> int:
     import json
 
     from murmur.errors import MurmurError
+
+    for flag in ("batch_size", "batches"):
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
+            raise MurmurError(f"--{flag.replace('_', '-')} must be at least 1")
     from murmur.node.export.evaluate import evaluate_source, run_defaults
     from murmur.node.export.source import load_source
     from murmur.node.model.data import Dataset
     from murmur.node.train.build import resolve_device
 
-    for flag in ("batch_size", "batches"):
-        if getattr(args, flag) is not None and getattr(args, flag) < 1:
-            raise MurmurError(f"--{flag.replace('_', '-')} must be at least 1")
     device = resolve_device(args.device)
     source = load_source(args.source)
     batch, batches, dtype = run_defaults(source)
