@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 
+import pytest
 import torch
 
 from murmur.cli import main
@@ -15,6 +16,8 @@ from murmur.node.model.transformer import Transformer
 from murmur.node.train.build import resolve_model_config
 from murmur.node.train.trainer import Trainer
 from murmur.protocol.runconfig import config_from_dict
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def test_eval_equals_the_runs_validation_for_checkpoint_and_export(byte_dataset, tmp_path, capsys):

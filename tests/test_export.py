@@ -21,6 +21,8 @@ from murmur.node.model.tokenizer import get_tokenizer
 from murmur.node.train.trainer import Trainer
 from murmur.protocol.runconfig import config_from_dict, load_config
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 REPO = Path(__file__).resolve().parents[1]
 TEXT = "To be, or not to be, that is the question:\nWhether 'tis nobler in the mind to suffer"
 # Text the tokenizers must agree on: runs of spaces and newlines, contractions, digits, non-ASCII.

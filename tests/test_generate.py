@@ -15,16 +15,7 @@ from murmur.node.train.trainer import Trainer
 from murmur.protocol.runconfig import config_from_dict
 
 PROMPT = "ROMEO:\nBut soft"
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """One torch thread: a tiny model's ops are too small to split, and on a loaded 2-core machine two
-    threads wait on each other for most of the time."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
