@@ -69,7 +69,9 @@ def load_source(path: str | Path) -> Source:
         return _from_checkpoint(p / CHECKPOINT)
     node = _newest_testnet_node(p)
     if node is not None:
-        return _from_checkpoint(node / CHECKPOINT)
+        source = _from_checkpoint(node / CHECKPOINT)
+        _count_every_nodes_tokens(source, sorted((p / "nodes").glob("node-*")))
+        return source
     raise SourceError(
         f"{p} is not a murmur export ({PROVENANCE}), a run or state folder ({CHECKPOINT}) "
         "or a testnet folder (nodes/node-*/checkpoint.pt)"
@@ -161,18 +163,39 @@ def _run_id(folder: Path) -> str | None:
         return None
 
 
-def _node_tokens(folder: Path, upto_round: int) -> dict[str, Any]:
-    """Tokens this node trained up to the checkpoint's round, from its round log. Its peers trained
-    others into the same global model; a node does not know how many, so this is a lower bound."""
+def _tokens_by_round(folder: Path) -> dict[int, int]:
+    """Tokens a node put into the global model per round, from its round log: the last record of a
+    round (a restarted node may log one twice), and none where the round completed without its
+    update (it caught up from peers instead)."""
     from murmur.node.daemon.state_dir import read_rounds
 
-    by_round = {int(r["round"]): int(r["tokens"]) for r in read_rounds(folder) if "tokens" in r}
+    by_round = {}
+    for r in read_rounds(folder):
+        if "tokens" in r:
+            by_round[int(r["round"])] = int(r["tokens"]) if r.get("contributed", True) else 0
+    return by_round
+
+
+def _node_tokens(folder: Path, upto_round: int) -> dict[str, Any]:
+    """Tokens this node trained up to the checkpoint's round. Its peers trained others into the same
+    global model; a node does not know how many, so this is a lower bound."""
+    by_round = _tokens_by_round(folder)
     if not by_round:
         return {"tokens_trained": None, "tokens_note": "no round log beside the checkpoint"}
     return {
         "tokens_trained": sum(t for r, t in by_round.items() if r <= upto_round),
         "tokens_note": "this node's own tokens (rounds.jsonl); its peers' add to the global model",
     }
+
+
+def _count_every_nodes_tokens(source: Source, nodes: list[Path]) -> None:
+    """A testnet folder holds every node's round log: the run's tokens up to the exported round."""
+    upto = source.provenance.get("round")
+    if upto is None:
+        return
+    total = sum(t for d in nodes for r, t in _tokens_by_round(d).items() if r <= upto)
+    source.provenance["tokens_trained"] = total
+    source.provenance["tokens_note"] = f"all {len(nodes)} nodes' tokens up to round {upto} (their rounds.jsonl)"
 
 
 def _newest_testnet_node(root: Path) -> Path | None:
