@@ -30,6 +30,9 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "testnet": ("murmur.node.testnet.cli", "a local network: coordinator and nodes on loopback"),
     "coordinator": ("murmur.coordinator.cli", "serve a run's coordinator"),
     "admin": ("murmur.coordinator.admin", "operate a coordinator: runs, tokens, nodes, status"),
+    "export": ("murmur.node.export.export_cli", "write a run's model as a Llama folder that transformers loads"),
+    "eval": ("murmur.node.export.eval_cli", "validation loss and perplexity of a checkpoint or export"),
+    "generate": ("murmur.node.export.generate_cli", "sample text from a checkpoint or export"),
 }
 
 

@@ -80,3 +80,16 @@ def byte_dataset(tmp_path_factory):
     root = tmp_path_factory.mktemp("data") / "shakespeare-byte"
     prepare(root, tokenizer="byte", shard_tokens=1 << 16)
     return Dataset.open(root)
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """One torch thread for a module of tiny-model tests (`pytest.mark.usefixtures`): their ops are
+    too small to split, and on a loaded 2-core machine two threads wait on each other most of the
+    time (tests/test_generate.py took 10x longer with two)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -187,3 +187,23 @@ def test_testnet_stages_refuses_fewer_nodes_than_stages(tmp_path):
     )
     assert done.returncode == 1 and "every stage needs a peer" in done.stderr, done.stderr
     assert done.stderr.count("\n") == 1 and not (tmp_path / "o").exists()  # refused before anything was made
+
+
+def test_testnet_up_ends_with_the_exported_model_and_a_sample(tmp_path, data):
+    """`murmur testnet up` (so `make demo`): after the summary, the newest state exported to OUT/model
+    (the state the nodes agreed on) and a few lines sampled from it. The nodes stop after 40 steps,
+    so the testnet ends when they are done, long before --duration."""
+    out = tmp_path / "o"
+    done = subprocess.run(
+        [sys.executable, "-m", "murmur.cli", "testnet", "up", "--nodes", "2", "--config", "configs/testnet-tiny.toml",
+         "--set", f'data.path="{data}"', "--set", "train.steps=40", "--duration", "300", "--out", str(out)],
+        capture_output=True, text=True, timeout=400,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert f"model: {out / 'model'}" in done.stdout and "\nsample:\n  | " in done.stdout, done.stdout[-2000:]
+    prov = json.loads((out / "model" / "provenance.json").read_text())
+    nodes = json.loads((out / "summary.json").read_text())["nodes"]
+    newest = max(nodes, key=lambda r: r["rounds"])
+    assert prov["round"] == newest["rounds"] > 0 and prov["state_hash"].startswith(newest["hash"]), (prov, newest)
+    if len({r["rounds"] for r in nodes}) == 1:  # every node's tokens went into the exported state
+        assert prov["tokens_trained"] == sum(r["tokens"] for r in nodes), (prov, nodes)

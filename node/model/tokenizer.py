@@ -36,6 +36,17 @@ class ByteTokenizer:
         return bytes(t for t in tokens if t).decode("utf-8", errors="replace")
 
 
+def gpt2_ranks() -> dict[bytes, int]:
+    """GPT-2's BPE ranks (token bytes -> id) from the bundled file; `murmur export` turns them into
+    a tokenizer.json (node/export/hf_tokenizer.py)."""
+    ranks = {}
+    for line in (assets_dir() / "gpt2.tiktoken").read_bytes().splitlines():
+        if line:
+            token, rank = line.split()
+            ranks[base64.b64decode(token)] = int(rank)
+    return ranks
+
+
 class GPT2Tokenizer:
     name = "gpt2"
     vocab_size = 50257
@@ -44,15 +55,10 @@ class GPT2Tokenizer:
     def __init__(self) -> None:
         import tiktoken
 
-        ranks = {}
-        for line in (assets_dir() / "gpt2.tiktoken").read_bytes().splitlines():
-            if line:
-                token, rank = line.split()
-                ranks[base64.b64decode(token)] = int(rank)
         self._enc = tiktoken.Encoding(
             name="r50k_base",
             pat_str=R50K_PATTERN,
-            mergeable_ranks=ranks,
+            mergeable_ranks=gpt2_ranks(),
             special_tokens={"<|endoftext|>": GPT2_EOT},
             explicit_n_vocab=self.vocab_size,
         )

@@ -126,6 +126,7 @@ def fresh_folder(out: Path) -> None:
         "nodes",
         "loss.png",
         "summary.json",
+        "model",
     ):
         p = out / name
         if p.is_dir():
@@ -332,6 +333,22 @@ def _run(args: argparse.Namespace) -> int:
     return _summarize(net, out, codes, time.monotonic() - t0)
 
 
+def _show_model(out: Path) -> None:
+    """Export the newest node's model to OUT/model and print a short sample of it (node/export/demo.py)."""
+    try:
+        from murmur.node.export.demo import export_and_sample
+
+        model, source, sample = export_and_sample(out)
+    except MurmurError as err:
+        print(f"no model exported: {err}")
+        return
+    p = source.provenance
+    print(f"model: {model} (round {p.get('round')}, state {str(p.get('state_hash'))[:12]}; transformers loads it, "
+          f"`murmur generate {model} --prompt TEXT` samples it)")
+    lines = sample.strip("\n").splitlines()[:8] or [""]
+    print("sample:\n" + "\n".join(f"  | {line}" for line in lines))
+
+
 def _summarize(net: Testnet, out: Path, codes: dict[str, int | None], wall: float) -> int:
     rows = [node_row(n) for n in net.nodes]
     print(f"\nsummary after {wall:.0f}s")
@@ -359,6 +376,7 @@ def _summarize(net: Testnet, out: Path, codes: dict[str, int | None], wall: floa
         print(f"loss curves: {plot}")
     except Exception as err:  # noqa: BLE001 - a missing plot must not hide the summary
         print(f"warning: no plot ({err})")
+    _show_model(out)
     (out / "summary.json").write_text(
         json.dumps(
             {"wall_s": wall, "exit_codes": codes, "nodes": [asdict(r) for r in rows]}, indent=1, default=str

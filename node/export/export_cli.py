@@ -1,0 +1,39 @@
+"""`murmur export SOURCE --out DIR`: a run's model as a folder `transformers` loads (node/export/write.py).
+
+Light to import: torch, safetensors and the model come in once the arguments hold up.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "export",
+        help="write a run's model as a Llama folder that transformers loads",
+        description="SOURCE: a checkpoint file, a node state folder, a `murmur train` run folder, "
+        "a testnet folder (its newest node) or an export. Writes model.safetensors, config.json, "
+        "generation_config.json, tokenizer files and provenance.json into --out.",
+    )
+    p.add_argument("source", help="checkpoint file or run folder")
+    p.add_argument("--out", required=True, help="folder to write (must not exist, unless --force)")
+    p.add_argument("--dtype", default="run", choices=("run", "fp32", "bf16", "fp16"),
+                   help="weights' dtype (default run: the dtype the run keeps its weights in, fp32)")
+    p.add_argument("--force", action="store_true", help="replace an earlier export at --out")
+    p.set_defaults(func=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from murmur.node.export.source import load_source
+    from murmur.node.export.write import export, resolve_dtype
+
+    source = load_source(args.source)
+    out = export(source, Path(args.out), dtype=resolve_dtype(args.dtype, source), force=args.force)
+    p = source.provenance
+    at = f"round {p['round']}" if p.get("round") is not None else f"step {p.get('inner_steps')}"
+    n = sum(t.numel() for t in source.weights.values())
+    print(f"exported {source.kind} {source.path} ({n / 1e6:.2f}M params, {at}, state {str(p.get('state_hash'))[:12]}) "
+          f"to {out}")
+    return 0

@@ -1,0 +1,53 @@
+"""`murmur eval`: the loss of a checkpoint, or of its export, equals the val loss the run computed."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from murmur.cli import main
+from murmur.node.export.source import load_source
+from murmur.node.export.write import export
+from murmur.node.model.data import prepare
+from murmur.node.model.transformer import Transformer
+from murmur.node.train.build import resolve_model_config
+from murmur.node.train.trainer import Trainer
+from murmur.protocol.runconfig import config_from_dict
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def test_eval_equals_the_runs_validation_for_checkpoint_and_export(byte_dataset, tmp_path, capsys):
+    cfg = config_from_dict({
+        "model": {"preset": "tiny", "seq_len": 64},
+        "data": {"path": str(byte_dataset.root)},
+        "optim": {"lr": 3e-3, "warmup_steps": 2},
+        "train": {"steps": 5, "batch_size": 4, "eval_batches": 3},
+    })
+    trainer = Trainer(cfg, byte_dataset, torch.device("cpu"))
+    for _ in range(5):
+        trainer.step()
+    trainer.save(tmp_path / "run" / "checkpoint.pt")
+    reported = trainer.validate()  # what `murmur train` prints as the final val loss
+    export(load_source(tmp_path / "run"), tmp_path / "export")
+    for source in (tmp_path / "run", tmp_path / "export"):
+        argv = ["eval", str(source), "--data", str(byte_dataset.root), "--device", "cpu", "--output", "json"]
+        assert main(argv) == 0
+        got = json.loads(capsys.readouterr().out)
+        assert abs(got["loss"] - reported) <= 1e-4, (source.name, got["loss"], reported)
+        assert math.isclose(got["perplexity"], math.exp(got["loss"]))
+        assert got["tokens"] == 3 * 4 * 64 and got["tokens_per_s"] > 0
+
+
+def test_eval_refuses_data_of_another_tokenizer(tmp_path, capsys):
+    prepare(tmp_path / "gpt2", tokenizer="gpt2", shard_tokens=1 << 16)
+    cfg = config_from_dict({"model": {"preset": "tiny", "seq_len": 32}, "data": {"path": str(tmp_path / "gpt2")}})
+    (tmp_path / "run").mkdir()
+    model = Transformer(resolve_model_config(cfg, 256))  # a byte-vocabulary model
+    torch.save({"config": cfg.to_dict(), "model": model.state_dict(), "step": 0}, tmp_path / "run" / "checkpoint.pt")
+    assert main(["eval", str(tmp_path / "run"), "--data", str(tmp_path / "gpt2"), "--device", "cpu"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert "prepared with the 'gpt2' tokenizer" in err and "\n" not in err
