@@ -15,7 +15,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="SOURCE: a checkpoint file, a run or testnet folder, or an export (murmur export). "
         "The loss is computed on DIR's validation split as the run's own validation computes it.",
     )
-    p.add_argument("source", help="checkpoint file, run folder or export folder")
+    p.add_argument("source", metavar="SOURCE", help="checkpoint file, run folder or export folder")
     p.add_argument("--data", required=True, help="prepared dataset folder (murmur data prepare)")
     p.add_argument("--batch-size", type=int, help="rows per batch (default: the run's train.batch_size)")
     p.add_argument("--batches", type=int, help="validation batches (default: the run's train.eval_batches)")

@@ -17,7 +17,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "a testnet folder (its newest node) or an export. Writes model.safetensors, config.json, "
         "generation_config.json, tokenizer files and provenance.json into --out.",
     )
-    p.add_argument("source", help="checkpoint file or run folder")
+    p.add_argument("source", metavar="SOURCE", help="checkpoint file or run folder")
     p.add_argument("--out", required=True, help="folder to write (must not exist, unless --force)")
     p.add_argument("--dtype", default="run", choices=("run", "fp32", "bf16", "fp16"),
                    help="weights' dtype (default run: the dtype the run keeps its weights in, fp32)")

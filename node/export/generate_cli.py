@@ -15,7 +15,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="SOURCE: a checkpoint file, a run or testnet folder, or an export (murmur export). "
         "Prints the prompt, then the sampled text as it comes; the rate goes to stderr.",
     )
-    p.add_argument("source", help="checkpoint file, run folder or export folder")
+    p.add_argument("source", metavar="SOURCE", help="checkpoint file, run folder or export folder")
     p.add_argument("--prompt", default="", help="text to continue (default: a new document)")
     p.add_argument("--max-new-tokens", type=int, default=200, help="tokens to sample (default 200)")
     p.add_argument("--temperature", type=float, default=0.8, help="0 is greedy (default 0.8)")
