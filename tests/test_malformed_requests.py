@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import re
+from pathlib import Path
 
 import grpc
 import pytest
@@ -14,6 +16,8 @@ from _net_helpers import RUN, no_lost_task_exceptions, peer_group  # noqa: F401 
 
 from murmur.protocol import coordinator_pb2, peer_pb2, pipeline_pb2, tls
 from murmur.protocol.version import version_metadata
+
+REPO = Path(__file__).resolve().parents[1]
 
 # A length-delimited field 1 whose length runs past the end: no message type parses it.
 GARBAGE = b"\x0a\xff\xff\x01garbage"
@@ -134,3 +138,17 @@ def test_the_coordinator_refuses_a_malformed_request_on_every_method_and_keeps_s
         assert listed.returncode == 0, listed.stderr
     finally:
         assert coord.stop() == 0
+
+
+def test_no_servicer_is_registered_around_the_guard():
+    """Every server registers its servicer through protocol/malformed.py: nowhere in the package is
+    a generated ``add_*Servicer_to_server`` called directly (a new server would answer UNKNOWN)."""
+    direct = []
+    folders = ("murmur", "node", "protocol", "optim", "kernels", "coordinator", "benchmarks")
+    for path in (p for folder in folders for p in (REPO / folder).rglob("*.py")):
+        rel = path.relative_to(REPO)
+        if path.name.endswith("_pb2_grpc.py"):
+            continue
+        for m in re.finditer(r"add_\w+Servicer_to_server\(", path.read_text()):
+            direct.append(f"{rel}: {m.group(0)}")
+    assert not direct, direct
