@@ -205,5 +205,6 @@ def test_testnet_up_ends_with_the_exported_model_and_a_sample(tmp_path, data):
     nodes = json.loads((out / "summary.json").read_text())["nodes"]
     newest = max(nodes, key=lambda r: r["rounds"])
     assert prov["round"] == newest["rounds"] > 0 and prov["state_hash"].startswith(newest["hash"]), (prov, newest)
+    assert prov["run_id"]  # the nodes left cleanly (join.json is gone): their round logs name the run
     if len({r["rounds"] for r in nodes}) == 1:  # every node's tokens went into the exported state
         assert prov["tokens_trained"] == sum(r["tokens"] for r in nodes), (prov, nodes)

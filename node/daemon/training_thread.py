@@ -449,6 +449,7 @@ class TrainingThread:
             "step": t.step,
             "time": time.time(),
             "node": self.session.info.node_id,
+            "run": self.session.info.run_id,  # join.json goes with a clean leave; `murmur export` reads it here
             "loss": result.loss,
             "val_loss": val,
             "tokens": result.tokens,
@@ -476,6 +477,7 @@ class TrainingThread:
                 "time": time.time(),
                 "val_loss": val,
                 "node": self.session.info.node_id,
+                "run": self.session.info.run_id,
                 "hash": self.trainer.global_hash(),
             }
         )

@@ -70,7 +70,7 @@ def load_source(path: str | Path) -> Source:
     node = _newest_testnet_node(p)
     if node is not None:
         source = _from_checkpoint(node / CHECKPOINT)
-        _count_every_nodes_tokens(source, sorted((p / "nodes").glob("node-*")))
+        _count_every_nodes_tokens(source, sorted(d for d in (p / "nodes").glob("node-*") if d.is_dir()))
         return source
     raise SourceError(
         f"{p} is not a murmur export ({PROVENANCE}), a run or state folder ({CHECKPOINT}) "
@@ -157,10 +157,15 @@ def _global_weights(state: dict[str, Any], folder: Path) -> tuple[dict[str, torc
 
 
 def _run_id(folder: Path) -> str | None:
+    """join.json's run id while the node is a member; after a clean leave (which drops join.json),
+    the one its round log recorded."""
+    from murmur.node.daemon.state_dir import read_rounds
+
     try:
-        return json.loads((folder / "join.json").read_text()).get("run_id")
-    except (OSError, json.JSONDecodeError, AttributeError):
-        return None
+        return str(json.loads((folder / "join.json").read_text())["run_id"])
+    except (OSError, json.JSONDecodeError, KeyError, TypeError):
+        pass
+    return next((str(r["run"]) for r in reversed(read_rounds(folder)) if r.get("run")), None)
 
 
 def _tokens_by_round(folder: Path) -> dict[int, int]:
