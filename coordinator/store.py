@@ -147,6 +147,11 @@ MIGRATIONS: list[str] = [
     """
     ALTER TABLE nodes ADD COLUMN name TEXT NOT NULL DEFAULT '';
     """,
+    # v5: rounds' validation losses, as the nodes that evaluated the round's state reported them
+    """
+    ALTER TABLE rounds ADD COLUMN val_sum REAL NOT NULL DEFAULT 0;
+    ALTER TABLE rounds ADD COLUMN val_n INTEGER NOT NULL DEFAULT 0;
+    """,
 ]
 SCHEMA_VERSION = len(MIGRATIONS)
 
@@ -609,6 +614,7 @@ class Store:
         bytes_sent: int,
         seconds: float,
         at: float,
+        val_loss: float | None = None,
     ) -> None:
         self.db.execute(
             "INSERT INTO commits VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
@@ -627,11 +633,14 @@ class Store:
             ),
         )
         self.db.execute(
-            "INSERT INTO rounds VALUES (?, ?, 1, ?, ?, ?, ?, ?) "
+            "INSERT INTO rounds(run_id, outer_step, commits, tokens, loss_sum, bytes_sent, first_at, last_at, "
+            "val_sum, val_n) VALUES (?, ?, 1, ?, ?, ?, ?, ?, ?, ?) "
             "ON CONFLICT(run_id, outer_step) DO UPDATE SET commits = commits + 1, "
             "tokens = tokens + excluded.tokens, loss_sum = loss_sum + excluded.loss_sum, "
-            "bytes_sent = bytes_sent + excluded.bytes_sent, last_at = excluded.last_at",
-            (run_id, outer_step, end_offset - start_offset, loss, bytes_sent, at, at),
+            "bytes_sent = bytes_sent + excluded.bytes_sent, last_at = excluded.last_at, "
+            "val_sum = val_sum + excluded.val_sum, val_n = val_n + excluded.val_n",
+            (run_id, outer_step, end_offset - start_offset, loss, bytes_sent, at, at,
+             val_loss or 0.0, int(val_loss is not None)),
         )
 
     def commits_of_shard(self, run_id: str, shard_id: int) -> list[sqlite3.Row]:
@@ -686,7 +695,8 @@ class Store:
     def round_history(self, run_id: str, limit: int = 500) -> list[sqlite3.Row]:
         """The newest ``limit`` rounds of a run, oldest first: step, mean loss, tokens, bytes, time."""
         rows = self._q(
-            "SELECT outer_step, loss_sum / commits AS loss, tokens, bytes_sent, commits, last_at "
+            "SELECT outer_step, loss_sum / commits AS loss, tokens, bytes_sent, commits, last_at, "
+            "CASE WHEN val_n > 0 THEN val_sum / val_n END AS val_loss "
             "FROM rounds WHERE run_id = ? ORDER BY outer_step DESC LIMIT ?",
             (run_id, limit),
         )

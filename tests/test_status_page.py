@@ -135,6 +135,8 @@ def test_status_page_shows_the_ledger_and_a_lost_node(tmp_path):
         for node_id, row in page.rows.items():
             lo, hi = cli_tokens[node_id]
             assert lo <= int(row["tokens_value"]) <= hi, (node_id, row, lo, hi)
+        # the nodes' validation losses reach the chart's data (train.eval_every rounds)
+        assert any(r["val_loss"] is not None for r in api["rounds"]), api["rounds"][:20]
         # each row names its node as the testnet does (--name), and gives its share of the run's tokens
         assert sorted(row["name"] for row in page.rows.values()) == ["node-0", "node-1"], page.rows
         assert all(row["share"].endswith("%") for row in page.rows.values()), page.rows
@@ -257,7 +259,8 @@ def test_no_card_is_cut_at_1400_or_800_pixels(tmp_path):
     st.update(tokens_per_s=1_234_567.0, bytes_sent=987_654_321_000, last_loss=12.3456, rounds=123456,
               last_round_at=1.0, last_round_age_s=7000.0, stalled=True, stall_reason="no round completed for 7000s",
               nodes_by_status={"active": 123, "lost": 45, "left": 678})
-    data["rounds"] = [{"round": r, "loss": 3 - r / 100, "tokens": 1, "bytes_sent": 1} for r in range(10, 111)]
+    data["rounds"] = [{"round": r, "loss": 3 - r / 100, "val_loss": 3.1 - r / 100 if r % 10 == 0 else None,
+                       "tokens": 1, "bytes_sent": 1} for r in range(10, 111)]
     page = tmp_path / "page.html"
     page.write_text(served[:marker.start(1)] + json.dumps(data).replace("</", "<\\/") + served[marker.end(1):]
                     .replace("</body>", MEASURE + "</body>"))
@@ -266,6 +269,8 @@ def test_no_card_is_cut_at_1400_or_800_pixels(tmp_path):
         cut = json.loads(html.unescape(re.search(r'data-cut="([^"]*)"', dom).group(1)))
         # the loss chart's round axis is labelled along its length, not only at its ends
         assert re.findall(r'class="xtick"[^>]*>([^<]*)<', dom) == ["round 10", "35", "60", "85", "110"], width
+        val_line = re.search(r'<polyline id="val-line" points="([^"]*)"', dom)
+        assert val_line and len(val_line.group(1).split()) == 11, width  # rounds 10, 20, ... 110
         chromium(tmp_path, page.as_uri(), f"--screenshot={tmp_path / f'status-{width}.png'}",
                  f"--window-size={width},1000", "--hide-scrollbars")
         assert cut == [], (width, cut)
