@@ -392,6 +392,14 @@ class Store:
             (run_id, since),
         )
 
+    def last_val_loss(self, run_id: str) -> float | None:
+        """The validation loss of the newest round a node evaluated, or None."""
+        row = self._one(
+            "SELECT val_sum / val_n AS v FROM rounds WHERE run_id = ? AND val_n > 0 ORDER BY outer_step DESC LIMIT 1",
+            (run_id,),
+        )
+        return float(row["v"]) if row else None
+
     def round_count(self, run_id: str) -> int:
         row = self._one("SELECT COUNT(*) AS n FROM rounds WHERE run_id = ?", (run_id,))
         return int(row["n"]) if row else 0
