@@ -64,6 +64,7 @@ class Progress:
     loss: float
     bytes_sent: int
     seconds: float
+    val_loss: float | None = None  # the round's validation loss, when the node evaluated it
 
 
 class Leases:
@@ -142,6 +143,8 @@ class Leases:
     ) -> CommitResult:
         if not math.isfinite(progress.loss):
             raise BadCommit(f"loss must be a finite number, got {progress.loss}")
+        if progress.val_loss is not None and not math.isfinite(progress.val_loss):
+            raise BadCommit(f"val_loss must be a finite number, got {progress.val_loss}")
         if progress.bytes_sent < 0 or progress.seconds < 0 or progress.outer_step < 0:
             raise BadCommit("outer_step, bytes_sent and seconds must not be negative")
         now = self.clock()
@@ -182,6 +185,7 @@ class Leases:
                 bytes_sent=progress.bytes_sent,
                 seconds=progress.seconds,
                 at=now,
+                val_loss=progress.val_loss,
             )
             finished = end == shard.tokens
             self.store.advance(run_id, shard_id, end, finished)

@@ -90,6 +90,9 @@ class LedgerCollector:
         age = GaugeMetricFamily("murmur_run_seconds_since_round",
                                 "Seconds since the run's newest round completed (absent before the first).",
                                 labels=["run"])
+        val = GaugeMetricFamily("murmur_run_val_loss",
+                                "The validation loss of the newest round a node evaluated (absent before one).",
+                                labels=["run"])
         stalled = GaugeMetricFamily("murmur_run_stalled",
                                     "1 while active nodes have completed no round for the stall threshold.",
                                     labels=["run"])
@@ -99,8 +102,11 @@ class LedgerCollector:
             if reply.last_round_at:
                 age.add_metric(run, reply.last_round_age_s)
             stalled.add_metric(run, int(reply.stalled))
+            if (v := self.store.last_val_loss(reply.run.run_id)) is not None:
+                val.add_metric(run, v)
         yield step
         yield age
+        yield val
         yield stalled
 
     def _per_node(self) -> Iterator[Metric]:

@@ -237,7 +237,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 request.shard_id,
                 request.start_offset,
                 request.end_offset,
-                Progress(request.outer_step, request.loss, request.bytes_sent, request.seconds),
+                Progress(request.outer_step, request.loss, request.bytes_sent, request.seconds,
+                         request.val_loss if request.HasField("val_loss") else None),
             )
             return pb.CommitReply(
                 duplicate=result.duplicate,

@@ -204,7 +204,8 @@ class StatusSource:
             "status": message_json(reply),
             "nodes": nodes,
             "rounds": [
-                {"round": r["outer_step"], "loss": r["loss"], "tokens": r["tokens"], "bytes_sent": r["bytes_sent"]}
+                {"round": r["outer_step"], "loss": r["loss"], "val_loss": r["val_loss"], "tokens": r["tokens"],
+                 "bytes_sent": r["bytes_sent"]}
                 for r in self.store.round_history(rid, ROUNDS_SHOWN)
             ],
             "shards": [

@@ -147,6 +147,11 @@ MIGRATIONS: list[str] = [
     """
     ALTER TABLE nodes ADD COLUMN name TEXT NOT NULL DEFAULT '';
     """,
+    # v5: rounds' validation losses, as the nodes that evaluated the round's state reported them
+    """
+    ALTER TABLE rounds ADD COLUMN val_sum REAL NOT NULL DEFAULT 0;
+    ALTER TABLE rounds ADD COLUMN val_n INTEGER NOT NULL DEFAULT 0;
+    """,
 ]
 SCHEMA_VERSION = len(MIGRATIONS)
 
@@ -387,6 +392,14 @@ class Store:
             (run_id, since),
         )
 
+    def last_val_loss(self, run_id: str) -> float | None:
+        """The validation loss of the newest round a node evaluated, or None."""
+        row = self._one(
+            "SELECT val_sum / val_n AS v FROM rounds WHERE run_id = ? AND val_n > 0 ORDER BY outer_step DESC LIMIT 1",
+            (run_id,),
+        )
+        return float(row["v"]) if row else None
+
     def round_count(self, run_id: str) -> int:
         row = self._one("SELECT COUNT(*) AS n FROM rounds WHERE run_id = ?", (run_id,))
         return int(row["n"]) if row else 0
@@ -609,6 +622,7 @@ class Store:
         bytes_sent: int,
         seconds: float,
         at: float,
+        val_loss: float | None = None,
     ) -> None:
         self.db.execute(
             "INSERT INTO commits VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
@@ -627,11 +641,14 @@ class Store:
             ),
         )
         self.db.execute(
-            "INSERT INTO rounds VALUES (?, ?, 1, ?, ?, ?, ?, ?) "
+            "INSERT INTO rounds(run_id, outer_step, commits, tokens, loss_sum, bytes_sent, first_at, last_at, "
+            "val_sum, val_n) VALUES (?, ?, 1, ?, ?, ?, ?, ?, ?, ?) "
             "ON CONFLICT(run_id, outer_step) DO UPDATE SET commits = commits + 1, "
             "tokens = tokens + excluded.tokens, loss_sum = loss_sum + excluded.loss_sum, "
-            "bytes_sent = bytes_sent + excluded.bytes_sent, last_at = excluded.last_at",
-            (run_id, outer_step, end_offset - start_offset, loss, bytes_sent, at, at),
+            "bytes_sent = bytes_sent + excluded.bytes_sent, last_at = excluded.last_at, "
+            "val_sum = val_sum + excluded.val_sum, val_n = val_n + excluded.val_n",
+            (run_id, outer_step, end_offset - start_offset, loss, bytes_sent, at, at,
+             val_loss or 0.0, int(val_loss is not None)),
         )
 
     def commits_of_shard(self, run_id: str, shard_id: int) -> list[sqlite3.Row]:
@@ -686,7 +703,8 @@ class Store:
     def round_history(self, run_id: str, limit: int = 500) -> list[sqlite3.Row]:
         """The newest ``limit`` rounds of a run, oldest first: step, mean loss, tokens, bytes, time."""
         rows = self._q(
-            "SELECT outer_step, loss_sum / commits AS loss, tokens, bytes_sent, commits, last_at "
+            "SELECT outer_step, loss_sum / commits AS loss, tokens, bytes_sent, commits, last_at, "
+            "CASE WHEN val_n > 0 THEN val_sum / val_n END AS val_loss "
             "FROM rounds WHERE run_id = ? ORDER BY outer_step DESC LIMIT ?",
             (run_id, limit),
         )

@@ -192,6 +192,7 @@ class MemberClient:
         bytes_sent: int = 0,
         seconds: float = 0.0,
         round_members: list[str] | tuple[str, ...] = (),
+        val_loss: float | None = None,
     ) -> pb.CommitReply:
         return await self._call(
             "Commit",
@@ -205,6 +206,7 @@ class MemberClient:
                 bytes_sent=bytes_sent,
                 seconds=seconds,
                 round_members=list(round_members),
+                val_loss=val_loss,  # None leaves the optional field unset
             ),
         )
 

@@ -193,7 +193,7 @@ class AcquireLeaseReply(_message.Message):
     def __init__(self, granted: _Optional[bool] = ..., lease: _Optional[_Union[Lease, _Mapping]] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
-    __slots__ = ("lease_id", "shard_id", "start_offset", "end_offset", "outer_step", "loss", "bytes_sent", "seconds", "round_members")
+    __slots__ = ("lease_id", "shard_id", "start_offset", "end_offset", "outer_step", "loss", "bytes_sent", "seconds", "round_members", "val_loss")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     SHARD_ID_FIELD_NUMBER: _ClassVar[int]
     START_OFFSET_FIELD_NUMBER: _ClassVar[int]
@@ -203,6 +203,7 @@ class CommitRequest(_message.Message):
     BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
     ROUND_MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    VAL_LOSS_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     shard_id: int
     start_offset: int
@@ -212,7 +213,8 @@ class CommitRequest(_message.Message):
     bytes_sent: int
     seconds: float
     round_members: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, lease_id: _Optional[str] = ..., shard_id: _Optional[int] = ..., start_offset: _Optional[int] = ..., end_offset: _Optional[int] = ..., outer_step: _Optional[int] = ..., loss: _Optional[float] = ..., bytes_sent: _Optional[int] = ..., seconds: _Optional[float] = ..., round_members: _Optional[_Iterable[str]] = ...) -> None: ...
+    val_loss: float
+    def __init__(self, lease_id: _Optional[str] = ..., shard_id: _Optional[int] = ..., start_offset: _Optional[int] = ..., end_offset: _Optional[int] = ..., outer_step: _Optional[int] = ..., loss: _Optional[float] = ..., bytes_sent: _Optional[int] = ..., seconds: _Optional[float] = ..., round_members: _Optional[_Iterable[str]] = ..., val_loss: _Optional[float] = ...) -> None: ...
 
 class CommitReply(_message.Message):
     __slots__ = ("duplicate", "committed_offset", "shard_done")

@@ -214,3 +214,18 @@ def test_paused_run_hands_out_no_lease(ledger):
 
 def test_store_module_keeps_sql_in_one_place():
     assert store_mod.MIGRATIONS and SCHEMA_VERSION == len(store_mod.MIGRATIONS)
+
+
+def test_a_rounds_validation_loss_is_the_mean_of_those_reported(ledger):
+    store, members, runs, clock, run_id, token = ledger
+    a = join(members, token)
+    members.heartbeat(a, 1.0)
+    lease, _ = members.leases.acquire(run_id, a)
+    commit = members.leases.commit
+    commit(run_id, a, lease.lease_id, lease.shard_id, 0, 100, Progress(1, 3.0, 0, 1.0, val_loss=2.5))
+    commit(run_id, a, lease.lease_id, lease.shard_id, 100, 200, Progress(1, 3.0, 0, 1.0, val_loss=2.7))
+    commit(run_id, a, lease.lease_id, lease.shard_id, 200, 300, Progress(2, 2.9, 0, 1.0))  # not evaluated
+    with pytest.raises(BadCommit, match="val_loss must be a finite"):
+        commit(run_id, a, lease.lease_id, lease.shard_id, 300, 400, Progress(3, 2.9, 0, 1.0, val_loss=float("inf")))
+    history = [(r["outer_step"], r["val_loss"]) for r in store.round_history(run_id)]
+    assert history == [(1, pytest.approx(2.6)), (2, None)]

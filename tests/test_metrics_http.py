@@ -79,7 +79,7 @@ def _joined_with_work(coord, tmp_path):
             await client.commit(lease.lease_id, lease.shard_id, 0, 250, outer_step=3, loss=2.5, bytes_sent=4096,
                                 seconds=0.5)
             await client.commit(lease.lease_id, lease.shard_id, 250, 500, outer_step=4, loss=2.25, bytes_sent=1000,
-                                seconds=0.5)
+                                seconds=0.5, val_loss=2.4)
             await client.release(lease.lease_id)
             with pytest.raises(Exception, match="no longer yours"):  # a commit under a released lease
                 await client.commit(lease.lease_id, lease.shard_id, 500, 600, outer_step=5, loss=2.0,
@@ -110,7 +110,7 @@ def test_api_status_agrees_with_the_ledger_and_the_admin_cli(coord, tmp_path):
     assert (row["round"], row["tokens_committed"], row["bytes_sent"]) == (4, 500, 5096)
     assert (row["restarts"], row["commits_refused"], row["updates_rejected"]) == (0, 1, 0)
     assert not row["heartbeat_late"]
-    assert [(r["round"], r["loss"]) for r in page["rounds"]] == [(3, 2.5), (4, 2.25)]
+    assert [(r["round"], r["loss"], r["val_loss"]) for r in page["rounds"]] == [(3, 2.5, None), (4, 2.25, 2.4)]
     assert [(s["shard_id"], s["committed"], s["holder"]) for s in page["shards"]] == [(0, 500, ""), (1, 0, "")]
     kinds = [e["kind"] for e in page["events"]]
     assert {"run_created", "join", "lease_granted", "lease_released", "commit_refused"} <= set(kinds)
@@ -125,6 +125,9 @@ def test_api_status_agrees_with_the_ledger_and_the_admin_cli(coord, tmp_path):
     got = samples(text)
     assert got[("murmur_tokens_committed_total", ())] == 500
     assert got[("murmur_rounds_total", ())] == 2
+    run = (("run", "test-run"),)
+    assert got[("murmur_run_round", run)] == 4 and got[("murmur_run_val_loss", run)] == 2.4
+    assert got[("murmur_run_stalled", run)] == 0 and 0 <= got[("murmur_run_seconds_since_round", run)] < 120
     assert got[("murmur_commits_refused_total", ())] == 1
     assert got[("murmur_lease_churn_total", (("kind", "granted"),))] == 1
     assert got[("murmur_lease_churn_total", (("kind", "released"),))] == 1

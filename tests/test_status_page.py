@@ -7,6 +7,7 @@ Chromium is Debian's (`apt-get install chromium chromium-driver`); without it th
 
 from __future__ import annotations
 
+import html
 import html.parser
 import json
 import os
@@ -134,6 +135,8 @@ def test_status_page_shows_the_ledger_and_a_lost_node(tmp_path):
         for node_id, row in page.rows.items():
             lo, hi = cli_tokens[node_id]
             assert lo <= int(row["tokens_value"]) <= hi, (node_id, row, lo, hi)
+        # the nodes' validation losses reach the chart's data (train.eval_every rounds)
+        assert any(r["val_loss"] is not None for r in api["rounds"]), api["rounds"][:20]
         # each row names its node as the testnet does (--name), and gives its share of the run's tokens
         assert sorted(row["name"] for row in page.rows.values()) == ["node-0", "node-1"], page.rows
         assert all(row["share"].endswith("%") for row in page.rows.values()), page.rows
@@ -210,3 +213,64 @@ def test_a_run_that_completes_no_round_shows_a_stalled_banner(tmp_path):
         assert ">none yet<" in dom
     finally:
         coord.stop()
+
+
+MEASURE = """<script>
+// test_status_page.py: which card texts the layout cuts (their content wider than their box).
+document.body.dataset.cut = JSON.stringify([...document.querySelectorAll(".card .v, .card .k")]
+  .filter((e) => e.scrollWidth > e.clientWidth)
+  .map((e) => (e.id || e.previousElementSibling.id) + ": " + e.textContent)
+  .concat(document.documentElement.scrollWidth > document.documentElement.clientWidth ? ["the page is wider"] : []));
+</script>
+"""
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (apt-get install -y chromium chromium-driver)")
+def test_no_card_is_cut_at_1400_or_800_pixels(tmp_path):
+    """The page as served, its embedded status given the widest values a run shows (Streaming
+    DiLoCo with int8, billions of tokens, a stall), rendered at 1400x1000 and 800x1000: every
+    card's text fits its box (the DOM's scroll width is its client width). The screenshots stay in
+    the test's folder."""
+    import asyncio
+    import re
+
+    from _coordinator_helpers import admin, join, new_token, start_coordinator, write_run_files
+
+    coord = start_coordinator(tmp_path / "coord.db", "--heartbeat-ttl", "120", "--lease-ttl", "120")
+    try:
+        config, manifest = write_run_files(tmp_path, [1000])
+        assert admin(coord, "runs", "create", "--config", str(config), "--manifest", str(manifest)).returncode == 0
+        token = new_token(coord)
+
+        async def member() -> None:
+            client, _ = await join(coord, token, name="a volunteer with a long name")
+            async with client:
+                await client.heartbeat(tokens_per_s=123456.0)
+
+        asyncio.run(member())
+        served = urllib.request.urlopen(f"http://{coord.info['metrics']}/", timeout=30).read().decode()
+    finally:
+        coord.stop()
+    marker = re.search(r'<script id="initial" type="application/json">(.*?)</script>', served, re.S)
+    data = json.loads(marker.group(1).replace("<\\/", "</"))
+    data["run"].update(algorithm="streaming", codec="int8", reduction_vs_ddp=12345.6)
+    st = data["status"]
+    st["run"].update(tokens_committed=1_234_567_890, tokens_total=9_876_543_210, outer_step=123456)
+    st.update(tokens_per_s=1_234_567.0, bytes_sent=987_654_321_000, last_loss=12.3456, rounds=123456,
+              last_round_at=1.0, last_round_age_s=7000.0, stalled=True, stall_reason="no round completed for 7000s",
+              nodes_by_status={"active": 123, "lost": 45, "left": 678})
+    data["rounds"] = [{"round": r, "loss": 3 - r / 100, "val_loss": 3.1 - r / 100 if r % 10 == 0 else None,
+                       "tokens": 1, "bytes_sent": 1} for r in range(10, 111)]
+    page = tmp_path / "page.html"
+    page.write_text(served[:marker.start(1)] + json.dumps(data).replace("</", "<\\/") + served[marker.end(1):]
+                    .replace("</body>", MEASURE + "</body>"))
+    for width in (1400, 800):
+        dom = chromium(tmp_path, page.as_uri(), "--dump-dom", f"--window-size={width},1000")
+        cut = json.loads(html.unescape(re.search(r'data-cut="([^"]*)"', dom).group(1)))
+        # the loss chart's round axis is labelled along its length, not only at its ends
+        assert re.findall(r'class="xtick"[^>]*>([^<]*)<', dom) == ["round 10", "35", "60", "85", "110"], width
+        val_line = re.search(r'<polyline id="val-line" points="([^"]*)"', dom)
+        assert val_line and len(val_line.group(1).split()) == 11, width  # rounds 10, 20, ... 110
+        chromium(tmp_path, page.as_uri(), f"--screenshot={tmp_path / f'status-{width}.png'}",
+                 f"--window-size={width},1000", "--hide-scrollbars")
+        assert cut == [], (width, cut)

@@ -6,6 +6,7 @@ run`), the way `murmur testnet up` and deploy/compose.yaml do."""
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -173,6 +174,7 @@ def test_testnet_up_with_stages_brings_up_a_pipelined_run_that_trains(tmp_path, 
         capture_output=True, text=True, timeout=400,
     )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert re.search(r"^status page: http://127\.0\.0\.1:\d+/ ", done.stdout, re.M), done.stdout[:2000]
     summary = json.loads((out / "summary.json").read_text())
     (driver,) = summary["drivers"]
     assert driver["committed_tokens"] > 0 and driver["last_loss"] < driver["first_loss"], driver

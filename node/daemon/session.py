@@ -412,6 +412,7 @@ class CoordinatorSession:
                         bytes_sent=c.bytes_sent,
                         seconds=c.seconds,
                         round_members=c.round_members if self.in_rounds else (),
+                        val_loss=c.val_loss,
                     )
                     self._mark(True)
                     self.metrics.commits_total += 1

@@ -63,6 +63,7 @@ class PendingCommit:
     bytes_sent: int
     seconds: float
     round_members: list[str] = field(default_factory=list)  # the round's group (the split check)
+    val_loss: float | None = None  # the round's validation loss, on the round's first commit only
 
 
 def _atomic_write(path: Path, data: bytes) -> None:

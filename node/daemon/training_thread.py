@@ -335,6 +335,7 @@ class TrainingThread:
                 sent if i == 0 else 0,
                 result.seconds,
                 members,
+                record["val_loss"] if i == 0 else None,
             )
             for i, seg in enumerate(spans)
         ]

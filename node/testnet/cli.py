@@ -301,6 +301,8 @@ def _run(args: argparse.Namespace) -> int:
     try:
         info = net.start_coordinator()
         print(f"coordinator on {info['address']} (ledger {net.db}, admin key {info['admin_key_file']})")
+        if info.get("metrics"):
+            print(f"status page: http://{info['metrics']}/ (open it while the run lasts)")
         # Enough uses for every node to rejoin after a clean stop a few times over.
         net.create_run(token_uses=args.nodes * 20)
         min_peers = ["--min-peers", str(args.nodes)] if not args.solo else []

@@ -74,6 +74,8 @@ def run_pipeline(args, out: Path, config_path: Path, data: Path, coordinator_arg
     try:
         info = net.start_coordinator()
         print(f"coordinator on {info['address']} (ledger {net.db}, admin key {info['admin_key_file']})")
+        if info.get("metrics"):
+            print(f"status page: http://{info['metrics']}/ (open it while the run lasts)")
         token = net.create_run(token_uses=(args.nodes + args.drivers) * 4)
         join = ["--coordinator", str(info["address"]), "--token", token]
         for i in range(args.nodes):
