@@ -13,7 +13,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from murmur import kernels
 from murmur.node.model.transformer import Attention, Transformer
 
 
@@ -59,18 +58,8 @@ def _attend(
     cache: KVCache, layer: int,
 ) -> torch.Tensor:
     """`Attention.forward`, with the new keys and values written into the cache and read back whole."""
-    b, t, _ = x.shape
-    q = attn.wq(x).view(b, t, attn.n_heads, attn.head_dim)
-    k = attn.wk(x).view(b, t, attn.n_kv_heads, attn.head_dim)
-    v = attn.wv(x).view(b, t, attn.n_kv_heads, attn.head_dim)
-    q, k = kernels.rotary(q, cos, sin), kernels.rotary(k, cos, sin)
-    q, k, v = (z.transpose(1, 2) for z in (q, k, v))
-    end = cache.length + t
+    q, k, v = attn.heads(x, cos, sin)
+    end = cache.length + q.shape[2]
     cache.k[layer][:, :, cache.length : end] = k
     cache.v[layer][:, :, cache.length : end] = v
-    k, v = cache.k[layer][:, :, :end], cache.v[layer][:, :, :end]
-    if attn.n_kv_heads != attn.n_heads:
-        repeat = attn.n_heads // attn.n_kv_heads
-        k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
-    y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-    return attn.wo(y.transpose(1, 2).reshape(b, t, -1))
+    return attn.attend(q, cache.k[layer][:, :, :end], cache.v[layer][:, :, :end], mask=mask)

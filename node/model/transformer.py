@@ -54,16 +54,28 @@ class Attention(nn.Module):
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return self.attend(*self.heads(x, cos, sin), causal=True)
+
+    def heads(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Queries, keys and values of ``x`` [b, t, dim], rotated: each [b, heads, t, head_dim]
+        (the KV cache of `murmur generate`, node/model/kv_cache.py, keeps the keys and values)."""
         b, t, _ = x.shape
         q = self.wq(x).view(b, t, self.n_heads, self.head_dim)
         k = self.wk(x).view(b, t, self.n_kv_heads, self.head_dim)
         v = self.wv(x).view(b, t, self.n_kv_heads, self.head_dim)
         q, k = kernels.rotary(q, cos, sin), kernels.rotary(k, cos, sin)
-        q, k, v = (z.transpose(1, 2) for z in (q, k, v))
+        return tuple(z.transpose(1, 2) for z in (q, k, v))
+
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
+        mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Attention of ``q`` over ``k``, ``v`` (as `heads` gives them) and the output projection."""
+        b, _, t, _ = q.shape
         if self.n_kv_heads != self.n_heads:
             repeat = self.n_heads // self.n_kv_heads
             k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
         return self.wo(y.transpose(1, 2).reshape(b, t, -1))
 
 
