@@ -8,6 +8,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -179,3 +181,30 @@ def closed_pipe_run(args: list[str], timeout: float = 120) -> subprocess.Complet
         os.close(write)
     _, err = proc.communicate(timeout=timeout)
     return subprocess.CompletedProcess(proc.args, proc.returncode, "", err)
+
+
+@contextmanager
+def stalled_run(tmp_path: Path) -> Iterator[CoordinatorProc]:
+    """A coordinator (`--stall-after 1`) whose run has one active member that completes no round,
+    once the run shows as stalled: what the admin table, /api/status, /metrics and the page say."""
+    import asyncio
+
+    from murmur.node.testnet.procs import wait_for
+
+    coord = start_coordinator(tmp_path / "coord.db", "--heartbeat-ttl", "120", "--lease-ttl", "120",
+                              "--stall-after", "1")
+    try:
+        config, manifest = write_run_files(tmp_path, [1000])
+        assert admin(coord, "runs", "create", "--config", str(config), "--manifest", str(manifest)).returncode == 0
+        token = new_token(coord)
+
+        async def member() -> None:
+            client, _ = await join(coord, token)
+            async with client:
+                await client.heartbeat(tokens_per_s=10.0)
+
+        asyncio.run(member())
+        wait_for(lambda: admin_json(coord, "status")["stalled"], timeout_s=60, what="the run to stall")
+        yield coord
+    finally:
+        coord.stop()

@@ -17,6 +17,7 @@ from _coordinator_helpers import (
     closed_pipe_run,
     join,
     new_token,
+    stalled_run,
     start_coordinator,
     write_run_files,
 )
@@ -310,24 +311,9 @@ def test_serve_migrates_an_older_ledger_and_refuses_an_unknown_one(tmp_path):
 def test_a_run_that_completes_no_round_shows_as_stalled(tmp_path):
     """An active member and no round past --stall-after: `admin status`, /api/status and /metrics
     all say stalled (test_coordinator_stall.py has the rules, on a hand-driven clock)."""
-    from murmur.node.testnet.procs import wait_for
-
-    coord = start_coordinator(tmp_path / "coord.db", "--heartbeat-ttl", "120", "--lease-ttl", "120",
-                              "--stall-after", "1")
-    try:
-        config, manifest = write_run_files(tmp_path, [1000])
-        assert admin(coord, "runs", "create", "--config", str(config), "--manifest", str(manifest)).returncode == 0
-        token = new_token(coord)
-
-        async def member() -> None:
-            client, _ = await join(coord, token)
-            async with client:
-                await client.heartbeat(tokens_per_s=10.0)
-
-        asyncio.run(member())
-        status = wait_for(lambda: (s := admin_json(coord, "status"))["stalled"] and s, timeout_s=60,
-                          what="the run to show as stalled")
-        assert status["last_round_at"] == 0 and status["stall_after_s"] == 1
+    with stalled_run(tmp_path) as coord:
+        status = admin_json(coord, "status")
+        assert status["stalled"] and status["last_round_at"] == 0 and status["stall_after_s"] == 1
         assert "with 1 active node" in status["stall_reason"], status
         table = admin(coord, "status").stdout
         assert "STALLED (no round for over 1s): no round completed" in table and "last round none yet" in table
@@ -336,8 +322,6 @@ def test_a_run_that_completes_no_round_shows_as_stalled(tmp_path):
         assert api["status"]["stalled"] is True and api["status"]["stall_reason"]
         metrics = urllib.request.urlopen(f"{base}/metrics", timeout=10).read().decode()
         assert 'murmur_run_stalled{run="test-run"} 1.0' in metrics and 'murmur_run_round{run="test-run"} 0.0' in metrics
-    finally:
-        coord.stop()
 
 
 def test_a_leaving_node_hears_what_it_gave_and_a_bad_name_is_refused(steady_coord, tmp_path):

@@ -187,32 +187,15 @@ def _row_classes(tmp: Path, url: str, node_id: str) -> str:
 def test_a_run_that_completes_no_round_shows_a_stalled_banner(tmp_path):
     """An active member that completes no round past --stall-after: the page shows the red
     banner with the reason, and "none yet" as the last round."""
-    import asyncio
+    from _coordinator_helpers import stalled_run
 
-    from _coordinator_helpers import admin, admin_json, join, new_token, start_coordinator, write_run_files
-
-    coord = start_coordinator(tmp_path / "coord.db", "--heartbeat-ttl", "120", "--lease-ttl", "120",
-                              "--stall-after", "1")
-    try:
-        config, manifest = write_run_files(tmp_path, [1000])
-        assert admin(coord, "runs", "create", "--config", str(config), "--manifest", str(manifest)).returncode == 0
-        token = new_token(coord)
-
-        async def member() -> None:
-            client, _ = await join(coord, token)
-            async with client:
-                await client.heartbeat(tokens_per_s=10.0)
-
-        asyncio.run(member())
-        wait_for(lambda: admin_json(coord, "status")["stalled"], timeout_s=60, what="the run to stall")
+    with stalled_run(tmp_path) as coord:
         dom = chromium(tmp_path, f"http://{coord.info['metrics']}/", "--dump-dom")
         assert 'data-stalled="true"' in dom, dom[:3000]
         start = dom.index('id="stalled"')
         banner = dom[start:dom.index("</div>", start)]
         assert "hidden" not in banner and "Stalled (no round for over 1.0 s): no round completed" in banner, banner
         assert ">none yet<" in dom
-    finally:
-        coord.stop()
 
 
 MEASURE = """<script>
