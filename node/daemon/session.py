@@ -108,6 +108,8 @@ async def join(
         heartbeat_ttl_s=joined.heartbeat_ttl_s,
         lease_ttl_s=joined.lease_ttl_s,
     )
+    if (aside := state.set_aside_other_run(joined.run_id, ident.ca_cert_pem)) is not None:
+        log(f"the local training state belongs to another run (or coordinator): set aside in {aside}, not resumed")
     state.save_join(info, ident.cert_pem, ident.ca_cert_pem, joined.config_toml)
     log(f"joined run {info.run_id} as {info.node_id}" + (f" ({name})" if name else ""))
     return info, ident, joined.config_toml

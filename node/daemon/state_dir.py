@@ -4,6 +4,8 @@
       identity/node.key      the node's key pair, made once (the node id derives from it)
       identity/node.crt      the certificate the coordinator issued on join, and its CA (ca.crt)
       join.json              the join reply: run id, node id, addresses, intervals
+      run.json               whose state this is: the run id and its coordinator's CA (sha256), kept
+                             across a clean leave; a join to another run sets the state aside
       config.toml            the run configuration the coordinator handed out
       checkpoint.pt          model, inner optimizer, sync state (global copy, outer momentum,
                              round counters), data position: written atomically after a round
@@ -18,8 +20,11 @@ leaves either the old file or the new one, never a torn one.
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 import os
+import re
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -118,6 +123,7 @@ class StateDir:
         return identity.load_or_create_key(self.identity_dir / "node.key")
 
     def save_join(self, info: JoinRecord, cert_pem: bytes, ca_pem: bytes, config_toml: str) -> None:
+        _atomic_write(self.root / "run.json", json.dumps(_run_owner(info.run_id, ca_pem)).encode())
         (self.identity_dir / "node.crt").write_bytes(cert_pem)
         (self.identity_dir / "ca.crt").write_bytes(ca_pem)
         _atomic_write(self.root / "config.toml", config_toml.encode())
@@ -141,6 +147,40 @@ class StateDir:
                 f"{self.root} holds a damaged join record ({err}); remove join.json to join afresh"
             ) from None
         return info, ident, config
+
+    def set_aside_other_run(self, run_id: str, ca_pem: bytes) -> Path | None:
+        """Move the training state of another run (another run id, or the same name under another
+        coordinator's CA) out of the way of a join to ``run_id``: a run's checkpoint, journal and
+        round records belong to that run of that coordinator alone, and a node that resumed another
+        run's checkpoint of the same name trained nothing ("the run's schedule is done"). Nothing
+        is deleted: it goes to ``other-run-<id>-<time>/``, which this returns (None: nothing to move)."""
+        theirs = self._run_owner()
+        kept = [p for p in (self.checkpoint_path, self.journal_path, self.rounds_path) if p.exists()]
+        if theirs is None or theirs == _run_owner(run_id, ca_pem) or not kept:
+            return None
+        name = re.sub(r"[^A-Za-z0-9._-]", "_", theirs["run_id"])
+        aside = self.root / f"other-run-{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+        aside.mkdir()
+        for path in kept:
+            path.rename(aside / path.name)
+        return aside
+
+    def _run_owner(self) -> dict[str, str] | None:
+        """Whose state the folder holds; folders from before run.json: the CA it joined with and its
+        last join record's or round record's run id."""
+        try:
+            return json.loads((self.root / "run.json").read_text())
+        except (OSError, json.JSONDecodeError):
+            pass
+        try:
+            ca_pem = (self.identity_dir / "ca.crt").read_bytes()
+        except OSError:
+            return None
+        try:
+            run_id = json.loads((self.root / "join.json").read_text())["run_id"]
+        except (OSError, KeyError, json.JSONDecodeError):
+            run_id = next((r["run"] for r in reversed(read_rounds(self.root)) if r.get("run")), "")
+        return _run_owner(run_id, ca_pem)
 
     def forget_join(self) -> None:
         """After a clean leave the coordinator wants a fresh join: drop the join record."""
@@ -221,3 +261,7 @@ def read_rounds(root: str | Path) -> list[dict[str, Any]]:
         except json.JSONDecodeError:
             continue  # the line being written when the node was killed
     return out
+
+
+def _run_owner(run_id: str, ca_pem: bytes) -> dict[str, str]:
+    return {"run_id": run_id, "ca_sha256": hashlib.sha256(ca_pem).hexdigest()}
