@@ -3,6 +3,7 @@ tiers (pyproject.toml's markers): a test not marked `integration` or `system` is
 
 from __future__ import annotations
 
+import os
 import time
 
 import psutil
@@ -27,6 +28,19 @@ def pytest_collection_modifyitems(config, items):
         return (FIRST.index(name) if name in FIRST else len(FIRST), tier)
 
     items.sort(key=rank)  # stable: a file's tests keep their order
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """With MURMUR_REQUIRE_SYSTEM=1 (.ci/run sets it where it installed the engine, Chromium and the
+    namespace tools) a system test that skips fails instead: a broken compose path must not land
+    under a green CI run that merely skipped it."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.skipped and os.environ.get("MURMUR_REQUIRE_SYSTEM") == "1" and item.get_closest_marker("system"):
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        report.outcome = "failed"
+        report.longrepr = f"a system test skipped where MURMUR_REQUIRE_SYSTEM=1 requires it: {reason}"
 
 
 @pytest.fixture(autouse=True)
