@@ -17,6 +17,8 @@ if [ -z "${MURMUR_REBUILD_BASE:-}" ] && docker image inspect "$IMAGE" >/dev/null
     exit 0
 fi
 command -v debootstrap >/dev/null || { echo "debootstrap is not installed: apt-get install -y debootstrap" >&2; exit 1; }
+# Before debootstrap's minutes, not after them: `docker import` needs a running engine.
+docker info >/dev/null 2>&1 || { echo "no Docker engine answers: start it (systemctl start docker, or dockerd &)" >&2; exit 1; }
 
 # The mirror: the first Debian archive this machine's apt sources name (one-line or deb822 form).
 mirror_of() {
