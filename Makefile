@@ -13,8 +13,8 @@ demo: $(STAMP) $(DATA)
 
 # The whole suite (what CI runs) on two workers, a test file to a worker: most of the process tests
 # wait on their processes, so two workers fit two cores. TEST_WORKERS=0 runs it in this process.
-# --no-loadscope-reorder keeps tests/conftest.py's order (the compose and chaos files first): xdist
-# would otherwise hand out the files with the most tests first and leave the one compose test last.
+# --no-loadscope-reorder keeps tests/conftest.py's order (the longest process files first, compose
+# last): xdist would otherwise hand out the files with the most tests first.
 TEST_WORKERS ?= 2
 test: $(STAMP)
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder

@@ -10,22 +10,24 @@ import psutil
 import pytest
 
 TIERS = ("system", "integration", "unit")
-# The longest files first, so that two xdist workers (`make test`) do not end on one of them alone:
-# the compose test (~3 min: an image build and three containers) and the chaos run lead.
-FIRST = ("test_compose.py", "test_churn_chaos.py", "test_churn_restart.py", "test_poisoning.py")
+# The longest files first, so that two xdist workers (`make test`) do not end on one of them alone,
+# and the compose test last: its image build and clean-up load the machine for minutes, and a
+# churn file that ran on a worker right after it once lost every DHT start to its 30 s timeout.
+FIRST = ("test_churn_chaos.py", "test_churn_restart.py", "test_poisoning.py", "test_node_lifecycle.py")
+LAST = ("test_compose.py",)
 
 
 def pytest_collection_modifyitems(config, items):
     """Mark every test of no tier a unit test (`make test-quick` runs those), and order the
-    collection system, integration, unit (the longest first), the same on every xdist worker."""
+    collection: FIRST, then system, integration, unit, then LAST, the same on every xdist worker."""
     for item in items:
         if not any(item.get_closest_marker(tier) for tier in TIERS[:2]):
             item.add_marker(pytest.mark.unit)
 
-    def rank(item) -> tuple[int, int]:
+    def rank(item) -> tuple[bool, int, int]:
         tier = next(i for i, t in enumerate(TIERS) if item.get_closest_marker(t))
         name = item.path.name
-        return (FIRST.index(name) if name in FIRST else len(FIRST), tier)
+        return (name in LAST, FIRST.index(name) if name in FIRST else len(FIRST), tier)
 
     items.sort(key=rank)  # stable: a file's tests keep their order
 
