@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+from _model_helpers import trained_tiny
 
 from murmur.cli import main
 from murmur.node.export.source import load_source
@@ -14,23 +15,13 @@ from murmur.node.export.write import export
 from murmur.node.model.data import prepare
 from murmur.node.model.transformer import Transformer
 from murmur.node.train.build import resolve_model_config
-from murmur.node.train.trainer import Trainer
 from murmur.protocol.runconfig import config_from_dict
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def test_eval_equals_the_runs_validation_for_checkpoint_and_export(byte_dataset, tmp_path, capsys):
-    cfg = config_from_dict({
-        "model": {"preset": "tiny", "seq_len": 64},
-        "data": {"path": str(byte_dataset.root)},
-        "optim": {"lr": 3e-3, "warmup_steps": 2},
-        "train": {"steps": 5, "batch_size": 4, "eval_batches": 3},
-    })
-    trainer = Trainer(cfg, byte_dataset, torch.device("cpu"))
-    for _ in range(5):
-        trainer.step()
-    trainer.save(tmp_path / "run" / "checkpoint.pt")
+    trainer = trained_tiny(byte_dataset, tmp_path / "run", 5, eval_batches=3, seq_len=64)
     reported = trainer.validate()  # what `murmur train` prints as the final val loss
     export(load_source(tmp_path / "run"), tmp_path / "export")
     for source in (tmp_path / "run", tmp_path / "export"):

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _model_helpers import trained_tiny
 from _node_helpers import TINY, small_dataset
 
 from murmur.cli import main
@@ -18,8 +19,7 @@ from murmur.node.export.hf_tokenizer import write_tokenizer
 from murmur.node.export.source import load_source
 from murmur.node.export.write import export
 from murmur.node.model.tokenizer import get_tokenizer
-from murmur.node.train.trainer import Trainer
-from murmur.protocol.runconfig import config_from_dict, load_config
+from murmur.protocol.runconfig import load_config
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -45,17 +45,8 @@ def transformers_module():
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory, byte_dataset):
     """A `murmur train` run folder: the tiny preset with grouped-query attention, a few steps."""
-    cfg = config_from_dict({
-        "model": {"preset": "tiny", "seq_len": 64, "n_kv_heads": 2},
-        "data": {"path": str(byte_dataset.root)},
-        "optim": {"lr": 3e-3, "warmup_steps": 2},
-        "train": {"steps": 6, "batch_size": 4, "eval_batches": 2},
-    })
-    trainer = Trainer(cfg, byte_dataset, torch.device("cpu"))
-    for _ in range(6):
-        trainer.step()
     run = tmp_path_factory.mktemp("run")
-    trainer.save(run / "checkpoint.pt")
+    trainer = trained_tiny(byte_dataset, run, 6, seq_len=64, n_kv_heads=2)
     return run, trainer
 
 

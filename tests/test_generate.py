@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _model_helpers import trained_tiny
 
 from murmur.cli import main
 from murmur.node.export.generate import Sampling, generate, pick
 from murmur.node.model.kv_cache import KVCache, decode
 from murmur.node.model.transformer import Transformer, model_config
-from murmur.node.train.trainer import Trainer
-from murmur.protocol.runconfig import config_from_dict
 
 PROMPT = "ROMEO:\nBut soft"
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -21,17 +20,8 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 @pytest.fixture(scope="module")
 def run(tmp_path_factory, byte_dataset):
     """A briefly trained tiny model with grouped-query attention and a 32-token context."""
-    cfg = config_from_dict({
-        "model": {"preset": "tiny", "seq_len": 32, "n_kv_heads": 2},
-        "data": {"path": str(byte_dataset.root)},
-        "optim": {"lr": 3e-3, "warmup_steps": 2},
-        "train": {"steps": 8, "batch_size": 4},
-    })
-    trainer = Trainer(cfg, byte_dataset, torch.device("cpu"))
-    for _ in range(8):
-        trainer.step()
     folder = tmp_path_factory.mktemp("run")
-    trainer.save(folder / "checkpoint.pt")
+    trainer = trained_tiny(byte_dataset, folder, 8, seq_len=32, n_kv_heads=2)
     return folder, trainer.model.eval()
 
 

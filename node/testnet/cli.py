@@ -84,11 +84,6 @@ def register(sub: argparse._SubParsersAction) -> None:
 # Preparing the run
 
 
-def prepare_run(config: str, overrides: list[str], out: Path) -> tuple[Path, Path]:
-    """Write OUT/run.toml (with overrides and an absolute data path); prepare the data if missing."""
-    return write_run(load_run(config, overrides), out)
-
-
 def load_run(config: str, overrides: list[str]) -> RunConfig:
     """The run config, read and checked (a typo is a one-line error); nothing is written."""
     from murmur.protocol.runconfig import load_config
