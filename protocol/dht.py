@@ -28,6 +28,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from functools import partial
 from dataclasses import asdict, dataclass, field
 
 from murmur.errors import MurmurError
@@ -52,6 +53,7 @@ try:  # the GPU box has no hivemind: importing this module there must not fail, 
     from hivemind.dht.routing import DHTID
     from hivemind.dht.validation import DHTRecord, RecordValidatorBase
     from hivemind.utils import MSGPackSerializer, get_dht_time
+    from hivemind.utils.mpfuture import MPFuture
 except ImportError:  # pragma: no cover - exercised only where hivemind is absent
     hivemind = None
     RecordValidatorBase = object  # type: ignore[assignment,misc]
@@ -165,10 +167,37 @@ class SignedRecordValidator(RecordValidatorBase):  # type: ignore[misc,valid-typ
 # --- the adapter -------------------------------------------------------------------------------
 
 
+START_ATTEMPTS = 2
+
+
+class _StartFailed(DHTError):
+    def __init__(self, message: str, was_ready: bool) -> None:
+        super().__init__(message)
+        self.was_ready = was_ready
+
+# The DHTs this process has started and not shut down (ids of their MurmurDHT handles).
+_live: set[int] = set()
+_live_lock = threading.Lock()
+
+
+def _fresh_future_backend() -> None:
+    """Give hivemind's futures fresh cross-process locks when no DHT of this process is running.
+
+    hivemind's MPFuture guards its result pipe with one multiprocessing lock created at import and
+    shared by every process forked afterwards: each DHT process this process started. A DHT process
+    SIGKILLed while it holds that lock (the reaper kills what does not stop in time) leaves it held
+    for good, and every later DHT process of this one would then hang on its first answer. With no
+    DHT of ours alive, no future of the old backend is waited on, so resetting it breaks nothing."""
+    with _live_lock:
+        if not _live:
+            MPFuture.reset_backend()
+
+
 @dataclass(slots=True)
 class _Owned:
     dht: object
     reaper: subprocess.Popen | None
+    addresses: list[str] = field(default_factory=list)
     targets: dict[int, str] = field(default_factory=dict)
 
 
@@ -199,11 +228,31 @@ class MurmurDHT:
     # lifecycle --------------------------------------------------------------------------------
 
     def start(self) -> MurmurDHT:
+        """Start the DHT process and p2pd; learn the addresses others bootstrap from.
+
+        A start whose own process does not answer is shut down and tried once more: a forked DHT
+        process can hang for good (one CI run waited 300 s on its first request after it said it
+        was ready), and a fresh process costs a second or two. A start that fails while it reaches
+        its bootstrap peers is not retried here: the caller knows whether to try other peers."""
         if hivemind is None:
             raise DHTError(
                 "hivemind is not installed on this machine: pip install murmur (it is a dependency)"
             )
+        errors = []
+        for _ in range(START_ATTEMPTS):
+            try:
+                self._start_once()
+                return self
+            except _StartFailed as err:
+                errors.append(str(err))
+                if self.initial_peers and not err.was_ready:
+                    break
+        raise DHTError("; then ".join(errors))
+
+    def _start_once(self) -> None:
         s = self.settings
+        _fresh_future_backend()
+        was_ready = False
         try:
             dht = hivemind.DHT(
                 initial_peers=self.initial_peers or None,
@@ -215,15 +264,25 @@ class MurmurDHT:
                 **({"identity_path": s.identity_path} if s.identity_path else {}),
             )
             dht.wait_until_ready(timeout=s.start_timeout)
+            was_ready = True
+            # The addresses do not change while the process lives: ask once, with a deadline.
+            found = dht.run_coroutine(
+                partial(hivemind.DHT._get_visible_maddrs, latest=False), return_future=True
+            ).result(timeout=s.request_timeout)
+            addresses = [str(a) for a in found]
         except Exception as err:  # noqa: BLE001 - hivemind raises many types; the user needs one line
+            alive = "dht" in locals() and dht.is_alive()
             if "dht" in locals():
                 dht.shutdown()
             hint = " (check the bootstrap addresses)" if self.initial_peers else ""
-            raise DHTError(f"could not start the DHT{hint}: {err}") from None
-        self._owned = _Owned(dht=dht, reaper=None)
+            what = f"{type(err).__name__}: {err}" if str(err) else type(err).__name__
+            state = "" if "dht" not in locals() else (" (its process was alive)" if alive else " (its process died)")
+            raise _StartFailed(f"could not start the DHT{hint}: {what}{state}", was_ready) from None
+        self._owned = _Owned(dht=dht, reaper=None, addresses=addresses)
+        with _live_lock:
+            _live.add(id(self))
         self._arm_reaper()
         atexit.register(self.shutdown)
-        return self
 
     def _arm_reaper(self) -> None:
         owned = self._owned
@@ -248,6 +307,8 @@ class MurmurDHT:
             owned, self._owned = self._owned, None
         if owned is None:
             return
+        with _live_lock:
+            _live.discard(id(self))
         atexit.unregister(self.shutdown)
         try:
             owned.dht.shutdown()
@@ -274,8 +335,9 @@ class MurmurDHT:
 
     @property
     def addresses(self) -> list[str]:
-        """Multiaddrs others can bootstrap from."""
-        return [str(a) for a in self._dht().get_visible_maddrs()]
+        """Multiaddrs others can bootstrap from (learnt at start)."""
+        self._dht()
+        return list(self._owned.addresses)
 
     @property
     def helper_pids(self) -> list[int]:

@@ -188,3 +188,31 @@ def test_rendezvous_across_three_processes_and_a_dead_nodes_record_expires(ca, t
     while p2pd_processes() and time.monotonic() < deadline:
         time.sleep(0.2)
     assert p2pd_processes() == []
+
+
+def test_a_dht_process_killed_holding_hivemind_s_future_lock_does_not_hang_the_next_start(ca):
+    """hivemind's futures share one cross-process lock with every DHT process forked after import;
+    a process SIGKILLed while it holds the lock (the reaper kills what does not stop in time) must
+    not leave the next DHT of this process waiting forever for its first answer."""
+    import multiprocessing
+
+    from hivemind.utils.mpfuture import MPFuture
+
+    with D.MurmurDHT("run", ca_cert_pem=ca.cert_pem) as first:
+        assert first.addresses
+    holder_ready = multiprocessing.get_context("fork").Event()
+
+    def hold_the_lock():
+        MPFuture._update_lock.acquire()
+        holder_ready.set()
+        time.sleep(600)
+
+    holder = multiprocessing.get_context("fork").Process(target=hold_the_lock, daemon=True)
+    holder.start()
+    assert holder_ready.wait(60)
+    os.kill(holder.pid, signal.SIGKILL)
+    holder.join()
+    fast = D.DHTSettings(start_timeout=30, request_timeout=10)
+    with D.MurmurDHT("run", ca_cert_pem=ca.cert_pem, identity=ca.issue(), settings=fast) as second:
+        assert second.addresses
+        assert second.peers() == []
