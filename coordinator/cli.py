@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from murmur.logline import FORMATS
+
 from .settings import CoordinatorSettings
 
 
@@ -66,6 +68,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
             default=getattr(d, name),
             help=f"{help_text}, seconds (default %(default)s)",
         )
+    serve.add_argument(
+        "--log-format",
+        choices=FORMATS,
+        default="text",
+        help="stderr lines: text with a timestamp, or one JSON object per line (default %(default)s)",
+    )
     serve.add_argument("--wal-checkpoint-pages", type=int, default=d.wal_checkpoint_pages, help=argparse.SUPPRESS)
     serve.set_defaults(func=_serve)
 
@@ -94,5 +102,6 @@ def _serve(args: argparse.Namespace) -> int:
             dht=args.dht,
             dht_listen=args.dht_listen,
             settings=settings,
+            log_format=args.log_format,
         )
     )

@@ -47,6 +47,7 @@ class Discovery:
         host: str,
         port: int,
         active_runs: Callable[[], list[str]],
+        log: Callable[[str], None] | None = None,
     ) -> None:
         from murmur.protocol import dht as dht_adapter  # hivemind only when asked for
 
@@ -54,6 +55,7 @@ class Discovery:
         self.address = ""  # our public gRPC address; known once the gRPC server is bound
         self.settings = settings
         self.active_runs = active_runs
+        self.log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
         self.identity = ca.issue()  # a fresh signing key per start: records carry its certificate
         self._key_path, self._port_path = state_paths(db_path)
         self._asked_port = port
@@ -79,8 +81,7 @@ class Discovery:
                 raise
             # The saved port is taken by something else now: take any port (nodes will re-read the
             # bootstrap addresses from the join reply or the coordinator).
-            print(f"warning: the DHT's previous port {self._settings.port} is not free ({err}); taking another",
-                  file=sys.stderr)
+            self.log(f"warning: the DHT's previous port {self._settings.port} is not free ({err}); taking another")
             self._settings.port = 0
             self.handle = self._handle(self._settings)
             await asyncio.to_thread(self.handle.start)
@@ -113,7 +114,7 @@ class Discovery:
             try:
                 await asyncio.to_thread(self.announce_once)
             except Exception as err:  # noqa: BLE001 - discovery trouble must not stop the coordinator
-                print(f"warning: DHT announcement failed: {err}", file=sys.stderr)
+                self.log(f"warning: DHT announcement failed: {err}")
             await asyncio.sleep(period)
 
     async def stop(self) -> None:

@@ -25,6 +25,7 @@ from pathlib import Path
 import grpc
 
 from murmur.errors import MurmurError
+from murmur.logline import line_writer
 from murmur.protocol import coordinator_pb2_grpc as pb_grpc
 from murmur.protocol import malformed, tls
 
@@ -54,6 +55,7 @@ class ServeOptions:
     dht: bool = False
     dht_listen: str = ""  # where the DHT (libp2p) listens (default: the --listen host, port 0)
     settings: CoordinatorSettings = field(default_factory=CoordinatorSettings)
+    log_format: str = "text"  # the stderr lines: "text" (stamped) or "json" (murmur/logline.py)
 
 
 def split_address(address: str, what: str) -> tuple[str, int]:
@@ -87,10 +89,11 @@ class Coordinator:
     def __init__(self, options: ServeOptions, clock: Callable[[], float] = time.time) -> None:
         self.options = options
         self.settings = options.settings
+        self.log = line_writer(options.log_format, sys.stderr)  # stamped lines, as a node's are
         self.store = Store(options.db, wal_checkpoint_pages=self.settings.wal_checkpoint_pages)
         problems = self.store.check_consistency()
         for problem in problems:  # never expected; shown loudly rather than refusing to start
-            print(f"warning: ledger inconsistency: {problem}", file=sys.stderr)
+            self.log(f"warning: ledger inconsistency: {problem}")
         self.clock = clock
         with self.store.write():
             self.store.event(
@@ -179,8 +182,6 @@ class Coordinator:
         }
 
     async def _start_dht(self) -> None:
-        from .discovery import Discovery
-
         host, port = split_address(self.options.dht_listen or _dht_default(self.options.listen), "--dht-listen")
         self.dht = Discovery(
             self.secrets.ca,
@@ -189,6 +190,7 @@ class Coordinator:
             host,
             port,
             lambda: [r["run_id"] for r in self.store.runs() if r["state"] == "active"],
+            log=self.log,
         )
         try:
             await self.dht.start()
@@ -203,7 +205,7 @@ class Coordinator:
                 self.membership.sweep()
                 self.stages.tick()
             except Exception as err:  # noqa: BLE001 - a failed sweep must not kill the coordinator
-                print(f"warning: sweep failed: {err!r}", file=sys.stderr)
+                self.log(f"warning: sweep failed: {err!r}")
 
     def request_stop(self) -> None:
         self._stop.set()
@@ -247,13 +249,11 @@ def run(options: ServeOptions) -> int:
 
         def ready(info: dict[str, object]) -> None:
             print(json.dumps(info), flush=True)
-            print(
+            coordinator.log(
                 f"murmur coordinator: serving {info['address']} (nodes: {info['node_address']}, status page and "
                 f"metrics: {'http://' + str(info['metrics']) + '/' if info['metrics'] else 'off'})\n"
                 f"  CA fingerprint {info['ca_fingerprint']}\n"
-                f"  admin credential {info['admin_key_file']}",
-                file=sys.stderr,
-                flush=True,
+                f"  admin credential {info['admin_key_file']}"
             )
 
         await coordinator.serve(ready)

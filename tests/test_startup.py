@@ -8,6 +8,7 @@ command returned: what a person typing `murmur node run` would have paid for.
 
 from __future__ import annotations
 
+import datetime
 import json
 import signal
 import subprocess
@@ -133,3 +134,27 @@ def test_a_coordinator_without_a_dht_serves_without_torch_hivemind_or_scipy(tmp_
     imported = {row.rpartition("|")[2].strip() for row in err.splitlines() if row.startswith("import time:")}
     assert "murmur.coordinator.server" in imported  # the report covers serving
     assert not {m for m in imported if m.split(".")[0] in HEAVY}, sorted(imported)
+
+
+@pytest.mark.parametrize("fmt", ["text", "json"])
+def test_the_coordinator_s_stderr_lines_carry_the_time(tmp_path, fmt):
+    """The coordinator's own lines (its serving banner, its warnings) are stamped as a node's are, or
+    one JSON object each with --log-format json."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "murmur.cli", "coordinator", "serve", "--db", str(tmp_path / "c.db"),
+         "--listen", "127.0.0.1:0", "--metrics-listen", "off", "--no-dht", "--log-format", fmt],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        assert json.loads(proc.stdout.readline())["event"] == "listening"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    banner = [line for line in err.splitlines() if "murmur coordinator: serving" in line]
+    assert len(banner) == 1, err[-2000:]
+    if fmt == "json":
+        record = json.loads(banner[0])
+        assert record["msg"].startswith("murmur coordinator: serving") and record["at"] > 0
+    else:
+        stamp = banner[0].split(" ", 1)[0]
+        assert datetime.datetime.fromisoformat(stamp).tzinfo is not None, banner[0]
