@@ -156,7 +156,8 @@ class StatusSource:
         """Everything the status page draws, read in one pass over the ledger."""
         now = time.time()
         if not self.store.runs() and not run_id:
-            return {"now": now, "run": None, "status": None, "nodes": [], "rounds": [], "shards": [], "events": []}
+            return {"now": now, "run": None, "status": None, "nodes": [], "rounds": [], "node_losses": {}, "shards": [],
+                    "events": []}
         reply = self.status_reply(run_id, now)
         rid = reply.run.run_id
         ttl = self.settings.heartbeat_ttl_s
@@ -190,6 +191,12 @@ class StatusSource:
         # trained together: here, the nodes that committed tokens (a lower bound on the group).
         workers = sum(1 for n in nodes if n["tokens_committed"] > 0)
         ddp = ddp_equivalent_bytes(shape_of(reply.run.config_toml), reply.run.tokens_committed, workers)
+        history = self.store.round_history(rid, ROUNDS_SHOWN)
+        # Each node's own line over the rounds shown: {node id: [[round, mean loss of its commits]]}.
+        node_losses: dict[str, list[list[float]]] = {}
+        if history:
+            for r in self.store.node_round_losses(rid, history[0]["outer_step"]):
+                node_losses.setdefault(r["node_id"], []).append([r["outer_step"], r["loss"]])
         return {
             "now": now,
             "heartbeat_ttl_s": ttl,
@@ -206,8 +213,9 @@ class StatusSource:
             "rounds": [
                 {"round": r["outer_step"], "loss": r["loss"], "val_loss": r["val_loss"], "tokens": r["tokens"],
                  "bytes_sent": r["bytes_sent"]}
-                for r in self.store.round_history(rid, ROUNDS_SHOWN)
+                for r in history
             ],
+            "node_losses": node_losses,
             "shards": [
                 {"shard_id": s.shard_id, "tokens": s.tokens, "committed": s.committed_offset,
                  "holder": s.holder or "", "done": s.done}

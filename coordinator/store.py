@@ -710,6 +710,15 @@ class Store:
         )
         return list(reversed(rows))
 
+    def node_round_losses(self, run_id: str, from_step: int) -> list[sqlite3.Row]:
+        """Each node's mean training loss per round from ``from_step`` on: (node_id, outer_step, loss),
+        by round. The page draws one thin line per node beside the run's mean."""
+        return self._q(
+            "SELECT node_id, outer_step, AVG(loss) AS loss FROM commits WHERE run_id = ? AND outer_step >= ? "
+            "GROUP BY node_id, outer_step ORDER BY outer_step",
+            (run_id, from_step),
+        )
+
     # --- consistency ---------------------------------------------------------------------------
 
     def check_consistency(self) -> list[str]:

@@ -137,6 +137,9 @@ def test_status_page_shows_the_ledger_and_a_lost_node(tmp_path):
             assert lo <= int(row["tokens_value"]) <= hi, (node_id, row, lo, hi)
         # the nodes' validation losses reach the chart's data (train.eval_every rounds)
         assert any(r["val_loss"] is not None for r in api["rounds"]), api["rounds"][:20]
+        # each node's own loss by round, for the chart's thin per-node lines
+        assert set(api["node_losses"]) <= ids and api["node_losses"], api["node_losses"]
+        assert all(isinstance(r, int) and loss > 0 for s in api["node_losses"].values() for r, loss in s)
         # each row names its node as the testnet does (--name), and gives its share of the run's tokens
         assert sorted(row["name"] for row in page.rows.values()) == ["node-0", "node-1"], page.rows
         assert all(row["share"].endswith("%") for row in page.rows.values()), page.rows
@@ -244,6 +247,9 @@ def test_no_card_is_cut_at_1400_or_800_pixels(tmp_path):
               nodes_by_status={"active": 123, "lost": 45, "left": 678})
     data["rounds"] = [{"round": r, "loss": 3 - r / 100, "val_loss": 3.1 - r / 100 if r % 10 == 0 else None,
                        "tokens": 1, "bytes_sent": 1} for r in range(10, 111)]
+    # two nodes' own lines, one of them starting before the rounds shown (cut at the chart's start)
+    data["node_losses"] = {"node-a": [[r, 3.05 - r / 100] for r in range(5, 111)],
+                           "node-b": [[r, 2.95 - r / 100] for r in range(10, 111, 2)]}
     page = tmp_path / "page.html"
     page.write_text(served[:marker.start(1)] + json.dumps(data).replace("</", "<\\/") + served[marker.end(1):]
                     .replace("</body>", MEASURE + "</body>"))
@@ -254,6 +260,8 @@ def test_no_card_is_cut_at_1400_or_800_pixels(tmp_path):
         assert re.findall(r'class="xtick"[^>]*>([^<]*)<', dom) == ["round 10", "35", "60", "85", "110"], width
         val_line = re.search(r'<polyline id="val-line" points="([^"]*)"', dom)
         assert val_line and len(val_line.group(1).split()) == 11, width  # rounds 10, 20, ... 110
+        node_lines = dict(re.findall(r'<polyline class="node-line" data-node="([^"]*)"[^>]* points="([^"]*)"', dom))
+        assert {k: len(v.split()) for k, v in node_lines.items()} == {"node-a": 101, "node-b": 51}, width
         chromium(tmp_path, page.as_uri(), f"--screenshot={tmp_path / f'status-{width}.png'}",
                  f"--window-size={width},1000", "--hide-scrollbars")
         assert cut == [], (width, cut)
