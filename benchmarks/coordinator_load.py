@@ -169,8 +169,8 @@ def measure(nodes: int, hz: float, seconds: float, workers: int, commit_every: f
             load_cpus: set[int] | None = None) -> dict[str, object]:
     import psutil
 
-    from murmur.coordinator.admin_client import AdminClient, resolve
     from murmur.protocol import coordinator_pb2 as pb
+    from murmur.protocol.admin_client import AdminClient, resolve
 
     tmp = Path(tempfile.mkdtemp(prefix="murmur-load-"))
     db = tmp / "coord.db"

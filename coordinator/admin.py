@@ -1,6 +1,6 @@
 """`murmur admin`: operate a coordinator. Runs, join tokens, nodes, shards, events, one-screen status.
 
-Every listing takes ``--output table|json``. Credentials: see admin_client.py.
+Every listing takes ``--output table|json``. Credentials: see protocol/admin_client.py.
 """
 
 from __future__ import annotations
@@ -107,7 +107,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
 
 
 def _execute(fn: Callable[[Any, argparse.Namespace], Any], args: argparse.Namespace) -> int:
-    from .admin_client import AdminClient, resolve
+    from murmur.protocol.admin_client import AdminClient, resolve
 
     target = resolve(args.coordinator, args.admin_key, args.ca_cert)
     with AdminClient(target, timeout_s=args.timeout) as client:

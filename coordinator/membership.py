@@ -10,9 +10,11 @@ restart every deadline is pushed out anyway (Store.push_deadlines).
 
 from __future__ import annotations
 
+import datetime as dt
 import hmac
 import json
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -20,6 +22,7 @@ from murmur.errors import MurmurError
 from murmur.protocol import identity
 from murmur.protocol.jointoken import JoinToken, JoinTokenError, secret_hash
 from murmur.protocol.node_name import check_node_name
+from murmur.protocol.reachability import is_client
 
 from .leases import Leases
 from .settings import CoordinatorSettings
@@ -33,6 +36,23 @@ class MembershipError(MurmurError):
 
 class JoinRefused(MembershipError):
     pass
+
+
+class NoStateYet(MembershipError):
+    code = "FAILED_PRECONDITION"
+
+
+# A reader's certificate (`murmur export --coordinator`) lasts long enough to fetch the largest
+# state and no longer: it is no member, and nobody renews it.
+READER_CERT_VALIDITY = dt.timedelta(hours=1)
+
+
+@dataclass(frozen=True, slots=True)
+class ReadGrant:
+    cert_pem: bytes
+    round: int
+    state_hash: str
+    holders: list[tuple[str, Trainer]]
 
 
 class NotMember(MembershipError):
@@ -191,6 +211,36 @@ class Membership:
     def is_live(self, node_id: str) -> bool:
         entry = self._nodes.get(node_id)
         return node_id in self._seen and entry is not None and entry[1] == "active"
+
+    def grant_read(self, run_id: str, csr_pem: bytes) -> ReadGrant:
+        """A reader's certificate and the live nodes holding the run's newest state: the newest round
+        any live trainer announces, under the hash most of them announce for it (a lone liar is
+        outvoted, as a joiner's fetch does). Peers admit any unbanned certificate of the run's CA."""
+        holders = [
+            (n, t) for n, t in self.live_trainers(run_id)
+            if t.round >= 0 and t.state_hash and t.peer_address and not is_client(t.peer_address)
+        ]
+        if not holders:
+            raise NoStateYet(
+                f"no live node of run {run_id} serves a state yet (nodes publish one after their first "
+                "round); try again once the run has trained a round"
+            )
+        newest = max(t.round for _, t in holders)
+        votes = Counter(t.state_hash for _, t in holders if t.round == newest)
+        digest = votes.most_common(1)[0][0]
+        try:
+            cert_pem = self.ca.sign_csr(
+                csr_pem, validity=READER_CERT_VALIDITY, ban_list=identity.BanList(self.store.banned())
+            )
+        except identity.IdentityError as err:
+            raise MembershipError(str(err)) from None
+        with self.store.write():
+            self.store.event(
+                "state_read", run_id=run_id, round=newest, state_hash=digest,
+                reader=identity.node_id_of_certificate(cert_pem),
+            )
+        chosen = [(n, t) for n, t in holders if t.round == newest and t.state_hash == digest]
+        return ReadGrant(cert_pem, newest, digest, chosen)
 
     def live_trainers(self, run_id: str) -> list[tuple[str, Trainer]]:
         """The run's trainers with a heartbeat within the TTL, by node id."""

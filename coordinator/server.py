@@ -248,13 +248,14 @@ def run(options: ServeOptions) -> int:
         coordinator = Coordinator(options)
 
         def ready(info: dict[str, object]) -> None:
-            print(json.dumps(info), flush=True)
+            # The human summary first: whoever waits for the JSON line finds it written already.
             coordinator.log(
                 f"murmur coordinator: serving {info['address']} (nodes: {info['node_address']}, status page and "
                 f"metrics: {'http://' + str(info['metrics']) + '/' if info['metrics'] else 'off'})\n"
                 f"  CA fingerprint {info['ca_fingerprint']}\n"
                 f"  admin credential {info['admin_key_file']}"
             )
+            print(json.dumps(info), flush=True)
 
         await coordinator.serve(ready)
 

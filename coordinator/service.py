@@ -556,6 +556,28 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
     async def Status(self, request: pb.StatusRequest, context: grpc.aio.ServicerContext) -> pb.StatusReply:
         return await self._admin_call("Status", context, lambda: self.status.status_reply(request.run_id))
 
+    async def ReadState(self, request: pb.ReadStateRequest, context: grpc.aio.ServicerContext) -> pb.ReadStateGrant:
+        def call() -> pb.ReadStateGrant:
+            run_id = self._default_run(request.run_id)
+            info = self._run_info(run_id)  # an unknown run is refused by name
+            grant = self.membership.grant_read(run_id, bytes(request.csr_pem)[:16384])
+            return pb.ReadStateGrant(
+                run_id=run_id,
+                certificate_pem=grant.cert_pem,
+                ca_certificate_pem=self.membership.ca.cert_pem,
+                config_toml=info.config_toml,
+                round=grant.round,
+                state_hash=grant.state_hash,
+                holders=[
+                    pb.LiveMember(node_id=n, incarnation=t.incarnation, peer_address=t.peer_address,
+                                  round=t.round, state_hash=t.state_hash)
+                    for n, t in grant.holders
+                ],
+                tokens_committed=info.tokens_committed,
+            )
+
+        return await self._admin_call("ReadState", context, call)
+
 
 class _Unauthenticated(MurmurError):
     code = "UNAUTHENTICATED"

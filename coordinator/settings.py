@@ -36,12 +36,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from murmur.errors import MurmurError
-
-ADMIN_METADATA_KEY = "murmur-admin-key"
-TLS_SERVER_NAME = "murmur-coordinator"  # the DNS SAN of the coordinator's certificate
-# `murmur admin --timeout`'s default. Here, not in admin_client.py (grpc), so that declaring the
-# admin commands' flags (`murmur admin --help`) imports no grpc.
-ADMIN_CALL_TIMEOUT_S = 15.0
+from murmur.protocol.coordinator_names import (  # noqa: F401 - the coordinator's modules import them from here
+    ADMIN_CALL_TIMEOUT_S,
+    ADMIN_METADATA_KEY,
+    TLS_SERVER_NAME,
+)
 
 
 class SettingsError(MurmurError):

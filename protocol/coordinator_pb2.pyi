@@ -626,6 +626,34 @@ class StatusRequest(_message.Message):
     run_id: str
     def __init__(self, run_id: _Optional[str] = ...) -> None: ...
 
+class ReadStateRequest(_message.Message):
+    __slots__ = ("run_id", "csr_pem")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    CSR_PEM_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    csr_pem: bytes
+    def __init__(self, run_id: _Optional[str] = ..., csr_pem: _Optional[bytes] = ...) -> None: ...
+
+class ReadStateGrant(_message.Message):
+    __slots__ = ("run_id", "certificate_pem", "ca_certificate_pem", "config_toml", "round", "state_hash", "holders", "tokens_committed")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    CERTIFICATE_PEM_FIELD_NUMBER: _ClassVar[int]
+    CA_CERTIFICATE_PEM_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_TOML_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    STATE_HASH_FIELD_NUMBER: _ClassVar[int]
+    HOLDERS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_COMMITTED_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    certificate_pem: bytes
+    ca_certificate_pem: bytes
+    config_toml: str
+    round: int
+    state_hash: str
+    holders: _containers.RepeatedCompositeFieldContainer[LiveMember]
+    tokens_committed: int
+    def __init__(self, run_id: _Optional[str] = ..., certificate_pem: _Optional[bytes] = ..., ca_certificate_pem: _Optional[bytes] = ..., config_toml: _Optional[str] = ..., round: _Optional[int] = ..., state_hash: _Optional[str] = ..., holders: _Optional[_Iterable[_Union[LiveMember, _Mapping]]] = ..., tokens_committed: _Optional[int] = ...) -> None: ...
+
 class StatusReply(_message.Message):
     __slots__ = ("run", "nodes", "last_loss", "tokens_per_s", "bytes_sent", "rounds", "nodes_by_status", "last_round_at", "last_round_age_s", "stall_after_s", "stalled", "stall_reason")
     class NodesByStatusEntry(_message.Message):

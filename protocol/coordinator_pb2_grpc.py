@@ -179,6 +179,11 @@ class CoordinatorStub:
                 request_serializer=murmur_dot_protocol_dot_coordinator__pb2.GetStagesRequest.SerializeToString,
                 response_deserializer=murmur_dot_protocol_dot_coordinator__pb2.StageMap.FromString,
                 _registered_method=True)
+        self.ReadState = channel.unary_unary(
+                '/murmur.v1.Coordinator/ReadState',
+                request_serializer=murmur_dot_protocol_dot_coordinator__pb2.ReadStateRequest.SerializeToString,
+                response_deserializer=murmur_dot_protocol_dot_coordinator__pb2.ReadStateGrant.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -381,6 +386,15 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReadState(self, request, context):
+        """A reader's pass to the run's newest state (`murmur export --coordinator`): a certificate for
+        the caller's key, signed by the run's CA so that peers serve it GetState, and the live nodes that
+        hold the newest round's state under the hash most of them announce.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -528,6 +542,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.ListStages,
                     request_deserializer=murmur_dot_protocol_dot_coordinator__pb2.GetStagesRequest.FromString,
                     response_serializer=murmur_dot_protocol_dot_coordinator__pb2.StageMap.SerializeToString,
+            ),
+            'ReadState': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReadState,
+                    request_deserializer=murmur_dot_protocol_dot_coordinator__pb2.ReadStateRequest.FromString,
+                    response_serializer=murmur_dot_protocol_dot_coordinator__pb2.ReadStateGrant.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1313,6 +1332,33 @@ class Coordinator:
             '/murmur.v1.Coordinator/ListStages',
             murmur_dot_protocol_dot_coordinator__pb2.GetStagesRequest.SerializeToString,
             murmur_dot_protocol_dot_coordinator__pb2.StageMap.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReadState(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/murmur.v1.Coordinator/ReadState',
+            murmur_dot_protocol_dot_coordinator__pb2.ReadStateRequest.SerializeToString,
+            murmur_dot_protocol_dot_coordinator__pb2.ReadStateGrant.FromString,
             options,
             channel_credentials,
             insecure,

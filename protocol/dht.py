@@ -28,8 +28,8 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from functools import partial
 from dataclasses import asdict, dataclass, field
+from functools import partial
 
 from murmur.errors import MurmurError
 from murmur.protocol import dht_reaper

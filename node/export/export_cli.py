@@ -6,7 +6,10 @@ Light to import: torch, safetensors and the model come in once the arguments hol
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
+
+from murmur.errors import MurmurError
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -17,7 +20,18 @@ def register(sub: argparse._SubParsersAction) -> None:
         "a testnet folder (its newest node) or an export. Writes model.safetensors, config.json, "
         "generation_config.json, tokenizer files and provenance.json into --out.",
     )
-    p.add_argument("source", metavar="SOURCE", help="checkpoint file or run folder")
+    p.add_argument("source", metavar="SOURCE", nargs="?", default="",
+                   help="checkpoint file or run folder (or none, with --coordinator: a live run)")
+    live = p.add_argument_group(
+        "a live run", "with --coordinator (and the admin credential), the run's newest state is fetched from the "
+        "nodes that hold it and checked against the hash they announce"
+    )
+    live.add_argument("--coordinator", metavar="HOST:PORT",
+                      help="the coordinator's public address ($MURMUR_COORDINATOR)")
+    live.add_argument("--run", default="", help="the run (default: the only active one)")
+    live.add_argument("--admin-key", metavar="FILE",
+                      help="the <db>.admin-key file (default $MURMUR_ADMIN_KEY_FILE or $MURMUR_ADMIN_KEY)")
+    live.add_argument("--ca-cert", metavar="FILE", help="the coordinator's CA (default <db>.ca.crt beside the key)")
     p.add_argument("--out", required=True, help="folder to write (must not exist, unless --force)")
     p.add_argument("--dtype", default="run", choices=("run", "fp32", "bf16", "fp16"),
                    help="weights' dtype (default run: the dtype the run keeps its weights in, fp32)")
@@ -29,7 +43,17 @@ def _run(args: argparse.Namespace) -> int:
     from murmur.node.export.source import load_source
     from murmur.node.export.write import export, resolve_dtype
 
-    source = load_source(args.source)
+    if args.source and args.coordinator:
+        raise MurmurError("give SOURCE or --coordinator, not both")
+    if args.coordinator or not args.source:
+        if not args.coordinator and not os.environ.get("MURMUR_COORDINATOR"):
+            raise MurmurError("give SOURCE (a checkpoint or run folder) or --coordinator HOST:PORT for a live run")
+        from murmur.node.export.live import read_live
+        from murmur.protocol.admin_client import resolve
+
+        source = read_live(resolve(args.coordinator, args.admin_key, args.ca_cert), args.run)
+    else:
+        source = load_source(args.source)
     out = export(source, Path(args.out), dtype=resolve_dtype(args.dtype, source), force=args.force)
     p = source.provenance
     at = f"round {p['round']}" if p.get("round") is not None else f"step {p.get('inner_steps')}"

@@ -38,7 +38,7 @@ class SourceError(MurmurError):
 
 @dataclass(slots=True)
 class Source:
-    path: Path
+    path: Path | str  # a file or folder, or where a live run's state came from
     kind: str  # "node checkpoint", "train checkpoint" or "export"
     model: ModelConfig
     weights: dict[str, torch.Tensor]  # murmur's parameter names

@@ -95,6 +95,8 @@ def provenance(source: Source, dtype: torch.dtype) -> dict:
         "round": p.get("round"),
         "inner_steps": p.get("inner_steps"),
         "state_hash": p.get("state_hash"),
+        **({"shared_state_hash": p["shared_state_hash"], "holders": p.get("holders", [])}
+           if "shared_state_hash" in p else {}),
         "tokens_trained": p.get("tokens_trained"),
         "tokens_note": p.get("tokens_note"),
         "dtype": _DTYPE_NAMES[dtype],

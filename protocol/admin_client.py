@@ -1,4 +1,5 @@
 """The operator's connection to a coordinator: TLS to its public address, the admin secret as metadata.
+Here, not in coordinator/, because node-side commands use it too (`murmur export --coordinator`).
 
 Where the credentials come from (first match wins):
     admin secret:  --admin-key FILE, $MURMUR_ADMIN_KEY (the secret itself), $MURMUR_ADMIN_KEY_FILE
@@ -17,9 +18,8 @@ import grpc
 
 from murmur.errors import MurmurError
 from murmur.protocol import coordinator_pb2_grpc as pb_grpc
+from murmur.protocol.coordinator_names import ADMIN_CALL_TIMEOUT_S, ADMIN_METADATA_KEY, TLS_SERVER_NAME
 from murmur.protocol.version import version_metadata
-
-from .settings import ADMIN_CALL_TIMEOUT_S, ADMIN_METADATA_KEY, TLS_SERVER_NAME
 
 DEFAULT_COORDINATOR = "127.0.0.1:7700"
 
