@@ -35,6 +35,9 @@ stamp=$(cat pyproject.toml "$CONSTRAINTS" | sha256sum | cut -d' ' -f1)
 if [ "$(cat "$OUT/deps/.stamp" 2>/dev/null)" = "$stamp" ]; then
     "$PIP" wheel --quiet --no-deps --wheel-dir "$OUT/murmur" .
 else
+    # Start from an empty folder: a wheel left from the last resolution (idna 3.20 beside 3.21) makes
+    # the image's `pip install --no-index` refuse the pair. pip's own cache keeps this cheap.
+    find "$OUT/deps" -mindepth 1 -delete
     "$PIP" wheel --quiet --wheel-dir "$OUT/deps" -c "$CONSTRAINTS" .
     mv "$OUT"/deps/murmur-*.whl "$OUT/murmur/"
     echo "$stamp" > "$OUT/deps/.stamp"
