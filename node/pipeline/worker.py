@@ -94,7 +94,8 @@ class StageWorker:
         with self.lock:
             t0, c0 = time.perf_counter(), time.thread_time()
             rows = x.shape[0]
-            x, grad_outputs, targets = (None if t is None else t.to(self.module.device) for t in (x, grad_outputs, targets))
+            dev = self.module.device
+            x, grad_outputs, targets = (None if t is None else t.to(dev) for t in (x, grad_outputs, targets))
             inputs = x if self.span.is_first else x.detach().requires_grad_(True)
             wrt = self.params if self.span.is_first else [inputs, *self.params]
             with torch.enable_grad():
