@@ -127,7 +127,10 @@ def init_parameter(name: str, p: torch.Tensor, seed: int, n_layers: int) -> None
     # Residual output projections shrink with depth (GPT-2 / Llama practice).
     std = INIT_STD / math.sqrt(2 * n_layers) if name.endswith(("wo.weight", "w_down.weight")) else INIT_STD
     gen = torch.Generator(device="cpu").manual_seed(parameter_seed(seed, name))
-    p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32).mul_(std))
+    if p.device.type == "cpu" and p.dtype == torch.float32 and p.is_contiguous():
+        torch.randn(p.shape, generator=gen, out=p.data).mul_(std)  # in place: no transient copy to fragment the heap
+    else:
+        p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32).mul_(std))
 
 
 class Transformer(nn.Module):

@@ -35,6 +35,7 @@ from murmur.node.net.server import PeerServer, PeerServerSettings, PublishedStat
 from murmur.node.net.state_transfer import StateError, afetch
 from murmur.node.pipeline import stage_state
 from murmur.node.pipeline.member import PipelineMember
+from murmur.node.pipeline.memory import peak_rss_mb
 from murmur.node.pipeline.service import StageService, StageServiceSettings
 from murmur.node.pipeline.stage_sync import StageSync, outer_name
 from murmur.node.pipeline.worker import StageWorker
@@ -95,6 +96,7 @@ class StagePeer:
         self._tasks: list[asyncio.Task] = []
         self._stopping = False
         self.sync: StageSync | None = None
+        self.built_peak_rss_mb = 0.0
 
     @property
     def stage(self) -> int:
@@ -193,6 +195,7 @@ class StagePeer:
         span = self.spans[stage]
         module = build_stage(self.model, self.settings.seed, span, self.settings.device,
                              autocast_dtype=torch.bfloat16 if self.settings.autocast == "bf16" else None)
+        self.built_peak_rss_mb = peak_rss_mb()  # before the worker's buffers: what building the stage cost
         source = "seed"
         outer = None
         if donors is None:
