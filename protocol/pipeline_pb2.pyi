@@ -6,6 +6,32 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class StageFrame(_message.Message):
+    __slots__ = ("forward_request", "forward_reply", "backward_request", "backward_reply", "chunk")
+    FORWARD_REQUEST_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_REPLY_FIELD_NUMBER: _ClassVar[int]
+    BACKWARD_REQUEST_FIELD_NUMBER: _ClassVar[int]
+    BACKWARD_REPLY_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    forward_request: ForwardRequest
+    forward_reply: ForwardReply
+    backward_request: BackwardRequest
+    backward_reply: BackwardReply
+    chunk: PayloadChunk
+    def __init__(self, forward_request: _Optional[_Union[ForwardRequest, _Mapping]] = ..., forward_reply: _Optional[_Union[ForwardReply, _Mapping]] = ..., backward_request: _Optional[_Union[BackwardRequest, _Mapping]] = ..., backward_reply: _Optional[_Union[BackwardReply, _Mapping]] = ..., chunk: _Optional[_Union[PayloadChunk, _Mapping]] = ...) -> None: ...
+
+class PayloadChunk(_message.Message):
+    __slots__ = ("tensor", "part", "offset", "data")
+    TENSOR_FIELD_NUMBER: _ClassVar[int]
+    PART_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    tensor: str
+    part: str
+    offset: int
+    data: bytes
+    def __init__(self, tensor: _Optional[str] = ..., part: _Optional[str] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+
 class ForwardRequest(_message.Message):
     __slots__ = ("protocol_version", "run_id", "stage", "microbatch", "inputs", "reply_codec")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]

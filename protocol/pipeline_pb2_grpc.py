@@ -49,6 +49,16 @@ class StageStub:
                 request_serializer=murmur_dot_protocol_dot_pipeline__pb2.StageInfoRequest.SerializeToString,
                 response_deserializer=murmur_dot_protocol_dot_pipeline__pb2.StageInfo.FromString,
                 _registered_method=True)
+        self.ForwardStream = channel.stream_stream(
+                '/murmur.v1.Stage/ForwardStream',
+                request_serializer=murmur_dot_protocol_dot_pipeline__pb2.StageFrame.SerializeToString,
+                response_deserializer=murmur_dot_protocol_dot_pipeline__pb2.StageFrame.FromString,
+                _registered_method=True)
+        self.BackwardStream = channel.stream_stream(
+                '/murmur.v1.Stage/BackwardStream',
+                request_serializer=murmur_dot_protocol_dot_pipeline__pb2.StageFrame.SerializeToString,
+                response_deserializer=murmur_dot_protocol_dot_pipeline__pb2.StageFrame.FromString,
+                _registered_method=True)
 
 
 class StageServicer:
@@ -72,6 +82,18 @@ class StageServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ForwardStream(self, request_iterator, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def BackwardStream(self, request_iterator, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_StageServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -89,6 +111,16 @@ def add_StageServicer_to_server(servicer, server):
                     servicer.Info,
                     request_deserializer=murmur_dot_protocol_dot_pipeline__pb2.StageInfoRequest.FromString,
                     response_serializer=murmur_dot_protocol_dot_pipeline__pb2.StageInfo.SerializeToString,
+            ),
+            'ForwardStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.ForwardStream,
+                    request_deserializer=murmur_dot_protocol_dot_pipeline__pb2.StageFrame.FromString,
+                    response_serializer=murmur_dot_protocol_dot_pipeline__pb2.StageFrame.SerializeToString,
+            ),
+            'BackwardStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.BackwardStream,
+                    request_deserializer=murmur_dot_protocol_dot_pipeline__pb2.StageFrame.FromString,
+                    response_serializer=murmur_dot_protocol_dot_pipeline__pb2.StageFrame.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -172,6 +204,60 @@ class Stage:
             '/murmur.v1.Stage/Info',
             murmur_dot_protocol_dot_pipeline__pb2.StageInfoRequest.SerializeToString,
             murmur_dot_protocol_dot_pipeline__pb2.StageInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ForwardStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/murmur.v1.Stage/ForwardStream',
+            murmur_dot_protocol_dot_pipeline__pb2.StageFrame.SerializeToString,
+            murmur_dot_protocol_dot_pipeline__pb2.StageFrame.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def BackwardStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/murmur.v1.Stage/BackwardStream',
+            murmur_dot_protocol_dot_pipeline__pb2.StageFrame.SerializeToString,
+            murmur_dot_protocol_dot_pipeline__pb2.StageFrame.FromString,
             options,
             channel_credentials,
             insecure,

@@ -199,6 +199,12 @@ class PipelineSection(Section):
     # Stage-mates sync their stage's weights (the run's codec, aggregator and outer step) every
     # this many seconds of the clock, beside the compute (node/pipeline/stage_sync.py). 0: never.
     sync_every_s: float = _bounded(30.0, MAX_SECONDS, _SECONDS_WHY, ge=0)
+    # One gRPC message of the stage service, in MiB; a Forward or Backward payload above it
+    # travels as a stream of chunks below it (node/pipeline/chunks.py). gRPC's own limit is 2 GiB.
+    message_cap_mb: float = _bounded(8.0, 1024.0, "gRPC messages stop at 2 GiB", ge=0.0625)
+    # The most one streamed payload (a request to a stage, or its reply) may carry, in MiB: a
+    # peer refuses a larger one before taking any of it, so this bounds what one call allocates.
+    max_payload_mb: float = _bounded(1024.0, 1 << 20, "a terabyte in one microbatch", gt=0)
 
     @model_validator(mode="after")
     def _consistent(self) -> PipelineSection:
@@ -215,6 +221,12 @@ class PipelineSection(Section):
                 "cross_field",
                 "must be at most pipeline.hop_timeout_s = {hop}, got {value}",
                 {"config_key": "min_hop_timeout_s", "hop": self.hop_timeout_s, "value": self.min_hop_timeout_s},
+            )
+        if self.max_payload_mb < self.message_cap_mb:
+            raise PydanticCustomError(
+                "cross_field",
+                "must be at least pipeline.message_cap_mb = {cap}, got {value}",
+                {"config_key": "max_payload_mb", "cap": self.message_cap_mb, "value": self.max_payload_mb},
             )
         if self.max_bench_s < self.bench_s:
             raise PydanticCustomError(

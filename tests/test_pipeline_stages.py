@@ -60,6 +60,35 @@ def test_stage_parameters_are_the_whole_models_under_its_names():
     assert all(torch.equal(seen[n], whole[n]) for n in whole)
 
 
+def test_a_stage_builds_only_its_own_modules():
+    cfg = dataclasses.replace(CFG, n_layers=8)
+    whole = Transformer(cfg, seed=4)
+    block_params = sum(p.numel() for n, p in whole.named_parameters() if n.startswith("blocks."))
+    spans = split_layers(cfg.n_layers, 4)
+    stages = [build_stage(cfg, 4, span) for span in spans]
+    middle = stages[1]
+    # every tensor the module holds is its stage's: blocks 2 and 3, a quarter of the blocks, no more
+    assert {n.split(".")[1] for n, _ in middle.named_stage_parameters()} == {"2", "3"}
+    assert sum(p.numel() for p in middle.parameters()) == block_params // 4
+    assert middle.embed is None and middle.norm is None and middle.lm_head is None
+    assert stages[0].embed is not None and stages[0].lm_head is None
+    assert stages[3].embed is None and stages[3].norm is not None and stages[3].lm_head is not None
+    assert sum(s.parameter_bytes() for s in stages) == sum(p.numel() * 4 for p in whole.parameters())
+    # and its weights are the whole model's, drawn without it
+    ref = dict(whole.named_parameters())
+    assert all(torch.equal(p, ref[n]) for s in stages for n, p in s.named_stage_parameters())
+    assert not torch.equal(build_stage(cfg, 5, spans[1]).blocks[0].attn.wq.weight, middle.blocks[0].attn.wq.weight)
+
+
+def test_one_stage_with_tied_embeddings_is_the_whole_tied_model():
+    tied = dataclasses.replace(CFG, tie_embeddings=True)
+    (only,) = [build_stage(tied, 2, span) for span in split_layers(tied.n_layers, 1)]
+    idx = torch.randint(0, tied.vocab_size, (2, 8))
+    assert only.lm_head is None and torch.equal(only(idx), Transformer(tied, seed=2)(idx))
+    with pytest.raises(StageError, match="untied"):
+        build_stage(tied, 2, split_layers(tied.n_layers, 2)[1])
+
+
 @pytest.mark.parametrize("layers", [None, [1, 3, 1]])
 def test_pipeline_training_equals_single_process_training(layers):
     torch.manual_seed(0)

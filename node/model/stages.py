@@ -6,13 +6,17 @@ and stage S-1 the last blocks, the final norm, the output head and the loss (thr
 default (the first stages take one block more when S does not divide the depth) or explicit
 (``layers=[2, 3, 3]``: blocks per stage).
 
-Weights are those of `Transformer(cfg, seed)`: a stage is built by drawing the whole model from
-the seed and keeping its own part, so every peer of a stage starts from the same weights as the
-single-process model would have (the whole model is built once, on the CPU, at start-up).
+Weights are those of `Transformer(cfg, seed)`: `build_stage` constructs only the stage's own
+modules (on the ``meta`` device, then allocated directly on the device it runs on) and draws each
+of its parameters from the seed and the parameter's whole-model name (`init_parameter` in
+node/model/transformer.py, the draw the whole model makes too). So a peer of stage s holds stage
+s and nothing else, from the start: its memory grows with its share of the layers, and every peer
+of a stage starts from the same weights as the single-process model would have.
 
 Tied embeddings put one tensor in the first and the last stage; a cut of more than one stage
-refuses them (set ``tie_embeddings=False``), since keeping two copies in agreement would need an
-exchange between stages that nothing here does.
+refuses them (set ``tie_embeddings=False``; the pipeline's config does it for you, see
+node/pipeline/config.py), since keeping two copies in agreement would need an exchange between
+stages that nothing here does.
 
 Stage parameters keep the full model's names (``blocks.5.attn.wq.weight``), so a stage's state
 means the same thing on every peer and in a whole-model checkpoint.
@@ -27,7 +31,7 @@ import torch
 from torch import nn
 
 from murmur import kernels
-from murmur.node.model.transformer import ModelConfig, RMSNorm, Transformer, rotary_tables
+from murmur.node.model.transformer import Block, ModelConfig, RMSNorm, Transformer, init_parameter, rotary_tables
 
 
 class StageError(ValueError):
@@ -85,24 +89,42 @@ class StageModule(nn.Module):
     against ``targets`` [B, T].
     """
 
-    def __init__(self, cfg: ModelConfig, span: StageSpan, model: Transformer) -> None:
+    def __init__(
+        self, cfg: ModelConfig, span: StageSpan, *, embed: nn.Embedding | None, blocks: Sequence[nn.Module],
+        norm: RMSNorm | None, lm_head: nn.Linear | None, device: str | torch.device = "cpu",
+        autocast_dtype: torch.dtype | None = None,
+    ) -> None:
         super().__init__()
         if span.count > 1 and cfg.tie_embeddings:
             raise StageError("a pipeline of several stages needs untied embeddings (tie_embeddings=False)")
         self.cfg, self.span = cfg, span
-        self.embed = model.embed if span.is_first else None
-        self.blocks = nn.ModuleList(model.blocks[i] for i in span.blocks)
-        self.norm: RMSNorm | None = model.norm if span.is_last else None
+        # bf16 autocast on a GPU (fp32 weights stay the master copy the optimizer steps)
+        self.autocast_dtype = autocast_dtype
+        self.embed = embed
+        self.blocks = nn.ModuleList(blocks)
+        self.norm = norm
         # None on the last stage of a single-stage cut with tied embeddings: the head is embed.
-        self.lm_head = model.lm_head if span.is_last else None
+        self.lm_head = lm_head
+        # Drawn on the CPU and moved, so every device rotates by the same fp32 tables.
         cos, sin = rotary_tables(cfg)
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
+        self.register_buffer("rope_cos", cos.to(device), persistent=False)
+        self.register_buffer("rope_sin", sin.to(device), persistent=False)
+
+    @property
+    def device(self) -> torch.device:
+        return self.rope_cos.device
 
     def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         t = x.shape[1]
         if t > self.cfg.seq_len:
             raise StageError(f"sequence of {t} tokens exceeds the model's seq_len {self.cfg.seq_len}")
+        if self.autocast_dtype is None:
+            return self._forward(x, targets)
+        with torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype):
+            return self._forward(x, targets)
+
+    def _forward(self, x: torch.Tensor, targets: torch.Tensor | None) -> torch.Tensor:
+        t = x.shape[1]
         cos, sin = self.rope_cos[:t], self.rope_sin[:t]
         if self.embed is not None:
             x = self.embed(x)
@@ -129,11 +151,42 @@ class StageModule(nn.Module):
             yield "lm_head.weight", self.lm_head.weight
 
 
+    def parameter_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for _, p in self.named_stage_parameters())
+
+
 def cut(model: Transformer, spans: Sequence[StageSpan]) -> list[StageModule]:
     """Stage modules sharing ``model``'s parameters (a view of it, not a copy)."""
-    return [StageModule(model.cfg, span, model) for span in spans]
+    return [
+        StageModule(
+            model.cfg, span, embed=model.embed if span.is_first else None,
+            blocks=[model.blocks[i] for i in span.blocks], norm=model.norm if span.is_last else None,
+            lm_head=model.lm_head if span.is_last else None, device=model.rope_cos.device,
+        )
+        for span in spans
+    ]
 
 
-def build_stage(cfg: ModelConfig, seed: int, span: StageSpan, device: str | torch.device = "cpu") -> StageModule:
-    """The stage ``span`` of the seed's model, holding only that stage's parameters."""
-    return StageModule(cfg, span, Transformer(cfg, seed=seed)).to(device)
+def build_stage(
+    cfg: ModelConfig, seed: int, span: StageSpan, device: str | torch.device = "cpu", *,
+    autocast_dtype: torch.dtype | None = None,
+) -> StageModule:
+    """The stage ``span`` of the seed's model, holding only that stage's parameters, allocated on
+    ``device`` and initialised as `Transformer(cfg, seed)` initialises them."""
+    if span.count > 1 and cfg.tie_embeddings:
+        raise StageError("a pipeline of several stages needs untied embeddings (tie_embeddings=False)")
+    device = torch.device(device)
+    # The modules' own constructors would allocate and initialise every weight once more: build
+    # them as shapes only, allocate on the device, then draw each parameter once.
+    with torch.device("meta"):
+        embed = nn.Embedding(cfg.vocab_size, cfg.dim) if span.is_first else None
+        blocks = [Block(cfg) for _ in span.blocks]
+        norm = RMSNorm(cfg.dim, cfg.norm_eps) if span.is_last else None
+        lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False) if span.is_last and not cfg.tie_embeddings else None
+    parts = [m.to_empty(device=device) if m is not None else None for m in (embed, norm, lm_head)]
+    blocks = [b.to_empty(device=device) for b in blocks]
+    stage = StageModule(cfg, span, embed=parts[0], blocks=blocks, norm=parts[1], lm_head=parts[2], device=device,
+                        autocast_dtype=autocast_dtype)
+    for name, p in stage.named_stage_parameters():
+        init_parameter(name, p, seed, cfg.n_layers)
+    return stage

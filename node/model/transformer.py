@@ -5,12 +5,15 @@ The model knows nothing about communication or pipelines. Its memory-bound ops g
 the CPU (override with MURMUR_KERNELS=triton|torch). On a GPU the forward (and so its backward)
 runs through torch.compile by default, the fastest path measured (MURMUR_COMPILE=auto|on|off,
 see `murmur.kernels.dispatch`); under compile only the kernels that beat Inductor stay Triton.
-Initial weights depend on the seed alone: they are drawn on the CPU in a fixed order, so the same
-seed gives the same weights anywhere.
+Initial weights depend on the seed alone: every parameter is drawn on the CPU from its own
+generator, seeded from (seed, the parameter's name) (`init_parameter`), so the same seed gives the
+same weights anywhere, and a pipeline stage (node/model/stages.py) draws exactly its own parameters
+without building the rest of the model.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 
 import torch
@@ -103,6 +106,33 @@ class Block(nn.Module):
         return x + self.mlp(self.mlp_norm(x))
 
 
+INIT_STD = 0.02
+
+
+def parameter_seed(seed: int, name: str) -> int:
+    """The seed of one parameter's draw: a hash of the run's seed and the parameter's whole-model
+    name, so any subset of the parameters can be drawn alone and still match the whole model."""
+    digest = hashlib.sha256(f"murmur-init/{seed}/{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+@torch.no_grad()
+def init_parameter(name: str, p: torch.Tensor, seed: int, n_layers: int) -> None:
+    """The initial value of the parameter called ``name`` (its whole-model name), written into
+    ``p`` wherever it lives. Drawn in fp32 on the CPU, one parameter at a time, so the values do
+    not depend on the device and the transient cost is one parameter."""
+    if name.endswith("norm.weight"):
+        p.fill_(1.0)
+        return
+    # Residual output projections shrink with depth (GPT-2 / Llama practice).
+    std = INIT_STD / math.sqrt(2 * n_layers) if name.endswith(("wo.weight", "w_down.weight")) else INIT_STD
+    gen = torch.Generator(device="cpu").manual_seed(parameter_seed(seed, name))
+    if p.device.type == "cpu" and p.dtype == torch.float32 and p.is_contiguous():
+        torch.randn(p.shape, generator=gen, out=p.data).mul_(std)  # in place: no transient copy to fragment the heap
+    else:
+        p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32).mul_(std))
+
+
 class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig, seed: int = 0) -> None:
         super().__init__()
@@ -118,17 +148,9 @@ class Transformer(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
-        """Draw every weight from one CPU generator in parameter order: the seed alone decides."""
-        gen = torch.Generator(device="cpu").manual_seed(seed)
-        std = 0.02
-        # Residual output projections shrink with depth (GPT-2 / Llama practice).
-        out_std = std / math.sqrt(2 * self.cfg.n_layers)
+        """Every weight from its own seeded draw (`init_parameter`): the seed alone decides."""
         for name, p in self.named_parameters():
-            if name.endswith("norm.weight"):
-                p.fill_(1.0)
-                continue
-            s = out_std if name.endswith(("wo.weight", "w_down.weight")) else std
-            p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32) * s)
+            init_parameter(name, p, seed, self.cfg.n_layers)
 
     @property
     def output_weight(self) -> torch.Tensor:

@@ -2,7 +2,8 @@
 
 Modules: config (the pipeline's typed settings), worker (a stage's forward, backward by
 recomputation and optimizer steps, free of transport), codec (activations and gradients on the
-wire: fp32, bf16, int8 blockwise), service (the gRPC stage service with mutual TLS and input
+wire: fp32, bf16, int8 blockwise), chunks (payloads above one gRPC message as checked chunk
+streams), memory (a stage peer's resident memory, as it reports it), service (the gRPC stage service with mutual TLS and input
 checks), client (calls to stage peers, each reached at a StageEndpoint), router (stochastic
 wiring: per-hop peer choice by estimated load, benching, adaptive deadlines), driver (microbatches
 through the stages with bounded retries; only completed microbatches count), member (a pipeline

@@ -3,16 +3,21 @@
 A peer is dialled by the node id it announced (``grpc.ssl_target_name_override``), so the
 answer comes from exactly that node whatever its address. The calls raise grpc.aio.AioRpcError;
 the driver decides what a failure means (retry elsewhere, or give the microbatch up).
+
+A call whose request or expected reply is above one gRPC message (``max_message_bytes``, the run's
+``pipeline.message_cap_mb``) goes through the streamed RPC instead (node/pipeline/chunks.py); a
+streamed reply is checked as the service checks a streamed request (WireError if it fails).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import grpc
 import torch
 
-from murmur.node.pipeline import codec
+from murmur.node.pipeline import chunks, codec
 from murmur.protocol import pipeline_pb2, pipeline_pb2_grpc, tls
 from murmur.protocol.identity import BanList, Identity
 from murmur.protocol.version import PROTOCOL_VERSION, version_metadata
@@ -45,9 +50,12 @@ class StageClient:
         run_id: str,
         ban_list: BanList | None = None,
         max_message_bytes: int = tls.DEFAULT_MAX_MESSAGE_BYTES,
+        max_payload_bytes: int = 1 << 30,
     ) -> None:
         self.identity, self.run_id, self.ban_list = identity, run_id, ban_list
         self.max_message_bytes = max_message_bytes
+        self.max_payload_bytes = max_payload_bytes  # the most one streamed reply may carry
+        self.streamed = 0  # calls that went as chunk streams (tests, benchmarks)
         self._channels: dict[tuple[str, str], grpc.aio.Channel] = {}
 
     def _stub(self, peer: StageEndpoint) -> pipeline_pb2_grpc.StageStub:
@@ -70,9 +78,14 @@ class StageClient:
             protocol_version=PROTOCOL_VERSION, run_id=self.run_id, stage=peer.stage, microbatch=microbatch,
             inputs=codec.encode(inputs, _codec_for(inputs, reply_codec)), reply_codec=reply_codec,
         )
-        reply = await self._stub(peer).Forward(request, metadata=version_metadata(), timeout=timeout)
-        out = codec.decode(reply.outputs, shape=(*inputs.shape[:2], dim), what=f"outputs of {peer.node_id}")
-        return out, request.ByteSize() + reply.ByteSize()
+        shape = (*inputs.shape[:2], dim)
+        if self._stream(request, _activation_bytes(shape, reply_codec)):
+            reply, wire = await self._streamed(peer, "Forward", request, {"outputs": shape}, timeout)
+        else:
+            reply = await self._stub(peer).Forward(request, metadata=version_metadata(), timeout=timeout)
+            wire = request.ByteSize() + reply.ByteSize()
+        out = codec.decode(reply.outputs, shape=shape, what=f"outputs of {peer.node_id}")
+        return out, wire
 
     async def backward(
         self, peer: StageEndpoint, microbatch: str, inputs: torch.Tensor, *,
@@ -87,12 +100,50 @@ class StageClient:
             request.grad_outputs.CopyFrom(codec.encode(grad_outputs, reply_codec))
         if targets is not None:
             request.targets.CopyFrom(codec.encode(targets, "tokens"))
-        reply = await self._stub(peer).Backward(request, metadata=version_metadata(), timeout=timeout)
+        shape = (*inputs.shape[:2], dim)
+        expected = {} if peer.stage == 0 else {"grad_inputs": shape}
+        if self._stream(request, _activation_bytes(shape, reply_codec) if expected else 0):
+            reply, wire = await self._streamed(peer, "Backward", request, expected, timeout)
+        else:
+            reply = await self._stub(peer).Backward(request, metadata=version_metadata(), timeout=timeout)
+            wire = request.ByteSize() + reply.ByteSize()
         grad = None
         if reply.HasField("grad_inputs"):
-            shape = (*inputs.shape[:2], dim)
             grad = codec.decode(reply.grad_inputs, shape=shape, what=f"grad_inputs of {peer.node_id}")
-        return BackwardAnswer(grad, reply.loss, reply.stepped, request.ByteSize() + reply.ByteSize())
+        return BackwardAnswer(grad, reply.loss, reply.stepped, wire)
+
+    def _stream(self, request, reply_bytes: int) -> bool:
+        return chunks.needs_stream(max(request.ByteSize(), reply_bytes), self.max_message_bytes)
+
+    async def _streamed(self, peer: StageEndpoint, call: str, request, expected: dict, timeout: float):
+        """``call`` (Forward or Backward) as a chunk stream: (the reply, wire bytes)."""
+        kind = call.lower()
+        wire = 0
+
+        def requests():  # one chunk at a time: the sender holds its message plus one chunk
+            nonlocal wire
+            for frame in chunks.frames(request, f"{kind}_request", self.max_message_bytes):
+                wire += frame.ByteSize()
+                yield frame
+
+        rpc = getattr(self._stub(peer), f"{call}Stream")(requests(), metadata=version_metadata(), timeout=timeout)
+
+        async def replies():
+            nonlocal wire
+            async for frame in rpc:
+                wire += frame.ByteSize()
+                yield frame
+
+        try:
+            reply = await chunks.receive(
+                replies(), f"{kind}_reply", lambda _: expected, max_payload_bytes=self.max_payload_bytes,
+                max_message_bytes=self.max_message_bytes,
+            )
+        except chunks.ChunkError:
+            rpc.cancel()  # the peer stops sending what we refused
+            raise
+        self.streamed += 1
+        return reply, wire
 
     async def info(self, peer: StageEndpoint, timeout: float = 10.0) -> pipeline_pb2.StageInfo:
         return await self._stub(peer).Info(
@@ -104,6 +155,12 @@ class StageClient:
         channels, self._channels = list(self._channels.values()), {}
         for channel in channels:
             await channel.close()
+
+
+def _activation_bytes(shape: tuple[int, ...], codec_name: str) -> int:
+    """The encoded size of an activation of ``shape`` (to pick the streamed call before sending)."""
+    n = math.prod(shape)
+    return {"fp32": 4 * n, "bf16": 2 * n, "int8": n + 4 * math.ceil(n / codec.INT8_BLOCK)}.get(codec_name, 4 * n)
 
 
 def _codec_for(t: torch.Tensor, activation_codec: str) -> str:

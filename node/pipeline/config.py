@@ -14,15 +14,19 @@ import dataclasses
 import logging
 import os
 
+import torch
+
 from murmur.node.model.tokenizer import ByteTokenizer, GPT2Tokenizer
 from murmur.node.model.transformer import ModelConfig, model_config
 from murmur.node.train.build import resolve_model_config
 from murmur.protocol.runconfig import PipelineSection, RunConfig
 
 __all__ = [
-    "PipelineSection", "add_model_args", "log_to_stderr", "model_from_args", "model_from_run", "pipeline_model_config",
-    "refuse_model_args",
+    "PipelineSection", "add_device_args", "add_model_args", "autocast_of", "log_to_stderr", "message_limits",
+    "model_from_args", "model_from_run", "pipeline_model_config", "refuse_model_args",
 ]
+
+MIB = 1 << 20
 
 
 def pipeline_model_config(preset: str, stages: int, **overrides: int | None) -> ModelConfig:
@@ -70,6 +74,26 @@ def model_from_args(args: argparse.Namespace) -> tuple[ModelConfig, list[int] | 
     )
     layers = [int(v) for v in args.layers.split(",")] if args.layers else None
     return cfg, layers
+
+
+def message_limits(pipe: PipelineSection) -> tuple[int, int]:
+    """(one gRPC message, the most one streamed payload may carry) in bytes, from the run's
+    ``pipeline.message_cap_mb`` and ``pipeline.max_payload_mb``: stage peers and drivers both
+    take them from here."""
+    return int(pipe.message_cap_mb * MIB), int(pipe.max_payload_mb * MIB)
+
+
+def add_device_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--device", default="cpu",
+                    help="where the stage's weights live and compute runs: cpu (default), auto, cuda, cuda:N")
+    ap.add_argument("--dtype", default="auto", choices=("auto", "fp32", "bf16"),
+                    help="auto: bf16 autocast on a GPU, fp32 on the CPU (the weights stay fp32 either way); "
+                         "joined to a pipelined run, the run's train.dtype decides")
+
+
+def autocast_of(dtype: str, device: torch.device) -> str | None:
+    """"bf16" where the compute runs under bf16 autocast (over fp32 weights), else None."""
+    return "bf16" if dtype == "bf16" or (dtype == "auto" and device.type == "cuda") else None
 
 
 def log_to_stderr() -> None:

@@ -14,6 +14,11 @@ The computation runs in a worker thread (`StageWorker`, one at a time) so the ev
 answering; ``queue`` counts the calls waiting for it. A Backward is accumulated only while its
 caller still waits for the answer (a hop the driver timed out and retried elsewhere is not
 counted twice); see docs/pipeline.md for the window this leaves.
+
+A request or reply above one gRPC message (``max_message_bytes``, the run's
+``pipeline.message_cap_mb``) travels through ForwardStream / BackwardStream as a header and byte
+chunks (node/pipeline/chunks.py), checked before and while it arrives, then exactly as a unary
+call's. The streamed handlers answer in chunks too, whatever the reply's size.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ import torch
 
 from murmur.node.net.faults import FaultInjector
 from murmur.node.net.server import start_mtls_server
-from murmur.node.pipeline import codec
+from murmur.node.pipeline import chunks, codec
 from murmur.node.pipeline.worker import StageWorker
 from murmur.protocol import pipeline_pb2, pipeline_pb2_grpc, tls
 from murmur.protocol.identity import BanList, BannedError, Identity, IdentityError
@@ -53,7 +58,8 @@ class StageServiceSettings:
     host: str = "127.0.0.1"
     port: int = 0  # 0: any free port; the real one is in ``address``
     max_rows: int = 64  # rows of one microbatch; more is refused as oversized
-    max_message_bytes: int = tls.DEFAULT_MAX_MESSAGE_BYTES
+    max_message_bytes: int = tls.DEFAULT_MAX_MESSAGE_BYTES  # one gRPC message; bigger payloads stream
+    max_payload_bytes: int = 1 << 30  # the most one streamed request may carry (node/pipeline/chunks.py)
     stop_grace: float = 1.0
 
 
@@ -166,6 +172,10 @@ class StageService(pipeline_pb2_grpc.StageServicer):
                 raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"{what}: token ids outside [0, {vocab})")
         return t
 
+    def _inputs_shape(self, request) -> tuple[int, ...]:
+        rows, t = self._rows_and_len(request.inputs)
+        return (rows, t) if self.span.is_first else (rows, t, self.worker.module.cfg.dim)
+
     def _inputs(self, request) -> torch.Tensor:
         rows, t = self._rows_and_len(request.inputs)
         if self.span.is_first:
@@ -228,16 +238,33 @@ class StageService(pipeline_pb2_grpc.StageServicer):
         peer_id = ""
         try:
             peer_id = self._admit(context)
-            self._check_target(request.run_id, request.stage)
-            if self.span.is_last:
-                raise Refused(
-                    grpc.StatusCode.FAILED_PRECONDITION,
-                    "the last stage has no Forward: send Backward with the targets",
-                )
-            reply_codec = self._reply_codec(request.reply_codec)
-            x = self._inputs(request)
+            self._forward_header(request)
+            reply_codec, x = self._reply_codec(request.reply_codec), self._inputs(request)
         except Refused as err:
             await self._refuse(context, peer_id, err)
+        return await self._forward(x, reply_codec)
+
+    async def ForwardStream(self, frames, context):  # noqa: N802
+        peer_id = ""
+        try:
+            peer_id = self._admit(context)
+            request = await self._receive(frames, "forward_request", self._forward_header)
+            reply_codec, x = self._reply_codec(request.reply_codec), self._inputs(request)
+        except Refused as err:
+            await self._refuse(context, peer_id, err)
+        await self._send(context, await self._forward(x, reply_codec), "forward_reply")
+
+    def _forward_header(self, request) -> dict[str, tuple[int, ...]]:
+        """The checks a Forward's header passes before its tensors are read; their expected shapes."""
+        self._check_target(request.run_id, request.stage)
+        if self.span.is_last:
+            raise Refused(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "the last stage has no Forward: send Backward with the targets",
+            )
+        return {"inputs": self._inputs_shape(request)}
+
+    async def _forward(self, x: torch.Tensor, reply_codec: str) -> pipeline_pb2.ForwardReply:
         t0 = time.perf_counter()
         out = await self._compute(lambda: self.worker.forward(x), x.shape[0])
         return pipeline_pb2.ForwardReply(
@@ -248,19 +275,45 @@ class StageService(pipeline_pb2_grpc.StageServicer):
         peer_id = ""
         try:
             peer_id = self._admit(context)
-            self._check_target(request.run_id, request.stage)
-            reply_codec = self._reply_codec(request.reply_codec)
-            x = self._inputs(request)
-            rows, t = x.shape[0], x.shape[1]
-            grad_out = targets = None
-            if self.span.is_last:
-                if request.targets.codec != "tokens":
-                    raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "targets: the last stage needs token ids")
-                targets = self._decode(request.targets, (rows, t), "targets")
-            else:
-                grad_out = self._decode(request.grad_outputs, (rows, t, self.worker.module.cfg.dim), "grad_outputs")
+            self._backward_header(request)
+            args = self._backward_args(request)
         except Refused as err:
             await self._refuse(context, peer_id, err)
+        return await self._backward(request.microbatch, *args)
+
+    async def BackwardStream(self, frames, context):  # noqa: N802
+        peer_id = ""
+        try:
+            peer_id = self._admit(context)
+            request = await self._receive(frames, "backward_request", self._backward_header)
+            args = self._backward_args(request)
+        except Refused as err:
+            await self._refuse(context, peer_id, err)
+        await self._send(context, await self._backward(request.microbatch, *args), "backward_reply")
+
+    def _backward_header(self, request) -> dict[str, tuple[int, ...]]:
+        self._check_target(request.run_id, request.stage)
+        shape = self._inputs_shape(request)
+        rows, t = shape[:2]
+        if self.span.is_last:
+            return {"inputs": shape, "targets": (rows, t)}
+        return {"inputs": shape, "grad_outputs": (rows, t, self.worker.module.cfg.dim)}
+
+    def _backward_args(self, request):
+        reply_codec = self._reply_codec(request.reply_codec)
+        x = self._inputs(request)
+        rows, t = x.shape[0], x.shape[1]
+        grad_out = targets = None
+        if self.span.is_last:
+            if request.targets.codec != "tokens":
+                raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "targets: the last stage needs token ids")
+            targets = self._decode(request.targets, (rows, t), "targets")
+        else:
+            grad_out = self._decode(request.grad_outputs, (rows, t, self.worker.module.cfg.dim), "grad_outputs")
+        return x, grad_out, targets, reply_codec
+
+    async def _backward(self, microbatch: str, x, grad_out, targets, reply_codec) -> pipeline_pb2.BackwardReply:
+        rows = x.shape[0]
         t0 = time.perf_counter()
         # The caller may give up (a timeout) while we compute: gRPC then cancels this handler,
         # and the computation, which runs on, is not kept.
@@ -273,7 +326,7 @@ class StageService(pipeline_pb2_grpc.StageServicer):
             gone.set()
             raise
         if res.loss is not None and not math.isfinite(res.loss):
-            log.warning("microbatch %s gave a non-finite loss", request.microbatch)
+            log.warning("microbatch %s gave a non-finite loss", microbatch)
         reply = pipeline_pb2.BackwardReply(
             loss=res.loss or 0.0,
             stepped=res.stepped,
@@ -283,6 +336,27 @@ class StageService(pipeline_pb2_grpc.StageServicer):
         if res.grad_inputs is not None:
             reply.grad_inputs.CopyFrom(codec.encode(res.grad_inputs, reply_codec))
         return reply
+
+    # -- streamed payloads (node/pipeline/chunks.py) ---------------------------------------------
+
+    async def _receive(self, frames, body: str, check_header):
+        s = self.settings
+        try:
+            return await chunks.receive(frames, body, check_header, max_payload_bytes=s.max_payload_bytes,
+                                        max_message_bytes=s.max_message_bytes)
+        except (chunks.ChunkError, Refused) as err:
+            # Ending the call while the caller still sends reaches it as INTERNAL, not our reason:
+            # read (and drop) the rest first. Dropping costs no memory; past DRAIN_FACTOR times
+            # what a payload may carry the caller is not honest and gets the broken stream.
+            await chunks.drain(frames, chunks.DRAIN_FACTOR * s.max_payload_bytes)
+            if isinstance(err, Refused):
+                raise
+            code = grpc.StatusCode.RESOURCE_EXHAUSTED if err.oversized else grpc.StatusCode.INVALID_ARGUMENT
+            raise Refused(code, str(err)) from None
+
+    async def _send(self, context, reply, body: str) -> None:
+        for frame in chunks.frames(reply, body, self.settings.max_message_bytes):
+            await context.write(frame)
 
     async def Info(self, request, context):  # noqa: N802
         try:

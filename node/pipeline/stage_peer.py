@@ -26,6 +26,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
+
 from murmur.node.model.stages import build_stage, split_layers
 from murmur.node.model.transformer import ModelConfig
 from murmur.node.net.faults import FaultInjector
@@ -33,10 +35,12 @@ from murmur.node.net.server import PeerServer, PeerServerSettings, PublishedStat
 from murmur.node.net.state_transfer import StateError, afetch
 from murmur.node.pipeline import stage_state
 from murmur.node.pipeline.member import PipelineMember
+from murmur.node.pipeline.memory import peak_rss_mb
 from murmur.node.pipeline.service import StageService, StageServiceSettings
 from murmur.node.pipeline.stage_sync import StageSync, outer_name
 from murmur.node.pipeline.worker import StageWorker
 from murmur.protocol import coordinator_pb2 as pb
+from murmur.protocol import tls
 from murmur.protocol.identity import Identity
 from murmur.protocol.runconfig import OptimSection, SyncSection
 from murmur.protocol.wire import tensors_hash
@@ -58,6 +62,10 @@ class StagePeerSettings:
     sync_every_s: float = 0.0  # 0: stage-mates do not sync (node/pipeline/stage_sync.py)
     host: str = "127.0.0.1"
     max_rows: int = 64
+    device: str = "cpu"  # where the stage's weights live and compute runs: cpu, cuda, cuda:N
+    autocast: str | None = None  # "bf16": bf16 autocast over fp32 master weights (node/pipeline/config.py)
+    max_message_bytes: int = tls.DEFAULT_MAX_MESSAGE_BYTES  # one gRPC message; bigger payloads stream
+    max_payload_bytes: int = 1 << 30  # the most one streamed payload may carry
 
 
 class StagePeer:
@@ -88,6 +96,7 @@ class StagePeer:
         self._tasks: list[asyncio.Task] = []
         self._stopping = False
         self.sync: StageSync | None = None
+        self.built_peak_rss_mb = 0.0
 
     @property
     def stage(self) -> int:
@@ -184,7 +193,9 @@ class StagePeer:
 
     async def _become(self, stage: int, donors: dict[str, str] | None) -> None:
         span = self.spans[stage]
-        module = build_stage(self.model, self.settings.seed, span)
+        module = build_stage(self.model, self.settings.seed, span, self.settings.device,
+                             autocast_dtype=torch.bfloat16 if self.settings.autocast == "bf16" else None)
+        self.built_peak_rss_mb = peak_rss_mb()  # before the worker's buffers: what building the stage cost
         source = "seed"
         outer = None
         if donors is None:
@@ -209,8 +220,10 @@ class StagePeer:
         old = self.service.worker if self.service is not None else None
         if self.service is None:
             self.service = StageService(self.ident, worker, run_id=self.run_id, faults=self.faults,
-                                        settings=StageServiceSettings(host=self.settings.host,
-                                                                      max_rows=self.settings.max_rows))
+                                        settings=StageServiceSettings(
+                                            host=self.settings.host, max_rows=self.settings.max_rows,
+                                            max_message_bytes=self.settings.max_message_bytes,
+                                            max_payload_bytes=self.settings.max_payload_bytes))
             await self.service.start()
         else:
             self.service.switch(worker)

@@ -3,17 +3,25 @@
     python -m murmur.node.pipeline.stage_peer_process --coordinator HOST:PORT --token TOKEN [--stage S]
     python -m murmur.node.pipeline.stage_peer_process --identity DIR --run RUN --stage 1 --stages 2 \
         [--layers 2,2] [--preset tiny --dim 64 ...] [--target-samples 16] [--lr 1e-3] \
-        [--fault delay:stage_compute:0.2@x*]
+        [--fault delay:stage_compute:0.2@x*] [--device cuda:0] [--dtype bf16]
 
 Joined to a run whose config has a ``[pipeline]`` section, the run config names the model and
 the pipeline (model arguments on the command line are refused), and without ``--stage`` the
 coordinator assigns the stage and may move the peer later (node/pipeline/stage_peer.py).
 Otherwise the model comes from the command line and ``--stage`` is required.
 
+``--device`` puts the stage on a GPU (``cuda``, ``cuda:N``; ``auto`` takes one where there is
+one); there it computes under bf16 autocast over fp32 weights unless ``--dtype fp32`` (in a
+pipelined run, the run's ``train.dtype`` decides). Only the stage's own modules are built, on that
+device (node/model/stages.py).
+
 It prints one JSON line ``{"event": "ready", "node_id", "address", "stage", ...}`` once it
-serves, one ``{"event": "stage", ...}`` per move, and on SIGTERM or SIGINT it stops serving and
-prints ``{"event": "stopped", ...}`` with what it computed (forwards, backwards, samples,
-optimizer steps, refusals).
+serves (with ``stage_param_mb``, ``start_rss_mb``, ``built_peak_rss_mb`` and ``peak_rss_mb``: what
+its stage holds, the process's resident memory before the model, at its peak once the stage was
+built, and at its peak so far), one
+``{"event": "stage", ...}`` per move, and on SIGTERM or SIGINT it stops serving and prints
+``{"event": "stopped", ...}`` with what it computed (forwards, backwards, samples, optimizer
+steps, refusals) and its peak resident memory.
 """
 
 from __future__ import annotations
@@ -31,14 +39,21 @@ import torch
 from murmur.node.net.faults import FaultInjector
 from murmur.node.pipeline import stage_state
 from murmur.node.pipeline.config import (
+    MIB,
+    PipelineSection,
+    add_device_args,
     add_model_args,
+    autocast_of,
     log_to_stderr,
+    message_limits,
     model_from_args,
     model_from_run,
     refuse_model_args,
 )
 from murmur.node.pipeline.member import PipelineMember
+from murmur.node.pipeline.memory import peak_rss_mb, rss_mb
 from murmur.node.pipeline.stage_peer import StagePeer, StagePeerSettings
+from murmur.node.train.build import resolve_device
 from murmur.protocol.identity import Identity
 from murmur.protocol.runconfig import OptimSection, parse_config
 
@@ -50,22 +65,31 @@ def emit(**record: object) -> None:
 def settings_of(args: argparse.Namespace, member: PipelineMember | None):
     """(model, StagePeerSettings) from the run config when it is pipelined, else from the command line."""
     run = parse_config(member.info.config_toml, "the run config") if member is not None else None
+    device = resolve_device(args.device)
     if run is not None and run.pipeline is not None:
         refuse_model_args(args)
         model, pipe = model_from_run(run)
+        cap, payload = message_limits(pipe)
         return model, StagePeerSettings(
             stages=pipe.stages, layers=pipe.layers, seed=run.seed, optim=run.optim,
             target_samples=pipe.target_samples, grad_clip=run.optim.grad_clip, replica_every_s=pipe.replica_every_s,
             host=args.host, max_rows=args.max_rows, pipelined=True, sync=run.sync, sync_every_s=pipe.sync_every_s,
+            device=str(device), autocast=autocast_of(run.train.dtype, device), max_message_bytes=cap,
+            max_payload_bytes=payload,
         )
     if args.stages is None or args.stage is None:
         raise SystemExit("error: --stage and --stages are needed unless the run config has a [pipeline] section")
     model, layers = model_from_args(args)
+    cap, payload = message_limits(PipelineSection(message_cap_mb=args.message_cap_mb,
+                                                  max_payload_mb=max(args.max_payload_mb, args.message_cap_mb)))
     return model, StagePeerSettings(
         stages=args.stages, layers=layers, seed=args.seed,
         optim=OptimSection(lr=args.lr, warmup_steps=0, grad_clip=args.grad_clip),
         target_samples=args.target_samples, grad_clip=args.grad_clip, host=args.host, max_rows=args.max_rows,
+        device=str(device), autocast=autocast_of(args.dtype, device), max_message_bytes=cap,
+        max_payload_bytes=payload,
     )
+
 
 
 async def show_progress(peer: StagePeer, every_s: float) -> None:
@@ -81,6 +105,7 @@ async def show_progress(peer: StagePeer, every_s: float) -> None:
 
 
 async def serve(args: argparse.Namespace) -> None:
+    start_rss = rss_mb()  # the interpreter, torch and grpc, before any of the model
     member = await PipelineMember.join(args.coordinator, args.token) if args.coordinator else None
     model, settings = settings_of(args, member)
     ident = member.ident if member is not None else Identity.load(args.identity)
@@ -103,7 +128,10 @@ async def serve(args: argparse.Namespace) -> None:
     emit(event="ready", node_id=ident.node_id, address=peer.service.address, stage=span.index,
          first_block=span.first_block, end_block=span.end_block, state_address=peer.state_address,
          state_hash=stage_state.state_hash(peer.worker.module), fetched_from=peer.fetched_from,
-         state_source=peer.state_source)
+         state_source=peer.state_source, device=peer.settings.device, autocast=peer.settings.autocast,
+         stage_param_mb=round(peer.worker.module.parameter_bytes() / MIB, 3),
+         start_rss_mb=round(start_rss, 1), built_peak_rss_mb=round(peer.built_peak_rss_mb, 1),
+         peak_rss_mb=round(peak_rss_mb(), 1))
     progress = asyncio.create_task(show_progress(peer, args.progress_every))
     await stop.wait()
     progress.cancel()
@@ -120,7 +148,7 @@ async def serve(args: argparse.Namespace) -> None:
          sync_last_round=peer.sync.last_round if peer.sync else -1,
          sync_adopted=peer.sync.adopted if peer.sync else 0,
          sync_last_error=peer.sync.last_error if peer.sync else "",
-         state_hash=stage_state.state_hash(worker.module))
+         state_hash=stage_state.state_hash(worker.module), peak_rss_mb=round(peak_rss_mb(), 1))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -132,6 +160,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stage", type=int, default=None,
                     help="the stage to serve (default in a pipelined run: the coordinator assigns it)")
     add_model_args(ap)
+    add_device_args(ap)
+    ap.add_argument("--message-cap-mb", type=float, default=PipelineSection().message_cap_mb,
+                    help="one gRPC message; bigger payloads stream (joined to a pipelined run: the run's setting)")
+    ap.add_argument("--max-payload-mb", type=float, default=PipelineSection().max_payload_mb,
+                    help="the most one streamed payload may carry")
     ap.add_argument("--target-samples", type=int, default=16, help="samples per optimizer step")
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--grad-clip", type=float, default=1.0, help="per-stage gradient clipping (0: off)")

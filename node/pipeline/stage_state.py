@@ -26,11 +26,13 @@ def state_name(stage: int) -> str:
 
 
 def snapshot(module: StageModule) -> list[tuple[str, torch.Tensor]]:
-    return [(n, p.detach().clone()) for n, p in module.named_stage_parameters()]
+    """A CPU copy of the stage's parameters (the peer server sends CPU tensors; on a GPU stage
+    this is also the only copy that leaves the device)."""
+    return [(n, p.detach().to("cpu", copy=True)) for n, p in module.named_stage_parameters()]
 
 
 def state_hash(module: StageModule) -> str:
-    return tensors_hash((n, p.detach()) for n, p in module.named_stage_parameters()).hex()
+    return tensors_hash((n, p.detach().cpu()) for n, p in module.named_stage_parameters()).hex()
 
 
 def published(module: StageModule) -> PublishedState:

@@ -75,7 +75,7 @@ class StageWorker:
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         with self.lock, torch.no_grad():
             t0, c0 = time.perf_counter(), time.thread_time()
-            out = self.module(x)
+            out = self.module(x.to(self.module.device)).cpu()  # the wire's codecs read CPU tensors
             self.stats.compute_seconds += time.perf_counter() - t0
             self.stats.cpu_seconds += time.thread_time() - c0
             self.stats.forwards += 1
@@ -94,6 +94,8 @@ class StageWorker:
         with self.lock:
             t0, c0 = time.perf_counter(), time.thread_time()
             rows = x.shape[0]
+            dev = self.module.device
+            x, grad_outputs, targets = (None if t is None else t.to(dev) for t in (x, grad_outputs, targets))
             inputs = x if self.span.is_first else x.detach().requires_grad_(True)
             wrt = self.params if self.span.is_first else [inputs, *self.params]
             with torch.enable_grad():
@@ -104,7 +106,7 @@ class StageWorker:
                 else:
                     loss = None
                     grads = torch.autograd.grad(out, wrt, grad_outputs)
-            grad_inputs = None if self.span.is_first else grads[0]
+            grad_inputs = None if self.span.is_first else grads[0].cpu()
             param_grads = grads if self.span.is_first else grads[1:]
             self.stats.compute_seconds += time.perf_counter() - t0
             self.stats.cpu_seconds += time.thread_time() - c0

@@ -64,7 +64,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         v.add_argument("--out", default="runs/testnet", help="folder for the ledger, node states, logs, PNG")
         v.add_argument("--threads", type=int, default=1, help="torch threads per node (default 1)")
         v.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
-                       help="every node's --device (default auto: a GPU when there is one)")
+                       help="every node's (with --stages: every stage peer's) --device (default auto: a GPU when "
+                            "there is one)")
         v.add_argument("--gpus", type=int, default=1,
                        help="local ranks per node (murmur node run --gpus): one per GPU, CPU processes otherwise")
         v.add_argument("--solo", action="store_true", help=argparse.SUPPRESS)  # nodes without peers

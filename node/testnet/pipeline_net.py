@@ -7,7 +7,9 @@ their defaults). The coordinator assigns each of the N stage peers a stage as it
 rebalances them; the D drivers lease shards, send microbatches through the stages and commit
 the tokens of completed ones. A table of the stages (peers, samples/s, queue, last move) and of
 the drivers (microbatches committed, loss) is redrawn every few seconds; at the end everything
-is stopped with SIGTERM and OUT/summary.json holds the last view.
+is stopped with SIGTERM and OUT/summary.json holds the last view. ``--device`` is every stage
+peer's (auto: a GPU where there is one, with bf16 autocast unless the config's train.dtype says
+fp32); each builds only its stage, there.
 """
 
 from __future__ import annotations
@@ -80,7 +82,7 @@ def run_pipeline(args, out: Path, config_path: Path, data: Path, coordinator_arg
         join = ["--coordinator", str(info["address"]), "--token", token]
         for i in range(args.nodes):
             p = PipelineProc(f"peer-{i}", "murmur.node.pipeline.stage_peer_process",
-                             [*join, "--threads", str(args.threads)],
+                             [*join, "--threads", str(args.threads), "--device", getattr(args, "device", "cpu")],
                              out / "nodes" / f"peer-{i}.jsonl", out / "nodes" / f"peer-{i}.log")
             p.start(args.threads)
             peers.append(p)
