@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from murmur.protocol import tensor_pb2 as murmur_dot_protocol_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1emurmur/protocol/pipeline.proto\x12\tmurmur.v1\x1a\x1cmurmur/protocol/tensor.proto\"\x99\x01\n\x0e\x46orwardRequest\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\r\n\x05stage\x18\x03 \x01(\r\x12\x12\n\nmicrobatch\x18\x04 \x01(\t\x12%\n\x06inputs\x18\x05 \x01(\x0b\x32\x15.murmur.v1.WireTensor\x12\x13\n\x0breply_codec\x18\x06 \x01(\t\"I\n\x0c\x46orwardReply\x12&\n\x07outputs\x18\x01 \x01(\x0b\x32\x15.murmur.v1.WireTensor\x12\x11\n\tcompute_s\x18\x02 \x01(\x01\"\xef\x01\n\x0f\x42\x61\x63kwardRequest\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\r\n\x05stage\x18\x03 \x01(\r\x12\x12\n\nmicrobatch\x18\x04 \x01(\t\x12%\n\x06inputs\x18\x05 \x01(\x0b\x32\x15.murmur.v1.WireTensor\x12+\n\x0cgrad_outputs\x18\x06 \x01(\x0b\x32\x15.murmur.v1.WireTensor\x12&\n\x07targets\x18\x07 \x01(\x0b\x32\x15.murmur.v1.WireTensor\x12\x13\n\x0breply_codec\x18\x08 \x01(\t\"\x86\x01\n\rBackwardReply\x12*\n\x0bgrad_inputs\x18\x01 \x01(\x0b\x32\x15.murmur.v1.WireTensor\x12\x0c\n\x04loss\x18\x02 \x01(\x01\x12\x0f\n\x07stepped\x18\x03 \x01(\x08\x12\x17\n\x0foptimizer_steps\x18\x04 \x01(\x04\x12\x11\n\tcompute_s\x18\x05 \x01(\x01\",\n\x10StageInfoRequest\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\"\xff\x01\n\tStageInfo\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\r\n\x05stage\x18\x03 \x01(\r\x12\x0e\n\x06stages\x18\x04 \x01(\r\x12\x13\n\x0b\x66irst_block\x18\x05 \x01(\r\x12\x11\n\tend_block\x18\x06 \x01(\r\x12\x15\n\rsamples_per_s\x18\x07 \x01(\x01\x12\r\n\x05queue\x18\x08 \x01(\r\x12\x10\n\x08\x66orwards\x18\t \x01(\x04\x12\x11\n\tbackwards\x18\n \x01(\x04\x12\x17\n\x0foptimizer_steps\x18\x0b \x01(\x04\x12\x15\n\rsamples_total\x18\x0c \x01(\x04\x12\x0f\n\x07refused\x18\r \x01(\x04\x32\xc3\x01\n\x05Stage\x12=\n\x07\x46orward\x12\x19.murmur.v1.ForwardRequest\x1a\x17.murmur.v1.ForwardReply\x12@\n\x08\x42\x61\x63kward\x12\x1a.murmur.v1.BackwardRequest\x1a\x18.murmur.v1.BackwardReply\x12\x39\n\x04Info\x12\x1b.murmur.v1.StageInfoRequest\x1a\x14.murmur.v1.StageInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1emurmur/protocol/pipeline.proto\x12\tmurmur.v1\x1a\x1cmurmur/protocol/tensor.proto\"\xc1\x01\n\x0e\x46orwardRequest\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\r\n\x05stage\x18\x03 \x01(\r\x12\x12\n\nmicrobatch\x18\x04 \x01(\t\x12%\n\x06inputs\x18\x05 \x01(\x0b\x32\x15.murmur.v1.WireTensor\x12\x13\n\x0breply_codec\x18\x06 \x01(\t\x12&\n\x07targets\x18\x07 \x01(\x0b\x32\x15.murmur.v1.WireTensor\"W\n\x0c\x46orwardReply\x12&\n\x07outputs\x18\x01 \x01(\x0b\x32\x15.murmur.v1.WireTensor\x12\x11\n\tcompute_s\x18\x02 \x01(\x01\x12\x0c\n\x04loss\x18\x03 \x01(\x01\"\xef\x01\n\x0f\x42\x61\x63kwardRequest\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\r\n\x05stage\x18\x03 \x01(\r\x12\x12\n\nmicrobatch\x18\x04 \x01(\t\x12%\n\x06inputs\x18\x05 \x01(\x0b\x32\x15.murmur.v1.WireTensor\x12+\n\x0cgrad_outputs\x18\x06 \x01(\x0b\x32\x15.murmur.v1.WireTensor\x12&\n\x07targets\x18\x07 \x01(\x0b\x32\x15.murmur.v1.WireTensor\x12\x13\n\x0breply_codec\x18\x08 \x01(\t\"\x86\x01\n\rBackwardReply\x12*\n\x0bgrad_inputs\x18\x01 \x01(\x0b\x32\x15.murmur.v1.WireTensor\x12\x0c\n\x04loss\x18\x02 \x01(\x01\x12\x0f\n\x07stepped\x18\x03 \x01(\x08\x12\x17\n\x0foptimizer_steps\x18\x04 \x01(\x04\x12\x11\n\tcompute_s\x18\x05 \x01(\x01\",\n\x10StageInfoRequest\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\"\xff\x01\n\tStageInfo\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\r\n\x05stage\x18\x03 \x01(\r\x12\x0e\n\x06stages\x18\x04 \x01(\r\x12\x13\n\x0b\x66irst_block\x18\x05 \x01(\r\x12\x11\n\tend_block\x18\x06 \x01(\r\x12\x15\n\rsamples_per_s\x18\x07 \x01(\x01\x12\r\n\x05queue\x18\x08 \x01(\r\x12\x10\n\x08\x66orwards\x18\t \x01(\x04\x12\x11\n\tbackwards\x18\n \x01(\x04\x12\x17\n\x0foptimizer_steps\x18\x0b \x01(\x04\x12\x15\n\rsamples_total\x18\x0c \x01(\x04\x12\x0f\n\x07refused\x18\r \x01(\x04\x32\xc3\x01\n\x05Stage\x12=\n\x07\x46orward\x12\x19.murmur.v1.ForwardRequest\x1a\x17.murmur.v1.ForwardReply\x12@\n\x08\x42\x61\x63kward\x12\x1a.murmur.v1.BackwardRequest\x1a\x18.murmur.v1.BackwardReply\x12\x39\n\x04Info\x12\x1b.murmur.v1.StageInfoRequest\x1a\x14.murmur.v1.StageInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,17 +33,17 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'murmur.protocol.pipeline_pb
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_FORWARDREQUEST']._serialized_start=76
-  _globals['_FORWARDREQUEST']._serialized_end=229
-  _globals['_FORWARDREPLY']._serialized_start=231
-  _globals['_FORWARDREPLY']._serialized_end=304
-  _globals['_BACKWARDREQUEST']._serialized_start=307
-  _globals['_BACKWARDREQUEST']._serialized_end=546
-  _globals['_BACKWARDREPLY']._serialized_start=549
-  _globals['_BACKWARDREPLY']._serialized_end=683
-  _globals['_STAGEINFOREQUEST']._serialized_start=685
-  _globals['_STAGEINFOREQUEST']._serialized_end=729
-  _globals['_STAGEINFO']._serialized_start=732
-  _globals['_STAGEINFO']._serialized_end=987
-  _globals['_STAGE']._serialized_start=990
-  _globals['_STAGE']._serialized_end=1185
+  _globals['_FORWARDREQUEST']._serialized_end=269
+  _globals['_FORWARDREPLY']._serialized_start=271
+  _globals['_FORWARDREPLY']._serialized_end=358
+  _globals['_BACKWARDREQUEST']._serialized_start=361
+  _globals['_BACKWARDREQUEST']._serialized_end=600
+  _globals['_BACKWARDREPLY']._serialized_start=603
+  _globals['_BACKWARDREPLY']._serialized_end=737
+  _globals['_STAGEINFOREQUEST']._serialized_start=739
+  _globals['_STAGEINFOREQUEST']._serialized_end=783
+  _globals['_STAGEINFO']._serialized_start=786
+  _globals['_STAGEINFO']._serialized_end=1041
+  _globals['_STAGE']._serialized_start=1044
+  _globals['_STAGE']._serialized_end=1239
 # @@protoc_insertion_point(module_scope)

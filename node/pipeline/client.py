@@ -74,6 +74,19 @@ class StageClient:
         out = codec.decode(reply.outputs, shape=(*inputs.shape[:2], dim), what=f"outputs of {peer.node_id}")
         return out, request.ByteSize() + reply.ByteSize()
 
+    async def evaluate(
+        self, peer: StageEndpoint, microbatch: str, inputs: torch.Tensor, targets: torch.Tensor, *,
+        activation_codec: str, timeout: float,
+    ) -> tuple[float, int]:
+        """The last stage's mean loss of ``targets`` (nothing trained) and the bytes on the wire."""
+        request = pipeline_pb2.ForwardRequest(
+            protocol_version=PROTOCOL_VERSION, run_id=self.run_id, stage=peer.stage, microbatch=microbatch,
+            inputs=codec.encode(inputs, _codec_for(inputs, activation_codec)), reply_codec=activation_codec,
+            targets=codec.encode(targets, "tokens"),
+        )
+        reply = await self._stub(peer).Forward(request, metadata=version_metadata(), timeout=timeout)
+        return reply.loss, request.ByteSize() + reply.ByteSize()
+
     async def backward(
         self, peer: StageEndpoint, microbatch: str, inputs: torch.Tensor, *,
         grad_outputs: torch.Tensor | None = None, targets: torch.Tensor | None = None,

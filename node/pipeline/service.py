@@ -229,16 +229,24 @@ class StageService(pipeline_pb2_grpc.StageServicer):
         try:
             peer_id = self._admit(context)
             self._check_target(request.run_id, request.stage)
-            if self.span.is_last:
+            if self.span.is_last != request.HasField("targets"):
                 raise Refused(
                     grpc.StatusCode.FAILED_PRECONDITION,
-                    "the last stage has no Forward: send Backward with the targets",
+                    "a Forward to the last stage evaluates targets (train with Backward); no other stage takes them",
                 )
             reply_codec = self._reply_codec(request.reply_codec)
             x = self._inputs(request)
+            targets = None
+            if self.span.is_last:  # an evaluation: the loss of the targets, nothing accumulated
+                if request.targets.codec != "tokens":
+                    raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "targets: the last stage needs token ids")
+                targets = self._decode(request.targets, tuple(x.shape[:2]), "targets")
         except Refused as err:
             await self._refuse(context, peer_id, err)
         t0 = time.perf_counter()
+        if targets is not None:
+            loss = await self._compute(lambda: self.worker.evaluate(x, targets), x.shape[0])
+            return pipeline_pb2.ForwardReply(loss=loss, compute_s=time.perf_counter() - t0)
         out = await self._compute(lambda: self.worker.forward(x), x.shape[0])
         return pipeline_pb2.ForwardReply(
             outputs=codec.encode(out, reply_codec), compute_s=time.perf_counter() - t0
