@@ -58,6 +58,7 @@ class StagePeerSettings:
     sync_every_s: float = 0.0  # 0: stage-mates do not sync (node/pipeline/stage_sync.py)
     host: str = "127.0.0.1"
     max_rows: int = 64
+    lr_now: Callable[[], float] | None = None  # the run's schedule (node/pipeline/schedule.py); None: optim.lr
 
 
 class StagePeer:
@@ -206,6 +207,7 @@ class StagePeer:
             log.warning("stage %d has no live peer and no replica: it starts from the seed's weights", stage)
         worker = StageWorker(module, self.settings.optim, target_samples=self.settings.target_samples,
                              grad_clip=self.settings.grad_clip)
+        worker.lr_now = self.settings.lr_now
         old = self.service.worker if self.service is not None else None
         if self.service is None:
             self.service = StageService(self.ident, worker, run_id=self.run_id, faults=self.faults,
