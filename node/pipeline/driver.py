@@ -204,8 +204,10 @@ async def run_in_order(
     on_done: Callable[[int, MicrobatchResult], None],
     on_commit: Callable[[int, int], Awaitable[None] | None],
     start: int = 0,
+    stop: Callable[[], bool] = lambda: False,
 ) -> int:
-    """Microbatches ``start .. start+count-1`` with up to ``concurrency`` in flight; a failed one is
+    """Microbatches ``start .. start+count-1`` with up to ``concurrency`` in flight (no new one is
+    started once ``stop()`` says so: those in flight complete and are committed); a failed one is
     run again after a pause (``microbatch_retry_s``, doubling up to 30 s, cut short when a peer
     enters a stage). The run stops (raising the last `MicrobatchFailed`) only when a microbatch
     failed ``microbatch_attempts`` times and no microbatch at all completed for ``stage_wait_s``:
@@ -242,7 +244,7 @@ async def run_in_order(
         return None
 
     async def lane() -> None:
-        while not failure:
+        while not failure and not stop():
             try:
                 i = queue.get_nowait()
             except asyncio.QueueEmpty:

@@ -322,14 +322,16 @@ async def follow_schedule(args, member, schedule, driver, dataset, cfg, model_cf
                                             "run_tokens": reply.run_tokens_committed, "val_loss": val})
 
         try:
-            await run_in_order(driver, batches, count, concurrency=args.concurrency, on_done=on_done,
-                               on_commit=on_commit, start=first)
+            # Other drivers' commits count too: stop starting microbatches once the run's schedule
+            # is done by the newest view of the ledger (within a microbatch or two a driver).
+            end = await run_in_order(driver, batches, count, concurrency=args.concurrency, on_done=on_done,
+                                     on_commit=on_commit, start=first, stop=lambda: schedule.done)
         except LeaseGone as err:
             emit(event="lease_lost", shard=lease.shard_id, reason=str(err))
             next_index = tally["end"]  # the lost lease's uncommitted microbatches are another lease's now
             continue
-        next_index = first + count
-        if count < len(plan):  # cut short by the schedule or --microbatches: the rest is another's
+        next_index = end
+        if end - first < len(plan):  # cut short by the schedule or --microbatches: the rest is another's
             with contextlib.suppress(CoordinatorError):
                 await member.client.release(lease.lease_id)
 
