@@ -81,13 +81,17 @@ async def show_progress(peer: StagePeer, every_s: float) -> None:
         await asyncio.sleep(every_s)
         rep = peer.report()
         sync = f", {peer.sync.rounds} sync rounds ({peer.sync.failed} failed)" if peer.sync else ""
-        log.info("stage %d of %d (blocks %d-%d): %d samples, %d steps, %.1f samples/s, queue %d%s",
+        lr = peer.worker.optimizer.param_groups[0]["lr"] if peer.worker is not None else 0.0
+        log.info("stage %d of %d (blocks %d-%d): %d samples, %d steps at lr %.2e, %.1f samples/s, queue %d%s",
                  rep.stage, peer.settings.stages, rep.first_block, rep.end_block - 1, rep.samples_total,
-                 rep.optimizer_steps, rep.samples_per_s, rep.queue, sync)
+                 rep.optimizer_steps, lr, rep.samples_per_s, rep.queue, sync)
+
+
+PROGRESS_EVERY_S = 0.5  # at most: the lr of a step lags the run's progress by about this
 
 
 async def follow_progress(member: PipelineMember, schedule: RunSchedule, every_s: float) -> None:
-    """The run's ledger total, polled at the heartbeat's cadence: the lr of every step follows it."""
+    """The run's ledger total, polled: the lr of every step follows it."""
     while True:
         with contextlib.suppress(CoordinatorError):
             schedule.heard((await member.stages()).tokens_committed)
@@ -99,7 +103,8 @@ async def serve(args: argparse.Namespace) -> None:
     model, settings, schedule = settings_of(args, member)
     follower = None
     if schedule is not None:
-        follower = asyncio.create_task(follow_progress(member, schedule, member.info.heartbeat_interval_s))
+        every = min(PROGRESS_EVERY_S, member.info.heartbeat_interval_s)
+        follower = asyncio.create_task(follow_progress(member, schedule, every))
     ident = member.ident if member is not None else Identity.load(args.identity)
     run_id = member.info.run_id if member is not None else args.run
     donors = None
