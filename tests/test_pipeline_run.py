@@ -196,3 +196,36 @@ def test_a_stage_emptied_by_sigkill_is_refilled_and_the_same_drivers_go_on(tmp_p
     # the schedule, give or take the microbatches in flight (and a second of the other driver's
     # commits) when it ended
     assert steps * TOKENS_PER_MB <= tokens <= (steps + 16) * TOKENS_PER_MB, tokens
+
+
+def test_a_driver_refuses_a_device_this_machine_does_not_have_in_one_line(tmp_path, small_shards):
+    import subprocess
+
+    from _net_helpers import REPO, python_env
+
+    from murmur.node.testnet.procs import start_module
+
+    proc = start_module("murmur.node.pipeline.driver_process",
+                        ["--coordinator", "127.0.0.1:9", "--token", "x", "--data", str(small_shards),
+                         "--device", "cuda:99"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                        env=python_env(), cwd=REPO)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 2, (out, err)
+    assert err.count("\n") == 1 and err.startswith("error: --device cuda:99"), err
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_driver_on_a_gpu_drives_the_stages(tmp_path, small_shards):
+    overrides = [*PIPELINE, "train.steps=8", "train.eval_every=4"]
+    with coordinator(tmp_path, small_shards, joins=3, overrides=overrides) as (net, join):
+        peers = []
+        try:
+            peers = [start_run_peer(tmp_path / f"peer{i}", join) for i in range(2)]
+            driver = start_driver(None, tmp_path, small_shards, "driver", "--device", "cuda", join=join)
+            out = finish(driver)
+        finally:
+            stop_all(peers)
+    assert driver.returncode == 0, out[-3000:]
+    (done,) = records(out, "done")
+    assert done["device"].startswith("cuda") and done["committed_tokens"] == 8 * TOKENS_PER_MB, done
+    assert [v["step"] for v in records(out, "val")] == [4, 8]

@@ -45,3 +45,25 @@ def test_a_lease_is_cut_into_whole_sequences_and_its_tail_goes_with_the_last_mic
     assert all(plan[i][2] == plan[i + 1][0] for i in range(len(plan) - 1))
     assert lease_plan(0, 64, rows=4, seq_len=64) == []  # less than one sequence and its target
     assert lease_plan(0, 65, rows=4, seq_len=64) == [(0, 1, 65)]
+
+
+def test_a_stage_worker_steps_at_the_lr_the_schedule_gives_at_each_step():
+    import torch
+
+    from murmur.node.model.stages import build_stage, split_layers
+    from murmur.node.model.transformer import model_config
+    from murmur.node.pipeline.worker import StageWorker
+    from murmur.protocol.runconfig import OptimSection
+
+    cfg = model_config("tiny", n_layers=1, dim=32, hidden_dim=64, seq_len=16)
+    (span,) = split_layers(1, 1)
+    worker = StageWorker(build_stage(cfg, 0, span), OptimSection(lr=1e-3, warmup_steps=0), target_samples=2)
+    s = schedule()
+    worker.lr_now = s.lr
+    seen = []
+    worker.on_step = lambda: seen.append(worker.optimizer.param_groups[0]["lr"])
+    x = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len))
+    for tokens in (0, 50 * 8 * 64, 100 * 8 * 64):  # the ledger's total moves between the steps
+        s.heard(tokens)
+        worker.backward(x, targets=x)
+    assert seen == pytest.approx([lr_at(0, 100, s.optim), lr_at(50, 100, s.optim), lr_at(100, 100, s.optim)])
