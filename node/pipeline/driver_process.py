@@ -1,23 +1,28 @@
 """One pipeline driver as a process: it holds the data and sends microbatches through the stages.
 
+    python -m murmur.node.pipeline.driver_process --coordinator HOST:PORT --token TOKEN --data DATASET
     python -m murmur.node.pipeline.driver_process --identity DIR --run RUN --peers peers.json \
         --stages 2 [model args] --data DATASET --shard 0 --microbatches 40 \
         [--microbatch-size 4] [--concurrency 2] [--codec bf16] [--commit-log FILE]
 
-Joined to a run whose config has a ``[pipeline]`` section, the run config names the model and the
-pipeline, and the stage peers come from the coordinator (``GetStages``, polled every
-``--peers-every`` seconds): each peer under the stage it serves now. Otherwise
-``peers.json`` is ``{"peers": [{"node_id", "address", "stage"}, ...]}``, re-read every
-``--peers-every`` seconds, so whoever launches the stage peers (a test, the testnet) may change
-it while the driver runs. Microbatch i holds the tokens [i*B*T, (i+1)*B*T] of the shard (wrapping
-round at its end). With ``--coordinator`` and ``--token`` it joins the run instead, leases a
-shard and reads microbatches from the lease's committed offset, committing each contiguous range
-of completed microbatches to the coordinator's ledger. Output: one JSON line per completed
-microbatch (loss, the peer of every hop, retries), one per commit (the contiguous range of
-microbatches and their tokens, also appended to ``--commit-log`` and fsynced), and a last line
-``{"event": "done", ...}`` with the committed token count and how many hops each peer served.
-"""
+Joined to a run (``--coordinator`` and ``--token``) whose config has a ``[pipeline]`` section, the
+run config names the model and the pipeline, the stage peers come from the coordinator
+(``GetStages``, polled every ``--peers-every`` seconds: each peer under the stage it serves now),
+and the driver follows the run's schedule (node/pipeline/schedule.py, docs/pipeline.md "Drivers
+and the run's schedule"): it leases shard after shard, sends each lease's tokens from its
+committed offset, commits each contiguous range of completed microbatches to the ledger (with the
+validation loss when the commit crosses an evaluation point) and stops at the schedule's end, when
+every shard is done, or after ``--microbatches`` if given. Otherwise ``peers.json`` is ``{"peers":
+[{"node_id", "address", "stage"}, ...]}``, re-read every ``--peers-every`` seconds, so whoever
+launches the stage peers (a test, the testnet) may change it while the driver runs, and
+microbatch i holds the tokens [i*B*T, (i+1)*B*T] of ``--shard`` (wrapping round at its end).
 
+Output: one JSON line per lease, per completed microbatch (loss, the peer of every hop, retries),
+per evaluation (``val``) and per commit (the contiguous range of microbatches and their tokens,
+also appended to ``--commit-log`` and fsynced), and a last line ``{"event": "done", ...}`` with
+why it stopped, what it committed (tokens, microbatches, the end index) and how many hops each
+peer served.
+"""
 from __future__ import annotations
 
 import argparse
@@ -302,7 +307,7 @@ async def follow_schedule(args, member, schedule, driver, dataset, cfg, model_cf
 
         async def on_commit(lo: int, hi: int, lease=lease, plan=plan, first=first) -> None:
             start, end = plan[lo - first][0], plan[hi - 1 - first][2]
-            loss = sum(losses[i] for i in range(lo, hi)) / (hi - lo)
+            loss = sum(losses.pop(i) for i in range(lo, hi)) / (hi - lo)  # popped: a long run's memory stays flat
             before = schedule.tokens_committed
             step = schedule.step_at(before + end - start)
             val = None
