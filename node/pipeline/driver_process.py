@@ -254,7 +254,7 @@ async def drive(args: argparse.Namespace) -> int:
         else:
             why = await follow_schedule(args, member, schedule, driver, dataset, cfg, model_cfg, on_done,
                                         committed, losses, evaluate, tally)
-    except MicrobatchFailed as err:
+    except (MicrobatchFailed, CoordinatorError) as err:  # a stage never refilled, a coordinator gone for good
         emit(event="failed", reason=str(err))
         status, why = 1, f"failed: {err}"
     finally:
