@@ -28,7 +28,8 @@ each second is rewritten when it is ready. Rows:
   driver_gap_s, the longest pause of the driver's completions), load (the machine's load
   averages at the end of the row: other jobs share these cores).
 
-Writes benchmarks/results/pipeline.json. Needs root (namespaces); cleans up after itself.
+Writes benchmarks/results/pipeline.json. Needs root (namespaces) and ip, tc and iptables (checked
+first, with a one-line error); cleans up after itself, a row that fails halfway included.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ import json
 import os
 import platform
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -54,6 +56,7 @@ import exchange as shaped  # noqa: E402 - the namespaces and tbf shaping of the 
 
 MODEL = ["--preset", "tiny", "--n-layers", "4", "--dim", "128", "--seq-len", "128", "--seed", "0"]
 MICROBATCH = 4
+NEEDED_TOOLS = ("ip", "tc", "iptables")  # checked before anything is built
 START_TIMEOUT_S = 300
 
 
@@ -132,8 +135,12 @@ def one_row(args, work: Path, data: Path, rate: int, codec: str, mtbf: float) ->
     from murmur.protocol.identity import CertificateAuthority
 
     n_peers = args.stages * args.peers_per_stage
-    shaped.net_up(n_peers + 1, args.congestion)
-    shaped.set_rate(n_peers + 1, rate)
+    try:
+        shaped.net_up(n_peers + 1, args.congestion)
+        shaped.set_rate(n_peers + 1, rate)
+    except BaseException:
+        shaped.net_down(n_peers + 1)  # a half-built network (bridge, namespaces) is not left behind
+        raise
     ca = CertificateAuthority.create("bench")
     row_dir = Path(tempfile.mkdtemp(dir=work))
     for i in range(n_peers + 1):
@@ -165,14 +172,16 @@ def one_row(args, work: Path, data: Path, rate: int, codec: str, mtbf: float) ->
         if monkey is not None:
             monkey.join()
     finally:
-        stop.set()
-        if driver is not None and driver.poll() is None:
-            driver.kill()
-            driver.wait()
-        for p in peers:
-            p.stop()
-            p.kill()
-        shaped.net_down(n_peers + 1)
+        try:
+            stop.set()
+            if driver is not None and driver.poll() is None:
+                driver.kill()
+                driver.wait()
+            for p in peers:
+                p.stop()
+                p.kill()
+        finally:  # a second signal while the processes stop must not leave the bridge behind
+            shaped.net_down(n_peers + 1)
     recs = [json.loads(line) for line in out.splitlines()]
     done = next(r for r in recs if r["event"] == "done")
     retries = sum(r["retries"] for r in recs if r["event"] == "microbatch")
@@ -314,6 +323,10 @@ def main() -> int:
     args = ap.parse_args()
     if os.geteuid() != 0:
         raise SystemExit("error: needs root for network namespaces (sudo)")
+    missing = [tool for tool in NEEDED_TOOLS if shutil.which(tool) is None]
+    if missing:
+        raise SystemExit(f"error: benchmarks/pipeline.py needs {', '.join(missing)} on the PATH (network namespaces, "
+                         "link shaping and the bridge's FORWARD rule); e.g. apt-get install iproute2 iptables")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so each row's cleanup runs
     from murmur.node.model.data import prepare
 

@@ -37,6 +37,7 @@ from .trainers import SplitRound
 
 T = TypeVar("T")
 MAX_REJECTIONS_PER_REPORT = 1000  # what one ReportRejections may carry (the node batches below it)
+MAX_MEASURED = 1000  # peer rates one driver heartbeat may carry (a run has far fewer stage peers)
 
 
 class Stats:
@@ -166,6 +167,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             order = None
             if request.HasField("stage_peer"):
                 order = self.stage_board.report(node_id, run_id, request.stage_peer)
+            if request.measured:  # a pipeline driver's measurements of the stage peers
+                self.stage_board.measured(node_id, run_id, list(request.measured)[:MAX_MEASURED])
             reply = pb.HeartbeatReply(
                 run_state=self.membership.run_states.get(run_id, "finished"),
                 heartbeat_interval_s=self.settings.heartbeat_interval_s,
@@ -244,6 +247,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 duplicate=result.duplicate,
                 committed_offset=result.committed_offset,
                 shard_done=result.shard_done,
+                run_tokens_committed=int(self.store.run_totals(run_id)["tokens_committed"]),
             )
 
         return await self._run("Commit", context, call)

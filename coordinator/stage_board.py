@@ -17,6 +17,13 @@ the stage its lease names is not the one it serves. The lease is a row of the le
 - a peer that is lost, leaves or is banned loses its lease (``stage_lost``); a move it was
   making is forgotten.
 
+**Whose throughput.** Each peer reports its own samples/s, but that is its compute rate on its own
+stage: a stage of more blocks is slower per sample, and a peer may claim anything. Drivers measure
+every peer they send hops to (forward-equivalent samples/s over whole calls, the wire included)
+and heartbeat those rates; the rebalancing and the stage summary use the mean of the drivers'
+fresh measurements of a peer (``MEASURED_FRESH_S``) and fall back to its own claim only when no
+driver measured it lately.
+
 Every assignment, move and completion is an event in the ledger (``stage_assigned``,
 ``stage_move``, ``stage_serving``, ``stage_lost``). Reports live in memory: peers heartbeat
 again within a second of a restart, and until the coordinator's view is whole (one heartbeat TTL
@@ -42,6 +49,9 @@ from .store import Store
 # move (it could not load the state, or it ignores orders): the move is given up, its lease goes
 # back to the stage it serves, and the next move may come. Loading a stage takes seconds.
 MOVE_TIMEOUT_S = 120.0
+# A driver's measurement of a peer counts this long (drivers heartbeat every second or so): a peer
+# no driver sends hops to any more (benched, or gone) falls back to its own claim.
+MEASURED_FRESH_S = 30.0
 
 
 class NotPipelined(MurmurError):
@@ -83,6 +93,8 @@ class StageBoard:
         self._reports: dict[str, tuple[float, pb.StageReport]] = {}  # node -> (when, latest report)
         self._pipelines: dict[str, PipelineSection | None] = {}
         self._rebalancers: dict[str, Rebalancer] = {}
+        # peer -> driver -> (when, samples/s the driver measured of the peer, the stage it was on)
+        self._measured: dict[str, dict[str, tuple[float, float, int]]] = {}
         self._checked: dict[str, float] = {}  # run -> when its bottleneck was last checked
         self._last_move: dict[str, dict[int, tuple[str, float]]] = {}  # run -> stage -> (move, when)
         for lease in self._leases.values():  # a move under way when the coordinator stopped
@@ -149,8 +161,26 @@ class StageBoard:
             rate[lease.stage] += self._rate(lease.node_id)
         return min(count, key=lambda s: (count[s], rate[s], s))
 
+    def measured(self, driver_id: str, run_id: str, rates: list[pb.MeasuredRate]) -> None:
+        """Record a driver's measurements of the run's stage peers (those of other runs, and rates
+        that are not finite non-negative numbers, are ignored)."""
+        now = self.clock()
+        for m in rates:
+            lease = self._leases.get(m.node_id)
+            if lease is None or lease.run_id != run_id or not math.isfinite(m.samples_per_s) or m.samples_per_s < 0:
+                continue
+            self._measured.setdefault(m.node_id, {})[driver_id] = (now, m.samples_per_s, m.stage)
+
     def _rate(self, node_id: str) -> float:
+        """The peer's throughput on the stage it serves now: the mean of the drivers' fresh
+        measurements of it there, else its own claim."""
         entry = self._reports.get(node_id)
+        stage = entry[1].stage if entry is not None else -1
+        now = self.clock()
+        fresh = [rate for at, rate, on in self._measured.get(node_id, {}).values()
+                 if on == stage and now - at <= MEASURED_FRESH_S]
+        if fresh:
+            return sum(fresh) / len(fresh)
         return entry[1].samples_per_s if entry is not None else 0.0
 
     def _live_leases(self, run_id: str) -> list[StageLease]:
@@ -187,7 +217,7 @@ class StageBoard:
             for lease in self._live_leases(run_id):
                 entry = self._reports.get(lease.node_id)
                 if entry is not None and 0 <= entry[1].stage < pipe.stages:
-                    serving[entry[1].stage][lease.node_id] = entry[1].samples_per_s
+                    serving[entry[1].stage][lease.node_id] = self._rate(lease.node_id)
                 if lease.state == "joining":
                     filling.add(lease.stage)
             rebalancer = self._rebalancer(run_id)
@@ -243,6 +273,7 @@ class StageBoard:
                              state=lease.state)
         self._leases.pop(lease.node_id, None)
         self._reports.pop(lease.node_id, None)
+        self._measured.pop(lease.node_id, None)
         self._rebalancer(lease.run_id).abandoned(lease.node_id)
 
     # --- who serves what -------------------------------------------------------------------------
@@ -253,6 +284,7 @@ class StageBoard:
         if pipe is None:
             return out
         out.stages, out.rebalance_every_s = pipe.stages, pipe.rebalance_every_s
+        out.tokens_committed = int(self.store.run_totals(run_id)["tokens_committed"])
         summary = {s: pb.StageSummary(stage=s, first_block=-1, end_block=-1) for s in range(pipe.stages)}
         for lease in sorted(self._live_leases(run_id), key=lambda x: (x.stage, x.node_id)):
             at, rep = self._reports.get(lease.node_id, (0.0, pb.StageReport(stage=-1)))
@@ -265,7 +297,7 @@ class StageBoard:
             if 0 <= rep.stage < pipe.stages:
                 row = summary[rep.stage]
                 row.peers += 1
-                row.samples_per_s += rep.samples_per_s
+                row.samples_per_s += self._rate(lease.node_id)
                 row.queue += rep.queue
                 row.first_block, row.end_block = rep.first_block, rep.end_block
         for stage, (text, at) in self._moves(run_id).items():

@@ -61,7 +61,7 @@ class JoinReply(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., run_id: _Optional[str] = ..., certificate_pem: _Optional[bytes] = ..., ca_certificate_pem: _Optional[bytes] = ..., config_toml: _Optional[str] = ..., bootstrap_peers: _Optional[_Iterable[str]] = ..., node_address: _Optional[str] = ..., heartbeat_interval_s: _Optional[float] = ..., heartbeat_ttl_s: _Optional[float] = ..., lease_ttl_s: _Optional[float] = ..., tls_server_name: _Optional[str] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("tokens_per_s", "ban_list_version", "state", "incarnation", "peer_address", "round", "state_hash", "stage_peer", "starting")
+    __slots__ = ("tokens_per_s", "ban_list_version", "state", "incarnation", "peer_address", "round", "state_hash", "stage_peer", "starting", "measured")
     TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
     BAN_LIST_VERSION_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -71,6 +71,7 @@ class HeartbeatRequest(_message.Message):
     STATE_HASH_FIELD_NUMBER: _ClassVar[int]
     STAGE_PEER_FIELD_NUMBER: _ClassVar[int]
     STARTING_FIELD_NUMBER: _ClassVar[int]
+    MEASURED_FIELD_NUMBER: _ClassVar[int]
     tokens_per_s: float
     ban_list_version: int
     state: str
@@ -80,7 +81,18 @@ class HeartbeatRequest(_message.Message):
     state_hash: str
     stage_peer: StageReport
     starting: bool
-    def __init__(self, tokens_per_s: _Optional[float] = ..., ban_list_version: _Optional[int] = ..., state: _Optional[str] = ..., incarnation: _Optional[str] = ..., peer_address: _Optional[str] = ..., round: _Optional[int] = ..., state_hash: _Optional[str] = ..., stage_peer: _Optional[_Union[StageReport, _Mapping]] = ..., starting: _Optional[bool] = ...) -> None: ...
+    measured: _containers.RepeatedCompositeFieldContainer[MeasuredRate]
+    def __init__(self, tokens_per_s: _Optional[float] = ..., ban_list_version: _Optional[int] = ..., state: _Optional[str] = ..., incarnation: _Optional[str] = ..., peer_address: _Optional[str] = ..., round: _Optional[int] = ..., state_hash: _Optional[str] = ..., stage_peer: _Optional[_Union[StageReport, _Mapping]] = ..., starting: _Optional[bool] = ..., measured: _Optional[_Iterable[_Union[MeasuredRate, _Mapping]]] = ...) -> None: ...
+
+class MeasuredRate(_message.Message):
+    __slots__ = ("node_id", "stage", "samples_per_s")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_PER_S_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    stage: int
+    samples_per_s: float
+    def __init__(self, node_id: _Optional[str] = ..., stage: _Optional[int] = ..., samples_per_s: _Optional[float] = ...) -> None: ...
 
 class StageReport(_message.Message):
     __slots__ = ("stage", "first_block", "end_block", "address", "state_address", "samples_per_s", "queue", "optimizer_steps", "samples_total", "state_hash", "replica_stage", "replica_hash", "replica_at", "state_source")
@@ -217,14 +229,16 @@ class CommitRequest(_message.Message):
     def __init__(self, lease_id: _Optional[str] = ..., shard_id: _Optional[int] = ..., start_offset: _Optional[int] = ..., end_offset: _Optional[int] = ..., outer_step: _Optional[int] = ..., loss: _Optional[float] = ..., bytes_sent: _Optional[int] = ..., seconds: _Optional[float] = ..., round_members: _Optional[_Iterable[str]] = ..., val_loss: _Optional[float] = ...) -> None: ...
 
 class CommitReply(_message.Message):
-    __slots__ = ("duplicate", "committed_offset", "shard_done")
+    __slots__ = ("duplicate", "committed_offset", "shard_done", "run_tokens_committed")
     DUPLICATE_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_OFFSET_FIELD_NUMBER: _ClassVar[int]
     SHARD_DONE_FIELD_NUMBER: _ClassVar[int]
+    RUN_TOKENS_COMMITTED_FIELD_NUMBER: _ClassVar[int]
     duplicate: bool
     committed_offset: int
     shard_done: bool
-    def __init__(self, duplicate: _Optional[bool] = ..., committed_offset: _Optional[int] = ..., shard_done: _Optional[bool] = ...) -> None: ...
+    run_tokens_committed: int
+    def __init__(self, duplicate: _Optional[bool] = ..., committed_offset: _Optional[int] = ..., shard_done: _Optional[bool] = ..., run_tokens_committed: _Optional[int] = ...) -> None: ...
 
 class ReleaseLeaseRequest(_message.Message):
     __slots__ = ("lease_id",)
@@ -730,17 +744,19 @@ class StageSummary(_message.Message):
     def __init__(self, stage: _Optional[int] = ..., first_block: _Optional[int] = ..., end_block: _Optional[int] = ..., peers: _Optional[int] = ..., samples_per_s: _Optional[float] = ..., queue: _Optional[int] = ..., last_move: _Optional[str] = ..., last_move_at: _Optional[float] = ...) -> None: ...
 
 class StageMap(_message.Message):
-    __slots__ = ("run_id", "stages", "peers", "summary", "pending_move", "rebalance_every_s")
+    __slots__ = ("run_id", "stages", "peers", "summary", "pending_move", "rebalance_every_s", "tokens_committed")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     STAGES_FIELD_NUMBER: _ClassVar[int]
     PEERS_FIELD_NUMBER: _ClassVar[int]
     SUMMARY_FIELD_NUMBER: _ClassVar[int]
     PENDING_MOVE_FIELD_NUMBER: _ClassVar[int]
     REBALANCE_EVERY_S_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_COMMITTED_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     stages: int
     peers: _containers.RepeatedCompositeFieldContainer[StagePeerInfo]
     summary: _containers.RepeatedCompositeFieldContainer[StageSummary]
     pending_move: str
     rebalance_every_s: float
-    def __init__(self, run_id: _Optional[str] = ..., stages: _Optional[int] = ..., peers: _Optional[_Iterable[_Union[StagePeerInfo, _Mapping]]] = ..., summary: _Optional[_Iterable[_Union[StageSummary, _Mapping]]] = ..., pending_move: _Optional[str] = ..., rebalance_every_s: _Optional[float] = ...) -> None: ...
+    tokens_committed: int
+    def __init__(self, run_id: _Optional[str] = ..., stages: _Optional[int] = ..., peers: _Optional[_Iterable[_Union[StagePeerInfo, _Mapping]]] = ..., summary: _Optional[_Iterable[_Union[StageSummary, _Mapping]]] = ..., pending_move: _Optional[str] = ..., rebalance_every_s: _Optional[float] = ..., tokens_committed: _Optional[int] = ...) -> None: ...

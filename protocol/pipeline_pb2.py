@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from murmur.protocol import tensor_pb2 as murmur_dot_protocol_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1emurmur/protocol/pipeline.proto\x12\tmurmur.v1\x1a\x1cmurmur/protocol/tensor.proto\"\x92\x02\n\nStageFrame\x12\x34\n\x0f\x66orward_request\x18\x01 \x01(\x0b\x32\x19.murmur.v1.ForwardRequestH\x00\x12\x30\n\rforward_reply\x18\x02 \x01(\x0b\x32\x17.murmur.v1.ForwardReplyH\x00\x12\x36\n\x10\x62\x61\x63kward_request\x18\x03 \x01(\x0b\x32\x1a.murmur.v1.BackwardRequestH\x00\x12\x32\n\x0e\x62\x61\x63kward_reply\x18\x04 \x01(\x0b\x32\x18.murmur.v1.BackwardReplyH\x00\x12(\n\x05\x63hunk\x18\x05 \x01(\x0b\x32\x17.murmur.v1.PayloadChunkH\x00\x42\x06\n\x04\x62ody\"J\n\x0cPayloadChunk\x12\x0e\n\x06tensor\x18\x01 \x01(\t\x12\x0c\n\x04part\x18\x02 \x01(\t\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\"\x99\x01\n\x0e\x46orwardRequest\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\r\n\x05stage\x18\x03 \x01(\r\x12\x12\n\nmicrobatch\x18\x04 \x01(\t\x12%\n\x06inputs\x18\x05 \x01(\x0b\x32\x15.murmur.v1.WireTensor\x12\x13\n\x0breply_codec\x18\x06 \x01(\t\"I\n\x0c\x46orwardReply\x12&\n\x07outputs\x18\x01 \x01(\x0b\x32\x15.murmur.v1.WireTensor\x12\x11\n\tcompute_s\x18\x02 \x01(\x01\"\xef\x01\n\x0f\x42\x61\x63kwardRequest\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\r\n\x05stage\x18\x03 \x01(\r\x12\x12\n\nmicrobatch\x18\x04 \x01(\t\x12%\n\x06inputs\x18\x05 \x01(\x0b\x32\x15.murmur.v1.WireTensor\x12+\n\x0cgrad_outputs\x18\x06 \x01(\x0b\x32\x15.murmur.v1.WireTensor\x12&\n\x07targets\x18\x07 \x01(\x0b\x32\x15.murmur.v1.WireTensor\x12\x13\n\x0breply_codec\x18\x08 \x01(\t\"\x86\x01\n\rBackwardReply\x12*\n\x0bgrad_inputs\x18\x01 \x01(\x0b\x32\x15.murmur.v1.WireTensor\x12\x0c\n\x04loss\x18\x02 \x01(\x01\x12\x0f\n\x07stepped\x18\x03 \x01(\x08\x12\x17\n\x0foptimizer_steps\x18\x04 \x01(\x04\x12\x11\n\tcompute_s\x18\x05 \x01(\x01\",\n\x10StageInfoRequest\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\"\xff\x01\n\tStageInfo\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\r\n\x05stage\x18\x03 \x01(\r\x12\x0e\n\x06stages\x18\x04 \x01(\r\x12\x13\n\x0b\x66irst_block\x18\x05 \x01(\r\x12\x11\n\tend_block\x18\x06 \x01(\r\x12\x15\n\rsamples_per_s\x18\x07 \x01(\x01\x12\r\n\x05queue\x18\x08 \x01(\r\x12\x10\n\x08\x66orwards\x18\t \x01(\x04\x12\x11\n\tbackwards\x18\n \x01(\x04\x12\x17\n\x0foptimizer_steps\x18\x0b \x01(\x04\x12\x15\n\rsamples_total\x18\x0c \x01(\x04\x12\x0f\n\x07refused\x18\r \x01(\x04\x32\xca\x02\n\x05Stage\x12=\n\x07\x46orward\x12\x19.murmur.v1.ForwardRequest\x1a\x17.murmur.v1.ForwardReply\x12@\n\x08\x42\x61\x63kward\x12\x1a.murmur.v1.BackwardRequest\x1a\x18.murmur.v1.BackwardReply\x12\x39\n\x04Info\x12\x1b.murmur.v1.StageInfoRequest\x1a\x14.murmur.v1.StageInfo\x12\x41\n\rForwardStream\x12\x15.murmur.v1.StageFrame\x1a\x15.murmur.v1.StageFrame(\x01\x30\x01\x12\x42\n\x0e\x42\x61\x63kwardStream\x12\x15.murmur.v1.StageFrame\x1a\x15.murmur.v1.StageFrame(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1emurmur/protocol/pipeline.proto\x12\tmurmur.v1\x1a\x1cmurmur/protocol/tensor.proto\"\x92\x02\n\nStageFrame\x12\x34\n\x0f\x66orward_request\x18\x01 \x01(\x0b\x32\x19.murmur.v1.ForwardRequestH\x00\x12\x30\n\rforward_reply\x18\x02 \x01(\x0b\x32\x17.murmur.v1.ForwardReplyH\x00\x12\x36\n\x10\x62\x61\x63kward_request\x18\x03 \x01(\x0b\x32\x1a.murmur.v1.BackwardRequestH\x00\x12\x32\n\x0e\x62\x61\x63kward_reply\x18\x04 \x01(\x0b\x32\x18.murmur.v1.BackwardReplyH\x00\x12(\n\x05\x63hunk\x18\x05 \x01(\x0b\x32\x17.murmur.v1.PayloadChunkH\x00\x42\x06\n\x04\x62ody\"J\n\x0cPayloadChunk\x12\x0e\n\x06tensor\x18\x01 \x01(\t\x12\x0c\n\x04part\x18\x02 \x01(\t\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\"\xc1\x01\n\x0e\x46orwardRequest\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\r\n\x05stage\x18\x03 \x01(\r\x12\x12\n\nmicrobatch\x18\x04 \x01(\t\x12%\n\x06inputs\x18\x05 \x01(\x0b\x32\x15.murmur.v1.WireTensor\x12\x13\n\x0breply_codec\x18\x06 \x01(\t\x12&\n\x07targets\x18\x07 \x01(\x0b\x32\x15.murmur.v1.WireTensor\"W\n\x0c\x46orwardReply\x12&\n\x07outputs\x18\x01 \x01(\x0b\x32\x15.murmur.v1.WireTensor\x12\x11\n\tcompute_s\x18\x02 \x01(\x01\x12\x0c\n\x04loss\x18\x03 \x01(\x01\"\xef\x01\n\x0f\x42\x61\x63kwardRequest\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\r\n\x05stage\x18\x03 \x01(\r\x12\x12\n\nmicrobatch\x18\x04 \x01(\t\x12%\n\x06inputs\x18\x05 \x01(\x0b\x32\x15.murmur.v1.WireTensor\x12+\n\x0cgrad_outputs\x18\x06 \x01(\x0b\x32\x15.murmur.v1.WireTensor\x12&\n\x07targets\x18\x07 \x01(\x0b\x32\x15.murmur.v1.WireTensor\x12\x13\n\x0breply_codec\x18\x08 \x01(\t\"\x86\x01\n\rBackwardReply\x12*\n\x0bgrad_inputs\x18\x01 \x01(\x0b\x32\x15.murmur.v1.WireTensor\x12\x0c\n\x04loss\x18\x02 \x01(\x01\x12\x0f\n\x07stepped\x18\x03 \x01(\x08\x12\x17\n\x0foptimizer_steps\x18\x04 \x01(\x04\x12\x11\n\tcompute_s\x18\x05 \x01(\x01\",\n\x10StageInfoRequest\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\"\xff\x01\n\tStageInfo\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\r\n\x05stage\x18\x03 \x01(\r\x12\x0e\n\x06stages\x18\x04 \x01(\r\x12\x13\n\x0b\x66irst_block\x18\x05 \x01(\r\x12\x11\n\tend_block\x18\x06 \x01(\r\x12\x15\n\rsamples_per_s\x18\x07 \x01(\x01\x12\r\n\x05queue\x18\x08 \x01(\r\x12\x10\n\x08\x66orwards\x18\t \x01(\x04\x12\x11\n\tbackwards\x18\n \x01(\x04\x12\x17\n\x0foptimizer_steps\x18\x0b \x01(\x04\x12\x15\n\rsamples_total\x18\x0c \x01(\x04\x12\x0f\n\x07refused\x18\r \x01(\x04\x32\xca\x02\n\x05Stage\x12=\n\x07\x46orward\x12\x19.murmur.v1.ForwardRequest\x1a\x17.murmur.v1.ForwardReply\x12@\n\x08\x42\x61\x63kward\x12\x1a.murmur.v1.BackwardRequest\x1a\x18.murmur.v1.BackwardReply\x12\x39\n\x04Info\x12\x1b.murmur.v1.StageInfoRequest\x1a\x14.murmur.v1.StageInfo\x12\x41\n\rForwardStream\x12\x15.murmur.v1.StageFrame\x1a\x15.murmur.v1.StageFrame(\x01\x30\x01\x12\x42\n\x0e\x42\x61\x63kwardStream\x12\x15.murmur.v1.StageFrame\x1a\x15.murmur.v1.StageFrame(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,17 +37,17 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PAYLOADCHUNK']._serialized_start=352
   _globals['_PAYLOADCHUNK']._serialized_end=426
   _globals['_FORWARDREQUEST']._serialized_start=429
-  _globals['_FORWARDREQUEST']._serialized_end=582
-  _globals['_FORWARDREPLY']._serialized_start=584
-  _globals['_FORWARDREPLY']._serialized_end=657
-  _globals['_BACKWARDREQUEST']._serialized_start=660
-  _globals['_BACKWARDREQUEST']._serialized_end=899
-  _globals['_BACKWARDREPLY']._serialized_start=902
-  _globals['_BACKWARDREPLY']._serialized_end=1036
-  _globals['_STAGEINFOREQUEST']._serialized_start=1038
-  _globals['_STAGEINFOREQUEST']._serialized_end=1082
-  _globals['_STAGEINFO']._serialized_start=1085
-  _globals['_STAGEINFO']._serialized_end=1340
-  _globals['_STAGE']._serialized_start=1343
-  _globals['_STAGE']._serialized_end=1673
+  _globals['_FORWARDREQUEST']._serialized_end=622
+  _globals['_FORWARDREPLY']._serialized_start=624
+  _globals['_FORWARDREPLY']._serialized_end=711
+  _globals['_BACKWARDREQUEST']._serialized_start=714
+  _globals['_BACKWARDREQUEST']._serialized_end=953
+  _globals['_BACKWARDREPLY']._serialized_start=956
+  _globals['_BACKWARDREPLY']._serialized_end=1090
+  _globals['_STAGEINFOREQUEST']._serialized_start=1092
+  _globals['_STAGEINFOREQUEST']._serialized_end=1136
+  _globals['_STAGEINFO']._serialized_start=1139
+  _globals['_STAGEINFO']._serialized_end=1394
+  _globals['_STAGE']._serialized_start=1397
+  _globals['_STAGE']._serialized_end=1727
 # @@protoc_insertion_point(module_scope)

@@ -33,28 +33,32 @@ class PayloadChunk(_message.Message):
     def __init__(self, tensor: _Optional[str] = ..., part: _Optional[str] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class ForwardRequest(_message.Message):
-    __slots__ = ("protocol_version", "run_id", "stage", "microbatch", "inputs", "reply_codec")
+    __slots__ = ("protocol_version", "run_id", "stage", "microbatch", "inputs", "reply_codec", "targets")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     MICROBATCH_FIELD_NUMBER: _ClassVar[int]
     INPUTS_FIELD_NUMBER: _ClassVar[int]
     REPLY_CODEC_FIELD_NUMBER: _ClassVar[int]
+    TARGETS_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     run_id: str
     stage: int
     microbatch: str
     inputs: _tensor_pb2.WireTensor
     reply_codec: str
-    def __init__(self, protocol_version: _Optional[int] = ..., run_id: _Optional[str] = ..., stage: _Optional[int] = ..., microbatch: _Optional[str] = ..., inputs: _Optional[_Union[_tensor_pb2.WireTensor, _Mapping]] = ..., reply_codec: _Optional[str] = ...) -> None: ...
+    targets: _tensor_pb2.WireTensor
+    def __init__(self, protocol_version: _Optional[int] = ..., run_id: _Optional[str] = ..., stage: _Optional[int] = ..., microbatch: _Optional[str] = ..., inputs: _Optional[_Union[_tensor_pb2.WireTensor, _Mapping]] = ..., reply_codec: _Optional[str] = ..., targets: _Optional[_Union[_tensor_pb2.WireTensor, _Mapping]] = ...) -> None: ...
 
 class ForwardReply(_message.Message):
-    __slots__ = ("outputs", "compute_s")
+    __slots__ = ("outputs", "compute_s", "loss")
     OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
     outputs: _tensor_pb2.WireTensor
     compute_s: float
-    def __init__(self, outputs: _Optional[_Union[_tensor_pb2.WireTensor, _Mapping]] = ..., compute_s: _Optional[float] = ...) -> None: ...
+    loss: float
+    def __init__(self, outputs: _Optional[_Union[_tensor_pb2.WireTensor, _Mapping]] = ..., compute_s: _Optional[float] = ..., loss: _Optional[float] = ...) -> None: ...
 
 class BackwardRequest(_message.Message):
     __slots__ = ("protocol_version", "run_id", "stage", "microbatch", "inputs", "grad_outputs", "targets", "reply_codec")

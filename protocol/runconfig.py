@@ -186,6 +186,12 @@ class PipelineSection(Section):
     # whose every peer is down needs time to be refilled, and re-running at once would only
     # spend the attempts.
     microbatch_retry_s: float = _bounded(1.0, MAX_SECONDS, _SECONDS_WHY, ge=0)
+    # How long a driver waits for a stage that no peer answers (every peer of it gone) to be
+    # refilled before it stops: it stops only after ``microbatch_attempts`` failed runs of a
+    # microbatch AND this long without any microbatch completing. The coordinator refills an
+    # emptied stage after a heartbeat TTL and a state fetch (seconds); a stage with no peer left
+    # anywhere waits for a volunteer to join, so the default is generous.
+    stage_wait_s: float = _bounded(600.0, MAX_SECONDS, _SECONDS_WHY, ge=0)
     # samples per stage peer per optimizer step
     target_samples: int = _bounded(16, 1 << 24, "16M samples a step", gt=0)
     rebalance_every_s: float = _bounded(60.0, MAX_SECONDS, _SECONDS_WHY, gt=0)  # the coordinator's bottleneck check

@@ -162,7 +162,7 @@ def test_bad_chunk_streams_are_refused_with_one_line_and_the_stage_keeps_serving
                           "oversized"),
         "forward to the last stage": (list(chunks.frames(pipeline_pb2.ForwardRequest(
             protocol_version=PROTOCOL_VERSION, run_id=RUN, stage=1, inputs=hidden()), "forward_request", CAP)),
-            grpc.StatusCode.FAILED_PRECONDITION, "no Forward"),
+            grpc.StatusCode.FAILED_PRECONDITION, "evaluates targets"),
     }
     for name, (frame_list, code, words) in cases.items():
         method = "ForwardStream" if name.startswith("forward") else "BackwardStream"

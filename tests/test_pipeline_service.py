@@ -133,7 +133,13 @@ def test_bad_input_is_refused_with_a_reason_and_the_stage_keeps_serving(pipeline
         "wrong run": (stage0, "Forward", pipeline_pb2.ForwardRequest(
             protocol_version=PROTOCOL_VERSION, run_id="other", stage=0, inputs=tokens),
             grpc.StatusCode.FAILED_PRECONDITION, "run mismatch"),
-        "forward to the last stage": (peers[1], "Forward", fwd(1), grpc.StatusCode.FAILED_PRECONDITION, "no Forward"),
+        "forward to the last stage": (peers[1], "Forward", fwd(1), grpc.StatusCode.FAILED_PRECONDITION,
+                                      "evaluates targets"),
+        "targets to a stage before the last": (stage0, "Forward", fwd(0, tokens, targets=tokens),
+                                               grpc.StatusCode.FAILED_PRECONDITION, "evaluates targets"),
+        "evaluated targets out of vocabulary": (peers[1], "Forward", fwd(
+            1, targets=codec.encode(torch.full((ROWS, T), 999), "tokens")), grpc.StatusCode.INVALID_ARGUMENT,
+            "outside"),
     }
     for name, (peer, method, request, code, words) in cases.items():
         got, details = raw(loop, peer, method, request, client_id=client_id)
@@ -159,6 +165,18 @@ def test_bad_input_is_refused_with_a_reason_and_the_stage_keeps_serving(pipeline
     assert last.grad_inputs is not None and torch.isfinite(last.grad_inputs).all()
     assert len(services[0].refusals) >= 6 and services[1].refusals
     assert loop.run(client.info(peers[0])).refused == len(services[0].refusals)
+
+
+def test_an_evaluation_on_the_last_stage_gives_the_training_loss_and_changes_nothing(pipeline):
+    loop, _, services, client, peers, _, _ = pipeline
+    x, y = batch()
+    h = services[0].worker.forward(x)
+    before = [p.detach().clone() for p in services[1].worker.params]
+    loss, nbytes = loop.run(client.evaluate(peers[1], "eval", h, y, activation_codec="fp32", timeout=30))
+    assert nbytes > 0 and services[1].worker.stats.samples_accumulated == 0
+    assert all(torch.equal(a, b) for a, b in zip(before, services[1].worker.params, strict=True))
+    last = loop.run(client.backward(peers[1], "train", h, targets=y, reply_codec="fp32", timeout=30, dim=CFG.dim))
+    assert loss == pytest.approx(last.loss, rel=1e-5)  # the same loss the backward trains on
 
 
 def test_a_backward_the_caller_gave_up_on_is_not_accumulated(pipeline):

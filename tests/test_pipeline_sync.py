@@ -197,3 +197,28 @@ def test_the_outer_state_to_adopt_is_the_latest_round_and_ties_go_to_the_smalles
     assert newest(own, {"x": OuterAt(5, a), "y": OuterAt(5, c)}) == (OuterAt(5, a), ["x"])
     assert newest(OuterAt(5, a), {"x": OuterAt(5, b), "y": OuterAt(5, c)}) is None
     assert newest(OuterAt(5, c), {"x": OuterAt(5, b), "y": OuterAt(5, a)}) == (OuterAt(5, a), ["y"])
+
+
+def test_a_stage_that_trained_nothing_keeps_its_weights_bit_for_bit_through_sync_rounds(two_mates):
+    """Both mates train, then round 1 steps the anchor with Nesterov momentum 0.5. Then nobody
+    trains: rounds 2-4 must make no outer step (the momentum alone moved the weights of an idle
+    stage round after round), so the weights stay bit for bit. When one mate trains again, round 5
+    steps."""
+    loop, (a, b), _ = two_mates
+    a.train(seed=1)
+    b.train(seed=2)
+    assert sync_round(loop, [a, b], 1) == [True, True]
+    after = [p.detach().clone() for p in a.worker.params]
+    momentum = [buf.clone() for buf in (a.sync.outer.state[x]["momentum_buffer"] for x in a.sync.anchor)]
+    assert any(m.abs().sum() > 0 for m in momentum)  # a momentum that would move an idle round
+    for r in (2, 3, 4):
+        assert sync_round(loop, [a, b], r) == [True, True]
+        for m in (a, b):
+            assert all(torch.equal(x, y) for x, y in zip(after, m.worker.params, strict=True)), f"round {r} moved"
+        assert a.outer_hash() == b.outer_hash() and a.sync.last_round == b.sync.last_round == r
+    assert (a.sync.idle_rounds, b.sync.idle_rounds) == (3, 3)
+    a.train(seed=3)  # one mate trains: the stage trained, the round steps
+    assert sync_round(loop, [a, b], 5) == [True, True]
+    assert same_weights(a, b)  # both at the new anchor (no training during the round)
+    assert not all(torch.equal(x, y) for x, y in zip(after, b.worker.params, strict=True))  # b took a's training
+    assert (a.sync.idle_rounds, a.sync.rounds) == (3, 2)

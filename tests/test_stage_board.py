@@ -135,3 +135,26 @@ def test_a_report_with_a_nan_rate_or_huge_strings_is_kept_small_and_finite(world
     assert peer.report.samples_per_s == 0.0 and peer.report.queue == 0
     assert len(peer.report.address) == 200 and len(peer.report.state_source) == 20
     assert world.board.tick() == []  # the rebalancing's arithmetic sees no NaN
+
+
+def test_the_rebalancing_ranks_stages_by_what_the_drivers_measured_not_by_each_peers_claim(world):
+    # By their own claims stage 0 (3 x 1 samples/s) is the bottleneck and stage 1 (50) has plenty;
+    # the drivers measured stage 0's peers at 8 each and stage 1's only peer at 2: stage 1 is the
+    # bottleneck, and it gets a peer of stage 0.
+    for node, stage, claim in (("a", 0, 1.0), ("b", 0, 1.0), ("c", 0, 1.0), ("d", 1, 50.0)):
+        world.beat(node, stage, claim)
+    world.live.add("drv")
+    measured = [pb.MeasuredRate(node_id=n, stage=0, samples_per_s=8.0) for n in "abc"]
+    measured.append(pb.MeasuredRate(node_id="d", stage=1, samples_per_s=2.0))
+    measured.append(pb.MeasuredRate(node_id="d", stage=1, samples_per_s=float("nan")))  # ignored
+    measured.append(pb.MeasuredRate(node_id="stranger", stage=1, samples_per_s=1e9))  # not a peer of the run
+    world.board.measured("drv", "pipe", measured)
+    assert [s.samples_per_s for s in world.board.stage_map("pipe").summary] == [24.0, 2.0]
+    assert world.board.tick() == []  # proposed
+    world.now += 6.0
+    world.board.measured("drv", "pipe", measured[:4])
+    (move,) = world.board.tick()
+    assert (move.from_stage, move.to_stage, move.reason) == (0, 1, "bottleneck")
+    # measurements go stale: after MEASURED_FRESH_S the peers' own claims count again
+    world.now += 31.0
+    assert [s.samples_per_s for s in world.board.stage_map("pipe").summary] == [3.0, 50.0]

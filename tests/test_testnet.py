@@ -183,6 +183,11 @@ def test_testnet_up_with_stages_brings_up_a_pipelined_run_that_trains(tmp_path, 
     assert driver["committed_tokens"] > 0 and driver["last_loss"] < driver["first_loss"], driver
     assert [s["peers"] for s in summary["stages"]["summary"]] == [1, 1]
     assert all(code in (0, 130) for code in summary["exit_codes"].values()), summary["exit_codes"]
+    # the run lasted --duration: the testnet stopped a driver that was still training (130), one
+    # that had run out of work would have exited 0 before; and it evaluated the val split on the way
+    assert summary["exit_codes"]["driver-0"] == 130, summary["exit_codes"]
+    assert driver["val_loss"] is not None and driver["val_step"] > 0, driver
+    assert "val loss" in done.stdout, done.stdout[-2000:]
 
 
 def test_testnet_stages_refuses_fewer_nodes_than_stages(tmp_path):

@@ -87,6 +87,23 @@ class StageClient:
         out = codec.decode(reply.outputs, shape=shape, what=f"outputs of {peer.node_id}")
         return out, wire
 
+    async def evaluate(
+        self, peer: StageEndpoint, microbatch: str, inputs: torch.Tensor, targets: torch.Tensor, *,
+        activation_codec: str, timeout: float,
+    ) -> tuple[float, int]:
+        """The last stage's mean loss of ``targets`` (nothing trained) and the bytes on the wire."""
+        request = pipeline_pb2.ForwardRequest(
+            protocol_version=PROTOCOL_VERSION, run_id=self.run_id, stage=peer.stage, microbatch=microbatch,
+            inputs=codec.encode(inputs, _codec_for(inputs, activation_codec)), reply_codec=activation_codec,
+            targets=codec.encode(targets, "tokens"),
+        )
+        if self._stream(request, 0):  # the reply is one number; the inputs may be any size
+            reply, wire = await self._streamed(peer, "Forward", request, {}, timeout)
+        else:
+            reply = await self._stub(peer).Forward(request, metadata=version_metadata(), timeout=timeout)
+            wire = request.ByteSize() + reply.ByteSize()
+        return reply.loss, wire
+
     async def backward(
         self, peer: StageEndpoint, microbatch: str, inputs: torch.Tensor, *,
         grad_outputs: torch.Tensor | None = None, targets: torch.Tensor | None = None,

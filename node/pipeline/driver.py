@@ -147,6 +147,23 @@ class Driver:
         return res
 
 
+    async def evaluate(self, name: str, x: torch.Tensor, y: torch.Tensor) -> float:
+        """The loss of one validation microbatch, forward only: through stages 0..S-2, then the
+        last stage scores the targets. No peer accumulates or steps anything."""
+        s_last = self.cfg.stages - 1
+        rows, codec = x.shape[0], self.cfg.activation_codec
+        h = x
+        for stage in range(s_last):
+            async def fwd(peer, timeout, inp=h):
+                return await self.client.forward(peer, name, inp, reply_codec=codec, timeout=timeout, dim=self.dim)
+            _, (h, _), _ = await self._hop(stage, "forward", rows, fwd)
+
+        async def score(peer, timeout):
+            return await self.client.evaluate(peer, name, h, y, activation_codec=codec, timeout=timeout)
+        _, (loss, _), _ = await self._hop(s_last, "forward", rows, score)
+        return loss
+
+
 class CommitWindow:
     """Which microbatches may be committed: the contiguous prefix of completed ones.
 
@@ -187,43 +204,68 @@ async def run_in_order(
     on_done: Callable[[int, MicrobatchResult], None],
     on_commit: Callable[[int, int], Awaitable[None] | None],
     start: int = 0,
+    stop: Callable[[], bool] = lambda: False,
 ) -> int:
-    """Microbatches ``start .. start+count-1`` with up to ``concurrency`` in flight; a failed one is
-    run again after a pause (``microbatch_retry_s``, doubling, cut short when a peer enters a stage),
-    ``microbatch_attempts`` times in all, before the run stops. Returns the committed end."""
+    """Microbatches ``start .. start+count-1`` with up to ``concurrency`` in flight (no new one is
+    started once ``stop()`` says so: those in flight complete and are committed); a failed one is
+    run again after a pause (``microbatch_retry_s``, doubling up to 30 s, cut short when a peer
+    enters a stage). The run stops (raising the last `MicrobatchFailed`) only when a microbatch
+    failed ``microbatch_attempts`` times and no microbatch at all completed for ``stage_wait_s``:
+    a stage whose peers all died is refilled by the coordinator, and the same microbatches go on
+    through it. An exception of ``on_commit`` (the lease lost) stops the lanes and is raised.
+    Returns the committed end."""
+    cfg = driver.cfg
     window = CommitWindow(start)
     queue: asyncio.Queue[int] = asyncio.Queue()
     for i in range(start, start + count):
         queue.put_nowait(i)
     failure: list[BaseException] = []
+    progress = [time.monotonic()]  # when a microbatch last completed (or the run started)
     # One commit at a time, in the order the window advanced: two lanes' commits in flight at once
     # could reach the ledger out of order (it refuses a commit that does not start at its end).
     committing = asyncio.Lock()
 
-    async def lane() -> None:
+    async def run_one(i: int) -> MicrobatchResult | None:
+        x, y = batches(i)
+        attempt = 0
         while not failure:
+            attempt += 1
+            try:
+                return await driver.run_microbatch(f"mb{i}.{attempt}", x, y)
+            except MicrobatchFailed as err:
+                stalled = time.monotonic() - progress[0]
+                if attempt >= cfg.microbatch_attempts and stalled >= cfg.stage_wait_s:
+                    failure.append(err)
+                    return None
+                pause = min(MAX_RETRY_PAUSE_S, cfg.microbatch_retry_s * 2 ** min(attempt - 1, 16))
+                if stalled < cfg.stage_wait_s:  # do not sleep far past the end of the wait
+                    pause = min(pause, max(cfg.microbatch_retry_s, cfg.stage_wait_s - stalled))
+                await _pause(driver.router, pause)
+        return None
+
+    async def lane() -> None:
+        while not failure and not stop():
             try:
                 i = queue.get_nowait()
             except asyncio.QueueEmpty:
                 return
-            x, y = batches(i)
-            for attempt in range(1, driver.cfg.microbatch_attempts + 1):
-                try:
-                    result = await driver.run_microbatch(f"mb{i}.{attempt}", x, y)
-                    break
-                except MicrobatchFailed as err:
-                    if attempt == driver.cfg.microbatch_attempts:
-                        failure.append(err)
-                        return
-                    pause = min(MAX_RETRY_PAUSE_S, driver.cfg.microbatch_retry_s * 2 ** (attempt - 1))
-                    await _pause(driver.router, pause)
+            result = await run_one(i)
+            if result is None or failure:
+                return
+            progress[0] = time.monotonic()
             on_done(i, result)
             lo, hi = window.complete(i)
             if hi > lo:
                 async with committing:  # a fair lock: no await between complete() and here
-                    maybe = on_commit(lo, hi)
-                    if maybe is not None:
-                        await maybe
+                    if failure:
+                        return
+                    try:
+                        maybe = on_commit(lo, hi)
+                        if maybe is not None:
+                            await maybe
+                    except Exception as err:  # noqa: BLE001 - stops every lane; raised below
+                        failure.append(err)
+                        return
 
     await asyncio.gather(*(lane() for _ in range(max(1, concurrency))))
     if failure:

@@ -9,8 +9,10 @@ also leases a shard and commits the token ranges of completed microbatches, in o
 (a commit starts at the shard's committed offset) is the same one `CommitWindow` keeps.
 
 Not yet here (the daemon's session has them, node/daemon/session.py): the commit journal that
-survives a restart and the replay after a coordinator outage. A driver retries a failed commit
-every ``commit_retry_s`` until it goes through, holding further commits back meanwhile.
+survives a restart and the replay after a coordinator outage. A driver retries a commit the
+coordinator did not answer every ``COMMIT_RETRY_S`` until it goes through, holding further commits
+back meanwhile; a refused one (the lease lost) is not retried: the driver leases again and
+resumes from the ledger's offset (node/pipeline/driver_process.py).
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import grpc
+
 from murmur.node.net.loop import next_due
 from murmur.protocol import coordinator_pb2 as pb
 from murmur.protocol import identity
@@ -31,6 +35,9 @@ log = logging.getLogger(__name__)
 
 COMMIT_RETRY_S = 1.0  # between attempts at a commit the coordinator did not take
 COMMIT_ATTEMPTS = 30
+# Answers that another attempt cannot change: the lease is lost or the commit is wrong.
+REFUSALS = (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND,
+            grpc.StatusCode.PERMISSION_DENIED)
 
 
 @dataclass(slots=True)
@@ -42,6 +49,8 @@ class PipelineMember:
     # A stage peer: what each heartbeat reports, and who hears the coordinator's orders.
     report: Callable[[], pb.StageReport] | None = None
     on_order: Callable[[pb.StageOrder], None] | None = None
+    # A driver: its measurements of the stage peers, sent with each heartbeat (the rebalancing's).
+    measured: Callable[[], list[pb.MeasuredRate]] | None = None
 
     @classmethod
     async def join(cls, coordinator: str, token: str) -> PipelineMember:
@@ -62,6 +71,9 @@ class PipelineMember:
     async def beat(self) -> None:
         """One heartbeat now (a stage peer sends one as soon as its stage changes)."""
         extra = pb.HeartbeatRequest(stage_peer=self.report()) if self.report is not None else None
+        if self.measured is not None:
+            extra = extra or pb.HeartbeatRequest()
+            extra.measured.extend(self.measured())
         try:
             reply = await self.client.heartbeat(state="pipeline", peer=extra)
         except CoordinatorError as err:
@@ -79,15 +91,22 @@ class PipelineMember:
             raise CoordinatorError("AcquireLease", None, f"no lease: {reply.reason}")
         return reply.lease
 
-    async def commit(self, lease: pb.Lease, start: int, end: int, *, loss: float, seconds: float) -> None:
+    async def commit(
+        self, lease: pb.Lease, start: int, end: int, *, loss: float, seconds: float, step: int = 0,
+        val_loss: float | None = None,
+    ) -> pb.CommitReply:
+        """Commit [start, end) of the lease; ``step``: the run's step it lands at (the ledger's
+        round, what the status page charts). A refusal (the lease is lost, the span does not follow
+        the ledger's offset) raises at once; an unreachable coordinator is retried."""
         for attempt in range(COMMIT_ATTEMPTS):
             try:
-                await self.client.commit(lease.lease_id, lease.shard_id, start, end, loss=loss, seconds=seconds)
-                return
-            except CoordinatorError:
-                if attempt == COMMIT_ATTEMPTS - 1:
+                return await self.client.commit(lease.lease_id, lease.shard_id, start, end, outer_step=step,
+                                                loss=loss, seconds=seconds, val_loss=val_loss)
+            except CoordinatorError as err:
+                if attempt == COMMIT_ATTEMPTS - 1 or err.code in REFUSALS:
                     raise
                 await asyncio.sleep(COMMIT_RETRY_S)
+        raise AssertionError("unreachable")
 
     async def close(self, lease: pb.Lease | None = None) -> None:
         if self._beats is not None:

@@ -239,33 +239,51 @@ class StageService(pipeline_pb2_grpc.StageServicer):
         try:
             peer_id = self._admit(context)
             self._forward_header(request)
-            reply_codec, x = self._reply_codec(request.reply_codec), self._inputs(request)
+            reply_codec, x, targets = self._forward_args(request)
         except Refused as err:
             await self._refuse(context, peer_id, err)
-        return await self._forward(x, reply_codec)
+        return await self._forward(x, reply_codec, targets)
 
     async def ForwardStream(self, frames, context):  # noqa: N802
         peer_id = ""
         try:
             peer_id = self._admit(context)
             request = await self._receive(frames, "forward_request", self._forward_header)
-            reply_codec, x = self._reply_codec(request.reply_codec), self._inputs(request)
+            reply_codec, x, targets = self._forward_args(request)
         except Refused as err:
             await self._refuse(context, peer_id, err)
-        await self._send(context, await self._forward(x, reply_codec), "forward_reply")
+        await self._send(context, await self._forward(x, reply_codec, targets), "forward_reply")
 
     def _forward_header(self, request) -> dict[str, tuple[int, ...]]:
-        """The checks a Forward's header passes before its tensors are read; their expected shapes."""
+        """The checks a Forward's header passes before its tensors are read; their expected shapes.
+        A Forward to the last stage is an evaluation: it carries the targets, and nothing is trained."""
         self._check_target(request.run_id, request.stage)
-        if self.span.is_last:
+        if self.span.is_last != request.HasField("targets"):
             raise Refused(
                 grpc.StatusCode.FAILED_PRECONDITION,
-                "the last stage has no Forward: send Backward with the targets",
+                "a Forward to the last stage evaluates targets (train with Backward); no other stage takes them",
             )
-        return {"inputs": self._inputs_shape(request)}
+        shape = self._inputs_shape(request)
+        if self.span.is_last:
+            return {"inputs": shape, "targets": tuple(shape[:2])}
+        return {"inputs": shape}
 
-    async def _forward(self, x: torch.Tensor, reply_codec: str) -> pipeline_pb2.ForwardReply:
+    def _forward_args(self, request):
+        reply_codec, x = self._reply_codec(request.reply_codec), self._inputs(request)
+        targets = None
+        if self.span.is_last:  # an evaluation: the loss of the targets, nothing accumulated
+            if request.targets.codec != "tokens":
+                raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "targets: the last stage needs token ids")
+            targets = self._decode(request.targets, tuple(x.shape[:2]), "targets")
+        return reply_codec, x, targets
+
+    async def _forward(
+        self, x: torch.Tensor, reply_codec: str, targets: torch.Tensor | None = None
+    ) -> pipeline_pb2.ForwardReply:
         t0 = time.perf_counter()
+        if targets is not None:
+            loss = await self._compute(lambda: self.worker.evaluate(x, targets), x.shape[0])
+            return pipeline_pb2.ForwardReply(loss=loss, compute_s=time.perf_counter() - t0)
         out = await self._compute(lambda: self.worker.forward(x), x.shape[0])
         return pipeline_pb2.ForwardReply(
             outputs=codec.encode(out, reply_codec), compute_s=time.perf_counter() - t0

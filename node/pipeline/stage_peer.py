@@ -66,6 +66,7 @@ class StagePeerSettings:
     autocast: str | None = None  # "bf16": bf16 autocast over fp32 master weights (node/pipeline/config.py)
     max_message_bytes: int = tls.DEFAULT_MAX_MESSAGE_BYTES  # one gRPC message; bigger payloads stream
     max_payload_bytes: int = 1 << 30  # the most one streamed payload may carry
+    lr_now: Callable[[], float] | None = None  # the run's schedule (node/pipeline/schedule.py); None: optim.lr
 
 
 class StagePeer:
@@ -217,6 +218,7 @@ class StagePeer:
             log.warning("stage %d has no live peer and no replica: it starts from the seed's weights", stage)
         worker = StageWorker(module, self.settings.optim, target_samples=self.settings.target_samples,
                              grad_clip=self.settings.grad_clip)
+        worker.lr_now = self.settings.lr_now
         old = self.service.worker if self.service is not None else None
         if self.service is None:
             self.service = StageService(self.ident, worker, run_id=self.run_id, faults=self.faults,

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import signal
@@ -52,8 +53,10 @@ from murmur.node.pipeline.config import (
 )
 from murmur.node.pipeline.member import PipelineMember
 from murmur.node.pipeline.memory import peak_rss_mb, rss_mb
+from murmur.node.pipeline.schedule import RunSchedule
 from murmur.node.pipeline.stage_peer import StagePeer, StagePeerSettings
 from murmur.node.train.build import resolve_device
+from murmur.protocol.coordinator_client import CoordinatorError
 from murmur.protocol.identity import Identity
 from murmur.protocol.runconfig import OptimSection, parse_config
 
@@ -63,20 +66,22 @@ def emit(**record: object) -> None:
 
 
 def settings_of(args: argparse.Namespace, member: PipelineMember | None):
-    """(model, StagePeerSettings) from the run config when it is pipelined, else from the command line."""
+    """(model, StagePeerSettings, the run's schedule) from the run config when it is pipelined, else
+    from the command line (a constant lr, no schedule)."""
     run = parse_config(member.info.config_toml, "the run config") if member is not None else None
     device = resolve_device(args.device)
     if run is not None and run.pipeline is not None:
         refuse_model_args(args)
         model, pipe = model_from_run(run)
         cap, payload = message_limits(pipe)
+        schedule = RunSchedule.of(run, model.seq_len)
         return model, StagePeerSettings(
             stages=pipe.stages, layers=pipe.layers, seed=run.seed, optim=run.optim,
             target_samples=pipe.target_samples, grad_clip=run.optim.grad_clip, replica_every_s=pipe.replica_every_s,
             host=args.host, max_rows=args.max_rows, pipelined=True, sync=run.sync, sync_every_s=pipe.sync_every_s,
             device=str(device), autocast=autocast_of(run.train.dtype, device), max_message_bytes=cap,
-            max_payload_bytes=payload,
-        )
+            max_payload_bytes=payload, lr_now=schedule.lr,
+        ), schedule
     if args.stages is None or args.stage is None:
         raise SystemExit("error: --stage and --stages are needed unless the run config has a [pipeline] section")
     model, layers = model_from_args(args)
@@ -88,8 +93,7 @@ def settings_of(args: argparse.Namespace, member: PipelineMember | None):
         target_samples=args.target_samples, grad_clip=args.grad_clip, host=args.host, max_rows=args.max_rows,
         device=str(device), autocast=autocast_of(args.dtype, device), max_message_bytes=cap,
         max_payload_bytes=payload,
-    )
-
+    ), None
 
 
 async def show_progress(peer: StagePeer, every_s: float) -> None:
@@ -99,15 +103,31 @@ async def show_progress(peer: StagePeer, every_s: float) -> None:
         await asyncio.sleep(every_s)
         rep = peer.report()
         sync = f", {peer.sync.rounds} sync rounds ({peer.sync.failed} failed)" if peer.sync else ""
-        log.info("stage %d of %d (blocks %d-%d): %d samples, %d steps, %.1f samples/s, queue %d%s",
+        lr = peer.worker.optimizer.param_groups[0]["lr"] if peer.worker is not None else 0.0
+        log.info("stage %d of %d (blocks %d-%d): %d samples, %d steps at lr %.2e, %.1f samples/s, queue %d%s",
                  rep.stage, peer.settings.stages, rep.first_block, rep.end_block - 1, rep.samples_total,
-                 rep.optimizer_steps, rep.samples_per_s, rep.queue, sync)
+                 rep.optimizer_steps, lr, rep.samples_per_s, rep.queue, sync)
+
+
+PROGRESS_EVERY_S = 0.5  # at most: the lr of a step lags the run's progress by about this
+
+
+async def follow_progress(member: PipelineMember, schedule: RunSchedule, every_s: float) -> None:
+    """The run's ledger total, polled: the lr of every step follows it."""
+    while True:
+        with contextlib.suppress(CoordinatorError):
+            schedule.heard((await member.stages()).tokens_committed)
+        await asyncio.sleep(every_s)
 
 
 async def serve(args: argparse.Namespace) -> None:
     start_rss = rss_mb()  # the interpreter, torch and grpc, before any of the model
     member = await PipelineMember.join(args.coordinator, args.token) if args.coordinator else None
-    model, settings = settings_of(args, member)
+    model, settings, schedule = settings_of(args, member)
+    follower = None
+    if schedule is not None:
+        every = min(PROGRESS_EVERY_S, member.info.heartbeat_interval_s)
+        follower = asyncio.create_task(follow_progress(member, schedule, every))
     ident = member.ident if member is not None else Identity.load(args.identity)
     run_id = member.info.run_id if member is not None else args.run
     donors = None
@@ -135,6 +155,8 @@ async def serve(args: argparse.Namespace) -> None:
     progress = asyncio.create_task(show_progress(peer, args.progress_every))
     await stop.wait()
     progress.cancel()
+    if follower is not None:
+        follower.cancel()
     worker, service = peer.worker, peer.service
     await peer.stop()
     if member is not None:
@@ -148,6 +170,8 @@ async def serve(args: argparse.Namespace) -> None:
          sync_last_round=peer.sync.last_round if peer.sync else -1,
          sync_adopted=peer.sync.adopted if peer.sync else 0,
          sync_last_error=peer.sync.last_error if peer.sync else "",
+         sync_idle_rounds=peer.sync.idle_rounds if peer.sync else 0,
+         lr=worker.optimizer.param_groups[0]["lr"], run_step=schedule.step if schedule is not None else None,
          state_hash=stage_state.state_hash(worker.module), peak_rss_mb=round(peak_rss_mb(), 1))
 
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from murmur.node.model.stages import StageModule
-from murmur.optim.inner import make_inner_optimizer
+from murmur.optim.inner import make_inner_optimizer, set_lr
 
 
 @dataclass(slots=True)
@@ -67,6 +67,8 @@ class StageWorker:
         # Called after every optimizer step, in the compute thread, with the lock held: the
         # place to take a consistent copy of the weights (stage_state.published).
         self.on_step: Callable[[], None] | None = None
+        # The lr of the next step (the run's schedule); None keeps the optimizer's own lr.
+        self.lr_now: Callable[[], float] | None = None
 
     @property
     def span(self):
@@ -80,6 +82,11 @@ class StageWorker:
             self.stats.cpu_seconds += time.thread_time() - c0
             self.stats.forwards += 1
             return out
+
+    def evaluate(self, x: torch.Tensor, targets: torch.Tensor) -> float:
+        """The last stage's mean loss of ``targets``, without gradients: nothing changes."""
+        with self.lock, torch.no_grad():
+            return float(self.module(x, targets))
 
     def backward(
         self,
@@ -125,6 +132,8 @@ class StageWorker:
     def _step(self) -> None:
         """Mean gradient over the samples accumulated, one optimizer step, a fresh accumulator."""
         n = self.stats.samples_accumulated
+        if self.lr_now is not None:  # the run's schedule at its global progress (node/pipeline/schedule.py)
+            set_lr(self.optimizer, self.lr_now())
         for p, acc in zip(self.params, self.grad_sums, strict=True):
             p.grad = acc.div_(n)
         if self.grad_clip > 0:

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 from murmur.errors import MurmurError
 from murmur.node.daemon.state_dir import read_rounds
 from murmur.node.testnet.chaos import Chaos
-from murmur.node.testnet.pipeline_net import run_pipeline
+from murmur.node.testnet.pipeline_net import PIPELINE_TESTNET_STEPS, run_pipeline
 from murmur.node.testnet.procs import NodeProc, Testnet, TestnetError
 
 if TYPE_CHECKING:
@@ -282,6 +282,10 @@ def _run(args: argparse.Namespace) -> int:
     overrides = list(args.set) + ([f'sync.algorithm="{args.algo}"'] if args.algo else [])
     if stages:
         overrides.append(f"pipeline.stages={stages}")
+        if not any(o.replace(" ", "").startswith("train.steps=") for o in args.set):
+            # The pipelined testnet lasts --duration: a schedule that outlasts it (the data may still
+            # run out first). --set train.steps=N ends it at a schedule instead.
+            overrides.append(f"train.steps={PIPELINE_TESTNET_STEPS}")
     cfg = load_run(args.config, overrides)  # a typo stops here, before the old run is wiped
     fresh_folder(out)
     config_path, data = write_run(cfg, out)

@@ -4,12 +4,14 @@
 
 The run config gains ``pipeline.stages = S`` (the other ``[pipeline]`` keys: the config's, or
 their defaults). The coordinator assigns each of the N stage peers a stage as it joins and
-rebalances them; the D drivers lease shards, send microbatches through the stages and commit
-the tokens of completed ones. A table of the stages (peers, samples/s, queue, last move) and of
-the drivers (microbatches committed, loss) is redrawn every few seconds; at the end everything
-is stopped with SIGTERM and OUT/summary.json holds the last view. ``--device`` is every stage
-peer's (auto: a GPU where there is one, with bf16 autocast unless the config's train.dtype says
-fp32); each builds only its stage, there.
+rebalances them; the D drivers lease shard after shard, send microbatches through the stages,
+commit the tokens of completed ones and evaluate the validation split every ``train.eval_every``
+run steps. Unless ``--set train.steps=N`` is given the run's schedule outlasts ``--duration``,
+so the drivers train until the testnet stops them (or the data runs out). A table of the stages
+(peers, samples/s, queue, last move) and of the drivers (microbatches committed, loss) is
+redrawn every few seconds; at the end everything is stopped with SIGTERM and OUT/summary.json
+holds the last view. ``--device`` is every stage peer's (auto: a GPU where there is one, with
+bf16 autocast unless the config's train.dtype says fp32); each builds only its stage, there.
 """
 
 from __future__ import annotations
@@ -26,7 +28,9 @@ from murmur.node.testnet.procs import Testnet, TestnetError, _env, start_module,
 
 VIEW_EVERY_S = 3.0  # each view is one `murmur admin stages` call
 READY_TIMEOUT_S = 180.0  # a stage peer imports torch and loads its stage
-DRIVER_MICROBATCHES = 10**9  # a driver runs until its lease's shard is used up or the testnet stops
+# The run's schedule unless --set train.steps says otherwise: longer than any --duration, so the
+# drivers lease shard after shard until the testnet stops them (or the data runs out).
+PIPELINE_TESTNET_STEPS = 10**6
 
 
 @dataclass(slots=True)
@@ -92,8 +96,8 @@ def run_pipeline(args, out: Path, config_path: Path, data: Path, coordinator_arg
             d = PipelineProc(
                 f"driver-{i}",
                 "murmur.node.pipeline.driver_process",
-                [*join, "--data", str(data), "--microbatches", str(DRIVER_MICROBATCHES), "--threads",
-                 str(args.threads), "--commit-log", str(out / "nodes" / f"driver-{i}.commits")],
+                [*join, "--data", str(data), "--threads", str(args.threads),
+                 "--commit-log", str(out / "nodes" / f"driver-{i}.commits")],
                 out / "nodes" / f"driver-{i}.jsonl", out / "nodes" / f"driver-{i}.log",
             )
             d.start(args.threads)
@@ -133,6 +137,8 @@ def _driver_row(d: PipelineProc) -> dict:
     recs = d.records()
     losses = [r["loss"] for r in recs if r.get("event") == "microbatch"]
     commits = [r for r in recs if r.get("event") == "commit"]
+    vals = [r for r in recs if r.get("event") == "val"]
+    done = next((r for r in recs if r.get("event") == "done"), {})
     return {
         "name": d.name,
         "microbatches": len(losses),
@@ -140,6 +146,12 @@ def _driver_row(d: PipelineProc) -> dict:
         "first_loss": sum(losses[:8]) / len(losses[:8]) if losses else None,
         "last_loss": sum(losses[-8:]) / len(losses[-8:]) if losses else None,
         "retries": sum(r.get("retries", 0) for r in recs if r.get("event") == "microbatch"),
+        "leases": sum(1 for r in recs if r.get("event") == "lease"),
+        "first_at": next((r["at"] for r in recs if r.get("event") == "microbatch"), None),
+        "last_at": next((r["at"] for r in reversed(recs) if r.get("event") == "microbatch"), None),
+        "val_loss": vals[-1]["val_loss"] if vals else None,
+        "val_step": vals[-1]["step"] if vals else None,
+        "stopped": done.get("reason", ""),
     }
 
 
@@ -152,8 +164,9 @@ def _show(view: dict, drivers: list[PipelineProc], elapsed: float) -> None:
     for d in drivers:
         r = _driver_row(d)
         loss = f"{r['last_loss']:.4f}" if r["last_loss"] is not None else "-"
+        val = f", val loss {r['val_loss']:.4f} at run step {r['val_step']}" if r["val_loss"] is not None else ""
         print(f"       {r['name']}: {r['microbatches']} microbatches, {r['committed_tokens']:,} tokens committed, "
-              f"loss {loss}")
+              f"loss {loss}{val}")
 
 
 def _summarize(out: Path, view: dict, drivers: list[PipelineProc], codes: dict, wall: float) -> int:
@@ -162,8 +175,10 @@ def _summarize(out: Path, view: dict, drivers: list[PipelineProc], codes: dict, 
     for r in rows:
         first = f"{r['first_loss']:.4f}" if r["first_loss"] is not None else "-"
         last = f"{r['last_loss']:.4f}" if r["last_loss"] is not None else "-"
-        print(f"{r['name']}: {r['microbatches']} microbatches, {r['committed_tokens']:,} tokens committed, "
-              f"loss {first} -> {last}, {r['retries']} retried")
+        val = f", val loss {r['val_loss']:.4f}" if r["val_loss"] is not None else ""
+        stopped = f" (stopped: {r['stopped']})" if r["stopped"] else ""
+        print(f"{r['name']}: {r['microbatches']} microbatches, {r['committed_tokens']:,} tokens committed over "
+              f"{r['leases']} leases, loss {first} -> {last}{val}, {r['retries']} retried{stopped}")
     for s in view.get("summary", []):
         print(f"stage {s['stage']}: {s['peers']} peers, {s['samples_per_s']:.1f} samples/s")
     (out / "summary.json").write_text(
