@@ -221,6 +221,7 @@ class PeerDataPlane:
                 break
             await asyncio.sleep(STATE_POLL_S)
         deadline = loop.time() + timeout_s
+        asked = False
         while True:
             others = [
                 r
@@ -234,6 +235,16 @@ class PeerDataPlane:
             votes = Counter(r.state_hash for r in others if r.round == newest)
             digest = votes.most_common(1)[0][0]
             holders = {r.node_id: r.address for r in others if r.round == newest and r.state_hash == digest}
+            if not asked:
+                # A record is a heartbeat or an announce old: ask the holders what they serve now,
+                # once, and take that if it is newer, so a node behind the run catches up in one
+                # step. Following a record one round behind, a node whose round then failed (the
+                # result it needed was dropped) re-synced to the same state and looped.
+                asked = True
+                served = await self._served_now(holders)
+                if any(r.round > newest for r in served):
+                    records = served
+                    continue
             try:
                 tensors, _ = await asyncio.wait_for(
                     afetch(
