@@ -183,6 +183,20 @@ def _commit() -> str:
     return done.stdout.strip() + (" (with uncommitted changes)" if dirty else "")
 
 
+def _history(path: Path) -> dict:
+    """The earlier runs a results file holds (``rows_run_*``), and its main rows as one more, so a
+    rerun adds to the record instead of replacing it."""
+    try:
+        old = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    kept = {k: v for k, v in old.items() if k.startswith("rows_run_")}
+    if old.get("rows"):
+        name = f"rows_run_{str(old.get('date', ''))[:10].replace('-', '_')}_{str(old.get('commit', ''))[:7]}"
+        kept[name] = {"command": old.get("command"), "commit": old.get("commit"), "rows": old["rows"]}
+    return kept
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--duration", type=float, default=600.0, help="seconds a row measures (default 600)")
@@ -231,6 +245,7 @@ def main() -> int:
         "config": str(CONFIG.relative_to(REPO)),
         "rows": rows,
     }
+    out.update(_history(args.out))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=1) + "\n")
     print(f"wrote {args.out}")
