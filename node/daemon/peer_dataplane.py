@@ -269,7 +269,10 @@ class PeerDataPlane:
                 # step. Following a record one round behind, a node whose round then failed (the
                 # result it needed was dropped) re-synced to the same state and looped.
                 asked = True
-                served = await self._served_now(holders)
+                try:  # a hung holder must not hold the fetch up: the fetch itself tries it anyway
+                    served = await asyncio.wait_for(self._served_now(holders), self.s.peer_timeout_s)
+                except TimeoutError:
+                    served = []
                 if any(r.round > newest for r in served):
                     records = served
                     continue
