@@ -338,11 +338,13 @@ def _run(args: argparse.Namespace) -> int:
 def _progress(net: Testnet, started_at: float, ended_at: float, monkey: Chaos | None) -> dict | None:
     """The run's progress as the ledger counts it (node/testnet/chaos.py's analyze), or None when
     the coordinator cannot say (it never started, or died)."""
-    from murmur.node.testnet.chaos import analyze
+    from murmur.node.testnet.chaos import analyze, round_records
 
     if net.coordinator is None or net.coordinator.poll() is not None or not getattr(net, "run_id", None):
         return None
     try:
+        # From the first round on: the nodes' start-up is neither a stall nor a slow minute.
+        started_at = min((float(r["time"]) for r in round_records(net)), default=started_at)
         return analyze(net, started_at, ended_at, restarted=monkey.restarted if monkey is not None else ())
     except (TestnetError, OSError, KeyError, ValueError) as err:
         print(f"warning: no progress figures ({err})")
@@ -356,8 +358,8 @@ def _print_progress(stats: dict, chaos: bool) -> None:
     from murmur.node.testnet.chaos import percentile
 
     sizes = ", ".join(f"{n} of {k}" for k, n in stats["rounds_by_group_size"].items()) or "none"
-    print(f"progress: {stats['tokens_per_min']:,} tokens committed per minute; {stats['rounds']} rounds "
-          f"(by members: {sizes}); longest time with no round {stats['max_stall_s']:.1f}s")
+    print(f"progress from the first round: {stats['tokens_per_min']:,} tokens committed per minute; "
+          f"{stats['rounds']} rounds (by members: {sizes}); longest time with no round {stats['max_stall_s']:.1f}s")
     if chaos:
         times = stats["restart_s"]
         p50, worst = percentile(times, 0.5), max(times, default=None)
