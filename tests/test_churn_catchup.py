@@ -7,8 +7,14 @@ ahead: node/daemon/round_finish.py). A joiner took that lagging state, R - 1; it
 the result of exchange call R - 1, which the peer had already dropped (it kept its last two
 results only). The round failed ("the peers that completed it moved on"), the node re-synced, got
 the same state R - 1 again (nothing newer was published), and looped every ~70 ms for as long as
-the checkpoint took (600 s in the test: for ever). Now a peer serves the results of every call
-past the newest state it publishes, so the joiner catches up from them at once.
+the checkpoint took (600 s in the test: for ever). Now a round's state is published once hashed,
+whatever the disk does (node/daemon/round_finish.py), and a fetch asks the holders what they serve
+now: the joiner takes the newest state in one step.
+
+And a node restarted after coordinator restarts met nobody at the rendezvous (the DHT was split:
+the coordinator's restarted DHT was out of the others' routing tables), failed every round one
+behind, and the others waited out the rendezvous deadline for it every round. Now a node whose
+coordinator lists trainers its DHT does not show dials the bootstrap peers again.
 
 Real processes, real signals; no timing assertions (the waits are for log lines and rounds).
 """
@@ -50,11 +56,12 @@ def churn_net(tmp_path, data, token_uses: int):
 
 def test_a_joiner_behind_a_peer_whose_checkpoint_lags_catches_up_without_spinning(tmp_path, data):
     """A trains alone with its checkpoint of round R held for a while: it completes rounds past R
-    (three wait beside the held checkpoint, then its training thread waits too) while it still
-    publishes and heartbeats R - 1. B joins and takes R - 1. A had dropped the result B's round R
-    needs; B looped on it until A's checkpoint came back. Now B catches up from the results A
-    keeps (each of B's windows is left out, nothing is committed for them), then waits for A at
-    the next round, and once A's checkpoint is written the two train together with one hash."""
+    (three wait beside the held checkpoint, then its training thread waits too); before, it
+    still published and heartbeated R - 1. B joins and takes R - 1. A had dropped the result B's round R
+    needs; B looped on it until A's checkpoint came back. Now A publishes each round's state
+    once hashed: B takes A's newest, catches up the one round A is past it (left out, nothing
+    committed), waits for A at the next one, and once A's checkpoint is written the two train
+    together with one hash."""
     held, hold_s = 3, 90
     with churn_net(tmp_path, data, token_uses=4) as net:
         # A's exchange numbers round R as call R - 1: at call R + 2's rendezvous, A has completed
