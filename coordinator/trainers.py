@@ -128,8 +128,13 @@ class Trainers:
                 f"{node_id} is not in the group that completed round {round_id} (its update was left out "
                 "and it caught up): these tokens never reached the model; train them again"
             )
+        # A round the run granted to this group (ClaimRound, before anyone applied it) was judged
+        # then, against the trainers live then: its commits come a checkpoint later, and a node
+        # that joined meanwhile must not turn it into a minority. A lone trainer whose checkpoint
+        # was slow had every round it trained alone refused, and re-synced for nothing.
+        granted = group <= self._granted.get(run_id, {}).get(round_id, set())
         self._judge(self._groups.setdefault(run_id, OrderedDict()), round_id, f"round {round_id}", run_id, group,
-                    is_live, settle_s=self.settle_s)
+                    is_live, settle_s=self.settle_s, granted=granted)
 
     def claim(
         self,
@@ -216,12 +221,14 @@ class Trainers:
         *,
         settle_s: float,
         remembered: frozenset | None = None,
+        granted: bool = False,
     ) -> None:
         """The split rules for the group of ``at`` (a round, or an exchange call): it must share a
         member with the group the run was granted ``at`` with (compared as ``remembered``, the
         group's node ids by default); the first group must be a strict majority of the trainers
         live for ``settle_s`` or more and of its own members (a commit comes a while after its
-        round: trainers newer than that may have joined after the round was completed).
+        round: trainers newer than that may have joined after the round was completed), unless
+        ``granted``: the run granted it to this group already, judged when it was claimed.
         SplitRound if not."""
         if remembered is None:
             remembered = group
@@ -242,7 +249,7 @@ class Trainers:
             return
         settled = self.clock() - settle_s
         counted = [n for n, t in self.live(run_id, is_live) if t.since <= settled or n in group]
-        if 2 * len(group) <= len(counted):
+        if not granted and 2 * len(group) <= len(counted):
             raise SplitRound(
                 f"{what} had {len(group)} member(s) but run {run_id} has {len(counted)} live trainers: "
                 "a minority group is a split; drop this work and re-sync"

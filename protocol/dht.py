@@ -180,6 +180,33 @@ _live: set[int] = set()
 _live_lock = threading.Lock()
 
 
+async def _reconnect(dht: object, node: object, multiaddrs: list[str]) -> int:
+    """In the DHT's process (`MurmurDHT.reconnect`): connect, ping (which adds each peer that
+    answers to the routing table, and this node to theirs), then find this node's neighbours."""
+    from hivemind.p2p import PeerID
+    from hivemind.utils.multiaddr import Multiaddr
+
+    answered = 0
+    for text in multiaddrs:
+        try:
+            addr = Multiaddr(text)
+            peer = PeerID.from_base58(addr["p2p"])
+            # Twice: the first ping may go down the connection to the peer's previous process,
+            # which p2pd still holds open; its failure closes it, and the second dial is fresh.
+            for attempt in range(2):
+                await node.p2p._client.connect(peer, [addr.decapsulate(Multiaddr(f"/p2p/{addr['p2p']}"))])
+                if await node.protocol.call_ping(peer) is not None:
+                    answered += 1
+                    break
+                if attempt == 0:
+                    await asyncio.sleep(0.5)
+        except Exception:  # noqa: BLE001, S112 - a peer that cannot be dialed is skipped
+            continue
+    if answered:
+        await node.find_nearest_nodes([node.node_id])
+    return answered
+
+
 def _fresh_future_backend() -> None:
     """Give hivemind's futures fresh cross-process locks when no DHT of this process is running.
 
@@ -472,7 +499,21 @@ class MurmurDHT:
         address replaces ours (the DHT keeps the newest) until we put a fresh one."""
         self._store(round_key(self.run_id, round_id, key), {"address": "", "left": True}, self.settings.rendezvous_ttl)
 
+    def reconnect(self, multiaddrs: list[str]) -> int:
+        """Dial these peers again and take them back into the routing table, then look up this
+        node's neighbours through them; how many answered. A bootstrap peer that restarted (the
+        coordinator's DHT, same key and address) was dropped from the routing tables of the
+        nodes that saw it down, and its new process knows only who bootstrapped from it since:
+        a node restarted after it met nobody but the coordinator at the rendezvous, the others
+        never met it, and they waited for it at every round (issue 37's third item)."""
+        dht = self._dht()
+        found = dht.run_coroutine(partial(_reconnect, multiaddrs=list(multiaddrs)), return_future=True)
+        return int(found.result(timeout=self.settings.request_timeout))
+
     # asyncio variants: the DHT calls block on a pipe, so they run in a worker thread ------------
+
+    async def areconnect(self, multiaddrs: list[str]) -> int:
+        return await asyncio.to_thread(self.reconnect, multiaddrs)
 
     async def aannounce(self, record: PeerRecord, ttl: float | None = None) -> bool:
         return await asyncio.to_thread(self.announce, record, ttl)

@@ -67,3 +67,19 @@ def test_one_live_process_at_a_time_numbers_its_own_state_as_a_lost_round():
     t.claim_lost_rounds(RUN, 9, "n1", live.__contains__)
     with pytest.raises(SplitRound, match="heartbeat first"):
         t.claim_lost_rounds(RUN, 9, "n3", live.__contains__)
+
+
+def test_a_granted_rounds_commit_is_not_refused_as_a_minority_of_trainers_that_came_later():
+    """n1 trains alone (the only live trainer) and is granted rounds 4-6; its checkpoint is slow,
+    so their commits arrive after n2 has joined and settled. The grant judged those rounds
+    against the trainers live when they were claimed: the commits are the run's progress. A
+    round nobody granted this group is still judged against the trainers live now."""
+    t = Trainers(settle_s=0.0)
+    beat(t, "n1")
+    for r in (4, 5, 6):
+        assert t.claim(RUN, r - 1, "diloco/0", ["n1"], lambda n: True, run_round=r)
+    beat(t, "n2")
+    for r in (4, 5, 6):
+        t.check_round(RUN, "n1", r, ["n1"], lambda n: True)
+    with pytest.raises(SplitRound, match="minority group is a split"):
+        t.check_round(RUN, "n1", 7, ["n1"], lambda n: True)

@@ -216,3 +216,51 @@ def test_a_dht_process_killed_holding_hivemind_s_future_lock_does_not_hang_the_n
     with D.MurmurDHT("run", ca_cert_pem=ca.cert_pem, identity=ca.issue(), settings=fast) as second:
         assert second.addresses
         assert second.peers() == []
+
+
+def test_a_restarted_bootstrap_peer_splits_the_dht_until_its_peers_dial_it_again(ca, tmp_path):
+    """The coordinator's DHT (the bootstrap peer: same key, same port) restarts while A and B keep
+    using the DHT; C joins through it afterwards. A and B had dropped it, and its new process
+    knows only C: A and B see only each other's records, C only its own, and a rendezvous never
+    meets across (a node restarted after coordinator restarts was waited for at every round).
+    `reconnect` to the bootstrap peer joins the two sides again."""
+    key = str(tmp_path / "x.key")
+    boot_settings = D.DHTSettings(identity_path=key, record_ttl=60)
+    x = D.MurmurDHT("run", ca_cert_pem=ca.cert_pem, settings=boot_settings).start()
+    boot = x.addresses
+    a, b, c = ca.issue(), ca.issue(), ca.issue()
+    settings = D.DHTSettings(record_ttl=60)
+    nodes = {k.node_id: D.MurmurDHT("run", ca_cert_pem=ca.cert_pem, identity=k, initial_peers=boot, settings=settings)
+             for k in (a, b)}
+    try:
+        for n in nodes.values():
+            n.start()
+
+        def announce(*ids: str) -> None:
+            for i in ids:
+                nodes[i].announce(D.PeerRecord(node_id=i, address=f"127.0.0.1:{sorted(nodes).index(i) + 1}"))
+
+        announce(a.node_id, b.node_id)
+        x.shutdown()
+        for _ in range(3):  # the others go on meanwhile: their calls to it fail
+            announce(a.node_id, b.node_id)
+        x = D.MurmurDHT("run", ca_cert_pem=ca.cert_pem,
+                        settings=D.DHTSettings(identity_path=key, port=D.port_of(boot), record_ttl=60)).start()
+        nodes[c.node_id] = D.MurmurDHT("run", ca_cert_pem=ca.cert_pem, identity=c, initial_peers=boot,
+                                       settings=settings).start()
+        announce(*nodes)
+        assert c.node_id not in {p.node_id for p in nodes[a.node_id].peers()}, "no split: the scenario did not happen"
+        # p2pd backs off dialing an address that failed (while it was down) for a few seconds:
+        # the data plane dials again every few seconds, as here.
+        for side in (a, c):
+            deadline = time.monotonic() + 60
+            while nodes[side.node_id].reconnect(boot) != 1:
+                assert time.monotonic() < deadline, "the bootstrap peer never answered again"
+                time.sleep(1.0)
+        announce(*nodes)
+        for n in nodes.values():
+            assert {p.node_id for p in n.peers()} == set(nodes)
+    finally:
+        for n in nodes.values():
+            n.shutdown()
+        x.shutdown()

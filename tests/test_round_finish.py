@@ -1,9 +1,11 @@
 """The round finisher: a round reaches the loop only after its checkpoint is on disk, in order, and a
-failed write stops the node without handing over that round or any later one."""
+failed write stops the node without handing over that round or any later one. Its state is
+published once hashed, whatever the disk does."""
 
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -136,6 +138,33 @@ def test_a_checkpoint_waiting_behind_a_slow_write_gives_way_to_the_next_rounds_a
     t.join(30)
     # Round 2's checkpoint was never written; round 2 went out after round 3's, which holds its state.
     assert events == [("saved", 1), ("handed", 1, 1), ("saved", 3), ("handed", 2, 3), ("handed", 3, 3)]
+
+
+def test_states_are_published_in_order_while_a_slow_write_holds_the_hand_overs(tmp_path):
+    # A peer serves its newest state to joiners whatever its disk does: published only after the
+    # checkpoint, a lagging state sent a joiner round after round into results its holder had
+    # dropped (tests/test_churn_catchup.py).
+    release, started = threading.Event(), threading.Event()
+    published: list[tuple[int, bytes]] = []
+    handed: list[int] = []
+
+    def save(ckpt):
+        started.set()
+        assert release.wait(30)
+
+    finisher = RoundFinisher(save, lambda record, *_: handed.append(record["round"]),
+                             lambda round_id, shared, digest: published.append((round_id, digest)))
+    for r in range(1, MAX_WAITING + 1):
+        finisher.submit({"round": r}, [], _shared(float(r)), {"round": r})
+    assert started.wait(30)
+    deadline = time.monotonic() + 30
+    while len(published) < MAX_WAITING and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert [r for r, _ in published] == list(range(1, MAX_WAITING + 1)) and handed == []
+    assert all(d == tensors_hash(_shared(float(r))) for r, d in published)
+    release.set()
+    finisher.close()
+    assert handed == list(range(1, MAX_WAITING + 1))
 
 
 def test_a_submit_blocks_only_once_max_waiting_rounds_wait_unhashed(tmp_path):

@@ -113,6 +113,8 @@ class PeerDataPlane:
         self.record: PeerRecord | None = None  # what this node announces: None until it has a round
         self._announcer: asyncio.Task[None] | None = None
         self._stop = asyncio.Event()
+        self._rejoined_at = -DHT_REFRESH_S  # loop time of the last reconnect to the bootstrap peers
+        self._apart_logged: frozenset[str] = frozenset()
 
     # -- discovery -------------------------------------------------------------------------------
 
@@ -130,8 +132,34 @@ class PeerDataPlane:
             peers = await self._trainers()
             if not stored and len(peers) > 1:
                 self.log("DHT announce was not stored; retrying")
+            await self._rejoin_if_apart(peers)
         except DHTError as err:
             self.log(f"DHT announce failed ({err}); retrying")
+
+    async def _rejoin_if_apart(self, peers: list[PeerRecord]) -> None:
+        """The coordinator lists live trainers whose records this node's DHT does not show: the
+        DHT is split. A bootstrap peer that restarted (the coordinator's) was dropped from the
+        routing tables of the nodes that saw it down, and a node restarted after it knows only
+        it: each side met only itself at the rendezvous, and the others waited out the deadline
+        for the restarted node every round (8 s a round in test_churn_catchup.py). Dial the
+        bootstrap peers again (at most every DHT_REFRESH_S): through them both sides meet."""
+        if self.view is None or not self.dht.initial_peers:
+            return
+        seen = {p.node_id for p in peers} | {self.ident.node_id}
+        apart = frozenset(m.node_id for m in self.view.trainers() if m.node_id not in seen)
+        now = asyncio.get_running_loop().time()
+        if not apart or now - self._rejoined_at < DHT_REFRESH_S:
+            return
+        self._rejoined_at = now
+        try:
+            answered = await self.dht.areconnect(self.dht.initial_peers)
+        except Exception as err:  # noqa: BLE001 - the announce loop goes on; tried again later
+            answered = 0
+            self.log(f"could not dial the DHT bootstrap peers again ({type(err).__name__}: {err})")
+        if apart != self._apart_logged:
+            self._apart_logged = apart
+            self.log(f"the coordinator lists {len(apart)} trainer(s) this node's DHT does not show: "
+                     f"dialed the bootstrap peers again ({answered} of {len(self.dht.initial_peers)} answered)")
 
     async def _announce_loop(self) -> None:
         period = self.s.dht_record_ttl_s / 3  # re-announce well before the record expires
@@ -221,6 +249,7 @@ class PeerDataPlane:
                 break
             await asyncio.sleep(STATE_POLL_S)
         deadline = loop.time() + timeout_s
+        asked = False
         while True:
             others = [
                 r
@@ -234,6 +263,19 @@ class PeerDataPlane:
             votes = Counter(r.state_hash for r in others if r.round == newest)
             digest = votes.most_common(1)[0][0]
             holders = {r.node_id: r.address for r in others if r.round == newest and r.state_hash == digest}
+            if not asked:
+                # A record is a heartbeat or an announce old: ask the holders what they serve now,
+                # once, and take that if it is newer, so a node behind the run catches up in one
+                # step. Following a record one round behind, a node whose round then failed (the
+                # result it needed was dropped) re-synced to the same state and looped.
+                asked = True
+                try:  # a hung holder must not hold the fetch up: the fetch itself tries it anyway
+                    served = await asyncio.wait_for(self._served_now(holders), self.s.peer_timeout_s)
+                except TimeoutError:
+                    served = []
+                if any(r.round > newest for r in served):
+                    records = served
+                    continue
             try:
                 tensors, _ = await asyncio.wait_for(
                     afetch(

@@ -49,6 +49,11 @@ class StopSignal:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._seen_by_loop.wait(), seconds)
 
+    def wait(self, seconds: float) -> bool:
+        """Sleep on a plain thread (the training thread), but wake at once when a stop is asked
+        for; True if it came."""
+        return self._seen_by_thread.wait(seconds)
+
     def _set(self) -> None:
         self._seen_by_thread.set()
         self._seen_by_loop.set()

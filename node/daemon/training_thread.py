@@ -43,6 +43,8 @@ from murmur.protocol.wire import tensors_hash
 
 # The shortest look for a state while waiting for it (a fetch's gRPC calls need a moment).
 STATE_LOOK_MIN_S = 1.0
+# Failed rounds in a row at one round that are retried at once; the next ones wait (_pace_retries).
+RETRIES_AT_ONCE = 3
 
 
 class TrainingThread:
@@ -116,6 +118,7 @@ class TrainingThread:
         # Since when (monotonic) this node's rounds have failed while the coordinator said the run
         # got past its round and nobody served that state (training thread; None: not so).
         self._behind_since: float | None = None
+        self._failures = 0  # rounds failed in a row at this node's round (training thread)
 
     # -- on the loop: before training -------------------------------------------------------------
 
@@ -219,9 +222,11 @@ class TrainingThread:
         if trainer.round == 0:
             v = evaluate(trainer.model, val, trainer.device, cfg.train.dtype)
             self.loop.call_soon_threadsafe(self._record_start, v)
-        # The finisher's thread hands each round to the loop, where `_after_round` logs and commits it.
+        # The finisher's threads hand each round to the loop: its state to publish once hashed, then
+        # the round itself once its checkpoint is on disk, where `_after_round` logs and commits it.
         hand_over = functools.partial(self.loop.call_soon_threadsafe, self._after_round)
-        finisher = self._finisher = RoundFinisher(self._save_checkpoint, hand_over)
+        publish = functools.partial(self.loop.call_soon_threadsafe, self.dataplane.publish)
+        finisher = self._finisher = RoundFinisher(self._save_checkpoint, hand_over, publish)
         try:
             self._windows(finisher, val, eval_every)
         except BaseException:
@@ -249,6 +254,7 @@ class TrainingThread:
                 # trained again (the lease restarts from its committed offset).
                 self.loop.call_soon_threadsafe(self.log, f"round {trainer.round + 1} failed ({err}); re-syncing")
                 trainer.lease, trainer.loader = None, None
+                failed_round = trainer.round
                 if self._resync_blocking():
                     self._behind_since = None
                 else:
@@ -257,8 +263,10 @@ class TrainingThread:
                     # retry is the same exchange round as the peers', not the next one.
                     trainer.load_shared_state(self._last_shared)
                     self._number_past_lost_rounds()
+                self._pace_retries(failed_round)
                 continue
             self._behind_since = None
+            self._failures = 0
             if result.stopped:
                 break
             rounds_here += 1
@@ -293,6 +301,19 @@ class TrainingThread:
             if self.max_rounds and rounds_here >= self.max_rounds:
                 self.loop.call_soon_threadsafe(self.stop.request, f"--max-rounds {self.max_rounds} reached")
                 break
+
+    def _pace_retries(self, failed_round: int) -> None:
+        """After a failed round (training thread): retry at once, unless the node is still at the
+        round that failed and it has failed RETRIES_AT_ONCE times in a row: then wait a little
+        longer each time, up to lease_wait_s. A node that cannot get past a round (a result its
+        peers no longer serve, a state nobody publishes yet) looped every ~70 ms before, for as
+        long as that lasted (600 s in tests/test_churn_catchup.py's scenario)."""
+        if self.trainer.round != failed_round:
+            self._failures = 0  # re-synced past it: a new start
+            return
+        self._failures += 1
+        if self._failures > RETRIES_AT_ONCE:
+            self.stop.wait(min(self.s.lease_wait_s, 0.1 * 2 ** (self._failures - RETRIES_AT_ONCE)))
 
     def _forget_exhausted(self, keep: set[str]) -> set[str]:
         """End the window's bookkeeping of the leases it ran out (training thread): those not in
@@ -504,8 +525,7 @@ class TrainingThread:
         # Their commits are pending now and go out before any lease request: no longer exhausted.
         self.session.exhausted.difference_update(self._exhausted_by_round.pop(record["round"], ()))
         self.session.queue_rejections(self.dataplane.take_rejections())
-        self.dataplane.publish(record["round"], shared, digest)
-        self.state.append_round(record)
+        self.state.append_round(record)  # (its state was published once hashed: RoundFinisher)
         ratio = f"{record['compression']:,.0f}x" if record["compression"] else "-"
         val = f" | val {record['val_loss']:.4f}" if record["val_loss"] is not None else ""
         # Which live trainers nobody can dial (the coordinator's view: their heartbeats' addresses).

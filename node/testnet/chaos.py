@@ -13,7 +13,12 @@ the coordinator's ledger, and says what the issue-14 benchmark and the churn tes
   the group that completed the round) records that group's hash: not a split;
 * the ledger: tokens committed equal the sum of the shards' committed offsets (every token counted
   once) and never exceed the tokens the recorded rounds trained into the model (a window whose
-  update was left out is not counted: its tokens are trained again; ``windows_left_out``).
+  update was left out is not counted: its tokens are trained again; ``windows_left_out``);
+* progress counted honestly: tokens the ledger committed per minute over the span (rounds alone
+  overstate it: a round of one member trains one node's tokens), the span's rounds by group size,
+  and for every restart the seconds from its process start to its first round whose update
+  reached the model (``restart_s``; a restart that trained no such round before the span ended
+  is counted in ``restarts_without_round``, not in the times).
 
 Used by `murmur testnet chaos`, benchmarks/chaos.py and tests/test_churn_*.py.
 """
@@ -22,6 +27,7 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from murmur.node.daemon.state_dir import read_rounds
@@ -36,6 +42,7 @@ class Chaos:
     restart_delay_s: float = 3.0
     kills: list[tuple[float, str]] = field(default_factory=list)  # (time.time(), node name)
     restarts: int = 0
+    restarted: list[tuple[float, str]] = field(default_factory=list)  # (time.time() at its start, node name)
     _rng: random.Random = field(init=False)
     _next_kill: float = field(init=False)
     _due: list[tuple[float, NodeProc]] = field(default_factory=list)
@@ -58,8 +65,7 @@ class Chaos:
             self._next_kill = now + self._rng.expovariate(1 / self.mtbf_s)
         for due, node in list(self._due):
             if now >= due:
-                self.net.start_node(node)
-                self.restarts += 1
+                self._restart(node)
                 self._due.remove((due, node))
         return note
 
@@ -70,9 +76,13 @@ class Chaos:
     def finish(self) -> None:
         """Restart every node still down (the run's end is not a crash)."""
         for _, node in self._due:
-            self.net.start_node(node)
-            self.restarts += 1
+            self._restart(node)
         self._due.clear()
+
+    def _restart(self, node: NodeProc) -> None:
+        self.restarted.append((time.time(), node.name))
+        self.net.start_node(node)
+        self.restarts += 1
 
 
 def round_records(net: Testnet) -> list[dict]:
@@ -83,9 +93,18 @@ def round_records(net: Testnet) -> list[dict]:
     return out
 
 
-def analyze(net: Testnet, started_at: float, ended_at: float) -> dict:
+def analyze(
+    net: Testnet,
+    started_at: float,
+    ended_at: float,
+    *,
+    restarted: Sequence[tuple[float, str]] = (),
+    committed_before: int = 0,
+) -> dict:
     """What the run made of the chaos (see the module docstring); ``started_at``/``ended_at`` in
-    time.time(), the span the stall is measured over."""
+    time.time(), the span the stall and the rates are measured over; ``restarted``: (start time,
+    node name) of each restart (`Chaos.restarted`); ``committed_before``: tokens the ledger had
+    committed at ``started_at``."""
     recs = round_records(net)
     by_round: dict[int, list[dict]] = {}
     for r in recs:
@@ -101,6 +120,8 @@ def analyze(net: Testnet, started_at: float, ended_at: float) -> dict:
     # Tokens that reached the model: a window whose update a round left out trained tokens the
     # ledger must not count (the node trains them again), so they are not counted here either.
     trained = sum(int(r.get("tokens", 0)) for r in recs if r.get("contributed", True))
+    minutes = max(ended_at - started_at, 1e-9) / 60
+    restart_s, without = restart_times(recs, restarted)
     return {
         "rounds": len(by_round),
         "max_round": max(by_round, default=0),
@@ -112,4 +133,47 @@ def analyze(net: Testnet, started_at: float, ended_at: float) -> dict:
         "windows_left_out": sum(1 for r in recs if r.get("contributed") is False),
         "ledger_exact": committed == offsets and committed <= trained,
         "tokens_lost": max(0, trained - committed),
+        "tokens_per_min": round((committed - committed_before) / minutes) if ended_at > started_at else 0,
+        "rounds_by_group_size": group_sizes(by_round, started_at, ended_at),
+        "restart_s": restart_s,
+        "restarts_without_round": without,
     }
+
+
+def group_sizes(by_round: dict[int, list[dict]], started_at: float, ended_at: float) -> dict[str, int]:
+    """How many of the rounds first completed in the span had 1, 2, ... members (the largest
+    group any record of the round names: a member that caught up records the group it adopted)."""
+    sizes: dict[int, int] = {}
+    for rs in by_round.values():
+        if started_at <= min(float(r["time"]) for r in rs) <= ended_at:
+            k = max(int(r.get("peers", 1)) for r in rs)
+            sizes[k] = sizes.get(k, 0) + 1
+    return {str(k): sizes[k] for k in sorted(sizes)}
+
+
+def restart_times(recs: list[dict], restarted: Sequence[tuple[float, str]]) -> tuple[list[float], int]:
+    """Seconds from each restart to that node's first round after it whose update reached the model
+    (sorted), and how many restarts had none (killed again first, or the span ended)."""
+    starts: dict[str, list[float]] = {}
+    for t, name in restarted:
+        starts.setdefault(name, []).append(t)
+    times, without = [], 0
+    for name, ts in starts.items():
+        mine = sorted(float(r["time"]) for r in recs if r["name"] == name and r.get("contributed", True))
+        ts = sorted(ts)
+        for i, t in enumerate(ts):
+            until = ts[i + 1] if i + 1 < len(ts) else float("inf")  # the next restart of the same node
+            first = next((x for x in mine if t < x < until), None)
+            if first is None:
+                without += 1
+            else:
+                times.append(round(first - t, 1))
+    return sorted(times), without
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """The ``q`` quantile (0..1) of ``values`` by the nearest rank; None when empty."""
+    if not values:
+        return None
+    xs = sorted(values)
+    return xs[min(len(xs) - 1, max(0, round(q * (len(xs) - 1))))]

@@ -297,7 +297,9 @@ def _run(args: argparse.Namespace) -> int:
                   coordinator_args=list(LOOPBACK_COORDINATOR))
     view = LiveView()
     t0 = time.monotonic()
+    started_at = time.time()
     monkey: Chaos | None = None
+    progress: dict | None = None
     try:
         info = net.start_coordinator()
         print(f"coordinator on {info['address']} (ledger {net.db}, admin key {info['admin_key_file']})")
@@ -329,10 +331,46 @@ def _run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         print("\ninterrupted: stopping the nodes (each commits, releases its lease and leaves)")
     finally:
-        codes = net.stop()
+        ended_at = time.time()
+        codes = net.stop_nodes()  # each commits, releases and leaves: the ledger is read after
+        progress = _progress(net, started_at, ended_at, monkey)
+        codes["coordinator"] = net.stop_coordinator()
         for node in monkey.pending() if monkey is not None else []:  # killed, not restarted yet
             codes[node.name] = None
-    return _summarize(net, out, codes, time.monotonic() - t0)
+    return _summarize(net, out, codes, time.monotonic() - t0, progress, chaos)
+
+
+def _progress(net: Testnet, started_at: float, ended_at: float, monkey: Chaos | None) -> dict | None:
+    """The run's progress as the ledger counts it (node/testnet/chaos.py's analyze), or None when
+    the coordinator cannot say (it never started, or died)."""
+    from murmur.node.testnet.chaos import analyze, round_records
+
+    if net.coordinator is None or net.coordinator.poll() is not None or not getattr(net, "run_id", None):
+        return None
+    try:
+        # From the first round on: the nodes' start-up is neither a stall nor a slow minute.
+        started_at = min((float(r["time"]) for r in round_records(net)), default=started_at)
+        return analyze(net, started_at, ended_at, restarted=monkey.restarted if monkey is not None else ())
+    except (TestnetError, OSError, KeyError, ValueError) as err:
+        print(f"warning: no progress figures ({err})")
+        return None
+
+
+def _print_progress(stats: dict, chaos: bool) -> None:
+    """Tokens committed per minute (compare a chaos run's with a `testnet up` run's of the same
+    config and nodes: that ratio is the honest progress figure), rounds by group size, the
+    longest time with no round and, under chaos, each restart's time to its first round."""
+    from murmur.node.testnet.chaos import percentile
+
+    sizes = ", ".join(f"{n} of {k}" for k, n in stats["rounds_by_group_size"].items()) or "none"
+    print(f"progress from the first round: {stats['tokens_per_min']:,} tokens committed per minute; "
+          f"{stats['rounds']} rounds (by members: {sizes}); longest time with no round {stats['max_stall_s']:.1f}s")
+    if chaos:
+        times = stats["restart_s"]
+        p50, worst = percentile(times, 0.5), max(times, default=None)
+        tail = f"p50 {p50:.1f}s, max {worst:.1f}s" if times else "none trained a round"
+        print(f"restarts: {len(times)} to a first round ({tail}); {stats['restarts_without_round']} without one")
+        print(f"state hashes agree in every round: {stats['hash_agreement']}; ledger exact: {stats['ledger_exact']}")
 
 
 def _show_model(out: Path) -> None:
@@ -351,7 +389,10 @@ def _show_model(out: Path) -> None:
     print("sample:\n" + "\n".join(f"  | {line}" for line in lines))
 
 
-def _summarize(net: Testnet, out: Path, codes: dict[str, int | None], wall: float) -> int:
+def _summarize(
+    net: Testnet, out: Path, codes: dict[str, int | None], wall: float, progress: dict | None = None,
+    chaos: bool = False,
+) -> int:
     rows = [node_row(n) for n in net.nodes]
     print(f"\nsummary after {wall:.0f}s")
     head = (
@@ -372,6 +413,8 @@ def _summarize(net: Testnet, out: Path, codes: dict[str, int | None], wall: floa
     same_round = len({r.rounds for r in rows}) == 1
     if same_round and len(hashes) == 1:
         print(f"all nodes hold the same global state after round {rows[0].rounds} (hash {rows[0].hash})")
+    if progress is not None:
+        _print_progress(progress, chaos)
     plot = out / "loss.png"
     try:
         plot_losses(net.nodes, plot, f"murmur testnet: {len(net.nodes)} nodes")
@@ -381,7 +424,8 @@ def _summarize(net: Testnet, out: Path, codes: dict[str, int | None], wall: floa
     _show_model(out)
     (out / "summary.json").write_text(
         json.dumps(
-            {"wall_s": wall, "exit_codes": codes, "nodes": [asdict(r) for r in rows]}, indent=1, default=str
+            {"wall_s": wall, "exit_codes": codes, "nodes": [asdict(r) for r in rows], "progress": progress},
+            indent=1, default=str,
         )
         + "\n"
     )
