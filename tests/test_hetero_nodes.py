@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import signal
 import statistics
+import subprocess
+import sys
 
 import pytest
 from _node_helpers import hashes_by_round, log, make_testnet, small_dataset, trained, wait_rounds
@@ -110,3 +112,26 @@ def test_a_node_whose_speed_changes_is_followed_within_a_few_rounds(tmp_path, da
         settled = after[3:]
         assert len(settled) >= 4 and statistics.median(settled) >= 0.7 * H, steps()
         assert min(settled) > H // 2, steps()
+
+
+def test_testnet_up_speeds_slows_the_named_nodes(tmp_path, data):
+    from _node_helpers import REPO, TINY
+
+    from murmur.node.daemon.state_dir import read_rounds
+
+    out = tmp_path / "net"
+    done = subprocess.run(
+        [sys.executable, "-m", "murmur.cli", "testnet", "up", "--nodes", "2", "--speeds", "1,3",
+         "--config", str(TINY), "--duration", "30", "--out", str(out), "--set", f'data.path="{data}"',
+         *(a for o in SPEED for a in ("--set", o))],
+        capture_output=True, text=True, timeout=240, cwd=REPO,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    steps = [[r["steps"] for r in read_rounds(out / "nodes" / f"node-{i}") if "steps" in r and r["peers"] == 2]
+             for i in range(2)]
+    # Past the first rounds (H each until the speeds are measured and announced), node-1, 3x
+    # slower, trains the smaller share every round, and node-0 more than H on average.
+    both = list(zip(*steps, strict=False))[3:]
+    assert len(both) >= 3, steps
+    assert all(slow < H and slow < fast for fast, slow in both), steps
+    assert statistics.mean(fast for fast, _ in both) > H, steps
