@@ -99,25 +99,39 @@ def node_row(rule: str, duration: float, out: Path) -> dict:
     }
 
 
-def sim_rows(rounds: int) -> list[dict]:
+# The quality benchmark's model (benchmarks/quality.py FULL: 384 wide, 6 blocks, seq 256, 32 rows a
+# worker-step, H 50, its optimizer), on the byte-level corpus: its GPT-2 corpus is not built here.
+QUALITY_SETS = [
+    'model.preset="medium"', "model.dim=384", "model.n_layers=6", "model.n_heads=6", "model.n_kv_heads=6",
+    "model.hidden_dim=1024", "model.seq_len=256", "optim.lr=1e-3", "optim.warmup_steps=50",
+    "optim.weight_decay=0.1", "optim.min_lr_ratio=0.1", "train.batch_size=32", "train.eval_batches=16",
+    "sync.inner_steps=50", "sync.outer_lr=1.0", "sync.outer_momentum=0.5",
+]
+
+
+def sim_rows(rounds: int, device: str = "cpu", model: str = "tiny") -> list[dict]:
     import torch
 
     from murmur.node.sim.hetero import run_hetero
-    from murmur.node.train.build import open_run_dataset
+    from murmur.node.train.build import open_run_dataset, resolve_device
     from murmur.protocol.runconfig import load_config
 
-    torch.set_num_threads(1)
+    if device == "cpu":
+        torch.set_num_threads(1)
+    dev = resolve_device(device)
+    sets = QUALITY_SETS if model == "quality" else [f"sync.inner_steps={SIM_H}", "train.batch_size=8",
+                                                   "train.eval_batches=8"]
     rows = []
     for rule, speeds in (("fixed", SPEEDS), ("speed", SPEEDS), ("fixed", [1.0] * len(SPEEDS))):
         cfg = load_config(ROOT / "configs" / "testnet-tiny.toml", [
-            f'data.path="{ROOT / "data" / "shakespeare-byte"}"', f'sync.round_budget="{rule}"',
-            f"sync.inner_steps={SIM_H}", "train.batch_size=8", "train.eval_batches=8",
+            f'data.path="{ROOT / "data" / "shakespeare-byte"}"', f'sync.round_budget="{rule}"', *sets,
         ])
         t0 = time.time()
-        r = run_hetero(cfg, speeds, torch.device("cpu"), open_run_dataset(cfg), rounds=rounds,
-                       eval_every_rounds=1, log=lambda _: None)
+        r = run_hetero(cfg, speeds, dev, open_run_dataset(cfg), rounds=rounds, eval_every_rounds=1,
+                       log=lambda _: None)
         rows.append({
-            "rule": rule, "speeds": speeds, "source": "sim", "rounds": rounds, "tokens": r.tokens,
+            "rule": rule, "speeds": speeds, "source": f"sim/{model}/{dev.type}", "rounds": rounds,
+            "H": cfg.sync.inner_steps, "tokens": r.tokens,
             "sim_time_steps": r.time, "tokens_per_step_time": round(r.tokens / r.time, 1),
             "fast_node_busy_fraction": round(r.busy[0], 3), "busy": [round(b, 3) for b in r.busy],
             "final_val": round(r.curve[-1].val_loss, 4), "wall_s": round(time.time() - t0, 1),
@@ -141,13 +155,66 @@ def compare(rows: list[dict]) -> None:
         r["equal_wall_time"], r["equal_tokens"] = round(t_eq, 1), tok_eq
 
 
+def _header(args: argparse.Namespace, device: str) -> dict:
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    return {
+        "benchmark": "heterogeneous",
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "commit": commit or os.environ.get("MURMUR_COMMIT", ""),
+        "command": "python " + " ".join(sys.argv),
+        "device": device,
+    }
+
+
+def _sim_ratios(sims: list[dict]) -> dict:
+    homo = sims[2]
+    return {
+        "sim_tokens_per_time_speed_over_fixed": round(sims[1]["tokens_per_step_time"]
+                                                      / sims[0]["tokens_per_step_time"], 2),
+        "sim_val_at_equal_tokens_speed_vs_homogeneous_pct": round(
+            100 * (sims[1]["val_loss_at_equal_tokens"] / homo["val_loss_at_equal_tokens"] - 1), 2)
+        if sims[1]["val_loss_at_equal_tokens"] and homo["val_loss_at_equal_tokens"] else None,
+    }
+
+
+def write_sim_only(args: argparse.Namespace) -> int:
+    import torch
+
+    sims = sim_rows(args.sim_rounds, args.sim_device, args.sim_model)
+    compare(sims)
+    name = torch.cuda.get_device_name() if args.sim_device.startswith("cuda") else "CPU"
+    doc = {
+        **_header(args, name),
+        "rows": [{k: v for k, v in r.items() if k != "curve"} for r in sims],
+        "ratios": _sim_ratios(sims),
+        "curves": {f"{r['source']}/{r['rule']}/{','.join(f'{s:g}' for s in r['speeds'])}": r["curve"] for r in sims},
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
+    print(json.dumps(doc["ratios"]))
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--duration", type=float, default=150.0, help="seconds per node row (default 150)")
     ap.add_argument("--sim-rounds", type=int, default=20, help="rounds per simulator row (default 20)")
     ap.add_argument("--out", default=str(RESULTS))
     ap.add_argument("--work", default="runs/heterogeneous", help="testnet folders")
+    ap.add_argument("--sim-only", action="store_true", help="only the simulator rows (e.g. on a GPU machine)")
+    ap.add_argument("--sim-device", default="cpu", help="the simulator rows' device (default cpu)")
+    ap.add_argument("--sim-model", choices=("tiny", "quality"), default="tiny",
+                    help="tiny: testnet-tiny's model; quality: the quality benchmark's (a GPU)")
+    ap.add_argument("--add", metavar="JSON", help="a --sim-only result to add to --out's JSON under extra_sim")
     args = ap.parse_args()
+    if args.add:
+        doc, extra = json.loads(Path(args.out).read_text()), json.loads(Path(args.add).read_text())
+        doc.setdefault("extra_sim", []).append(extra)
+        Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
+        print(f"added {args.add} to {args.out}")
+        return 0
+    if args.sim_only:
+        return write_sim_only(args)
     load0 = os.getloadavg()
     nodes = [node_row(rule, args.duration, Path(args.work) / rule) for rule in ("fixed", "speed")]
     compare(nodes)
@@ -155,25 +222,15 @@ def main() -> int:
         print(json.dumps({k: v for k, v in r.items() if k != "curve"}), flush=True)
     sims = sim_rows(args.sim_rounds)
     compare(sims)  # the homogeneous run is the shortest in time: every row read at its end
-    homo = sims[2]
     fixed_n, speed_n = nodes
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     doc = {
-        "benchmark": "heterogeneous",
-        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "commit": commit,
-        "command": "python " + " ".join(sys.argv),
-        "device": f"CPU only: {platform.processor() or platform.machine()}, {os.cpu_count()} cores",
+        **_header(args, f"CPU only: {platform.processor() or platform.machine()}, {os.cpu_count()} cores"),
         "load_average_before": [round(x, 2) for x in load0],
         "load_average_after": [round(x, 2) for x in os.getloadavg()],
         "rows": [{k: v for k, v in r.items() if k != "curve"} for r in [*nodes, *sims]],
         "ratios": {
             "nodes_tokens_per_min_speed_over_fixed": round(speed_n["tokens_per_min"] / fixed_n["tokens_per_min"], 2),
-            "sim_tokens_per_time_speed_over_fixed": round(sims[1]["tokens_per_step_time"]
-                                                          / sims[0]["tokens_per_step_time"], 2),
-            "sim_val_at_equal_tokens_speed_vs_homogeneous_pct": round(
-                100 * (sims[1]["val_loss_at_equal_tokens"] / homo["val_loss_at_equal_tokens"] - 1), 2)
-            if sims[1]["val_loss_at_equal_tokens"] and homo["val_loss_at_equal_tokens"] else None,
+            **_sim_ratios(sims),
         },
         "curves": {f"{r['source']}/{r['rule']}/{','.join(f'{s:g}' for s in r['speeds'])}": r["curve"]
                    for r in [*nodes, *sims]},

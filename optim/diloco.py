@@ -137,10 +137,11 @@ class StreamingDiLoCo(SyncAlgorithm):
         self._plan: dict[int, list[_Fragment]] | None = None
 
     def plan_window(self, steps: int) -> int:
-        """The next window is ``steps`` inner steps of this member (at least one per fragment;
-        returns the count used). Fragment p launches after step (p + 1) * steps // P of it, the
-        H-step schedule stretched or squeezed to this member's share."""
-        steps = max(steps, len(self.fragments))
+        """The next window is ``steps`` inner steps of this member (at least one per fragment, and
+        more than tau, so a fragment's result lands before the fragment launches again; returns
+        the count used). Fragment p launches after step (p + 1) * steps // P of it, the H-step
+        schedule stretched or squeezed to this member's share."""
+        steps = max(steps, len(self.fragments), self.tau + 1)
         plan: dict[int, list[_Fragment]] = {}
         for frag in self.fragments:
             at = self._tick + (frag.index + 1) * steps // len(self.fragments) - 1

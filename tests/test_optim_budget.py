@@ -130,3 +130,16 @@ def test_a_window_stretches_the_fragment_schedule_to_the_members_steps():
             launched += [i] * (sync.outer_steps - before)
     # Fragment 0 after step 1*n//2, fragment 1 at the window's end (0-based: n//2 - 1 and n - 1).
     assert launched == [2, 6, 0, 2, 0, 1]
+
+
+def test_a_window_is_longer_than_the_overlap_so_a_fragment_lands_before_it_launches_again():
+    cfg = tiny_config(algorithm="streaming", fragments=2, inner_steps=10, overlap_steps=3)
+    group = InProcessGroup(["a"], lambda: codec_from_config(cfg.sync))
+    p1, p2 = nn.Parameter(torch.zeros(3)), nn.Parameter(torch.zeros(3))
+    sync = StreamingDiLoCo([("blocks.0.w", p1), ("blocks.1.w", p2)], cfg.sync, group.exchange("a"), round_timeout_s=30)
+    assert sync.plan_window(2) == 4
+    for _ in range(3):  # windows of the shortest length: never two rounds of one fragment in flight
+        for _ in range(sync.plan_window(1)):
+            sync.after_optimizer_step(0)
+            keys = [f.fragment.index for f in sync.in_flight]
+            assert len(keys) == len(set(keys)), keys
