@@ -130,7 +130,24 @@ class StreamingDiLoCo(SyncAlgorithm):
             offset = (i + 1) * self.h // len(groups)
             self.fragments.append(_Fragment(i, members, globals_, outer, offset))
         self.in_flight: list[_InFlight] = []
+        # round_budget = "speed" (optim/budget.py): each window's own length, set by `plan_window`.
+        # Launches and applies then count this member's own steps (``_tick``), not the schedule's
+        # step, which advances by H a round on every member whatever its share.
+        self._tick = 0
+        self._plan: dict[int, list[_Fragment]] | None = None
 
+    def plan_window(self, steps: int) -> int:
+        """The next window is ``steps`` inner steps of this member (at least one per fragment, and
+        more than tau, so a fragment's result lands before the fragment launches again; returns
+        the count used). Fragment p launches after step (p + 1) * steps // P of it, the H-step
+        schedule stretched or squeezed to this member's share."""
+        steps = max(steps, len(self.fragments), self.tau + 1)
+        plan: dict[int, list[_Fragment]] = {}
+        for frag in self.fragments:
+            at = self._tick + (frag.index + 1) * steps // len(self.fragments) - 1
+            plan.setdefault(at, []).append(frag)
+        self._plan = plan
+        return steps
     @torch.no_grad()
     def _launch(self, frag: _Fragment, step: int) -> None:
         deltas = [
@@ -162,9 +179,14 @@ class StreamingDiLoCo(SyncAlgorithm):
         self.outer_steps += 1
 
     def after_optimizer_step(self, step: int) -> bool:
-        for frag in self.fragments:
-            if (step + 1) % self.h == frag.offset % self.h:
+        if self._plan is not None:
+            step, self._tick = self._tick, self._tick + 1
+            for frag in self._plan.pop(step, ()):
                 self._launch(frag, step)
+        else:
+            for frag in self.fragments:
+                if (step + 1) % self.h == frag.offset % self.h:
+                    self._launch(frag, step)
         applied = False
         while self.in_flight and self.in_flight[0].apply_at <= step:
             self._apply(self.in_flight.pop(0))

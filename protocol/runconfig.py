@@ -131,6 +131,11 @@ class SyncSection(Section):
     # The inner lr for K workers: none keeps optim.lr; sqrt_k multiplies it by sqrt(K) (each
     # worker's AdamW step on a 1/K batch is about sqrt(K) smaller than DDP's useful step).
     inner_lr_scale: Literal["none", "sqrt_k"] = "none"
+    # DiLoCo and Streaming DiLoCo with members of different speeds (optim/budget.py): fixed: H
+    # inner steps each a round; speed: K*H steps a round shared by measured speed, each member's
+    # pseudo-gradient weighted by its steps, a share clipped to [H/max_step_ratio, H*max_step_ratio].
+    round_budget: Literal["fixed", "speed"] = "fixed"
+    max_step_ratio: float = Field(4.0, ge=1, le=1000)
     # DeMo
     demo_beta: float = Field(0.999, ge=0, lt=1)
     demo_topk: int = _bounded(32, 1 << 24, "a 4096x4096 chunk's coefficients", gt=0)

@@ -43,6 +43,9 @@ def _files(out):
         (["--gpus", "0"], "--gpus"),
         (["--threads", "-1"], "--threads"),
         (["--stages", "3", "--nodes", "2"], "--stages 3"),
+        (["--nodes", "3", "--speeds", "1,2"], "--speeds gives 2 factors"),
+        (["--nodes", "2", "--speeds", "1,0.5"], "at least 1"),
+        (["--nodes", "2", "--speeds", "1,fast"], "one slowdown factor per node"),
     ],
 )
 def test_a_mistake_leaves_the_previous_run_untouched(tmp_path, args, needle):

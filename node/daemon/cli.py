@@ -14,7 +14,8 @@ spends no use of the token and leaves no member behind.
 
 ``--fault SPEC`` (repeatable, hidden from --help) arms a fault of the production injector
 (node/net/faults.py) in the node's exchange: ``poison_sign@x*`` poisons every round's update,
-``delay:rendezvous:5@3`` waits 5 s before round 3's rendezvous; tests and the chaos tool use it.
+``delay:rendezvous:5@3`` waits 5 s before round 3's rendezvous, ``slow:3@x*`` makes every inner
+step take 3x as long (a slower volunteer; `murmur testnet --speeds`); tests and the chaos tool use it.
 """
 
 from __future__ import annotations

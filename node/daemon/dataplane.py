@@ -52,6 +52,13 @@ class DataPlane(Protocol):
         """Who took part in the last completed exchange."""
         ...
 
+    rate: float  # this node's compute speed (tokens/s), announced to its peers
+
+    def member_rates(self) -> dict[str, float]:
+        """The last round's members' compute speeds as last announced (0: unknown), for
+        sync.round_budget = "speed" (optim/budget.py)."""
+        ...
+
     async def close(self) -> None:
         """Stop serving and leave, with no child process left."""
         ...
@@ -95,6 +102,7 @@ class SoloDataPlane:
     def __init__(self, node_id: str, cfg: RunConfig) -> None:
         group = InProcessGroup([node_id], lambda: make_codec_for(cfg.sync), make_aggregator_for(cfg.sync))
         self.exchange = MemberTracker(group.exchange(node_id))
+        self.rate = 0.0
 
     def publish(self, round_id: int, tensors: list[tuple[str, torch.Tensor]], digest: bytes | None = None) -> None:
         """No one to offer it to."""
@@ -112,6 +120,9 @@ class SoloDataPlane:
 
     def last_round_members(self) -> list[str]:
         return self.exchange.members
+
+    def member_rates(self) -> dict[str, float]:
+        return {}  # alone: the round's budget is H
 
     async def close(self) -> None:
         self.exchange.close()

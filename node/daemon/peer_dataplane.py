@@ -115,6 +115,10 @@ class PeerDataPlane:
         self._stop = asyncio.Event()
         self._rejoined_at = -DHT_REFRESH_S  # loop time of the last reconnect to the bootstrap peers
         self._apart_logged: frozenset[str] = frozenset()
+        # Compute speeds (tokens per second of compute; optim/budget.py): this node's, announced in
+        # its record with each round's state, and the others' as their records last said.
+        self.rate = 0.0
+        self._rates: dict[str, float] = {}
 
     # -- discovery -------------------------------------------------------------------------------
 
@@ -122,7 +126,15 @@ class PeerDataPlane:
         """The run's trainers in the DHT, this one included; also what rounds wait for."""
         peers = await self.dht.apeers(role=TRAINER)
         self.live.ids = frozenset(p.node_id for p in peers)
+        self._rates = {p.node_id: p.throughput for p in peers}
         return peers
+
+    def member_rates(self) -> dict[str, float]:
+        """The compute speed of each member of the last round (0: not known yet), this node's own
+        included: what sync.round_budget = "speed" shares the next round by. Read after each
+        announce, so a change of speed shows a round or two later."""
+        me = self.ident.node_id
+        return {m: self.rate if m == me else self._rates.get(m, 0.0) for m in self.exchange.members}
 
     async def _announce(self) -> None:
         if self.record is None:
@@ -193,7 +205,8 @@ class PeerDataPlane:
         members = list(self.exchange.members)
         self.peer.server.publish_state(PublishedState(state_name(round_id), tensors, digest, members))
         self.record = PeerRecord(
-            node_id=self.ident.node_id, address=self.address, round=round_id, state_hash=digest.hex()
+            node_id=self.ident.node_id, address=self.address, round=round_id, state_hash=digest.hex(),
+            throughput=self.rate,
         )
         if self.on_publish is not None:
             self.on_publish(round_id, digest.hex(), self.address)

@@ -9,6 +9,11 @@ round counters) can be saved, restored, hashed and handed to a joiner.
 One *window* is H inner steps (sync.inner_steps); a window ends with the run's sync point for
 DiLoCo (and for Streaming DiLoCo the last fragment of the window is launched; it lands tau steps
 into the next window). Progress is committed per window, for the tokens the window consumed.
+
+With sync.round_budget = "speed" (optim/budget.py) a window is this node's share of the group's
+K*H steps, from its measured compute speed and its peers' (their DHT records); its pseudo-gradient
+carries the window's tokens as its weight. The schedule's step still advances by H a window on
+every member (the lr schedule, the run's end and the shared state's counters stay the group's).
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,6 +34,7 @@ from murmur.node.daemon.ranks import LocalRanks, RankedSync
 from murmur.node.model.data import BatchLoader, Dataset, Position
 from murmur.node.train.build import build_model_from_config
 from murmur.node.train.step import InnerStep, clip_grad_norm
+from murmur.optim.budget import SpeedMeter, member_steps
 from murmur.optim.demo import DeMo
 from murmur.optim.diloco import StreamingDiLoCo
 from murmur.optim.exchange import Exchange, ExchangeError
@@ -194,6 +200,11 @@ class NodeTrainer:
         self.n_params = sum(p.numel() for p in self.model.parameters())
         self.lease: LeaseView | None = None
         self.loader: BatchLoader | None = None
+        # sync.round_budget = "speed": this node's compute speed (tokens/s) and the last round's
+        # members' (the training thread sets the source); the window's length comes from both.
+        self.speed = SpeedMeter()
+        self.group_rates: Callable[[], Iterable[float]] = tuple
+        self.after_step: Callable[[float], None] | None = None  # --fault slow: told each step's seconds
 
     # -- data ------------------------------------------------------------------------------------
 
@@ -224,14 +235,26 @@ class NodeTrainer:
 
     # -- one window ------------------------------------------------------------------------------
 
-    def _inner_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """One step, queued on the device; returns its loss (not waited for)."""
+    def _inner_step(self, x: torch.Tensor, y: torch.Tensor, step: int) -> torch.Tensor:
+        """One step at schedule step ``step``, queued on the device; returns its loss (not waited for)."""
         if self.ranks is not None:  # the other ranks take their slices (and this rank's weights)
             x, y = self.ranks.begin_step(self.model, x, y)
         # DDP all-reduces in it, DeMo all-gathers, DiLoCo launches or applies an exchange.
-        loss = self.inner(self.step, self.cfg.train.steps, x, y).loss
-        self.step += 1
-        return loss
+        return self.inner(step, self.cfg.train.steps, x, y).loss
+
+    def by_speed(self) -> bool:
+        return self.cfg.sync.round_budget == "speed" and isinstance(self.sync, StreamingDiLoCo)
+
+    def window_steps(self) -> int:
+        """This node's inner steps in the next window: H, or with round_budget = "speed" its share
+        of the group's K*H by speed; then the window's update weighs its tokens."""
+        if not self.by_speed():
+            return self.h
+        assert isinstance(self.sync, StreamingDiLoCo)
+        n = member_steps(self.h, self.speed.rate, self.group_rates(), self.cfg.sync.max_step_ratio)
+        n = self.sync.plan_window(n)
+        self.sync.weight = float(n * self.span)
+        return n
 
     def _keep_queue(self, queued: deque[torch.cuda.Event]) -> None:
         """After a step is queued on a GPU: wait until no more than QUEUED_STEPS steps are queued
@@ -258,7 +281,9 @@ class NodeTrainer:
         segments: list[Segment] = []
         stopped = False
         queued: deque[torch.cuda.Event] = deque()
-        for _ in range(self.h):
+        n, base = self.window_steps(), self.step
+        stepping = 0.0  # the steps' own time (the speed: without the window's fixed costs)
+        for j in range(n):
             if stop():
                 stopped = True
                 break
@@ -283,8 +308,15 @@ class NodeTrainer:
                 segments.append(Segment(self.lease, offset, offset))
             x, y = next(self.loader)
             segments[-1].end = self.loader.position.offset
-            losses.append(self._inner_step(x, y))
+            t_step, w_step = time.perf_counter(), self.meter.waited_s
+            # Step j of n is at schedule step base + j*H/n: the same lr at the same share of the
+            # round on every member, whatever its count.
+            losses.append(self._inner_step(x, y, base + j * self.h // n))
+            self.step = base + (j + 1) * self.h // n
+            if self.after_step is not None:  # told the step's compute, not its wait for the round
+                self.after_step(time.perf_counter() - t_step - (self.meter.waited_s - w_step))
             self._keep_queue(queued)
+            stepping += time.perf_counter() - t_step
         if stopped:
             if queued:
                 queued[-1].synchronize()
@@ -298,6 +330,10 @@ class NodeTrainer:
             self._close_segment(segments)  # runs out exactly at the window's end: commit with it
         tokens = sum(s.end - s.start for s in segments)
         seconds, waited = time.perf_counter() - t0, self.meter.waited_s - waited0
+        # Per step, not per window: a window's fixed costs (the loss read, the round's bookkeeping)
+        # spread over a small share would make a slow member look slower still, and its next
+        # share smaller again. The exchange waits inside the steps (DiLoCo's last one) are not speed.
+        self.speed.add(len(losses) * self.span, stepping - waited)
         return WindowResult(
             self.round, len(losses), mean, tokens, seconds, seconds - leasing - waited, segments,
             exchange_wait_seconds=waited,

@@ -100,6 +100,11 @@ class TrainingThread:
         if threads:
             torch.set_num_threads(threads)
         self.trainer = trainer
+        # sync.round_budget = "speed": the window's share comes from the members' speeds
+        trainer.group_rates = self._member_rates
+        if faults is not None:  # --fault slow:FACTOR: a slower machine
+            node_id = session.info.node_id
+            trainer.after_step = lambda s: faults.slow_step(node_id, trainer.round + 1, s)
         # A step waiting for its exchange would wait up to round_timeout_s: a stop ends the wait.
         # Nothing partial is applied (the round fails as a whole) and the window is not committed.
         stop.on_request(lambda reason: self.trainer.meter.abort(f"the node is stopping ({reason})"))
@@ -203,6 +208,14 @@ class TrainingThread:
     def _round_members(self) -> list[str]:
         """The group of the last completed round, which commits name (the coordinator's split check)."""
         return list(self.dataplane.last_round_members()) if self.session.in_rounds else []
+
+    def _member_rates(self) -> list[float]:
+        """The last round's members' compute speeds, this node's as measured now (training thread)."""
+        rates = self.dataplane.member_rates()
+        me = self.session.info.node_id
+        if me in rates:
+            rates[me] = self.trainer.speed.rate
+        return list(rates.values())
 
     def _sent_since_commit(self) -> int:
         """Bytes sent since the previous commit (training thread), counted as committed from now."""
@@ -475,9 +488,11 @@ class TrainingThread:
             "loss": result.loss,
             "val_loss": val,
             "tokens": result.tokens,
+            "steps": result.steps,  # this window's inner steps (sync.round_budget = "speed": its share)
             "tokens_per_s": result.tokens / result.seconds if result.seconds > 0 else 0.0,
             "seconds": result.seconds,
             "compute_seconds": result.compute_seconds,
+            "rate": t.speed.rate,  # compute tokens/s (EMA), announced to peers (sync.round_budget)
             "exchange_wait_seconds": result.exchange_wait_seconds,
             "bytes_sent": sent,
             "bytes_received": t.sync.bytes.total_received,
@@ -521,6 +536,7 @@ class TrainingThread:
         m.exchange_wait_seconds_total += record["exchange_wait_seconds"]
         m.wall_seconds_total += record["seconds"]
         self.session.tokens_per_s = record["tokens_per_s"]
+        self.dataplane.rate = record["rate"]  # announced with the round's state (publish, below)
         self.session.queue_commits(commits)
         # Their commits are pending now and go out before any lease request: no longer exhausted.
         self.session.exhausted.difference_update(self._exhausted_by_round.pop(record["round"], ()))

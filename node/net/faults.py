@@ -51,6 +51,11 @@ Delays (``delay``: sleep SECONDS at a named point, each time the point is reache
   build_model    before a node builds its model and optimizer (node/daemon/training_thread.py), its
                  heartbeats running: a large model on a slow machine
 
+A slow machine (``slow``: each inner step of a node's training takes FACTOR times as long; after
+each step the node sleeps FACTOR - 1 times the step's own time, node/daemon/training_thread.py):
+  slow:FACTOR    ``slow:3@x*`` a node 3x slower for the whole run; ``slow:3@x40`` for its first 40
+                 steps, then at its own speed (a volunteer whose machine got busy, then free)
+
 Spec strings (the command line, `FaultInjector.parse`): ``fault[@ROUND][xTIMES]`` and, for a
 delay, ``delay:POINT:SECONDS[@ROUND][xTIMES]``; TIMES ``*`` fires every time. For example
 ``exit_midstream@2``, ``lose_result@1x2``, ``poison_sign@1x*``, ``delay:rendezvous:5@1``.
@@ -90,7 +95,7 @@ CALL_FAULTS = (
     "exit_holding_input",
     *POISONS,
 )
-FAULTS = (*CALL_FAULTS, "delay")
+FAULTS = (*CALL_FAULTS, "delay", "slow")
 DELAY_POINTS = (
     "rendezvous", "open_input", "send_input", "snapshot_piece", "stage_compute", "peer_lookup", "checkpoint",
     "build_model", "lost_rounds",
@@ -144,6 +149,8 @@ class FaultInjector:
             raise FaultError(f"unknown delay point {point!r}; known: {', '.join(DELAY_POINTS)}")
         if fault == "delay" and not (math.isfinite(seconds) and seconds > 0):
             raise FaultError(f"a delay needs a positive number of seconds, got {seconds!r}")
+        if fault == "slow" and not (math.isfinite(seconds) and seconds >= 1):
+            raise FaultError(f"a slowdown needs a factor of at least 1, got {seconds!r}")
         with self._lock:
             self._armed.append(_Armed(fault, peer, round, times, point, seconds, target))
 
@@ -183,6 +190,16 @@ class FaultInjector:
         if seconds:
             time.sleep(seconds)
 
+    def slow_step(self, peer: str, round_id: int, step_seconds: float) -> float:
+        """The ``slow`` fault, after one inner step that took ``step_seconds``: sleep so that it
+        took FACTOR times as long (training thread). The seconds slept."""
+        armed = self.take("slow", peer, round_id) if self._armed else None
+        if armed is None:
+            return 0.0
+        extra = (armed.seconds - 1.0) * max(0.0, step_seconds)
+        time.sleep(extra)
+        return extra
+
     def _delay_armed(self, point: str, peer: str, round_id: int, target: str) -> float:
         """The seconds of the delay armed at ``point`` (taken once), or 0."""
         armed = self.take("delay", peer, round_id, point=point, target=target)
@@ -208,6 +225,8 @@ class FaultInjector:
             fault, _, args = head.partition(":")
             rnd, _, times = rest.partition("x")
             point, _, seconds = args.partition(":")
+            if fault == "slow":  # slow:FACTOR
+                point, seconds = "", point
             try:
                 count = -1 if times == "*" else int(times) if times else 1
                 inj.arm(

@@ -15,6 +15,11 @@ They agree to float rounding (tests/test_sim_stacked.py); stacked is many times 
 ``--out`` gets sim.json (config, curves of validation loss against steps, tokens and bytes, the
 summary) and sim.png (validation loss against bytes sent per worker, log scale).
 
+``--speeds 1,1,2,4`` runs workers of different speeds (slowdown factors, one per worker; node/sim/
+hetero.py): train.steps / H rounds under the run's ``sync.round_budget`` (fixed: H steps each, the
+slowest sets the round; speed: K*H steps shared by speed), on a simulated clock; it prints the
+validation loss against simulated time and tokens, and writes hetero.json to ``--out``.
+
 ``--seeds 2`` (seeds 0 and 1) or ``--seeds 0,3,7`` runs the same configuration once per seed (the
 initial weights and each worker's data differ) and reports the mean validation loss and its
 spread, half the range, beside each seed's run.
@@ -60,6 +65,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="start every replica from a murmur train checkpoint (weights and AdamW state): a warm start")
     p.add_argument("--seeds", help="N (seeds 0..N-1) or a comma-separated list: one run per seed, mean and spread")
     p.add_argument("--out", help="folder for sim.json and sim.png")
+    p.add_argument("--speeds", help="workers of different speeds: slowdown factors, e.g. 1,1,2,4 (sets --workers)")
     add_gpu_path_flags(p)
     p.set_defaults(func=_run)
 
@@ -84,6 +90,8 @@ def _run(args: argparse.Namespace) -> int:
     if args.workers < 1:
         raise SimError(f"--workers must be at least 1, got {args.workers}")
     cfg = config_from_args(args, SHORTCUTS)
+    if args.speeds:
+        return _run_speeds(args, cfg)
     # torch, the model and the engines: only once the command line and the run config hold up.
     from murmur.node.sim.replicas import read_warm_start
     from murmur.node.sim.report import format_seeds, format_table, seed_summary, write_outputs
@@ -108,4 +116,28 @@ def _run(args: argparse.Namespace) -> int:
     if args.out:
         write_outputs(Path(args.out), cfg, results, summary)
         print(f"wrote {Path(args.out) / 'sim.json'} and {Path(args.out) / 'sim.png'}")
+    return 0
+
+
+def _run_speeds(args: argparse.Namespace, cfg) -> int:  # noqa: ANN001 - a RunConfig
+    import json
+
+    from murmur.node.sim.hetero import parse_speeds, run_hetero
+    from murmur.node.train.build import open_run_dataset, resolve_device
+    from murmur.optim.factory import check_sync_config
+
+    speeds = parse_speeds(args.speeds)
+    check_sync_config(cfg.sync)
+    rounds = max(1, cfg.train.steps // cfg.sync.inner_steps)
+    every = max(1, round(cfg.train.eval_every / cfg.sync.inner_steps))
+    result = run_hetero(cfg, speeds, resolve_device(args.device), open_run_dataset(cfg), rounds=rounds,
+                        eval_every_rounds=every)
+    busy = " ".join(f"{b:.0%}" for b in result.busy)
+    print(f"{result.rule}: {result.tokens:,} tokens in {result.time:,.0f} step-times | busy {busy} | "
+          f"val {result.curve[-1].val_loss:.4f}")
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "hetero.json").write_text(json.dumps({"config": cfg.to_dict(), **result.to_dict()}, indent=1))
+        print(f"wrote {out / 'hetero.json'}")
     return 0

@@ -3,12 +3,16 @@
     murmur testnet up --nodes 3 --config configs/testnet-small.toml --duration 180
     murmur testnet chaos --nodes 4 --mtbf 30 --duration 300
     murmur testnet up --stages 2 --nodes 4 --config configs/testnet-tiny.toml --duration 120
+    murmur testnet up --nodes 4 --speeds 1,1,2,4 --duration 120
 
 `up` starts a coordinator (its own CA, ledger and admin key under --out), creates the run and a
 join token, starts N nodes (one torch thread each), shows one live row per node, and at the end
 (after --duration, or when every node is done) stops everything with SIGTERM, prints a summary
 table and writes the loss curves to OUT/loss.png. `chaos` does the same and meanwhile SIGKILLs a
 random node now and then (exponential gaps with mean --mtbf) and restarts it from its state folder.
+``--speeds 1,1,2,4`` (one slowdown factor per node) makes node i that many times slower: it
+sleeps factor - 1 times each inner step's own time (the production fault ``slow:FACTOR``, kept
+across chaos restarts); with ``sync.round_budget = "speed"`` the slow ones train a smaller share.
 With ``--stages S`` `up` brings up a pipelined run instead (node/testnet/pipeline_net.py): N
 stage peers the coordinator assigns to the S stages and ``--drivers`` drivers.
 If the run's dataset is missing, it is prepared from the bundled corpus first.
@@ -58,6 +62,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         v.add_argument("--config", default=DEFAULT_CONFIG, help="run TOML (default %(default)s)")
         v.add_argument("--duration", type=float, default=180.0, help="seconds before stopping (default 180)")
         v.add_argument("--algo", choices=("diloco", "streaming", "demo"), help="override sync.algorithm")
+        v.add_argument("--speeds", help="slowdown factor per node, e.g. 1,1,2,4: slower volunteers (default all 1)")
         v.add_argument(
             "--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key"
         )
@@ -272,6 +277,28 @@ def _check_args(args: argparse.Namespace) -> None:
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise MurmurError(f"--out {out} is a file, not a folder")
+    if args.speeds is not None:
+        node_speeds(args.speeds, args.nodes)
+        if stages:
+            raise MurmurError("--speeds slows data-parallel nodes; a pipelined run (--stages) does not take it")
+
+
+def node_speeds(text: str, nodes: int) -> list[float]:
+    """``--speeds 1,1,2,4``: one slowdown factor (>= 1) per node."""
+    try:
+        speeds = [float(x) for x in text.split(",")]
+    except ValueError:
+        raise MurmurError(f"--speeds wants one slowdown factor per node, such as 1,1,2,4; got {text!r}") from None
+    if len(speeds) != nodes:
+        raise MurmurError(f"--speeds gives {len(speeds)} factors for --nodes {nodes}: give one per node")
+    if any(not (1 <= s < 1e6) for s in speeds):
+        raise MurmurError(f"--speeds: every factor is at least 1 (1: full speed), got {text!r}")
+    return speeds
+
+
+def slow_args(speed: float) -> list[str]:
+    """The node arguments that make it ``speed`` times slower (node/net/faults.py's ``slow``)."""
+    return ["--fault", f"slow:{speed:g}@x*"] if speed > 1 else []
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -308,14 +335,15 @@ def _run(args: argparse.Namespace) -> int:
         # Enough uses for every node to rejoin after a clean stop a few times over.
         net.create_run(token_uses=args.nodes * 20)
         min_peers = ["--min-peers", str(args.nodes)] if not args.solo else []
-        first = net.add_node(extra=min_peers)
+        speeds = node_speeds(args.speeds, args.nodes) if args.speeds else [1.0] * args.nodes
+        first = net.add_node(extra=min_peers, args=slow_args(speeds[0]))
         if not args.solo and not info.get("dht"):
             # No DHT at the coordinator: the first node starts the run's DHT, the others join it.
             net.wait_dht_bootstrap()
             if not first.alive():
                 raise TestnetError(f"{first.name} exited at start; see {first.log_path}")
-        for _ in range(args.nodes - 1):
-            net.add_node(extra=min_peers)
+        for speed in speeds[1:]:
+            net.add_node(extra=min_peers, args=slow_args(speed))
         print(f"{args.nodes} nodes started; logs in {out / 'nodes'}; Ctrl+C stops everything")
         if chaos:
             monkey = Chaos(net, args.mtbf, seed=args.seed, restart_delay_s=args.restart_delay)

@@ -104,6 +104,8 @@ class NodeProc:
     # What the command runs under, e.g. ["ip", "netns", "exec", NS]: a node on another host
     # (a network namespace), kept across restarts.
     prefix: list[str] = field(default_factory=list)
+    # Arguments of this node alone, at every start (a restart too): e.g. `--speeds`' slow fault.
+    args: list[str] = field(default_factory=list)
     _log: IO[bytes] | None = None
 
     @property
@@ -240,11 +242,13 @@ class Testnet:
     # -- nodes ------------------------------------------------------------------------------------
 
     def add_node(
-        self, start: bool = True, extra: list[str] | None = None, prefix: list[str] | None = None
+        self, start: bool = True, extra: list[str] | None = None, prefix: list[str] | None = None,
+        args: list[str] | None = None,
     ) -> NodeProc:
         i = len(self.nodes)
         node = NodeProc(i, self.root / "nodes" / f"node-{i}", self.root / "nodes" / f"node-{i}.log")
         node.prefix = list(prefix or [])
+        node.args = list(args or [])
         self.nodes.append(node)
         if start:
             self.start_node(node, extra)
@@ -303,6 +307,7 @@ class Testnet:
             "--name",
             node.name,  # node-0, node-1, ...: the testnet's rows and the status page say the same
             *self.node_args,
+            *node.args,
             *(extra or []),
         ]
         node.proc = start_murmur(args, env=_env(self.threads), stdout=node._log, stderr=subprocess.STDOUT,

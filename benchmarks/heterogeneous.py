@@ -1,0 +1,246 @@
+"""Volunteers of different speeds: fixed H against sync.round_budget = "speed" (issue 38).
+
+    python benchmarks/heterogeneous.py                      # the committed run (~9 minutes, CPU)
+    python benchmarks/heterogeneous.py --duration 60 --sim-rounds 10
+
+Node rows: each a fresh `murmur testnet up` (real processes on loopback, configs/testnet-tiny.toml
+with H=30 and 16-row batches so that compute outweighs the exchange, one torch thread a node, a
+coordinator with its DHT) of 4 nodes with ``--speeds 1,1,2,4`` (slowdown factors: node i sleeps
+factor - 1 times each inner step's own time), once with ``round_budget = "fixed"`` and once with
+``"speed"``. The global model is evaluated after every round. Read back from the nodes' round
+records, past the first two rounds (the speeds are not measured yet):
+
+    tokens_per_min                tokens of completed rounds, all nodes, per minute of the span
+    fast_node_busy_fraction       node-0 (speed 1): compute seconds / wall seconds of its windows
+    slowest_node_busy_fraction    the same for node-3 (speed 4)
+    val_loss_at_equal_wall_time   the global model's validation loss at the shorter row's span
+    val_loss_at_equal_tokens      ... once both rows had trained the smaller row's tokens
+
+Simulator rows (node/sim/hetero.py, the same budget rule, weights and DiLoCo code on a simulated
+clock, on the CPU): 4 workers, testnet-tiny's byte-level model (~0.1M parameters; the quality
+benchmark's 30M model is out of reach of a loaded 2-core CPU here), 8-row batches, ``--sim-rounds``
+rounds of H=20; speeds
+{1,1,2,4} fixed and by speed, and a homogeneous run {1,1,1,1} for the quality reference. Time is
+in inner steps of a speed-1 worker; busy fractions are exact there.
+
+Targets (issue 38): every node busy >= 90% under the rule; tokens/min >= 1.8x fixed H; val loss at
+equal tokens within 1% of a homogeneous run (sim rows).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results" / "heterogeneous.json"
+SPEEDS = [1.0, 1.0, 2.0, 4.0]
+H = 30  # node rows: long enough that compute outweighs a round's exchange on loopback
+SIM_H = 20
+NODE_SETS = [f"sync.inner_steps={H}", "train.batch_size=16", f"train.eval_every={H}", "train.eval_batches=4",
+             "train.steps=1000000", "optim.warmup_steps=20"]
+
+
+def _interp(points: list[tuple[float, float]], x: float) -> float | None:
+    """Linear interpolation of (x, y) points sorted by x; None outside them."""
+    for (x0, y0), (x1, y1) in zip(points, points[1:], strict=False):
+        if x0 <= x <= x1:
+            return y0 if x1 == x0 else y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    return None
+
+
+def node_row(rule: str, duration: float, out: Path) -> dict:
+    from murmur.node.daemon.state_dir import read_rounds
+
+    cmd = [sys.executable, "-m", "murmur.cli", "testnet", "up", "--nodes", str(len(SPEEDS)),
+           "--speeds", ",".join(f"{s:g}" for s in SPEEDS), "--config", "configs/testnet-tiny.toml",
+           "--duration", str(duration), "--out", str(out), "--set", f'sync.round_budget="{rule}"',
+           *(a for s in NODE_SETS for a in ("--set", s))]
+    t0 = time.time()
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=duration + 600)
+    if done.returncode != 0:
+        raise SystemExit(f"testnet row {rule} failed: {done.stdout[-2000:]}{done.stderr[-2000:]}")
+    recs = [[r for r in read_rounds(out / "nodes" / f"node-{i}") if "loss" in r] for i in range(len(SPEEDS))]
+    start_round = 2  # rounds 1-2: H each, the speeds not measured and announced yet
+    first = min(r["time"] - r["seconds"] for rs in recs for r in rs if r["round"] > start_round)
+    last = max(r["time"] for rs in recs for r in rs)
+    span = [[r for r in rs if r["round"] > start_round and r["contributed"]] for rs in recs]
+    tokens = sum(r["tokens"] for rs in span for r in rs)
+
+    def busy(rs: list[dict]) -> float:
+        return sum(r["compute_seconds"] for r in rs) / max(1e-9, sum(r["seconds"] for r in rs))
+
+    # The global model's curve (every node records the same state; node-0's evaluations), against
+    # the seconds since the span began and the tokens all nodes trained by then.
+    by_round: dict[int, int] = {}
+    for rs in span:
+        for r in rs:
+            by_round[r["round"]] = by_round.get(r["round"], 0) + r["tokens"]
+    curve = []
+    for r in span[0]:
+        if r.get("val_loss") is not None:
+            acc = sum(t for rr, t in by_round.items() if rr <= r["round"])
+            curve.append({"t": r["time"] - first, "tokens": acc, "val": r["val_loss"]})
+    return {
+        "rule": rule, "speeds": SPEEDS, "source": "nodes", "span_s": round(last - first, 1),
+        "rounds": len({r["round"] for rs in span for r in rs}), "tokens": tokens,
+        "tokens_per_min": round(tokens / (last - first) * 60, 1),
+        "fast_node_busy_fraction": round(busy(span[0]), 3),
+        "slowest_node_busy_fraction": round(busy(span[-1]), 3),
+        "steps_per_round": [round(sum(r["steps"] for r in rs) / max(1, len(rs)), 1) for rs in span],
+        "wall_s": round(time.time() - t0, 1), "curve": curve,
+    }
+
+
+# The quality benchmark's model (benchmarks/quality.py FULL: 384 wide, 6 blocks, seq 256, 32 rows a
+# worker-step, H 50, its optimizer), on the byte-level corpus: its GPT-2 corpus is not built here.
+QUALITY_SETS = [
+    'model.preset="medium"', "model.dim=384", "model.n_layers=6", "model.n_heads=6", "model.n_kv_heads=6",
+    "model.hidden_dim=1024", "model.seq_len=256", "optim.lr=1e-3", "optim.warmup_steps=50",
+    "optim.weight_decay=0.1", "optim.min_lr_ratio=0.1", "train.batch_size=32", "train.eval_batches=16",
+    "sync.inner_steps=50", "sync.outer_lr=1.0", "sync.outer_momentum=0.5",
+]
+
+
+def sim_rows(rounds: int, device: str = "cpu", model: str = "tiny") -> list[dict]:
+    import torch
+
+    from murmur.node.sim.hetero import run_hetero
+    from murmur.node.train.build import open_run_dataset, resolve_device
+    from murmur.protocol.runconfig import load_config
+
+    if device == "cpu":
+        torch.set_num_threads(1)
+    dev = resolve_device(device)
+    sets = QUALITY_SETS if model == "quality" else [f"sync.inner_steps={SIM_H}", "train.batch_size=8",
+                                                   "train.eval_batches=8"]
+    rows = []
+    for rule, speeds in (("fixed", SPEEDS), ("speed", SPEEDS), ("fixed", [1.0] * len(SPEEDS))):
+        cfg = load_config(ROOT / "configs" / "testnet-tiny.toml", [
+            f'data.path="{ROOT / "data" / "shakespeare-byte"}"', f'sync.round_budget="{rule}"', *sets,
+        ])
+        t0 = time.time()
+        r = run_hetero(cfg, speeds, dev, open_run_dataset(cfg), rounds=rounds, eval_every_rounds=1,
+                       log=lambda _: None)
+        rows.append({
+            "rule": rule, "speeds": speeds, "source": f"sim/{model}/{dev.type}", "rounds": rounds,
+            "H": cfg.sync.inner_steps, "tokens": r.tokens,
+            "sim_time_steps": r.time, "tokens_per_step_time": round(r.tokens / r.time, 1),
+            "fast_node_busy_fraction": round(r.busy[0], 3), "busy": [round(b, 3) for b in r.busy],
+            "final_val": round(r.curve[-1].val_loss, 4), "wall_s": round(time.time() - t0, 1),
+            "curve": [{"t": p.time, "tokens": p.tokens, "val": p.val_loss} for p in r.curve],
+        })
+        print(f"sim {rule} {speeds}: {r.tokens:,} tokens in {r.time:,.0f} step-times, busy {r.busy}, "
+              f"val {r.curve[-1].val_loss:.4f} ({time.time() - t0:.0f} s)", flush=True)
+    return rows
+
+
+def compare(rows: list[dict]) -> None:
+    """val_loss_at_equal_wall_time / _tokens: each row's curve read at the smallest row's end."""
+    t_eq = min(r["curve"][-1]["t"] for r in rows)
+    tok_eq = min(r["curve"][-1]["tokens"] for r in rows)
+    for r in rows:
+        pts_t = [(p["t"], p["val"]) for p in r["curve"]]
+        pts_k = [(p["tokens"], p["val"]) for p in r["curve"]]
+        v_t, v_k = _interp(pts_t, t_eq), _interp(pts_k, tok_eq)
+        r["val_loss_at_equal_wall_time"] = None if v_t is None else round(v_t, 4)
+        r["val_loss_at_equal_tokens"] = None if v_k is None else round(v_k, 4)
+        r["equal_wall_time"], r["equal_tokens"] = round(t_eq, 1), tok_eq
+
+
+def _header(args: argparse.Namespace, device: str) -> dict:
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    return {
+        "benchmark": "heterogeneous",
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "commit": commit or os.environ.get("MURMUR_COMMIT", ""),
+        "command": "python " + " ".join(sys.argv),
+        "device": device,
+    }
+
+
+def _sim_ratios(sims: list[dict]) -> dict:
+    homo = sims[2]
+    return {
+        "sim_tokens_per_time_speed_over_fixed": round(sims[1]["tokens_per_step_time"]
+                                                      / sims[0]["tokens_per_step_time"], 2),
+        "sim_val_at_equal_tokens_speed_vs_homogeneous_pct": round(
+            100 * (sims[1]["val_loss_at_equal_tokens"] / homo["val_loss_at_equal_tokens"] - 1), 2)
+        if sims[1]["val_loss_at_equal_tokens"] and homo["val_loss_at_equal_tokens"] else None,
+    }
+
+
+def write_sim_only(args: argparse.Namespace) -> int:
+    import torch
+
+    sims = sim_rows(args.sim_rounds, args.sim_device, args.sim_model)
+    compare(sims)
+    name = torch.cuda.get_device_name() if args.sim_device.startswith("cuda") else "CPU"
+    doc = {
+        **_header(args, name),
+        "rows": [{k: v for k, v in r.items() if k != "curve"} for r in sims],
+        "ratios": _sim_ratios(sims),
+        "curves": {f"{r['source']}/{r['rule']}/{','.join(f'{s:g}' for s in r['speeds'])}": r["curve"] for r in sims},
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
+    print(json.dumps(doc["ratios"]))
+    return 0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--duration", type=float, default=150.0, help="seconds per node row (default 150)")
+    ap.add_argument("--sim-rounds", type=int, default=20, help="rounds per simulator row (default 20)")
+    ap.add_argument("--out", default=str(RESULTS))
+    ap.add_argument("--work", default="runs/heterogeneous", help="testnet folders")
+    ap.add_argument("--sim-only", action="store_true", help="only the simulator rows (e.g. on a GPU machine)")
+    ap.add_argument("--sim-device", default="cpu", help="the simulator rows' device (default cpu)")
+    ap.add_argument("--sim-model", choices=("tiny", "quality"), default="tiny",
+                    help="tiny: testnet-tiny's model; quality: the quality benchmark's (a GPU)")
+    ap.add_argument("--add", metavar="JSON", help="a --sim-only result to add to --out's JSON under extra_sim")
+    args = ap.parse_args()
+    if args.add:
+        doc, extra = json.loads(Path(args.out).read_text()), json.loads(Path(args.add).read_text())
+        doc.setdefault("extra_sim", []).append(extra)
+        Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
+        print(f"added {args.add} to {args.out}")
+        return 0
+    if args.sim_only:
+        return write_sim_only(args)
+    load0 = os.getloadavg()
+    nodes = [node_row(rule, args.duration, Path(args.work) / rule) for rule in ("fixed", "speed")]
+    compare(nodes)
+    for r in nodes:
+        print(json.dumps({k: v for k, v in r.items() if k != "curve"}), flush=True)
+    sims = sim_rows(args.sim_rounds)
+    compare(sims)  # the homogeneous run is the shortest in time: every row read at its end
+    fixed_n, speed_n = nodes
+    doc = {
+        **_header(args, f"CPU only: {platform.processor() or platform.machine()}, {os.cpu_count()} cores"),
+        "load_average_before": [round(x, 2) for x in load0],
+        "load_average_after": [round(x, 2) for x in os.getloadavg()],
+        "rows": [{k: v for k, v in r.items() if k != "curve"} for r in [*nodes, *sims]],
+        "ratios": {
+            "nodes_tokens_per_min_speed_over_fixed": round(speed_n["tokens_per_min"] / fixed_n["tokens_per_min"], 2),
+            **_sim_ratios(sims),
+        },
+        "curves": {f"{r['source']}/{r['rule']}/{','.join(f'{s:g}' for s in r['speeds'])}": r["curve"]
+                   for r in [*nodes, *sims]},
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
+    print(json.dumps(doc["ratios"]))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

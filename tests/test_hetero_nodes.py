@@ -1,0 +1,138 @@
+"""Volunteers of different speeds, as real processes (sync.round_budget = "speed", optim/budget.py):
+a coordinator and `murmur node run` processes on loopback, one of them slowed by the production
+fault ``slow:FACTOR`` (node/net/faults.py: it sleeps FACTOR - 1 times each inner step's time)."""
+
+from __future__ import annotations
+
+import signal
+import statistics
+import subprocess
+import sys
+
+import pytest
+from _node_helpers import hashes_by_round, log, make_testnet, small_dataset, trained, wait_rounds
+
+from murmur.node.testnet.procs import wait_for
+
+pytestmark = pytest.mark.integration
+
+H = 10
+SPEED = ["sync.round_budget=\"speed\"", f"sync.inner_steps={H}", "train.steps=4000", "train.eval_every=1000"]
+FAST_NODE = ["--peer-timeout", "8", "--rendezvous-deadline", "8", "--round-timeout", "60", "--dht-record-ttl", "6"]
+WAIT_S = 240.0
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return small_dataset(tmp_path_factory.mktemp("hetero-data"))
+
+
+def _start(tmp_path, data, faults: list[list[str]]):
+    net = make_testnet(tmp_path, data, overrides=SPEED, node_args=FAST_NODE)
+    net.start_coordinator()
+    n = len(faults)
+    net.create_run(token_uses=4 * n + 4)
+    first = net.add_node(extra=["--min-peers", str(n), *faults[0]])
+    net.wait_dht_bootstrap()
+    assert first.alive(), log(first)[-2000:]
+    for extra in faults[1:]:
+        net.add_node(extra=["--min-peers", str(n), *extra])
+    return net
+
+
+def _full_rounds(nodes) -> dict[int, dict[str, dict]]:
+    """round -> node name -> its record, for the rounds every node took part in together."""
+    by: dict[int, dict[str, dict]] = {}
+    for node in nodes:
+        for r in trained(node):
+            if r["peers"] == len(nodes) and r["contributed"]:
+                by.setdefault(r["round"], {})[node.name] = r
+    return {k: v for k, v in sorted(by.items()) if len(v) == len(nodes)}
+
+
+def _stop(net) -> None:
+    for node in net.nodes:
+        node.proc.send_signal(signal.SIGTERM)
+    for node in net.nodes:
+        assert node.proc.wait(60) == 0, log(node)[-2000:]
+
+
+def test_a_node_slowed_3x_trains_its_share_and_nobody_waits_for_its_full_h(tmp_path, data):
+    with _start(tmp_path, data, [[], [], ["--fault", "slow:3@x*"]]) as net:
+        fast, slow = net.nodes[0], net.nodes[2]
+        # Past the first rounds (H each until the speeds are measured, announced and read from
+        # the DHT: two to four rounds on a loaded machine), 6 rounds of all three together.
+        wait_for(lambda: len(_full_rounds(net.nodes)) >= 10, WAIT_S, what="10 rounds of all three nodes")
+        _stop(net)
+        full = _full_rounds(net.nodes)
+        settled = {r: v for r, v in full.items() if r >= min(full) + 4}
+        assert len(settled) >= 5, sorted(full)
+        shares = {r: {n: x["steps"] for n, x in recs.items()} for r, recs in settled.items()}
+        for recs in settled.values():
+            # The round ended without the slow node's full H: it trained a share.
+            assert recs[slow.name]["steps"] < H, shares
+        # The others more than H (on average: two equal nodes on a loaded machine measure
+        # somewhat different speeds from round to round).
+        assert sum(recs[fast.name]["steps"] for recs in settled.values()) > H * len(settled), shares
+        # Its share of the committed tokens follows its speed: about (1/3) / (1 + 1 + 1/3) = 1/7
+        # of the group's. The bound holds while the machine is loaded: the fault slows it 3x
+        # against its own step time, whatever the load, and H=10 rounds a share to whole steps.
+        tokens = {n: sum(recs[n]["tokens"] for recs in settled.values()) for n in (x.name for x in net.nodes)}
+        share = tokens[slow.name] / sum(tokens.values())
+        assert 0.07 <= share <= 0.22, (share, tokens)
+        # Its share matches what the rates say (each node's measured compute speed, as announced).
+        last = settled[max(settled)]
+        expected = last[slow.name]["rate"] / sum(x["rate"] for x in last.values())
+        assert abs(share - expected) <= 0.5 * expected, (share, expected)
+        # One state per round: every node recorded the same hash for every round they shared.
+        by_round = hashes_by_round(net.nodes)
+        for r in full:
+            assert len(set(by_round[r].values())) == 1, f"round {r}: nodes disagree {by_round[r]}"
+    # (How busy the fast nodes are is a timing: benchmarks/heterogeneous.py measures it.)
+
+
+def test_a_node_whose_speed_changes_is_followed_within_a_few_rounds(tmp_path, data):
+    # Slowed 4x for its first 25 inner steps, then at its own speed again.
+    with _start(tmp_path, data, [[], ["--fault", "slow:4@x25"]]) as net:
+        changing = net.nodes[1]
+
+        def steps() -> list[int]:
+            return [r["steps"] for r in trained(changing) if r["peers"] == 2]
+
+        # While slowed it takes a small share; then its share comes back to about H.
+        wait_for(lambda: any(s <= H // 2 for s in steps()), WAIT_S, what="a small share while slowed")
+        slowed_until = max(i for i, s in enumerate(steps()) if s <= H // 2)
+        wait_rounds(changing, slowed_until + 8, timeout_s=WAIT_S)
+        _stop(net)
+        after = steps()[slowed_until + 1 :]
+        # Followed within a few rounds: from the 4th round on past the slow ones, a share near H
+        # (the median: a loaded machine's speeds swing from round to round), and every round's
+        # share above what it took while slowed.
+        settled = after[3:]
+        assert len(settled) >= 4 and statistics.median(settled) >= 0.7 * H, steps()
+        assert min(settled) > H // 2, steps()
+
+
+def test_testnet_up_speeds_slows_the_named_nodes(tmp_path, data):
+    from _node_helpers import REPO, TINY
+
+    from murmur.node.daemon.state_dir import read_rounds
+
+    out = tmp_path / "net"
+    done = subprocess.run(
+        [sys.executable, "-m", "murmur.cli", "testnet", "up", "--nodes", "2", "--speeds", "1,3",
+         "--config", str(TINY), "--duration", "30", "--out", str(out), "--set", f'data.path="{data}"',
+         *(a for o in SPEED for a in ("--set", o))],
+        capture_output=True, text=True, timeout=240, cwd=REPO,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    steps = [[r["steps"] for r in read_rounds(out / "nodes" / f"node-{i}") if "steps" in r and r["peers"] == 2]
+             for i in range(2)]
+    # In the second half of the run (the first rounds are H each until both speeds are measured,
+    # announced and read from the DHT: two to four rounds on a loaded machine), node-1, 3x slower,
+    # trains the smaller share every round, and node-0 more than H on average.
+    both = list(zip(*steps, strict=False))
+    both = both[max(3, len(both) // 2):]
+    assert len(both) >= 3, steps
+    assert all(slow < H and slow < fast for fast, slow in both), steps
+    assert statistics.mean(fast for fast, _ in both) > H, steps
