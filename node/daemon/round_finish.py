@@ -97,7 +97,8 @@ class RoundFinisher:
         CPU, in place, before anything else. Raises the error of an earlier round's failed write."""
         self._raise_failure()
         with self._cv:
-            while len(self._waiting) + len(self._unsaved) >= MAX_WAITING and self._failed is None:
+            # The round the hasher holds counts too: it is submitted and not yet being saved.
+            while len(self._waiting) + self._hashing + len(self._unsaved) >= MAX_WAITING and self._failed is None:
                 self._cv.wait()
             if checkpoint is not None:
                 for r in (*self._waiting, *self._unsaved):  # not being saved: this round's checkpoint covers it
