@@ -119,3 +119,18 @@ def test_volunteers_serve_stages_and_drive_a_pipelined_run_as_the_coordinator_de
         assert "this node committed 0 tokens in 0 round(s)" in left(v), left(v)
         assert not any(m.startswith("leased shard") for m in v.messages())
         assert not (v.state / "rounds.jsonl").exists()
+
+
+def test_a_pipeline_role_against_a_data_parallel_run_is_a_one_line_error(tmp_path, byte_dataset):
+    with coordinator(tmp_path, byte_dataset.root, joins=1) as (net, join):
+        v = Volunteer(tmp_path, "staged", join, "--role", "stage")
+        try:
+            code = v.proc.wait(START_TIMEOUT_S)
+        finally:
+            v.stop()
+        view = net.admin("status", "--run", net.run_id)
+    assert code != 0
+    errors = [m for m in v.messages() if m.startswith("error:")]
+    assert errors == [f"error: run {net.run_id} is not pipelined (its config has no [pipeline] section): "
+                      "--role stage needs one; leave --role out to train it data parallel"], v.messages()
+    assert int(view["run"]["tokens_committed"]) == 0

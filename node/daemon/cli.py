@@ -248,7 +248,8 @@ def _run(args: argparse.Namespace) -> int:
         settings=settings,
         faults=faults,
         log=log,
+        role=args.role,
     )
-    code = run_volunteer(options, args.role)  # a pipelined run: a stage or a driver; else the node
+    code = run_volunteer(options)  # a pipelined run: a stage or a driver; else the node
     sys.stdout.flush()
     return code

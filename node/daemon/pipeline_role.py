@@ -2,8 +2,9 @@
 whole model data parallel.
 
 A run whose config has a ``[pipeline]`` section is trained by stage peers and drivers
-(docs/pipeline.md). The daemon joins as it always does (the token once, the identity in the state
-folder) and then, instead of the data-parallel node (node/daemon/node.py), runs the stage peer
+(docs/pipeline.md). The node joins as it always does (node/daemon/node.py: the device and data
+checks first, the token once, the identity in the state folder), sees the run config's
+``[pipeline]`` section and hands over; instead of training data parallel, this runs the stage peer
 (node/pipeline/stage_peer_process.py) or the driver (node/pipeline/driver_process.py) in this
 process, with the membership it holds. ``--role`` chooses:
 
@@ -29,11 +30,10 @@ import time
 from pathlib import Path
 
 from murmur.errors import MurmurError
-from murmur.node.daemon.node import NodeOptions, run_node
-from murmur.node.daemon.session import contribution, join
+from murmur.node.daemon.node import NodeOptions, PipelinedRun, run_node
+from murmur.node.daemon.session import contribution
 from murmur.node.daemon.state_dir import JoinRecord, StateDir
 from murmur.node.model.data import Dataset
-from murmur.node.train.build import resolve_device
 from murmur.protocol import identity
 from murmur.protocol.coordinator_client import CoordinatorError, JoinInfo, MemberClient
 from murmur.protocol.runconfig import RunConfig, parse_config
@@ -47,35 +47,33 @@ class RoleError(MurmurError):
     pass
 
 
-def run_volunteer(options: NodeOptions, role: str) -> int:
-    """Join, then serve a stage or drive (a pipelined run) or train data parallel (any other)."""
-    if role not in ROLES:
-        raise RoleError(f"--role {role!r}: use {', '.join(ROLES)}")
+def run_volunteer(options: NodeOptions) -> int:
+    """The node (node/daemon/node.py) joins and trains a data-parallel run; a pipelined one it
+    hands over, its membership saved, to a stage peer or a driver here."""
+    try:
+        return run_node(options)
+    except PipelinedRun as handed:
+        # SIGTERM from here on ends the pipeline role cleanly (the node's loop, which held the
+        # signal while it joined, is gone).
+        signal.signal(signal.SIGTERM, signal.default_int_handler)
+        stopped, run_id = handed.stopped, handed.run_id
     state = StateDir(options.state_dir)
-    # The checks Node makes before it joins, here too: a bad device or data folder spends no use
-    # of the token and leaves no member behind.
-    resolve_device(options.device)
-    if options.data is not None:
-        Dataset.open(options.data)
-    state.lock()
-    try:
-        info, ident, config_toml = asyncio.run(
-            join(options.coordinator, options.token, state, options.settings, options.log, name=options.name)
-        )
-    finally:
-        state.unlock()  # the data-parallel node takes the lock again (Node.run)
+    saved = state.load_join()
+    if saved is None:  # the node saves its join before it reads the run config
+        raise RoleError(f"{state.root} lost the membership of run {run_id}")
+    info, ident, config_toml = saved
     cfg = parse_config(config_toml, "the run configuration")
-    if cfg.pipeline is None:
-        if role != "auto":
-            raise RoleError(f"run {info.run_id} is not pipelined (its config has no [pipeline] section): "
-                            f"--role {role} needs one; leave --role out to train it data parallel")
-        return run_node(options)  # rejoins from the state folder: no second use of the token
-    if options.gpus > 1:
-        raise RoleError(f"run {info.run_id} is pipelined: one process serves one stage or drives, "
-                        f"so --gpus {options.gpus} has no use; start one node per GPU (--device cuda:N)")
     state.lock()
     try:
-        return PipelineVolunteer(options, state, info, ident, cfg, config_toml).run(role)
+        volunteer = PipelineVolunteer(options, state, info, ident, cfg, config_toml)
+        if stopped:  # a SIGTERM while it joined: leave at once, as the node does
+            volunteer.log("stopping: SIGTERM while joining")
+            asyncio.run(volunteer.leave("stopped while joining"))
+            return 0
+        if options.gpus > 1:
+            raise RoleError(f"run {info.run_id} is pipelined: one process serves one stage or drives, "
+                            f"so --gpus {options.gpus} has no use; start one node per GPU (--device cuda:N)")
+        return volunteer.run(options.role)
     finally:
         state.unlock()
 
@@ -102,19 +100,17 @@ class PipelineVolunteer:
 
         # SIGTERM ends the driver as Ctrl+C does (its own main does the same); a stage peer's loop
         # takes SIGTERM over once it serves.
-        previous = signal.signal(signal.SIGTERM, interrupted)
+        signal.signal(signal.SIGTERM, interrupted)
         try:
             if role == "auto":
                 role = asyncio.run(self._choose())
             code = self._drive() if role == "driver" else self._serve_stage()
         except KeyboardInterrupt:
             code = 130
-        finally:
-            signal.signal(signal.SIGTERM, previous)
         if code == 130:  # stopped by SIGTERM or Ctrl+C: a clean stop, as the data-parallel node's
             self.log("stopping: " + (stop["signal"] or "interrupted"))
             code = 0
-        asyncio.run(self._leave("stopped" if code == 0 else f"the {role} failed"))
+        asyncio.run(self.leave("stopped" if code == 0 else f"the {role} failed"))
         return code
 
     # -- the role ---------------------------------------------------------------------------------
@@ -203,7 +199,7 @@ class PipelineVolunteer:
 
     # -- leaving ------------------------------------------------------------------------------------
 
-    async def _leave(self, reason: str) -> None:
+    async def leave(self, reason: str) -> None:
         client = self._client()
         try:
             reply = await asyncio.wait_for(client.leave(reason), self.o.settings.shutdown_grace_s)
