@@ -146,10 +146,12 @@ class PipelineVolunteer:
         return advertised(host, self.o.advertise_host)
 
     def _common(self) -> list[str]:
-        argv = ["--coordinator", self.o.coordinator, "--device", self.o.device]
-        if self.o.threads > 0:
-            argv += ["--threads", str(self.o.threads)]
-        return argv
+        import torch  # loaded already by the node
+
+        # --threads 0 means torch's default here as for a data-parallel node (the stage peer's and
+        # the driver's own default is 1, for tests that crowd processes on a machine)
+        return ["--coordinator", self.o.coordinator, "--device", self.o.device,
+                "--threads", str(self.o.threads or torch.get_num_threads())]
 
     def _joined(self):
         from murmur.node.pipeline.member import PipelineMember
