@@ -129,11 +129,10 @@ async def follow_progress(member: PipelineMember, schedule: RunSchedule, every_s
 
 
 async def serve(args: argparse.Namespace, joined: Callable[[], PipelineMember] | None = None) -> None:
-    """Serve until SIGTERM or SIGINT. ``joined``: the membership of a node that already joined,
-    which the caller closes, instead of joining with ``args.token`` (`murmur node run`,
-    node/daemon/pipeline_role.py)."""
+    """Serve until SIGTERM or SIGINT. ``joined``: the membership of a node that already joined
+    (`murmur node run`, node/daemon/pipeline_role.py, which says Leave after) instead of joining
+    with ``args.token``."""
     start_rss = rss_mb()  # the interpreter, torch and grpc, before any of the model
-    own_member = joined is None
     if joined is not None:
         member = joined()
     else:
@@ -174,7 +173,7 @@ async def serve(args: argparse.Namespace, joined: Callable[[], PipelineMember] |
         follower.cancel()
     worker, service = peer.worker, peer.service
     await peer.stop()
-    if member is not None and own_member:
+    if member is not None:
         await member.close()
     st = worker.stats
     emit(event="stopped", node_id=ident.node_id, stage=service.span.index, forwards=st.forwards,
