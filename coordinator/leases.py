@@ -24,6 +24,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from murmur.errors import MurmurError
+from murmur.protocol.runconfig import ConfigError, parse_config
 
 from .settings import CoordinatorSettings
 from .store import Shard, Store
@@ -81,6 +82,26 @@ class Leases:
         # max(stored expiry, last heartbeat + TTL).
         self.last_seen = last_seen
         self.clock = clock
+        self._wanted_drivers: dict[str, int] = {}  # run -> its pipeline.drivers (0: no limit)
+
+    def _drivers_full(self, run_id: str, config_toml: str, node_id: str, now: float) -> str | None:
+        """Why a node that holds no lease of a pipelined run gets none: the run has the drivers its
+        ``pipeline.drivers`` wants (the holders of its live leases). None: it may lease. This is how
+        the coordinator decides the role of a volunteer that joins with ``--role auto``."""
+        if run_id not in self._wanted_drivers:
+            try:
+                pipe = parse_config(config_toml, "the run configuration").pipeline
+            except ConfigError:
+                pipe = None
+            self._wanted_drivers[run_id] = pipe.drivers if pipe is not None else 0
+        wanted = self._wanted_drivers[run_id]
+        if not wanted:
+            return None
+        holders = {s.holder for s in self.store.shards(run_id)
+                   if s.holder and s.holder != node_id and self._expiry(s) >= now}
+        if len(holders) < wanted:
+            return None
+        return f"the run has the {wanted} driver(s) its pipeline.drivers wants"
 
     def _expiry(self, shard: Shard) -> float:
         seen = self.last_seen(shard.holder) if shard.holder else None
@@ -109,6 +130,8 @@ class Leases:
                 done_with += 1
             if done_with > MAX_EXHAUSTED_HELD:
                 return None, f"this node holds {done_with} exhausted leases it has not committed; commit them first"
+            if (full := self._drivers_full(run_id, run["config_toml"], node_id, now)) is not None:
+                return None, full
             shard = self.store.free_shard(run_id)
             if shard is None:
                 totals = self.store.run_totals(run_id)

@@ -177,6 +177,11 @@ class PipelineSection(Section):
     # rows (sequences) per microbatch
     microbatch_size: int = _bounded(4, 1 << 16, "more rows than any stage holds", gt=0)
     activation_codec: ActivationCodec = "bf16"  # for activations and their gradients
+    # Drivers the run wants: the coordinator grants a lease of a pipelined run to at most this
+    # many nodes at once, so a volunteer that joins with `murmur node run --role auto` drives when
+    # a lease is free under it and serves a stage otherwise (docs/pipeline.md "Joining a pipelined
+    # run"). 0: no limit, and auto volunteers serve stages (drivers join with --role driver).
+    drivers: int = _bounded(0, 1 << 16, "65536 drivers of one run", ge=0)
     # The longest a hop may take (forward or backward of one stage, wire included). Deadlines
     # adapt to each peer's measured latency below this; until a peer is measured this is its
     # deadline. SWARM uses 30 s forward and 75 s backward; a tiny CPU model needs far less.

@@ -185,3 +185,35 @@ def test_cli_prints_one_line_and_fails(tmp_path):
     assert proc.stderr.strip().splitlines() == [
         "error: unknown key 'train.batchsize' (did you mean 'train.batch_size'?)"
     ]
+
+
+# Per parameter, training the whole model in one process: fp32 weights, fp32 gradients and
+# AdamW's two fp32 moments (configs/pipeline-gpu.toml says the same in its comment).
+TRAIN_STATE_BYTES_PER_PARAM = 4 + 4 + 8
+VOLUNTEER_GPU_BYTES = 24 * 10**9
+
+
+def _stage_params(path: Path) -> tuple[int, list[int]]:
+    """(the whole model's parameters, each stage's), the stages built on the meta device: shapes
+    only, so the 2B-parameter model is counted without a byte of it allocated."""
+    from murmur.node.model.stages import build_stage, split_layers
+    from murmur.node.pipeline.config import model_from_run
+
+    model, pipe = model_from_run(load_config(path))
+    spans = split_layers(model.n_layers, pipe.stages, pipe.layers)
+    stages = [sum(p.numel() for p in build_stage(model, 0, span, "meta").parameters()) for span in spans]
+    return model.num_params(), stages
+
+
+def test_the_shipped_pipelined_configs_parse_and_fit_what_they_claim():
+    cpu = load_config(ROOT / "configs" / "pipeline-cpu.toml")
+    assert cpu.pipeline is not None and cpu.pipeline.drivers >= 1 and cpu.train.dtype == "fp32"
+    total, stages = _stage_params(ROOT / "configs" / "pipeline-cpu.toml")
+    assert sum(stages) == total < 2_000_000 and len(stages) == cpu.pipeline.stages  # a laptop's CPU
+    gpu = load_config(ROOT / "configs" / "pipeline-gpu.toml")
+    assert gpu.pipeline is not None and gpu.pipeline.drivers >= 1 and gpu.train.dtype == "bf16"
+    total, stages = _stage_params(ROOT / "configs" / "pipeline-gpu.toml")
+    assert sum(stages) == total == 2_055_882_752  # the figure its comment gives
+    # whole, the model's training state does not fit one 24 GB volunteer; its largest stage's does
+    assert total * TRAIN_STATE_BYTES_PER_PARAM > VOLUNTEER_GPU_BYTES
+    assert max(stages) * TRAIN_STATE_BYTES_PER_PARAM < VOLUNTEER_GPU_BYTES / 3

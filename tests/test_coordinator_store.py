@@ -229,3 +229,34 @@ def test_a_rounds_validation_loss_is_the_mean_of_those_reported(ledger):
         commit(run_id, a, lease.lease_id, lease.shard_id, 300, 400, Progress(3, 2.9, 0, 1.0, val_loss=float("inf")))
     history = [(r["outer_step"], r["val_loss"]) for r in store.round_history(run_id)]
     assert history == [(1, pytest.approx(2.6)), (2, None)]
+
+
+def test_a_pipelined_run_leases_to_at_most_its_wanted_drivers(tmp_path):
+    """`pipeline.drivers`: how the coordinator decides a `murmur node run --role auto` volunteer's
+    role (node/daemon/pipeline_role.py): a lease makes a driver, a refusal a stage peer."""
+    clock = Clock()
+    settings = CoordinatorSettings(heartbeat_interval_s=1, heartbeat_ttl_s=5, lease_ttl_s=5)
+    store = Store(tmp_path / "c.db")
+    try:
+        members = Membership(store, settings, identity.CertificateAuthority.create(), clock=clock)
+        runs = Runs(store, settings, "ab" * 32, clock=clock)
+        run_id = runs.create(CONFIG + "[pipeline]\nstages = 2\ndrivers = 1\n", manifest(1000, 300, 300))
+        token = runs.create_token(run_id, 3600, 5, "").token
+        a, b = join(members, token), join(members, token)
+        for n in (a, b):
+            members.heartbeat(n, 0.0)
+        leases = members.leases
+        sa, _ = leases.acquire(run_id, a)
+        assert sa is not None
+        assert leases.acquire(run_id, a)[0].lease_id == sa.lease_id  # the driver keeps its own
+        none, why = leases.acquire(run_id, b)  # a free shard, but the run has its one driver
+        assert none is None and why == "the run has the 1 driver(s) its pipeline.drivers wants"
+        # the driver goes silent: its lease expires and the next volunteer drives
+        for _ in range(7):
+            clock.t += 1
+            members.heartbeat(b, 0.0)
+            members.sweep()
+        sb, _ = leases.acquire(run_id, b)
+        assert sb is not None and sb.shard_id == sa.shard_id
+    finally:
+        store.close()

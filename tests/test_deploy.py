@@ -71,6 +71,7 @@ def test_compose_commands_are_real_cli_commands(tmp_path):
         os.environ.update(old)
     assert parsed.coordinator == "c:7700" and parsed.listen == "0.0.0.0:7800"
     assert parsed.state_dir == "/state" and parsed.data == "/data/run"
+    assert parsed.role == "auto"  # a pipelined run: the coordinator makes each replica a driver or a stage peer
     assert services["node"].get("stop_signal") == "SIGTERM"
 
 

@@ -2,6 +2,7 @@
 
     murmur node run --coordinator HOST:PORT --token TOKEN [--data DIR] [--device auto|cpu|cuda]
                     [--state-dir DIR] [--listen HOST:PORT] [--metrics-listen HOST:PORT|off]
+                    [--role auto|stage|driver]
 
 The node joins the run the token admits to (certificate, run config), meets its peers through
 the DHT, takes the current global state (local checkpoint, or peers when the run has moved on),
@@ -10,7 +11,10 @@ aggregator, the outer step, a progress commit; again and again. SIGTERM or Ctrl+
 finishes its step, commits, releases its lease, leaves and exits 0. Every flag also reads an
 environment variable (MURMUR_COORDINATOR, MURMUR_TOKEN, ...), which is how deploy/compose.yaml
 configures it. The device and the data folder are checked before the node joins: a mistake there
-spends no use of the token and leaves no member behind.
+spends no use of the token and leaves no member behind. A pipelined run (a ``[pipeline]`` section
+in its config) is not trained data parallel: the node serves one stage of it or drives
+microbatches through the stages, as ``--role`` and the coordinator decide
+(node/daemon/pipeline_role.py, docs/pipeline.md "Joining a pipelined run").
 
 ``--fault SPEC`` (repeatable, hidden from --help) arms a fault of the production injector
 (node/net/faults.py) in the node's exchange: ``poison_sign@x*`` poisons every round's update,
@@ -34,6 +38,7 @@ from murmur.node.train.gpu_path import add_gpu_path_flags, apply_gpu_path_flags
 from murmur.protocol.node_name import check_node_name
 
 DEFAULT_STATE_DIR = "~/.murmur/node"
+ROLES = ("auto", "stage", "driver")  # node/daemon/pipeline_role.py says what each does
 
 
 def _env(name: str, default: str | None = None) -> str | None:
@@ -64,6 +69,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=_env("MURMUR_NAME", ""),
         help="a name for this node, shown beside its id in `murmur admin` and on the status page "
         "(set when it joins; env MURMUR_NAME)",
+    )
+    r.add_argument(
+        "--role",
+        choices=("auto", "stage", "driver"),
+        default=_env("MURMUR_ROLE", "auto"),
+        help="in a pipelined run (a [pipeline] section in its config): serve a stage, drive, or auto: the "
+        "coordinator decides (a driver while the run has fewer than pipeline.drivers, else a stage peer); "
+        "a data-parallel run ignores auto (default %(default)s; env MURMUR_ROLE)",
     )
     r.add_argument(
         "--data",
@@ -195,6 +208,8 @@ def _run(args: argparse.Namespace) -> int:
         raise MurmurError(f"--gpus must be at least 1, not {args.gpus}")
     args.device = check_device_name(args.device)
     args.name = check_node_name(args.name)
+    if args.role not in ROLES:  # from MURMUR_ROLE, which argparse's choices do not check
+        raise MurmurError(f"--role {args.role!r}: use {', '.join(ROLES)}")
     if args.log_format not in FORMATS:  # from MURMUR_LOG_FORMAT, which argparse's choices do not check
         raise MurmurError(f"--log-format {args.log_format!r}: use {' or '.join(FORMATS)}")
     if args.gpus > 1 and ":" in args.device:
@@ -211,7 +226,8 @@ def _run(args: argparse.Namespace) -> int:
     # grpc, torch and the node's stack: only once the command line holds up, so a usage error
     # answers at once. Still before the event loop takes SIGTERM over: a node stopped during these
     # seconds of imports stops "while starting" (murmur/cli.py).
-    from murmur.node.daemon.node import NodeOptions, run_node
+    from murmur.node.daemon.node import NodeOptions
+    from murmur.node.daemon.pipeline_role import run_volunteer
 
     options = NodeOptions(
         coordinator=args.coordinator,
@@ -233,7 +249,8 @@ def _run(args: argparse.Namespace) -> int:
         settings=settings,
         faults=faults,
         log=log,
+        role=args.role,
     )
-    code = run_node(options)
+    code = run_volunteer(options)  # a pipelined run: a stage or a driver; else the node
     sys.stdout.flush()
     return code

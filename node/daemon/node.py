@@ -56,6 +56,16 @@ class NodeError(MurmurError):
     pass
 
 
+class PipelinedRun(Exception):  # noqa: N818 - a hand-over, not a failure
+    """The run joined is pipelined (or ``--role`` asks for a pipeline role): not this node's to
+    train. The membership stays in the state folder for node/daemon/pipeline_role.py, which
+    serves a stage or drives; ``stopped``: a SIGTERM came while the node joined."""
+
+    def __init__(self, run_id: str, stopped: bool) -> None:
+        super().__init__(run_id)
+        self.run_id, self.stopped = run_id, stopped
+
+
 @dataclass(kw_only=True, slots=True)
 class NodeOptions:
     coordinator: str
@@ -80,6 +90,7 @@ class NodeOptions:
     gpus: int = 1
     settings: NodeSettings = field(default_factory=NodeSettings)
     faults: FaultInjector | None = None  # --fault: armed in this node's exchange (tests, chaos)
+    role: str = "auto"  # --role: a pipelined run is handed over (PipelinedRun); stage or driver want one
     log: Callable[[str], None] = print
 
 
@@ -139,6 +150,11 @@ class Node:
             self.o.coordinator, self.o.token, self.state, self.s, self.log, name=self.o.name
         )
         cfg = parse_config(config_toml, "the run configuration")
+        if cfg.pipeline is not None:  # never trained data parallel: a stage or a driver instead
+            raise PipelinedRun(info.run_id, self.stop.is_set())
+        if self.o.role != "auto":
+            raise NodeError(f"run {info.run_id} is not pipelined (its config has no [pipeline] section): "
+                            f"--role {self.o.role} needs one; leave --role out to train it data parallel")
         data_path = self.o.data or Path(cfg.data.path)
         dataset = checked if checked is not None and checked.root == data_path else Dataset.open(data_path)
         if dataset.tokenizer != cfg.data.tokenizer:
@@ -204,7 +220,10 @@ class Node:
             return Dataset.open(self.o.data)
         saved = self.state.load_join()
         if saved is not None and saved[0].coordinator == self.o.coordinator:
-            return Dataset.open(parse_config(saved[2], "the saved run configuration").data.path)
+            cfg = parse_config(saved[2], "the saved run configuration")
+            if cfg.pipeline is not None:  # a stage peer needs no data; a driver checks its own
+                return None
+            return Dataset.open(cfg.data.path)
         return None
 
     async def _open_dataplane(self, info: JoinRecord, ident: identity.Identity, cfg: RunConfig) -> DataPlane:

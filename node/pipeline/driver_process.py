@@ -34,6 +34,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -65,8 +66,15 @@ LEASE_WAIT_S = 2.0  # between asks while every unfinished shard is leased to ano
 progress_log = logging.getLogger("murmur.node.pipeline.driver")
 
 
-def emit(**record: object) -> None:
+def print_record(record: dict) -> None:
     print(json.dumps(record), flush=True)
+
+
+SINK = print_record  # where records go: stdout's JSON lines; `murmur node run` logs them its way
+
+
+def emit(**record: object) -> None:
+    SINK(record)
 
 
 def read_peers(path: Path) -> dict[int, list[StageEndpoint]]:
@@ -154,11 +162,14 @@ async def next_lease(member: PipelineMember, schedule: RunSchedule, exhausted: l
     return None
 
 
-async def drive(args: argparse.Namespace) -> int:
+async def drive(args: argparse.Namespace, joined: Callable[[], PipelineMember] | None = None) -> int:
+    """Drive until the schedule ends; ``joined``: the membership of a node that already joined
+    (`murmur node run`, node/daemon/pipeline_role.py) instead of joining with ``args.token``.
+    Either way the member is closed here (its heartbeats renew the lease, which ends with the driving)."""
     device = args.device
     member = run = None
-    if args.coordinator:
-        member = await PipelineMember.join(args.coordinator, args.token)
+    if joined is not None or args.coordinator:
+        member = joined() if joined is not None else await PipelineMember.join(args.coordinator, args.token)
         identity = member.ident
         run = parse_config(member.info.config_toml, "the run config")
     else:
@@ -344,7 +355,7 @@ async def follow_schedule(args, member, schedule, driver, dataset, cfg, model_cf
                 await member.client.release(lease.lease_id)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, joined: Callable[[], PipelineMember] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m murmur.node.pipeline.driver_process")
     ap.add_argument("--identity", help="folder with node.key, node.crt, ca.crt (without --coordinator)")
     ap.add_argument("--coordinator", default="", help="join this coordinator, lease a shard, commit to its ledger")
@@ -391,7 +402,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # stop as Ctrl+C does
     try:
-        return asyncio.run(drive(args))
+        return asyncio.run(drive(args, joined))
     except KeyboardInterrupt:
         return 130
 

@@ -55,6 +55,12 @@ class PipelineMember:
     @classmethod
     async def join(cls, coordinator: str, token: str) -> PipelineMember:
         ident, info = await join_run(coordinator, token, identity.generate_key())
+        return cls.joined(ident, info)
+
+    @classmethod
+    def joined(cls, ident: identity.Identity, info: JoinInfo) -> PipelineMember:
+        """The member of a node that already joined (`murmur node run`, whose state folder keeps
+        its identity): heartbeats from now on, no use of a token."""
         client = MemberClient(info.node_address, ident, server_name=info.tls_server_name,
                               reconnect_backoff_s=info.heartbeat_interval_s)
         member = cls(ident, info, client)

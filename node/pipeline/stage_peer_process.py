@@ -33,6 +33,7 @@ import json
 import logging
 import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -61,8 +62,15 @@ from murmur.protocol.identity import Identity
 from murmur.protocol.runconfig import OptimSection, parse_config
 
 
-def emit(**record: object) -> None:
+def print_record(record: dict) -> None:
     print(json.dumps(record), flush=True)
+
+
+SINK = print_record  # where records go: stdout's JSON lines; `murmur node run` logs them its way
+
+
+def emit(**record: object) -> None:
+    SINK(record)
 
 
 def settings_of(args: argparse.Namespace, member: PipelineMember | None):
@@ -120,9 +128,15 @@ async def follow_progress(member: PipelineMember, schedule: RunSchedule, every_s
         await asyncio.sleep(every_s)
 
 
-async def serve(args: argparse.Namespace) -> None:
+async def serve(args: argparse.Namespace, joined: Callable[[], PipelineMember] | None = None) -> None:
+    """Serve until SIGTERM or SIGINT. ``joined``: the membership of a node that already joined
+    (`murmur node run`, node/daemon/pipeline_role.py, which says Leave after) instead of joining
+    with ``args.token``."""
     start_rss = rss_mb()  # the interpreter, torch and grpc, before any of the model
-    member = await PipelineMember.join(args.coordinator, args.token) if args.coordinator else None
+    if joined is not None:
+        member = joined()
+    else:
+        member = await PipelineMember.join(args.coordinator, args.token) if args.coordinator else None
     model, settings, schedule = settings_of(args, member)
     follower = None
     if schedule is not None:
@@ -175,7 +189,7 @@ async def serve(args: argparse.Namespace) -> None:
          state_hash=stage_state.state_hash(worker.module), peak_rss_mb=round(peak_rss_mb(), 1))
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, joined: Callable[[], PipelineMember] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m murmur.node.pipeline.stage_peer_process")
     ap.add_argument("--identity", help="folder with node.key, node.crt, ca.crt (without --coordinator)")
     ap.add_argument("--coordinator", default="", help="join this coordinator for a certificate")
@@ -204,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     log_to_stderr()
     try:
-        asyncio.run(serve(args))
+        asyncio.run(serve(args, joined))
     except KeyboardInterrupt:
         return 130
     except Exception as err:  # noqa: BLE001 - one line, not a traceback, for a volunteer

@@ -309,6 +309,10 @@ def _run(args: argparse.Namespace) -> int:
     overrides = list(args.set) + ([f'sync.algorithm="{args.algo}"'] if args.algo else [])
     if stages:
         overrides.append(f"pipeline.stages={stages}")
+        if not any(o.replace(" ", "").startswith("pipeline.drivers=") for o in args.set):
+            # Its D drivers are the drivers the run wants: a shipped config's pipeline.drivers
+            # (the coordinator's lease cap) must not keep one of them waiting for a lease.
+            overrides.append(f"pipeline.drivers={getattr(args, 'drivers', 0)}")
         if not any(o.replace(" ", "").startswith("train.steps=") for o in args.set):
             # The pipelined testnet lasts --duration: a schedule that outlasts it (the data may still
             # run out first). --set train.steps=N ends it at a schedule instead.
