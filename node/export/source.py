@@ -8,6 +8,9 @@ Accepted, in the order they are tried:
     a node state folder     STATE_DIR/checkpoint.pt, with join.json (run id) and rounds.jsonl (tokens)
     a `murmur train` folder runs/NAME/checkpoint.pt
     a testnet folder        OUT/nodes/node-*/: the node whose round log reached the newest round
+    stage peers' folders    STATE_DIR/stage-checkpoints/ of a pipelined run's stage peers (one or
+                            several folders, or a testnet folder with stages): the newest version
+                            of every stage, assembled (node/export/stage_set.py)
 
 A node's checkpoint holds two copies of the model: the local weights and the global state the
 peers agreed on after the round ("shared"). The global state is the run's model (its hash is the one
@@ -55,6 +58,22 @@ class Source:
             first = str(err).splitlines()[1].strip() if len(str(err).splitlines()) > 1 else str(err)
             raise SourceError(f"{self.path}: the weights do not fit the model's shape ({first})") from None
         return model.to(device=device, dtype=dtype).eval()
+
+
+def load_sources(paths: list[str | Path]) -> Source:
+    """One source from one path, or a pipelined run's model from several stage peers' folders."""
+    from murmur.node.export.stage_set import holds_stages, load_stage_set
+
+    ps = [Path(p) for p in paths]
+    for p in ps:
+        if not p.exists():
+            raise SourceError(f"{p} does not exist: give a checkpoint file, a run folder or an export folder")
+    if len(ps) == 1 and not (ps[0].is_dir() and holds_stages(ps[0])):
+        return load_source(ps[0])
+    if any(not (p.is_dir() and holds_stages(p)) for p in ps):
+        bad = next(p for p in ps if not (p.is_dir() and holds_stages(p)))
+        raise SourceError(f"{bad} holds no stage checkpoints: several SOURCEs must all be stage peers' folders")
+    return load_stage_set(ps)
 
 
 def load_source(path: str | Path) -> Source:
