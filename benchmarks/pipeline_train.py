@@ -199,6 +199,11 @@ def run_row(root: Path, data: Path, steps: int, *, peers_per_stage: int, mtbf_s:
         "microbatches_lost": max(0, (steps * 8 * 64 - tokens) // (4 * 64)),
         "resumed_from_checkpoint": bool(restarts_from_ckpt) and all(restarts_from_ckpt),
         "wall_s": round(wall, 1), "_source": source,
+        # where a peer's memory grows: before the model, once its stage was built, when it served, at its stop
+        "peer_rss_detail": [{"stage": r["stage"], "start_rss_mb": r["start_rss_mb"],
+                             "built_peak_rss_mb": r["built_peak_rss_mb"], "ready_peak_rss_mb": r["peak_rss_mb"],
+                             "stop_peak_rss_mb": s["peak_rss_mb"], "stage_param_mb": r["stage_param_mb"]}
+                            for s, r in zip(peaks, readies, strict=False)],
     }
 
 
@@ -249,7 +254,7 @@ def main() -> int:
             "loss_gap_pct": round(100 * (val - single_val) / single_val, 2),
             **{k: row[k] for k in ("mtbf_s", "kills", "longest_stall_s", "microbatches_lost",
                                    "resumed_from_checkpoint", "tokens_ledger", "driver_exit", "driver_reason",
-                                   "wall_s")},
+                                   "wall_s", "peer_rss_detail")},
             "checkpoint_version": source.provenance["round"],
         })
         print(json.dumps(rows[-1]), flush=True)
