@@ -43,7 +43,8 @@ from pathlib import Path
 
 import torch
 
-from murmur.node.export.source import load_source, load_sources
+from murmur.node.export.source import load_source
+from murmur.node.export.stage_set import load_sources
 from murmur.node.model.data import Dataset, eval_batches, prepare
 from murmur.node.testnet.procs import Testnet
 from murmur.protocol.runconfig import load_config

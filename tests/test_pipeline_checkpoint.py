@@ -13,7 +13,8 @@ from test_export import transformers_module
 from test_stage_board import World
 
 from murmur.cli import main
-from murmur.node.export.source import SourceError, load_sources
+from murmur.node.export.source import SourceError
+from murmur.node.export.stage_set import load_sources
 from murmur.node.export.write import export
 from murmur.node.model.stages import build_stage, split_layers
 from murmur.node.model.transformer import ModelConfig

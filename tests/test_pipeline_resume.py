@@ -14,7 +14,7 @@ import pytest
 from _pipeline_helpers import coordinator, ledger_tokens, start_driver, start_run_peer, stop_all
 from test_pipeline_run import FAST_COORDINATOR, PIPELINE, consistent, logged, small_shards, wait_for  # noqa: F401
 
-from murmur.node.export.source import load_sources
+from murmur.node.export.stage_set import load_sources
 from murmur.node.model.data import Dataset, eval_batches
 from murmur.node.pipeline.client import StageClient
 from murmur.node.pipeline.driver import Driver

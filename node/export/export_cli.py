@@ -43,7 +43,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from murmur.node.export.source import load_sources
+    from murmur.node.export.stage_set import load_sources
     from murmur.node.export.write import export, resolve_dtype
 
     if args.source and args.coordinator:

@@ -60,22 +60,6 @@ class Source:
         return model.to(device=device, dtype=dtype).eval()
 
 
-def load_sources(paths: list[str | Path]) -> Source:
-    """One source from one path, or a pipelined run's model from several stage peers' folders."""
-    from murmur.node.export.stage_set import holds_stages, load_stage_set
-
-    ps = [Path(p) for p in paths]
-    for p in ps:
-        if not p.exists():
-            raise SourceError(f"{p} does not exist: give a checkpoint file, a run folder or an export folder")
-    if len(ps) == 1 and not (ps[0].is_dir() and holds_stages(ps[0])):
-        return load_source(ps[0])
-    if any(not (p.is_dir() and holds_stages(p)) for p in ps):
-        bad = next(p for p in ps if not (p.is_dir() and holds_stages(p)))
-        raise SourceError(f"{bad} holds no stage checkpoints: several SOURCEs must all be stage peers' folders")
-    return load_stage_set(ps)
-
-
 def load_source(path: str | Path) -> Source:
     p = Path(path)
     if not p.exists():

@@ -17,10 +17,25 @@ from __future__ import annotations
 from collections import Counter
 from pathlib import Path
 
-from murmur.node.export.source import Source, SourceError
+from murmur.node.export.source import Source, SourceError, load_source
 from murmur.node.model.transformer import ModelConfig
 from murmur.node.pipeline import stage_checkpoint
 from murmur.protocol.wire import tensors_hash
+
+
+def load_sources(paths: list[str | Path]) -> Source:
+    """`murmur export`'s SOURCEs as one source: one path as `load_source` reads it, or a pipelined
+    run's model from stage peers' folders (one folder of them, or several)."""
+    ps = [Path(p) for p in paths]
+    for p in ps:
+        if not p.exists():
+            raise SourceError(f"{p} does not exist: give a checkpoint file, a run folder or an export folder")
+    if len(ps) == 1 and not (ps[0].is_dir() and holds_stages(ps[0])):
+        return load_source(ps[0])
+    bad = next((p for p in ps if not (p.is_dir() and holds_stages(p))), None)
+    if bad is not None:
+        raise SourceError(f"{bad} holds no stage checkpoints: several SOURCEs must all be stage peers' folders")
+    return load_stage_set(ps)
 
 
 def holds_stages(path: Path) -> bool:

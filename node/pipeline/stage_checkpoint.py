@@ -3,9 +3,11 @@
 
     STATE_DIR/stage-checkpoints/stage-<s>-of-<S>-v<version>.pt
 
-One file per checkpoint, written the data-parallel node's way (node/daemon/checkpoint_file.py:
-the structure pickled small, the tensors' bytes raw, fsynced) into a temporary name and renamed
-into place, so a SIGKILL at any instant leaves the old files or the new one, never a torn one.
+One file per checkpoint (torch.save, fsynced) written into a temporary name and renamed into place,
+and the folder fsynced, as the data-parallel node writes its own (node/daemon/checkpoint_file.py,
+which the pipeline layer may not import: node/ layers pipeline below daemon), so a SIGKILL at any
+instant leaves the old files or the new one, never a torn one. A stage's file is small next to the
+node's whole-model checkpoint, and the peer writes it in a thread of its own, off the compute.
 The newest ``KEEP`` are kept: a peer killed between two checkpoints of its stage-mates still
 holds the version the others hold.
 
@@ -36,7 +38,6 @@ from typing import Any
 
 import torch
 
-from murmur.node.daemon import checkpoint_file
 from murmur.node.model.stages import StageModule
 from murmur.protocol.wire import tensors_hash
 
@@ -117,7 +118,10 @@ def write(
         "tokens_committed": int(tokens_committed), "optimizer_steps": int(optimizer_steps), "config": run_config,
     }
     tmp = path.with_name(f".{path.name}.tmp")
-    checkpoint_file.save(state, tmp)
+    with open(tmp, "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
     tmp.replace(path)
     _fsync_dir(folder)
     mine = [c for c in listed(state_dir) if c.stage == stage]
@@ -129,7 +133,7 @@ def write(
 def read(path: Path) -> dict[str, Any]:
     """A checkpoint file's content; ValueError if it is not one."""
     try:
-        state = checkpoint_file.load(Path(path))
+        state = torch.load(Path(path), map_location="cpu", weights_only=True)
     except Exception as err:  # noqa: BLE001 - truncated, corrupt or foreign: the same answer
         raise ValueError(f"{path} is not a readable stage checkpoint ({type(err).__name__}: {err})") from None
     if not isinstance(state, dict) or state.get("format") != FORMAT:
