@@ -176,8 +176,10 @@ def run_row(root: Path, data: Path, steps: int, *, peers_per_stage: int, mtbf_s:
                 peers[i].wait_ready()
                 next_kill = time.time() + rng.expovariate(1 / mtbf_s)
         tokens = ledger_tokens(net.db)
+        for p in peers:  # a clean stop of the run, all at once: each peer writes its checkpoint
+            p.proc.send_signal(signal.SIGTERM)
         for p in peers:
-            p.kill(signal.SIGTERM)  # a clean stop: each writes its checkpoint
+            p.kill(signal.SIGTERM)
     finally:
         for p in [*peers, *drivers]:
             if p.proc.poll() is None:

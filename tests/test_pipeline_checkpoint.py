@@ -60,6 +60,10 @@ def test_a_checkpoint_restores_weights_and_adamw_and_only_the_newest_are_kept(tm
         save(tmp_path, worker, v)
     kept = stage_checkpoint.listed(tmp_path)
     assert [c.version for c in kept] == [3, 4, 5]  # KEEP versions
+    for v in range(6, 46):
+        save(tmp_path, worker, v)
+    # and the newest KEEP multiples of SPARSE: peers stopped minutes apart still share a version
+    assert [c.version for c in stage_checkpoint.listed(tmp_path)] == [20, 30, 40, 43, 44, 45]
     assert not list((tmp_path / stage_checkpoint.FOLDER).glob(".*tmp"))  # nothing half-written left
     state = stage_checkpoint.read(stage_checkpoint.newest(tmp_path, 1).path)
     fresh = StageWorker(build_stage(MODEL, 99, worker.span), OptimSection(lr=1e-2, warmup_steps=0), target_samples=2)

@@ -8,8 +8,10 @@ and the folder fsynced, as the data-parallel node writes its own (node/daemon/ch
 which the pipeline layer may not import: node/ layers pipeline below daemon), so a SIGKILL at any
 instant leaves the old files or the new one, never a torn one. A stage's file is small next to the
 node's whole-model checkpoint, and the peer writes it in a thread of its own, off the compute.
-The newest ``KEEP`` are kept: a peer killed between two checkpoints of its stage-mates still
-holds the version the others hold.
+Kept: the newest ``KEEP`` versions, and the newest ``KEEP`` of those that are multiples of
+``SPARSE``. Every peer keeps the same multiples (the versions are the clock's), so peers that stop
+or die up to ``KEEP x SPARSE`` periods apart still share a complete set (without the sparse ones, a
+stop staggered by more than ``KEEP`` periods, peers stopped one after the other, left none).
 
 **Versions are instants of the clock.** Every peer of every stage checkpoints at the multiples of
 ``pipeline.checkpoint_every_s`` of Unix time, and version ``v`` is the one taken at
@@ -43,7 +45,8 @@ from murmur.protocol.wire import tensors_hash
 
 FORMAT = "murmur-stage-checkpoint-1"
 FOLDER = "stage-checkpoints"
-KEEP = 3  # versions kept per stage
+KEEP = 3  # newest versions kept per stage
+SPARSE = 10  # ... and the newest KEEP multiples of this
 _NAME = re.compile(r"^stage-(\d+)-of-(\d+)-v(\d+)\.pt$")
 
 
@@ -124,10 +127,16 @@ def write(
         os.fsync(f.fileno())
     tmp.replace(path)
     _fsync_dir(folder)
-    mine = [c for c in listed(state_dir) if c.stage == stage]
-    for old in mine[:-KEEP]:
+    for old in dropped([c for c in listed(state_dir) if c.stage == stage]):
         old.path.unlink(missing_ok=True)
     return CheckpointFile(path, stage, stages, version)
+
+
+def dropped(files: list[CheckpointFile]) -> list[CheckpointFile]:
+    """Of one stage's files (oldest first), those no longer kept."""
+    sparse = [c for c in files if c.version % SPARSE == 0]
+    keep = {c.version for c in files[-KEEP:]} | {c.version for c in sparse[-KEEP:]}
+    return [c for c in files if c.version not in keep]
 
 
 def read(path: Path) -> dict[str, Any]:
