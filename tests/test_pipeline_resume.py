@@ -125,9 +125,11 @@ def test_every_peer_and_driver_killed_at_once_resume_from_the_checkpoints(tmp_pa
                     p.proc.kill()
     consistent(net)
     first, second = logged(tmp_path / "first.commits"), logged(tmp_path / "second.commits")
-    # nothing counted twice: the ledger holds the first driver's commits (one it may have made but
-    # not logged before the kill included) and the second's
-    assert tokens == tokens_at_kill + sum(c["tokens"] for c in second)
+    # nothing counted twice (the ledger's consistency check: no range twice): the ledger holds the
+    # first driver's commits (one it may have made but not logged before the kill included) and
+    # the second's (likewise: SIGTERM may land between a commit and its log line)
+    assert 0 <= tokens - tokens_at_kill - sum(c["tokens"] for c in second) <= 2 * 256
+    assert second and tokens > tokens_at_kill
     assert 0 <= tokens_at_kill - sum(c["tokens"] for c in first) <= 2 * 256
     for p in restarted:
         assert p.stopped["optimizer_steps"] > 0, p.stopped  # training went on, on the restored stages
