@@ -308,6 +308,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 self.store.event(
                     "checkpoint", run_id=run_id, node_id=node_id, step=request.step, location=request.location
                 )
+            if request.location.startswith("stage/") and self.stage_board.pipeline(run_id) is not None:
+                self.stage_board.checkpoint_reported(run_id)  # a stage's: the newest complete set, recorded
             return pb.ReportCheckpointReply()
 
         return await self._run("ReportCheckpoint", context, call)

@@ -24,6 +24,14 @@ and heartbeat those rates; the rebalancing and the stage summary use the mean of
 fresh measurements of a peer (``MEASURED_FRESH_S``) and fall back to its own claim only when no
 driver measured it lately.
 
+**Checkpoints.** A stage peer with a state folder checkpoints its stage at the instants of the
+clock ``pipeline.checkpoint_every_s`` apart (node/pipeline/stage_checkpoint.py): version v is the
+instant ``v * checkpoint_every_s``. It reports each one with the member call `ReportCheckpoint`
+(step: the version, location: ``stage/<s>``, sha256: the stage's state hash), a row of the ledger's
+``checkpoints`` table. The newest *complete set* is the newest version that every stage has a
+checkpoint of; each time it advances the ledger gets a ``stage_checkpoint_set`` event naming, for
+every stage, its hash and the peers that hold it (`checkpoint_set`).
+
 Every assignment, move and completion is an event in the ledger (``stage_assigned``,
 ``stage_move``, ``stage_serving``, ``stage_lost``). Reports live in memory: peers heartbeat
 again within a second of a restart, and until the coordinator's view is whole (one heartbeat TTL
@@ -97,6 +105,7 @@ class StageBoard:
         self._measured: dict[str, dict[str, tuple[float, float, int]]] = {}
         self._checked: dict[str, float] = {}  # run -> when its bottleneck was last checked
         self._last_move: dict[str, dict[int, tuple[str, float]]] = {}  # run -> stage -> (move, when)
+        self._newest_set: dict[str, int] = {}  # run -> the newest complete checkpoint set recorded
         for lease in self._leases.values():  # a move under way when the coordinator stopped
             if lease.state == "moving":
                 self._rebalancer(lease.run_id).pending = Move(
@@ -276,6 +285,46 @@ class StageBoard:
         self._measured.pop(lease.node_id, None)
         self._rebalancer(lease.run_id).abandoned(lease.node_id)
 
+    # --- checkpoints -----------------------------------------------------------------------------
+
+    def checkpoint_set(self, run_id: str) -> dict | None:
+        """The run's newest complete set of stage checkpoints, from the ledger: ``{"version", "stages":
+        [{"stage", "state_hash", "holders"}]}`` (None: no version has every stage yet). Stage-mates
+        may hold different states of one version (they sync only every ``sync_every_s``): the hash
+        most of them hold is named (a tie: the smallest), with its holders."""
+        pipe = self.pipeline(run_id)
+        if pipe is None:
+            return None
+        by_version: dict[int, dict[int, dict[str, list[str]]]] = {}
+        for row in self.store.checkpoints(run_id):
+            stage = _stage_of(row["location"])
+            if stage is None or not 0 <= stage < pipe.stages:
+                continue
+            by_version.setdefault(row["step"], {}).setdefault(stage, {}).setdefault(row["sha256"], []).append(
+                row["node_id"])
+        for version in sorted(by_version, reverse=True):
+            stages = by_version[version]
+            if len(stages) == pipe.stages:
+                rows = []
+                for s in range(pipe.stages):
+                    digest, holders = min(stages[s].items(), key=lambda kv: (-len(kv[1]), kv[0]))
+                    rows.append({"stage": s, "state_hash": digest, "holders": sorted(holders)})
+                return {"version": version, "stages": rows}
+        return None
+
+    def checkpoint_reported(self, run_id: str) -> dict | None:
+        """After a stage peer's `ReportCheckpoint`: record the newest complete set in the ledger
+        when it advanced; returns it."""
+        found = self.checkpoint_set(run_id)
+        if run_id not in self._newest_set:  # after a restart: the last one recorded
+            last = self.store.events(run_id=run_id, kind="stage_checkpoint_set", limit=1)
+            self._newest_set[run_id] = json.loads(last[0]["detail_json"])["version"] if last else -1
+        if found is not None and found["version"] > self._newest_set[run_id]:
+            self._newest_set[run_id] = found["version"]
+            with self.store.write():
+                self.store.event("stage_checkpoint_set", run_id=run_id, **found)
+        return found
+
     # --- who serves what -------------------------------------------------------------------------
 
     def stage_map(self, run_id: str) -> pb.StageMap:
@@ -324,6 +373,12 @@ def _sane(rep: pb.StageReport) -> pb.StageReport:
             setattr(kept, name, 0.0)
     kept.queue = max(0, kept.queue)
     return kept
+
+
+def _stage_of(location: str) -> int | None:
+    """The stage of a checkpoint location ``stage/<s>`` (None: a data-parallel node's checkpoint)."""
+    head, _, tail = location.partition("/")
+    return int(tail) if head == "stage" and tail.isdigit() else None
 
 
 def _move_text(node_id: str, from_stage: int, to_stage: int, reason: str) -> str:

@@ -215,6 +215,11 @@ class PipelineSection(Section):
     # Stage-mates sync their stage's weights (the run's codec, aggregator and outer step) every
     # this many seconds of the clock, beside the compute (node/pipeline/stage_sync.py). 0: never.
     sync_every_s: float = _bounded(30.0, MAX_SECONDS, _SECONDS_WHY, ge=0)
+    # Stage peers with a state folder checkpoint their stage (weights, AdamW, outer state) there
+    # every this many seconds of the clock, all at the same instants, so that the checkpoints of
+    # one instant make a complete set of the model (node/pipeline/stage_checkpoint.py). 0: only
+    # at a clean stop.
+    checkpoint_every_s: float = _bounded(60.0, MAX_SECONDS, _SECONDS_WHY, ge=0)
     # One gRPC message of the stage service, in MiB; a Forward or Backward payload above it
     # travels as a stream of chunks below it (node/pipeline/chunks.py). gRPC's own limit is 2 GiB.
     message_cap_mb: float = _bounded(8.0, 1024.0, "gRPC messages stop at 2 GiB", ge=0.0625)

@@ -188,6 +188,12 @@ def test_testnet_up_with_stages_brings_up_a_pipelined_run_that_trains(tmp_path, 
     assert summary["exit_codes"]["driver-0"] == 130, summary["exit_codes"]
     assert driver["val_loss"] is not None and driver["val_step"] > 0, driver
     assert "val loss" in done.stdout, done.stdout[-2000:]
+    # the stage peers checkpointed their stages at the stop: `murmur export OUT` assembles the model
+    exported = subprocess.run([sys.executable, "-m", "murmur.cli", "export", str(out), "--out", str(tmp_path / "x")],
+                              capture_output=True, text=True, timeout=300)
+    assert exported.returncode == 0, exported.stderr[-2000:]
+    assert "pipeline stages" in exported.stdout and "of 2 stages" in exported.stdout, exported.stdout
+    assert json.loads((tmp_path / "x" / "config.json").read_text())["tie_word_embeddings"] is False
 
 
 def test_testnet_stages_refuses_fewer_nodes_than_stages(tmp_path):

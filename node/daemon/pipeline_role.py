@@ -164,7 +164,9 @@ class PipelineVolunteer:
         self.log(f"serving a stage of run {self.info.run_id} on {self.o.device} "
                  f"({self.cfg.pipeline.stages} stages; the coordinator assigns this node's)")
         stage_peer_process.SINK = self._record
-        argv = self._common() + ["--host", self._stage_host()]
+        # The node's own state folder keeps its stage's checkpoints: a volunteer restarted with it
+        # takes its stage back from disk when every other peer of it is gone.
+        argv = self._common() + ["--host", self._stage_host(), "--state-dir", str(self.state.root)]
         return stage_peer_process.main(argv, joined=self._joined())
 
     def _drive(self) -> int:

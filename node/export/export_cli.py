@@ -17,11 +17,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         "export",
         help="write a run's model as a Llama folder that transformers loads",
         description="SOURCE: a checkpoint file, a node state folder, a `murmur train` run folder, "
-        "a testnet folder (its newest node) or an export. Writes model.safetensors, config.json, "
+        "a testnet folder (its newest node) or an export; or a pipelined run's stage peers' state folders "
+        "(several SOURCEs, or a testnet folder with stages): the newest version every stage holds. "
+        "Writes model.safetensors, config.json, "
         "generation_config.json, tokenizer files and provenance.json into --out.",
     )
-    p.add_argument("source", metavar="SOURCE", nargs="?", default="",
-                   help="checkpoint file or run folder (or none, with --coordinator: a live run)")
+    p.add_argument("source", metavar="SOURCE", nargs="*", default=[],
+                   help="checkpoint file or run folder, or stage peers' folders (or none, with --coordinator: "
+                   "a live run)")
     live = p.add_argument_group(
         "a live run", "with --coordinator (and the admin credential), the run's newest state is fetched from the "
         "nodes that hold it and checked against the hash they announce"
@@ -40,7 +43,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from murmur.node.export.source import load_source
+    from murmur.node.export.stage_set import load_sources
     from murmur.node.export.write import export, resolve_dtype
 
     if args.source and args.coordinator:
@@ -53,10 +56,12 @@ def _run(args: argparse.Namespace) -> int:
 
         source = read_live(resolve(args.coordinator, args.admin_key, args.ca_cert), args.run)
     else:
-        source = load_source(args.source)
+        source = load_sources(args.source)
     out = export(source, Path(args.out), dtype=resolve_dtype(args.dtype, source), force=args.force)
     p = source.provenance
     at = f"round {p['round']}" if p.get("round") is not None else f"step {p.get('inner_steps')}"
+    if source.kind == "pipeline stages":
+        at = f"checkpoint version {p['round']} of {len(p['stages'])} stages"
     n = sum(t.numel() for t in source.weights.values())
     print(f"exported {source.kind} {source.path} ({n / 1e6:.2f}M params, {at}, state {str(p.get('state_hash'))[:12]}) "
           f"to {out}")

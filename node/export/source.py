@@ -8,6 +8,9 @@ Accepted, in the order they are tried:
     a node state folder     STATE_DIR/checkpoint.pt, with join.json (run id) and rounds.jsonl (tokens)
     a `murmur train` folder runs/NAME/checkpoint.pt
     a testnet folder        OUT/nodes/node-*/: the node whose round log reached the newest round
+    stage peers' folders    STATE_DIR/stage-checkpoints/ of a pipelined run's stage peers (one or
+                            several folders, or a testnet folder with stages): the newest version
+                            of every stage, assembled (node/export/stage_set.py)
 
 A node's checkpoint holds two copies of the model: the local weights and the global state the
 peers agreed on after the round ("shared"). The global state is the run's model (its hash is the one

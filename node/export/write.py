@@ -7,6 +7,7 @@
       tokenizer.json           the run's tokenizer (node/export/hf_tokenizer.py)
       tokenizer_config.json
       provenance.json          format, run name and id, round, state hash, tokens trained, the run config
+                               (a pipelined run's: round is the checkpoint version; each stage's hash)
 
 Everything is written into a hidden folder beside OUT and renamed into place at the end, so an
 interrupted or failed export leaves no half-written OUT (at worst the hidden folder, which the next
@@ -97,6 +98,7 @@ def provenance(source: Source, dtype: torch.dtype) -> dict:
         "state_hash": p.get("state_hash"),
         **({"shared_state_hash": p["shared_state_hash"], "holders": p.get("holders", [])}
            if "shared_state_hash" in p else {}),
+        **({"stages": p["stages"]} if "stages" in p else {}),  # a pipelined run's: each stage's hash and holders
         "tokens_trained": p.get("tokens_trained"),
         "tokens_note": p.get("tokens_note"),
         "dtype": _DTYPE_NAMES[dtype],

@@ -10,6 +10,12 @@ its stage's parameters (node/pipeline/stage_state.py). In a pipelined run it hea
   else it keeps the seed's weights and says so (``state_source = "seed"``, a warning in the log).
   A peer that moves keeps serving its old stage while it loads; then the service switches to the
   new stage between two calls, and the next heartbeat goes out at once.
+- **Checkpoints** (with a state folder, ``state_dir``): at every multiple of
+  ``checkpoint_every_s`` of the clock, and at a clean stop, the peer writes its stage (weights,
+  AdamW, the sync's outer state) to its folder (node/pipeline/stage_checkpoint.py) and reports it
+  to the coordinator, which records the newest complete set. A peer restarted with its folder and
+  no ``--stage`` claims the stage of its newest checkpoint; becoming a stage, it loads that
+  stage's checkpoint (weights and AdamW) when no live peer of the stage gives it the weights.
 - **Replicas**: every ``replica_every_s`` a peer of stage s copies the weights of stage s+1 (the
   last stage: of stage 0) from that stage's peers, when they changed, and publishes the copy. A
   stage whose every peer dies is then refilled with weights at most that old, not the seed's.
@@ -25,6 +31,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -33,7 +40,7 @@ from murmur.node.model.transformer import ModelConfig
 from murmur.node.net.faults import FaultInjector
 from murmur.node.net.server import PeerServer, PeerServerSettings, PublishedState
 from murmur.node.net.state_transfer import StateError, afetch
-from murmur.node.pipeline import stage_state
+from murmur.node.pipeline import stage_checkpoint, stage_state
 from murmur.node.pipeline.member import PipelineMember
 from murmur.node.pipeline.memory import peak_rss_mb
 from murmur.node.pipeline.service import StageService, StageServiceSettings
@@ -67,6 +74,10 @@ class StagePeerSettings:
     max_message_bytes: int = tls.DEFAULT_MAX_MESSAGE_BYTES  # one gRPC message; bigger payloads stream
     max_payload_bytes: int = 1 << 30  # the most one streamed payload may carry
     lr_now: Callable[[], float] | None = None  # the run's schedule (node/pipeline/schedule.py); None: optim.lr
+    state_dir: Path | None = None  # where the stage's checkpoints go (None: no checkpoints)
+    checkpoint_every_s: float = 0.0  # on the clock (0: only at a clean stop)
+    tokens_committed: Callable[[], int] | None = None  # the run's progress as the peer heard it last
+    run_config: dict | None = None  # kept in each checkpoint (the export's tokenizer and provenance)
 
 
 class StagePeer:
@@ -98,6 +109,9 @@ class StagePeer:
         self._stopping = False
         self.sync: StageSync | None = None
         self.built_peak_rss_mb = 0.0
+        self.checkpoints_written = 0
+        self.last_checkpoint: stage_checkpoint.CheckpointFile | None = None
+        self.loaded_checkpoint: stage_checkpoint.CheckpointFile | None = None  # the one a start loaded
 
     @property
     def stage(self) -> int:
@@ -117,6 +131,8 @@ class StagePeer:
         if self.member is not None and s.pipelined and s.sync is not None and s.sync_every_s > 0 and s.stages:
             self.sync = StageSync(self.state_server, s.sync, s.sync_every_s, self._mates, self.faults)
             self._tasks.append(asyncio.create_task(self.sync.run()))
+        if stage is None and self.settings.state_dir is not None:
+            stage = self._checkpointed_stage()  # a restart: the stage it holds a checkpoint of
         if stage is not None:
             await self._become(stage, donors)
         if self.member is not None and self.settings.pipelined:
@@ -125,6 +141,8 @@ class StagePeer:
             await self.member.beat()
             if self.settings.replica_every_s > 0 and self.settings.stages > 1:
                 self._tasks.append(asyncio.create_task(self._keep_replica()))
+        if self.settings.state_dir is not None and self.settings.checkpoint_every_s > 0:
+            self._tasks.append(asyncio.create_task(self._keep_checkpointing()))
 
     async def wait_serving(self) -> None:
         # Until the first `_become` is done, not until the service exists: it is assigned before its
@@ -145,6 +163,11 @@ class StagePeer:
                 await task
         if self.sync is not None:
             await self.sync.aclose()
+        if self.settings.state_dir is not None and self.serving:
+            try:  # the weights at the stop, under the version of the period it falls in
+                await self.checkpoint(stage_checkpoint.version_at(time.time(), self.settings.checkpoint_every_s))
+            except Exception as err:  # noqa: BLE001 - the periodic ones are still there
+                log.warning("the checkpoint at the stop failed: %s", err)
         if self.service is not None:
             await self.service.stop()
         await self.state_server.stop()
@@ -212,6 +235,12 @@ class StagePeer:
                         outer, _ = await afetch(self.ident, donors, outer_name(stage))
         except StateError as err:
             log.warning("stage %d: could not fetch the state from its peers: %s", stage, err)
+        optimizer_state = None
+        if source == "seed":
+            loaded = self._from_checkpoint(module, stage)
+            if loaded is not None:
+                source, optimizer_state, ckpt_outer = "checkpoint", loaded["optimizer"], loaded.get("outer")
+                outer = ckpt_outer if outer is None else outer
         if source == "seed":
             source = await self._from_replica(module, stage, holders)
         if source == "seed" and self.stage >= 0:  # a move (a first start from the seed is a new run's)
@@ -219,6 +248,11 @@ class StagePeer:
         worker = StageWorker(module, self.settings.optim, target_samples=self.settings.target_samples,
                              grad_clip=self.settings.grad_clip)
         worker.lr_now = self.settings.lr_now
+        if optimizer_state is not None:
+            try:
+                worker.optimizer.load_state_dict(optimizer_state)
+            except (ValueError, KeyError, RuntimeError) as err:  # a fresh AdamW still trains
+                log.warning("stage %d: the checkpoint's optimizer state does not fit: %s", stage, err)
         old = self.service.worker if self.service is not None else None
         if self.service is None:
             self.service = StageService(self.ident, worker, run_id=self.run_id, faults=self.faults,
@@ -244,6 +278,83 @@ class StagePeer:
             if old is not None and old.span.index != stage:
                 self.state_server.unpublish_state(outer_name(old.span.index))
             self.sync.reset(worker, outer)
+
+    # -- checkpoints ------------------------------------------------------------------------------
+
+    def _checkpointed_stage(self) -> int | None:
+        c = stage_checkpoint.newest(self.settings.state_dir)
+        if c is None:
+            return None
+        if c.stages != self.settings.stages or not 0 <= c.stage < self.settings.stages:
+            log.warning("the state folder's checkpoint %s is of a %d-stage cut, this run has %d stages: not used",
+                        c.path.name, c.stages, self.settings.stages)
+            return None
+        return c.stage
+
+    def _from_checkpoint(self, module, stage: int) -> dict | None:
+        """The newest checkpoint of ``stage`` in the state folder, loaded into ``module`` (None: there
+        is none of this run and this cut, or it does not fit)."""
+        if self.settings.state_dir is None:
+            return None
+        c = stage_checkpoint.newest(self.settings.state_dir, stage)
+        if c is None or c.stages != self.settings.stages:
+            return None
+        try:
+            state = stage_checkpoint.read(c.path)
+            if state["run_id"] != self.run_id:
+                log.warning("%s is of run %s, not %s: not used", c.path, state["run_id"], self.run_id)
+                return None
+            stage_state.load_into(module, state["params"])
+        except (ValueError, StateError, KeyError) as err:
+            log.warning("stage %d: the checkpoint %s could not be loaded: %s", stage, c.path, err)
+            return None
+        self.loaded_checkpoint = c
+        log.info("stage %d: loaded checkpoint version %d (%s)", stage, c.version, c.path.name)
+        return state
+
+    async def _keep_checkpointing(self) -> None:
+        every = self.settings.checkpoint_every_s
+        while True:
+            now = time.time()
+            version = int(now // every) + 1
+            await asyncio.sleep(version * every - now)
+            if self.service is None or not self.serving:
+                continue
+            try:
+                await self.checkpoint(version)
+            except Exception as err:  # noqa: BLE001 - a full disk: say so, try again next period
+                log.warning("checkpoint version %d failed: %s", version, err)
+
+    async def checkpoint(self, version: int) -> stage_checkpoint.CheckpointFile:
+        """Write the stage as checkpoint ``version`` and report it to the coordinator."""
+        worker = self.worker
+        s = self.settings
+
+        def take():
+            with worker.lock:
+                return (*stage_checkpoint.take(worker.module, worker.optimizer), worker.stats.optimizer_steps)
+
+        params, opt, steps = await asyncio.to_thread(take)
+        outer_state = self.sync.published() if self.sync is not None and self.sync.worker is worker else None
+        outer = dict(outer_state.tensors) if outer_state is not None else None
+        span = worker.span
+        layers = [sp.end_block - sp.first_block for sp in self.spans]
+        c = await asyncio.to_thread(
+            stage_checkpoint.write, s.state_dir, run_id=self.run_id, stage=span.index, stages=s.stages,
+            version=version, model=self.model, layers=layers, params=params, optimizer=opt, outer=outer,
+            tokens_committed=s.tokens_committed() if s.tokens_committed is not None else 0,
+            optimizer_steps=steps, run_config=s.run_config,
+        )
+        self.checkpoints_written += 1
+        self.last_checkpoint = c
+        self.on_event(event="checkpoint", stage=span.index, version=version, optimizer_steps=steps)
+        if self.member is not None and s.pipelined:
+            try:
+                await self.member.client.report_checkpoint(
+                    version, stage_state.state_name(span.index), stage_checkpoint.params_hash(params))
+            except Exception as err:  # noqa: BLE001 - the file is written; the ledger hears of the next one
+                log.warning("checkpoint version %d not reported to the coordinator: %s", version, err)
+        return c
 
     def _publish(self, worker: StageWorker) -> None:
         self.state_server.publish_state(stage_state.published(worker.module))

@@ -4,6 +4,13 @@
     python -m murmur.node.pipeline.stage_peer_process --identity DIR --run RUN --stage 1 --stages 2 \
         [--layers 2,2] [--preset tiny --dim 64 ...] [--target-samples 16] [--lr 1e-3] \
         [--fault delay:stage_compute:0.2@x*] [--device cuda:0] [--dtype bf16]
+    ... [--state-dir DIR]   checkpoint the stage there; a restart with it resumes from it
+
+With ``--state-dir`` (in a pipelined run) the peer checkpoints its stage there every
+``pipeline.checkpoint_every_s`` and at a clean stop; restarted with the same folder and no
+``--stage``, it serves the stage of its newest checkpoint again and loads it (unless a live peer of
+the stage gives it newer weights). ``murmur export`` assembles the stage peers' folders into one
+model (node/pipeline/stage_checkpoint.py, docs/pipeline.md).
 
 Joined to a run whose config has a ``[pipeline]`` section, the run config names the model and
 the pipeline (model arguments on the command line are refused), and without ``--stage`` the
@@ -89,7 +96,11 @@ def settings_of(args: argparse.Namespace, member: PipelineMember | None):
             host=args.host, max_rows=args.max_rows, pipelined=True, sync=run.sync, sync_every_s=pipe.sync_every_s,
             device=str(device), autocast=autocast_of(run.train.dtype, device), max_message_bytes=cap,
             max_payload_bytes=payload, lr_now=schedule.lr,
+            state_dir=Path(args.state_dir) if args.state_dir else None, checkpoint_every_s=pipe.checkpoint_every_s,
+            tokens_committed=lambda: schedule.tokens_committed, run_config=run.to_dict(),
         ), schedule
+    if args.state_dir:
+        raise SystemExit("error: --state-dir needs a pipelined run (--coordinator, a run config with [pipeline])")
     if args.stages is None or args.stage is None:
         raise SystemExit("error: --stage and --stages are needed unless the run config has a [pipeline] section")
     model, layers = model_from_args(args)
@@ -165,7 +176,8 @@ async def serve(args: argparse.Namespace, joined: Callable[[], PipelineMember] |
          state_source=peer.state_source, device=peer.settings.device, autocast=peer.settings.autocast,
          stage_param_mb=round(peer.worker.module.parameter_bytes() / MIB, 3),
          start_rss_mb=round(start_rss, 1), built_peak_rss_mb=round(peer.built_peak_rss_mb, 1),
-         peak_rss_mb=round(peak_rss_mb(), 1))
+         peak_rss_mb=round(peak_rss_mb(), 1),
+         checkpoint_version=peer.loaded_checkpoint.version if peer.loaded_checkpoint is not None else None)
     progress = asyncio.create_task(show_progress(peer, args.progress_every))
     await stop.wait()
     progress.cancel()
@@ -185,6 +197,8 @@ async def serve(args: argparse.Namespace, joined: Callable[[], PipelineMember] |
          sync_adopted=peer.sync.adopted if peer.sync else 0,
          sync_last_error=peer.sync.last_error if peer.sync else "",
          sync_idle_rounds=peer.sync.idle_rounds if peer.sync else 0,
+         checkpoints_written=peer.checkpoints_written,
+         checkpoint_version=peer.last_checkpoint.version if peer.last_checkpoint is not None else None,
          lr=worker.optimizer.param_groups[0]["lr"], run_step=schedule.step if schedule is not None else None,
          state_hash=stage_state.state_hash(worker.module), peak_rss_mb=round(peak_rss_mb(), 1))
 
@@ -208,6 +222,8 @@ def main(argv: list[str] | None = None, joined: Callable[[], PipelineMember] | N
     ap.add_argument("--grad-clip", type=float, default=1.0, help="per-stage gradient clipping (0: off)")
     ap.add_argument("--state-from", default="",
                     help="peers JSON file: fetch this stage's state from its peers there before serving")
+    ap.add_argument("--state-dir", default="",
+                    help="checkpoint the stage into this folder; restarted with it, resume from it")
     ap.add_argument("--max-rows", type=int, default=64)
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--fault", action="append", default=[],

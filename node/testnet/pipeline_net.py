@@ -12,6 +12,8 @@ so the drivers train until the testnet stops them (or the data runs out). A tabl
 redrawn every few seconds; at the end everything is stopped with SIGTERM and OUT/summary.json
 holds the last view. ``--device`` is every stage peer's (auto: a GPU where there is one, with
 bf16 autocast unless the config's train.dtype says fp32); each builds only its stage, there.
+Each stage peer checkpoints its stage into OUT/nodes/peer-N/ (``pipeline.checkpoint_every_s`` and
+at the stop), so `murmur export OUT --out DIR` assembles the run's model from them.
 """
 
 from __future__ import annotations
@@ -86,7 +88,8 @@ def run_pipeline(args, out: Path, config_path: Path, data: Path, coordinator_arg
         join = ["--coordinator", str(info["address"]), "--token", token]
         for i in range(args.nodes):
             p = PipelineProc(f"peer-{i}", "murmur.node.pipeline.stage_peer_process",
-                             [*join, "--threads", str(args.threads), "--device", getattr(args, "device", "cpu")],
+                             [*join, "--threads", str(args.threads), "--device", getattr(args, "device", "cpu"),
+                              "--state-dir", str(out / "nodes" / f"peer-{i}")],  # `murmur export OUT` reads them
                              out / "nodes" / f"peer-{i}.jsonl", out / "nodes" / f"peer-{i}.log")
             p.start(args.threads)
             peers.append(p)

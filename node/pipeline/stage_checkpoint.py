@@ -1,0 +1,158 @@
+"""A stage peer's checkpoints of its stage, in its state folder: what a restart reloads and what
+`murmur export` assembles into one model.
+
+    STATE_DIR/stage-checkpoints/stage-<s>-of-<S>-v<version>.pt
+
+One file per checkpoint (torch.save, fsynced) written into a temporary name and renamed into place,
+and the folder fsynced, as the data-parallel node writes its own (node/daemon/checkpoint_file.py,
+which the pipeline layer may not import: node/ layers pipeline below daemon), so a SIGKILL at any
+instant leaves the old files or the new one, never a torn one. A stage's file is small next to the
+node's whole-model checkpoint, and the peer writes it in a thread of its own, off the compute.
+Kept: the newest ``KEEP`` versions, and the newest ``KEEP`` of those that are multiples of
+``SPARSE``. Every peer keeps the same multiples (the versions are the clock's), so peers that stop
+or die up to ``KEEP x SPARSE`` periods apart still share a complete set (without the sparse ones, a
+stop staggered by more than ``KEEP`` periods, peers stopped one after the other, left none).
+
+**Versions are instants of the clock.** Every peer of every stage checkpoints at the multiples of
+``pipeline.checkpoint_every_s`` of Unix time, and version ``v`` is the one taken at
+``v * checkpoint_every_s``: the checkpoints of one version, one per stage, are a cut of the whole
+model at one instant (give or take a microbatch in flight between the stages), a *complete set*.
+A clean stop writes the version of the period it falls in again, with the weights at the stop.
+The coordinator records each checkpoint (its `ReportCheckpoint`, location ``stage/<s>``) and the
+newest complete set in the ledger (coordinator/stage_board.py); `murmur export` picks the newest
+complete set among the files it is given (node/export/stage_set.py).
+
+A file holds the stage's parameters (the whole model's names), its AdamW state, the within-stage
+sync's anchor, momentum and round (``outer``), the run's progress the peer had heard of
+(``tokens_committed``), the model's shape and the run config, so that one file says all a restart
+or an export needs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from murmur.node.model.stages import StageModule
+from murmur.protocol.wire import tensors_hash
+
+FORMAT = "murmur-stage-checkpoint-1"
+FOLDER = "stage-checkpoints"
+KEEP = 3  # newest versions kept per stage
+SPARSE = 10  # ... and the newest KEEP multiples of this
+_NAME = re.compile(r"^stage-(\d+)-of-(\d+)-v(\d+)\.pt$")
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointFile:
+    """One checkpoint file, as its name tells it (its content is read only when needed)."""
+
+    path: Path
+    stage: int
+    stages: int
+    version: int
+
+
+def version_at(now: float, every_s: float) -> int:
+    """The version of the period ``now`` falls in (its checkpoint instant is ``version * every_s``)."""
+    return int(now // every_s) if every_s > 0 else int(now)
+
+
+def file_name(stage: int, stages: int, version: int) -> str:
+    return f"stage-{stage}-of-{stages}-v{version}.pt"
+
+
+def listed(state_dir: Path) -> list[CheckpointFile]:
+    """The checkpoint files of a state folder, oldest version first (none: an empty list)."""
+    folder = Path(state_dir) / FOLDER
+    if not folder.is_dir():
+        return []
+    found = []
+    for f in folder.iterdir():
+        m = _NAME.match(f.name)
+        if m is not None and f.is_file():
+            found.append(CheckpointFile(f, int(m[1]), int(m[2]), int(m[3])))
+    return sorted(found, key=lambda c: (c.version, c.stage))
+
+
+def newest(state_dir: Path, stage: int | None = None) -> CheckpointFile | None:
+    """The newest checkpoint of ``stage`` (None: of any stage) in the folder."""
+    files = [c for c in listed(state_dir) if stage is None or c.stage == stage]
+    return files[-1] if files else None
+
+
+def params_hash(params: dict[str, torch.Tensor]) -> str:
+    """The hash the stage peer publishes its state under (node/pipeline/stage_state.py)."""
+    return tensors_hash(params.items()).hex()
+
+
+def take(module: StageModule, optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict]:
+    """CPU copies of the stage's parameters and of its AdamW state. Call it where the weights
+    cannot change meanwhile (under the worker's lock)."""
+    params = {n: p.detach().to("cpu", copy=True) for n, p in module.named_stage_parameters()}
+    opt = optimizer.state_dict()
+    opt_state = {
+        k: {name: (v.detach().to("cpu", copy=True) if isinstance(v, torch.Tensor) else v) for name, v in st.items()}
+        for k, st in opt["state"].items()
+    }
+    return params, {"state": opt_state, "param_groups": opt["param_groups"]}
+
+
+def write(
+    state_dir: Path, *, run_id: str, stage: int, stages: int, version: int, model: Any, layers: list[int],
+    params: dict[str, torch.Tensor], optimizer: dict | None, outer: dict[str, torch.Tensor] | None,
+    tokens_committed: int, optimizer_steps: int, run_config: dict | None,
+) -> CheckpointFile:
+    """Write one checkpoint atomically and drop this stage's versions beyond the newest ``KEEP``."""
+    folder = Path(state_dir) / FOLDER
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / file_name(stage, stages, version)
+    state = {
+        "format": FORMAT, "run_id": run_id, "stage": stage, "stages": stages, "layers": list(layers),
+        "version": version, "at": time.time(), "model": dataclasses.asdict(model), "params": params,
+        "state_hash": params_hash(params), "optimizer": optimizer, "outer": outer,
+        "tokens_committed": int(tokens_committed), "optimizer_steps": int(optimizer_steps), "config": run_config,
+    }
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+    tmp.replace(path)
+    _fsync_dir(folder)
+    for old in dropped([c for c in listed(state_dir) if c.stage == stage]):
+        old.path.unlink(missing_ok=True)
+    return CheckpointFile(path, stage, stages, version)
+
+
+def dropped(files: list[CheckpointFile]) -> list[CheckpointFile]:
+    """Of one stage's files (oldest first), those no longer kept."""
+    sparse = [c for c in files if c.version % SPARSE == 0]
+    keep = {c.version for c in files[-KEEP:]} | {c.version for c in sparse[-KEEP:]}
+    return [c for c in files if c.version not in keep]
+
+
+def read(path: Path) -> dict[str, Any]:
+    """A checkpoint file's content; ValueError if it is not one."""
+    try:
+        state = torch.load(Path(path), map_location="cpu", weights_only=True)
+    except Exception as err:  # noqa: BLE001 - truncated, corrupt or foreign: the same answer
+        raise ValueError(f"{path} is not a readable stage checkpoint ({type(err).__name__}: {err})") from None
+    if not isinstance(state, dict) or state.get("format") != FORMAT:
+        raise ValueError(f"{path} is not a murmur stage checkpoint (format {FORMAT!r})")
+    return state
+
+
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
