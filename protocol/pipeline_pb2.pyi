@@ -61,7 +61,7 @@ class ForwardReply(_message.Message):
     def __init__(self, outputs: _Optional[_Union[_tensor_pb2.WireTensor, _Mapping]] = ..., compute_s: _Optional[float] = ..., loss: _Optional[float] = ...) -> None: ...
 
 class BackwardRequest(_message.Message):
-    __slots__ = ("protocol_version", "run_id", "stage", "microbatch", "inputs", "grad_outputs", "targets", "reply_codec")
+    __slots__ = ("protocol_version", "run_id", "stage", "microbatch", "inputs", "grad_outputs", "targets", "reply_codec", "run_tokens_committed")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
@@ -70,6 +70,7 @@ class BackwardRequest(_message.Message):
     GRAD_OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     TARGETS_FIELD_NUMBER: _ClassVar[int]
     REPLY_CODEC_FIELD_NUMBER: _ClassVar[int]
+    RUN_TOKENS_COMMITTED_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     run_id: str
     stage: int
@@ -78,7 +79,8 @@ class BackwardRequest(_message.Message):
     grad_outputs: _tensor_pb2.WireTensor
     targets: _tensor_pb2.WireTensor
     reply_codec: str
-    def __init__(self, protocol_version: _Optional[int] = ..., run_id: _Optional[str] = ..., stage: _Optional[int] = ..., microbatch: _Optional[str] = ..., inputs: _Optional[_Union[_tensor_pb2.WireTensor, _Mapping]] = ..., grad_outputs: _Optional[_Union[_tensor_pb2.WireTensor, _Mapping]] = ..., targets: _Optional[_Union[_tensor_pb2.WireTensor, _Mapping]] = ..., reply_codec: _Optional[str] = ...) -> None: ...
+    run_tokens_committed: int
+    def __init__(self, protocol_version: _Optional[int] = ..., run_id: _Optional[str] = ..., stage: _Optional[int] = ..., microbatch: _Optional[str] = ..., inputs: _Optional[_Union[_tensor_pb2.WireTensor, _Mapping]] = ..., grad_outputs: _Optional[_Union[_tensor_pb2.WireTensor, _Mapping]] = ..., targets: _Optional[_Union[_tensor_pb2.WireTensor, _Mapping]] = ..., reply_codec: _Optional[str] = ..., run_tokens_committed: _Optional[int] = ...) -> None: ...
 
 class BackwardReply(_message.Message):
     __slots__ = ("grad_inputs", "loss", "stepped", "optimizer_steps", "compute_s")

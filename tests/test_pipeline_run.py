@@ -103,9 +103,11 @@ def test_drivers_follow_the_schedule_across_leases_and_the_val_loss_reaches_the_
     assert max(r["round"] for r in api["rounds"]) == steps  # the chart's x: the run's step
     # both stages stepped at the schedule's lr: warm-up, then cosine down towards min_lr_ratio x lr
     for p in peers:
-        assert p.stopped["run_step"] == steps, p.stopped
-        # lr 3e-3, decayed by the cosine: the peers poll the ledger's total twice a second, and this
-        # whole run takes a few seconds, so the lr of their last step lags the run by a few steps
+        # Each backward tells the stage the ledger total its driver knows: the run's, less the
+        # microbatches in flight (their commits come after their backwards). The schedule's end is
+        # known only from the stage's own poll, which the stop may come before.
+        assert steps - 3 <= p.stopped["run_step"] <= steps, p.stopped
+        # lr 3e-3, decayed by the cosine to near min_lr_ratio at the schedule's end
         assert 0.1 * 3e-3 <= p.stopped["lr"] < 0.8 * 3e-3, p.stopped
         assert p.stopped["optimizer_steps"] in (19, 20), p.stopped  # 159 or 160 samples, 8 a step
 

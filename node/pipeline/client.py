@@ -107,11 +107,12 @@ class StageClient:
     async def backward(
         self, peer: StageEndpoint, microbatch: str, inputs: torch.Tensor, *,
         grad_outputs: torch.Tensor | None = None, targets: torch.Tensor | None = None,
-        reply_codec: str, timeout: float, dim: int,
+        reply_codec: str, timeout: float, dim: int, run_tokens: int = 0,
     ) -> BackwardAnswer:
         request = pipeline_pb2.BackwardRequest(
             protocol_version=PROTOCOL_VERSION, run_id=self.run_id, stage=peer.stage, microbatch=microbatch,
             inputs=codec.encode(inputs, _codec_for(inputs, reply_codec)), reply_codec=reply_codec,
+            run_tokens_committed=run_tokens,
         )
         if grad_outputs is not None:
             request.grad_outputs.CopyFrom(codec.encode(grad_outputs, reply_codec))

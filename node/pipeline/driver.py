@@ -63,8 +63,14 @@ class MicrobatchResult:
 
 
 class Driver:
-    def __init__(self, client: StageClient, router: Router, cfg: PipelineSection, *, dim: int) -> None:
+    def __init__(
+        self, client: StageClient, router: Router, cfg: PipelineSection, *, dim: int,
+        progress: Callable[[], int] | None = None,
+    ) -> None:
         self.client, self.router, self.cfg, self.dim = client, router, cfg, dim
+        # The newest ledger total this driver heard of, told to every stage with each backward: the
+        # lr a stage steps at follows the run's progress without waiting for its own poll.
+        self.progress = progress or (lambda: 0)
 
     async def _hop(
         self, stage: int, kind: str, samples: int, call: Callable[[StageEndpoint, float], Awaitable],
@@ -129,7 +135,8 @@ class Driver:
 
         async def last(peer, timeout):
             return await self.client.backward(
-                peer, name, inputs[-1], targets=y, reply_codec=codec, timeout=timeout, dim=self.dim
+                peer, name, inputs[-1], targets=y, reply_codec=codec, timeout=timeout, dim=self.dim,
+                run_tokens=self.progress(),
             )
         _, answer, hop = await self._hop(s_last, "backward", rows, last)
         res.loss, grad = answer.loss, answer.grad_inputs
@@ -138,7 +145,8 @@ class Driver:
         for stage in range(s_last - 1, -1, -1):
             async def bwd(peer, timeout, inp=inputs[stage], g=grad):
                 return await self.client.backward(
-                    peer, name, inp, grad_outputs=g, reply_codec=codec, timeout=timeout, dim=self.dim
+                    peer, name, inp, grad_outputs=g, reply_codec=codec, timeout=timeout, dim=self.dim,
+                    run_tokens=self.progress(),
                 )
             _, answer, hop = await self._hop(stage, "backward", rows, bwd, prefer=forward_peers[stage])
             grad = answer.grad_inputs

@@ -204,7 +204,8 @@ async def drive(args: argparse.Namespace, joined: Callable[[], PipelineMember] |
     await refresh()
     if member is not None:
         member.measured = lambda: measured_rates(router)
-    driver = Driver(client, router, cfg, dim=model_cfg.dim)
+    driver = Driver(client, router, cfg, dim=model_cfg.dim,
+                    progress=(lambda: schedule.tokens_committed) if schedule is not None else None)
     dataset = Dataset.open(args.data)
     tokens_per_mb = cfg.microbatch_size * model_cfg.seq_len
     losses: dict[int, float] = {}

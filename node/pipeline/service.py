@@ -28,6 +28,7 @@ import logging
 import math
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
@@ -73,8 +74,10 @@ class StageService(pipeline_pb2_grpc.StageServicer):
         ban_list: BanList | None = None,
         settings: StageServiceSettings | None = None,
         faults: FaultInjector | None = None,
+        on_progress: Callable[[int], None] | None = None,
     ) -> None:
         self.identity, self.worker, self.run_id = identity, worker, run_id
+        self.on_progress = on_progress  # a Backward's run_tokens_committed (the run's schedule)
         self.faults = faults  # the ``delay`` fault at point ``stage_compute``: a slow machine
         self.ban_list = ban_list if ban_list is not None else BanList()
         self.settings = settings or StageServiceSettings()
@@ -297,6 +300,7 @@ class StageService(pipeline_pb2_grpc.StageServicer):
             args = self._backward_args(request)
         except Refused as err:
             await self._refuse(context, peer_id, err)
+        self._heard(request)
         return await self._backward(request.microbatch, *args)
 
     async def BackwardStream(self, frames, context):  # noqa: N802
@@ -307,7 +311,12 @@ class StageService(pipeline_pb2_grpc.StageServicer):
             args = self._backward_args(request)
         except Refused as err:
             await self._refuse(context, peer_id, err)
+        self._heard(request)
         await self._send(context, await self._backward(request.microbatch, *args), "backward_reply")
+
+    def _heard(self, request) -> None:
+        if self.on_progress is not None and request.run_tokens_committed > 0:
+            self.on_progress(int(request.run_tokens_committed))
 
     def _backward_header(self, request) -> dict[str, tuple[int, ...]]:
         self._check_target(request.run_id, request.stage)

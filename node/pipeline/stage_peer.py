@@ -74,6 +74,7 @@ class StagePeerSettings:
     max_message_bytes: int = tls.DEFAULT_MAX_MESSAGE_BYTES  # one gRPC message; bigger payloads stream
     max_payload_bytes: int = 1 << 30  # the most one streamed payload may carry
     lr_now: Callable[[], float] | None = None  # the run's schedule (node/pipeline/schedule.py); None: optim.lr
+    heard: Callable[[int], None] | None = None  # a ledger total a driver told (the schedule's progress)
     state_dir: Path | None = None  # where the stage's checkpoints go (None: no checkpoints)
     checkpoint_every_s: float = 0.0  # on the clock (0: only at a clean stop)
     tokens_committed: Callable[[], int] | None = None  # the run's progress as the peer heard it last
@@ -256,6 +257,7 @@ class StagePeer:
         old = self.service.worker if self.service is not None else None
         if self.service is None:
             self.service = StageService(self.ident, worker, run_id=self.run_id, faults=self.faults,
+                                        on_progress=self.settings.heard,
                                         settings=StageServiceSettings(
                                             host=self.settings.host, max_rows=self.settings.max_rows,
                                             max_message_bytes=self.settings.max_message_bytes,

@@ -95,7 +95,7 @@ def settings_of(args: argparse.Namespace, member: PipelineMember | None):
             target_samples=pipe.target_samples, grad_clip=run.optim.grad_clip, replica_every_s=pipe.replica_every_s,
             host=args.host, max_rows=args.max_rows, pipelined=True, sync=run.sync, sync_every_s=pipe.sync_every_s,
             device=str(device), autocast=autocast_of(run.train.dtype, device), max_message_bytes=cap,
-            max_payload_bytes=payload, lr_now=schedule.lr,
+            max_payload_bytes=payload, lr_now=schedule.lr, heard=schedule.heard,
             state_dir=Path(args.state_dir) if args.state_dir else None, checkpoint_every_s=pipe.checkpoint_every_s,
             tokens_committed=lambda: schedule.tokens_committed, run_config=run.to_dict(),
         ), schedule
