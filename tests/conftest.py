@@ -13,7 +13,8 @@ TIERS = ("system", "integration", "unit")
 # The longest files first, so that two xdist workers (`make test`) do not end on one of them alone,
 # and the compose test last: its image build and clean-up load the machine for minutes, and a
 # churn file that ran on a worker right after it once lost every DHT start to its 30 s timeout.
-FIRST = ("test_churn_chaos.py", "test_churn_restart.py", "test_poisoning.py", "test_node_lifecycle.py")
+FIRST = ("test_hetero_nodes.py", "test_churn_catchup.py", "test_churn_chaos.py", "test_churn_restart.py",
+         "test_poisoning.py", "test_node_lifecycle.py")
 LAST = ("test_compose.py",)
 
 
