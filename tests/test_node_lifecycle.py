@@ -12,6 +12,8 @@ import urllib.request
 import pytest
 from _node_helpers import ROUND_WAIT_S, ledger, log, make_testnet, small_dataset, trained, wait_log, wait_rounds
 
+from murmur.node.daemon.round_finish import MAX_WAITING
+
 pytestmark = pytest.mark.integration
 
 
@@ -63,8 +65,11 @@ def test_sigkill_then_restart_resumes_from_checkpoint(tmp_path, data):
         net.start_node(node)
         m = wait_log(node, r"resumed from the local checkpoint at round (\d+)")
         resumed = int(m.group(1))
-        # A checkpoint is written after every round, before the round is logged.
-        assert resumed in (last, last + 1)
+        # A round is logged (and committed) only once a checkpoint holding it is on disk, and one
+        # checkpoint may cover the rounds whose own was superseded while a write ran
+        # (node/daemon/round_finish.py): a kill between a write and its hand-over leaves the
+        # checkpoint up to MAX_WAITING + 1 rounds past the log, never behind it.
+        assert last <= resumed <= last + MAX_WAITING + 1, (last, resumed)
         wait_rounds(node, len(before) + 2)
         after = trained(node)[len(before) :]
         assert after[0]["round"] == resumed + 1  # no round repeated, none skipped
