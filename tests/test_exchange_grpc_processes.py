@@ -2,10 +2,10 @@
 and a peer killed between meeting the others and sending anything.
 
 Each peer is ``python -m murmur.node.testnet.exchange_peer_process`` with its own TLS identity;
-the test process runs the bootstrap DHT. Spans travel as three pipeline chunks. Peer 3 is armed with the
-``exit_midstream`` fault for round 2: halfway through streaming its chunks it SIGKILLs itself.
-Peer 1 loses a reduced chunk in round 1 (a cut connection) and must catch up from the peers that
-completed.
+a process of its own (tests/_dht_boot.py) runs the bootstrap DHT. Spans travel as three pipeline
+chunks. Peer 3 is armed with the ``exit_midstream`` fault for round 2: halfway through streaming
+its chunks it SIGKILLs itself. Peer 1 loses a reduced chunk in round 1 (a cut connection) and
+must catch up from the peers that completed.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ import subprocess
 import pytest
 from _net_helpers import PYTHON, REPO, p2pd_processes, python_env
 
-from murmur.protocol.dht import MurmurDHT
 from murmur.protocol.identity import CertificateAuthority
 
 pytestmark = pytest.mark.integration
@@ -27,7 +26,12 @@ PROCESS_TIMEOUT = 280  # child start-up (torch, hivemind) on a busy 2-core machi
 def run_peers(tmp_path, n: int, faults: dict[int, list[str]], peer_timeout: float) -> tuple[list, list[str]]:
     """n peer processes for two rounds; (the processes, their outputs)."""
     ca = CertificateAuthority.create("kill-test")
-    boot = MurmurDHT("kill", ca_cert_pem=ca.cert_pem).start()
+    (tmp_path / "ca.crt").write_bytes(ca.cert_pem)
+    boot = subprocess.Popen([PYTHON, str(REPO / "tests" / "_dht_boot.py"), str(tmp_path / "ca.crt"), "kill"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=python_env(), cwd=REPO)
+    ready = boot.stdout.readline().split()
+    assert ready[:1] == ["ready"], f"the bootstrap DHT did not start: {ready}"
+    boot_address = ready[1]
     procs = []
     try:
         for i in range(n):
@@ -41,7 +45,7 @@ def run_peers(tmp_path, n: int, faults: dict[int, list[str]], peer_timeout: floa
                 "--run",
                 "kill",
                 "--bootstrap",
-                boot.addresses[0],
+                boot_address,
                 "--peers",
                 str(n),
                 "--rounds",
@@ -70,7 +74,12 @@ def run_peers(tmp_path, n: int, faults: dict[int, list[str]], peer_timeout: floa
             if p.poll() is None:
                 p.kill()
                 p.wait()
-        boot.shutdown()
+        boot.stdin.close()  # the bootstrap DHT shuts down and exits
+        try:
+            boot.wait(60)
+        except subprocess.TimeoutExpired:
+            boot.kill()
+            boot.wait()
     return procs, outputs
 
 
