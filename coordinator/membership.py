@@ -14,7 +14,6 @@ import datetime as dt
 import hmac
 import json
 import time
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -23,6 +22,7 @@ from murmur.protocol import identity
 from murmur.protocol.jointoken import JoinToken, JoinTokenError, secret_hash
 from murmur.protocol.node_name import check_node_name
 from murmur.protocol.reachability import is_client
+from murmur.protocol.state_vote import agreed_state
 
 from .leases import Leases
 from .settings import CoordinatorSettings
@@ -213,9 +213,9 @@ class Membership:
         return node_id in self._seen and entry is not None and entry[1] == "active"
 
     def grant_read(self, run_id: str, csr_pem: bytes) -> ReadGrant:
-        """A reader's certificate and the live nodes holding the run's newest state: the newest round
-        any live trainer announces, under the hash most of them announce for it (a lone liar is
-        outvoted, as a joiner's fetch does). Peers admit any unbanned certificate of the run's CA."""
+        """A reader's certificate and the live nodes holding the run's newest state
+        (protocol/state_vote.py, as a joiner's fetch chooses it). Peers admit any unbanned
+        certificate of the run's CA."""
         holders = [
             (n, t) for n, t in self.live_trainers(run_id)
             if t.round >= 0 and t.state_hash and t.peer_address and not is_client(t.peer_address)
@@ -225,9 +225,7 @@ class Membership:
                 f"no live node of run {run_id} serves a state yet (nodes publish one after their first "
                 "round); try again once the run has trained a round"
             )
-        newest = max(t.round for _, t in holders)
-        votes = Counter(t.state_hash for _, t in holders if t.round == newest)
-        digest = votes.most_common(1)[0][0]
+        newest, digest = agreed_state((t.round, t.state_hash) for _, t in holders)
         try:
             cert_pem = self.ca.sign_csr(
                 csr_pem, validity=READER_CERT_VALIDITY, ban_list=identity.BanList(self.store.banned())

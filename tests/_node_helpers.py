@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import re
 import shutil
 from pathlib import Path
@@ -98,3 +99,20 @@ def ledger(net: Testnet) -> tuple[int, dict[int, int], dict[int, str]]:
 
 def cleanup(tmp: Path) -> None:
     shutil.rmtree(tmp, ignore_errors=True)
+
+
+# A churned network: the coordinator is the DHT bootstrap peer, and timeouts are short enough for a
+# dead peer to be noticed within a test (tests/test_churn_restart.py, tests/test_churn_catchup.py).
+FAST_COORDINATOR = ["--dht", "--heartbeat-ttl", "3", "--lease-ttl", "4", "--restart-grace", "5"]
+FAST_NODE = ["--peer-timeout", "8", "--rendezvous-deadline", "8", "--round-timeout", "60", "--dht-record-ttl", "6"]
+
+
+@contextlib.contextmanager
+def churn_net(tmp: Path, data: Path, token_uses: int):
+    """A running coordinator (the DHT bootstrap peer) with a run, fast timeouts, no node yet."""
+    net = make_testnet(tmp, data, overrides=["train.steps=5000"], node_args=FAST_NODE)
+    net.coordinator_args = list(FAST_COORDINATOR)
+    with net:
+        net.start_coordinator()
+        net.create_run(token_uses=token_uses)
+        yield net

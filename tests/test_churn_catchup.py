@@ -21,20 +21,17 @@ Real processes, real signals; no timing assertions (the waits are for log lines 
 
 from __future__ import annotations
 
-import contextlib
 import re
 import signal
 
 import pytest
-from _node_helpers import ledger, log, make_testnet, small_dataset, trained, wait_log
+from _node_helpers import churn_net, ledger, log, small_dataset, trained, wait_log
 
 from murmur.node.testnet.chaos import analyze
 from murmur.node.testnet.procs import wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
-FAST_COORDINATOR = ["--dht", "--heartbeat-ttl", "3", "--lease-ttl", "4", "--restart-grace", "5"]
-FAST_NODE = ["--peer-timeout", "8", "--rendezvous-deadline", "8", "--round-timeout", "60", "--dht-record-ttl", "6"]
 WAIT_S = 240.0  # rounds of tiny nodes on a loaded 2-core machine
 MOVED_ON = "the peers that completed it moved on"
 
@@ -42,16 +39,6 @@ MOVED_ON = "the peers that completed it moved on"
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
     return small_dataset(tmp_path_factory.mktemp("catchup-data"))
-
-
-@contextlib.contextmanager
-def churn_net(tmp_path, data, token_uses: int):
-    net = make_testnet(tmp_path, data, overrides=["train.steps=5000"], node_args=FAST_NODE)
-    net.coordinator_args = list(FAST_COORDINATOR)
-    with net:
-        net.start_coordinator()
-        net.create_run(token_uses=token_uses)
-        yield net
 
 
 def test_a_joiner_behind_a_peer_whose_checkpoint_lags_catches_up_without_spinning(tmp_path, data):

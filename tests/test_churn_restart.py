@@ -17,38 +17,24 @@ Real processes, real SIGKILLs; no timing assertions (the waits are for log lines
 
 from __future__ import annotations
 
-import contextlib
 import re
 import signal
 import time
 
 import pytest
-from _node_helpers import ledger, log, make_testnet, small_dataset, trained, wait_log, wait_rounds
+from _node_helpers import churn_net, ledger, log, small_dataset, trained, wait_log, wait_rounds
 
 from murmur.node.testnet.chaos import analyze
 from murmur.node.testnet.procs import wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
-FAST_COORDINATOR = ["--dht", "--heartbeat-ttl", "3", "--lease-ttl", "4", "--restart-grace", "5"]
-FAST_NODE = ["--peer-timeout", "8", "--rendezvous-deadline", "8", "--round-timeout", "60", "--dht-record-ttl", "6"]
 WAIT_S = 240.0  # rounds of three tiny nodes on a loaded 2-core machine
 
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
     return small_dataset(tmp_path_factory.mktemp("restart-data"))
-
-
-@contextlib.contextmanager
-def churn_net(tmp_path, data, token_uses: int):
-    """A running coordinator (the DHT bootstrap peer) with a run, fast timeouts, no node yet."""
-    net = make_testnet(tmp_path, data, overrides=["train.steps=5000"], node_args=FAST_NODE)
-    net.coordinator_args = list(FAST_COORDINATOR)
-    with net:
-        net.start_coordinator()
-        net.create_run(token_uses=token_uses)
-        yield net
 
 
 def train_on_together(net, a, c, past: int) -> None:

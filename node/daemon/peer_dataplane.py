@@ -24,7 +24,6 @@ import asyncio
 import contextlib
 import json
 import socket
-from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,6 +47,7 @@ from murmur.protocol import identity
 from murmur.protocol.dht import DHTError, DHTSettings, MurmurDHT, PeerRecord
 from murmur.protocol.reachability import is_client
 from murmur.protocol.runconfig import RunConfig
+from murmur.protocol.state_vote import agreed_state
 from murmur.protocol.wire import tensors_hash
 
 # Peers of a round are trainers; the coordinator also announces itself under the run (role
@@ -272,9 +272,7 @@ class PeerDataPlane:
             if not others:
                 return None
             # The newest round; within it, the hash most peers hold (a lone liar is outvoted).
-            newest = max(r.round for r in others)
-            votes = Counter(r.state_hash for r in others if r.round == newest)
-            digest = votes.most_common(1)[0][0]
+            newest, digest = agreed_state((r.round, r.state_hash) for r in others)
             holders = {r.node_id: r.address for r in others if r.round == newest and r.state_hash == digest}
             if not asked:
                 # A record is a heartbeat or an announce old: ask the holders what they serve now,
