@@ -89,6 +89,7 @@ def main() -> None:
     else:
         where = f"cpu: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, {args.threads} thread(s)"
     commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
+    commit = commit or os.environ.get("MURMUR_COMMIT", "")  # the GPU machine has no .git
     result = {
         "benchmark": "generate",
         "device": where,
