@@ -4,7 +4,7 @@
 every kernel dispatch decision (kernels/dispatch.py reads the environment at every op), RMSNorm's
 autocast checks, three matmuls where one would do and the general attention's mask handling. At
 batch 1 on the CPU that per-op overhead, not the math, set the rate of the tiny model
-(benchmarks/generate.py: 530 us a token, of which the matmuls took about 130). `SequenceDecoder`
+(benchmarks/generate.py: about 550 us a token, of which the matmuls took 15%, under cProfile). `SequenceDecoder`
 makes those choices once, when a generate call builds it, and arranges the weights so that a token
 costs few torch ops:
 
@@ -18,11 +18,12 @@ costs few torch ops:
   a position into the cache, preallocated for the model's whole context;
 - one token's embedding is a view of its row, and its attention is two small matmuls and a softmax.
 
-The copies cost memory: about 1.7x the blocks' attention and MLP input weights (a few hundred KB for
-the tiny preset), held for the generation. fp32 only: the arrangement rounds differently from the
-references, by a few ulp in fp32, which would be visible in bf16, where `kv_cache.decode` keeps the
-kernels' own numerics. The logits equal the model's forward to 1e-5 (tests/test_sequence_decoder.py);
-training's forward and its kernels are untouched.
+The copies cost memory while a generation runs: the query, key and value weights (5/3 of them,
+with the swapped rows, for full-head attention), the gate and up weights and the output matrix,
+nearly as much again as the model's weights (0.86x for the tiny preset: 2.8 MB). fp32 only: the
+arrangement rounds differently from the references, by a few ulp in fp32, which would show in
+bf16, where `kv_cache.decode` keeps the kernels' own numerics. The logits equal the model's
+forward to 1e-5 (tests/test_sequence_decoder.py); training's forward and its kernels are untouched.
 """
 
 from __future__ import annotations
