@@ -3,27 +3,26 @@
 `kv_cache.decode` walks the model's own modules, so each new token pays for every module call,
 every kernel dispatch decision (kernels/dispatch.py reads the environment at every op), RMSNorm's
 autocast checks, three matmuls where one would do and the general attention's mask handling. At
-batch 1 on the CPU that per-op overhead, not the math, set the rate of the tiny model
-(benchmarks/generate.py: about 550 us a token, of which the matmuls took 15%, under cProfile). `SequenceDecoder`
-makes those choices once, when a generate call builds it, and arranges the weights so that a token
-costs few torch ops:
+batch 1 on the CPU that per-op overhead, not the math, set the rate of the tiny model: about 550 us
+a token, of which the matmuls took 15% (cProfile; benchmarks/generate.py). `SequenceDecoder` makes
+those choices once, when a generate call builds it, and arranges the weights so that a token costs
+few torch ops (about 190 us at tiny size):
 
 - the query, key and value projections are one matmul and the MLP's gate and up projections
   another, over weights concatenated once; each RMSNorm's weight is folded into the projection that
   reads it, and the attention's 1/sqrt(head_dim) into the query rows, so a norm is one scale;
-- the query and key projections also come out with their halves swapped (more rows of the same
-  matmul), so the rotary embedding is one fused multiply-add: x * cos + swap(x) * sin;
+- the rotary embedding is a roll and one fused multiply-add, x * cos + roll(x) * sin, in place;
 - the residual adds ride in the output projections' matmuls (`addmm`);
 - the rotated keys and the values land side by side in the projection's output, so one copy writes
   a position into the cache, preallocated for the model's whole context;
 - one token's embedding is a view of its row, and its attention is two small matmuls and a softmax.
 
-The copies cost memory while a generation runs: the query, key and value weights (5/3 of them,
-with the swapped rows, for full-head attention), the gate and up weights and the output matrix,
-nearly as much again as the model's weights (0.86x for the tiny preset: 2.8 MB). fp32 only: the
-arrangement rounds differently from the references, by a few ulp in fp32, which would show in
-bf16, where `kv_cache.decode` keeps the kernels' own numerics. The logits equal the model's
-forward to 1e-5 (tests/test_sequence_decoder.py); training's forward and its kernels are untouched.
+The copies cost memory while a generation runs: the query, key and value weights, the gate and up
+weights and the output matrix, 0.7x the model's weights for the tiny and small presets (2.3 MB for
+tiny), 0.8x for base. fp32 only: the arrangement rounds differently from the references, by a few
+ulp in fp32, which would show in bf16, where `kv_cache.decode` keeps the kernels' own numerics.
+The logits equal the model's forward to 1e-5 (tests/test_sequence_decoder.py); training's forward
+and its kernels are untouched.
 """
 
 from __future__ import annotations
@@ -36,11 +35,6 @@ import torch.nn.functional as F
 from murmur.node.model.transformer import Block, Transformer
 
 
-def _swap_halves(w: torch.Tensor, head_dim: int) -> torch.Tensor:
-    """The rows of a projection onto heads with each head's two halves exchanged."""
-    return w.view(-1, 2, head_dim // 2, w.shape[-1]).flip(1).reshape(w.shape)
-
-
 class _Layer:
     """One block's weights as the decoder reads them (transposed for `mm`, norms folded in)."""
 
@@ -48,9 +42,8 @@ class _Layer:
         attn, mlp = block.attn, block.mlp
         q = attn.wq.weight / math.sqrt(head_dim)  # the attention's scale, applied once here
         qk = torch.cat([q, attn.wk.weight])
-        # Output columns: queries, keys, values (keys and values contiguous: one cache write), then
-        # the queries and keys with swapped halves for the rotation.
-        w = torch.cat([qk, attn.wv.weight, _swap_halves(qk, head_dim)])
+        # Output columns: queries, keys, values (keys and values contiguous: one cache write).
+        w = torch.cat([qk, attn.wv.weight])
         self.w_qkv = (w * block.attn_norm.weight).t().contiguous()  # [in, out]: the faster mm at one row
         self.w_o = attn.wo.weight.t()
         self.w_gate_up = (torch.cat([mlp.w_gate.weight, mlp.w_up.weight]) * block.mlp_norm.weight).t().contiguous()
@@ -70,13 +63,13 @@ class SequenceDecoder:
         self.device = p.device
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         self.dim, self.capacity, self.eps = cfg.dim, cfg.seq_len, cfg.norm_eps
-        h, kv, d = self.n_heads, self.n_kv_heads, self.head_dim
+        kv, d = self.n_kv_heads, self.head_dim
         with torch.no_grad():
             self.layers = [_Layer(block, d) for block in model.blocks]
             self.embed = p.detach()
             self.out = (model.output_weight * model.norm.weight).t().contiguous()
             # Rotation of the half-split layout (x1, x2) -> (x1 c - x2 s, x2 c + x1 s) as
-            # x * cos2 + swap(x) * sin2.
+            # x * cos2 + roll(x) * sin2, roll(x) = (x2, x1).
             cos, sin = model.rope_cos.float(), model.rope_sin.float()
             self.cos2 = torch.cat([cos, cos], dim=-1)[:, None, :]  # [seq_len, 1, head_dim]
             self.sin2 = torch.cat([-sin, sin], dim=-1)[:, None, :]
@@ -85,7 +78,6 @@ class SequenceDecoder:
         self.cache = torch.empty(len(self.layers), self.capacity, 2 * kv * d, device=self.device)
         self.keys = [c[:, : kv * d].view(-1, kv, d).transpose(0, 1) for c in self.cache]
         self.values = [c[:, kv * d :].view(-1, kv, d).transpose(0, 1) for c in self.cache]
-        self.split = [(h + kv) * d, (h + 2 * kv) * d]  # end of the rotated heads, of the values
         self.eps_tensor = torch.full((1, 1), self.eps, device=self.device)
         self.length = 0
 
@@ -132,10 +124,9 @@ class SequenceDecoder:
         t, h, kv, d = x.shape[0], self.n_heads, self.n_kv_heads, self.head_dim
         end = start + t
         proj = torch.mm(x, layer.w_qkv).mul_(self._inv_rms(x))
-        rot_end, values_end = self.split
-        qk = proj[:, :rot_end].view(t, h + kv, d)
-        torch.addcmul(qk * cos, proj[:, values_end:].view(t, h + kv, d), sin, out=qk)  # rotated in place
-        self.cache[i, start:end] = proj[:, h * d : values_end]
+        qk = proj[:, : (h + kv) * d].view(t, h + kv, d)
+        torch.addcmul(qk * cos, qk.roll(d // 2, dims=-1), sin, out=qk)  # rotated in place
+        self.cache[i, start:end] = proj[:, h * d :]
         keys, values = self.keys[i][:, :end], self.values[i][:, :end]
         if t == 1:  # [kv_heads, query heads per kv head, head_dim]: grouped heads share their keys
             q = proj[:, : h * d].view(kv, h // kv, d)
