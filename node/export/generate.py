@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from murmur.errors import MurmurError
 from murmur.node.model.kv_cache import KVCache, decode
+from murmur.node.model.sequence_decoder import SequenceDecoder
 from murmur.node.model.transformer import Transformer
 
 
@@ -75,6 +76,36 @@ def generate(
     return _tokens(model, prompt, max_new_tokens, sampling, seed, use_cache, vocab_size, stop_token)
 
 
+class CachedLogits:
+    """The last position's logits through a KV cache, fed only the tokens it has not seen: fp32
+    weights take `SequenceDecoder` (its per-token choices made once, here); other dtypes walk the
+    model's modules and kernels (`kv_cache.decode`), whose numerics they were trained with."""
+
+    def __init__(self, model: Transformer) -> None:
+        self.model = model
+        self.fast = SequenceDecoder(model) if model.embed.weight.dtype == torch.float32 else None
+        self.cache: KVCache | None = None
+
+    @property
+    def length(self) -> int:
+        if self.fast is not None:
+            return self.fast.length
+        return 0 if self.cache is None else self.cache.length
+
+    def reset(self) -> None:
+        if self.fast is not None:
+            self.fast.reset()
+        self.cache = None
+
+    def after(self, new: list[int]) -> torch.Tensor:
+        if self.fast is not None:
+            return self.fast.step(new[0]) if len(new) == 1 else self.fast.feed(new)
+        if self.cache is None:
+            self.cache = KVCache(self.model)
+        device = self.model.embed.weight.device
+        return decode(self.model, torch.tensor([new], device=device), self.cache)[0, -1]
+
+
 def _tokens(
     model: Transformer, prompt: list[int], max_new_tokens: int, sampling: Sampling, seed: int, use_cache: bool,
     vocab_size: int | None, stop_token: int | None,
@@ -84,16 +115,15 @@ def _tokens(
     gen = torch.Generator(device="cpu").manual_seed(seed)
     ids = list(prompt)
     start = 0  # the model sees ids[start:]
-    cache: KVCache | None = None
     with torch.inference_mode():
+        cached = CachedLogits(model) if use_cache else None
         for _ in range(max_new_tokens):
             if len(ids) - start > seq_len:
-                start, cache = len(ids) - seq_len // 2, None  # restart on the last half
-            if use_cache:
-                if cache is None:
-                    cache = KVCache(model)
-                fed = start + cache.length
-                logits = decode(model, torch.tensor([ids[fed:]], device=device), cache)[0, -1]
+                start = len(ids) - seq_len // 2  # restart on the last half
+                if cached is not None:
+                    cached.reset()
+            if cached is not None:
+                logits = cached.after(ids[start + cached.length :])
             else:
                 h = model.hidden_states(torch.tensor([ids[start:]], device=device))
                 logits = F.linear(h[0, -1], model.output_weight)
