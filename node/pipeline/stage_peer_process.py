@@ -60,7 +60,7 @@ from murmur.node.pipeline.config import (
     refuse_model_args,
 )
 from murmur.node.pipeline.member import PipelineMember
-from murmur.node.pipeline.memory import peak_rss_mb, rss_mb
+from murmur.node.pipeline.memory import peak_rss_mb, return_freed_memory, rss_mb
 from murmur.node.pipeline.schedule import RunSchedule
 from murmur.node.pipeline.stage_peer import StagePeer, StagePeerSettings
 from murmur.node.train.build import resolve_device
@@ -232,6 +232,7 @@ def main(argv: list[str] | None = None, joined: Callable[[], PipelineMember] | N
     ap.add_argument("--progress-every", type=float, default=10.0, help="seconds between progress lines (0: none)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
+    return_freed_memory()  # before the stage is built: copies of it freed leave the process (memory.py)
     log_to_stderr()
     try:
         asyncio.run(serve(args, joined))
