@@ -89,6 +89,8 @@ class WindowResult:
     segments: list[Segment] = field(default_factory=list)
     stopped: bool = False  # the window ended early because a stop was asked for
     exchange_wait_seconds: float = 0.0  # of ``seconds``: training blocked on the exchange
+    started: float = 0.0  # wall clock (time.time()) at the window's start
+    arrived: float = 0.0  # wall clock when its last step had computed (before any wait for the round)
 
 
 class _MeteredFuture(Future):
@@ -275,7 +277,8 @@ class NodeTrainer:
         """H inner steps on the leased data (taking new leases as shards run out). Its compute
         time is its wall time less its waits for leases and for the exchange (on a GPU the steps
         queued ahead run through such a wait, so the figure is low by up to QUEUED_STEPS steps)."""
-        t0, waited0 = time.perf_counter(), self.meter.waited_s
+        t0, waited0, started = time.perf_counter(), self.meter.waited_s, time.time()
+        arrived = started
         losses: list[torch.Tensor] = []
         leasing = 0.0
         segments: list[Segment] = []
@@ -312,6 +315,7 @@ class NodeTrainer:
             # Step j of n is at schedule step base + j*H/n: the same lr at the same share of the
             # round on every member, whatever its count.
             losses.append(self._inner_step(x, y, base + j * self.h // n))
+            arrived = time.time() - (self.meter.waited_s - w_step)
             self.step = base + (j + 1) * self.h // n
             if self.after_step is not None:  # told the step's compute, not its wait for the round
                 self.after_step(time.perf_counter() - t_step - (self.meter.waited_s - w_step))
@@ -336,7 +340,7 @@ class NodeTrainer:
         self.speed.add(len(losses) * self.span, stepping - waited)
         return WindowResult(
             self.round, len(losses), mean, tokens, seconds, seconds - leasing - waited, segments,
-            exchange_wait_seconds=waited,
+            exchange_wait_seconds=waited, started=started, arrived=arrived,
         )
 
     def _close_segment(self, segments: list[Segment]) -> Segment | None:

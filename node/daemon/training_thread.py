@@ -494,6 +494,11 @@ class TrainingThread:
             "compute_seconds": result.compute_seconds,
             "rate": t.speed.rate,  # compute tokens/s (EMA), announced to peers (sync.round_budget)
             "exchange_wait_seconds": result.exchange_wait_seconds,
+            # Where a fast member's window went (benchmarks/heterogeneous.py): it started, its last
+            # step had computed (it waits for the round from here), it ended (time - eval).
+            "window_started": result.started,
+            "arrived": result.arrived,
+            "window_ended": result.started + result.seconds,
             "bytes_sent": sent,
             "bytes_received": t.sync.bytes.total_received,
             "compression": ddp / sent if sent else 0.0,
