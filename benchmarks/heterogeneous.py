@@ -1,14 +1,17 @@
 """Volunteers of different speeds: fixed H against sync.round_budget = "speed" (issue 38).
 
-    python benchmarks/heterogeneous.py                      # the committed run (~9 minutes, CPU)
+    python benchmarks/heterogeneous.py                      # the committed run (~4-9 minutes, CPU)
     python benchmarks/heterogeneous.py --duration 60 --sim-rounds 10
 
 Node rows: each a fresh `murmur testnet up` (real processes on loopback, configs/testnet-tiny.toml
 with H=30 and 16-row batches so that compute outweighs the exchange, one torch thread a node, a
 coordinator with its DHT) of 4 nodes with ``--speeds 1,1,2,4`` (slowdown factors: node i sleeps
 factor - 1 times each inner step's own time), once with ``round_budget = "fixed"`` and once with
-``"speed"``. The global model is evaluated after every round. Read back from the nodes' round
-records, past the first two rounds (the speeds are not measured yet):
+``"speed"``. The global model is evaluated after every round. A row ends at ``--duration`` or
+when the run's data (data/shakespeare-byte, 4.9M tokens) is all trained, whichever comes first: on
+a quiet machine the data comes first (about 100 s fixed, 50 s speed), so both rows train about the
+same tokens. Read back from the nodes' round records, past the first two rounds (the speeds are
+not measured yet):
 
     tokens_per_min                tokens of completed rounds, all nodes, per minute of the span
     fast_node_busy_fraction       node-0 (speed 1): compute seconds / wall seconds from its first
