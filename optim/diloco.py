@@ -13,6 +13,12 @@ is on the wire at a time. Its exchange is launched and training goes on for tau 
 before the result is applied: outer step on that fragment's global copy, then
 local = (1 - alpha) * global + alpha * local. DiLoCo is the case P = 1, tau = 0, alpha = 0.
 
+Training while the round is in flight (``fill``, set by the node with ``sync.round_budget = "speed"``
+and ``sync.fill_wait``): the window's last launch is not applied by the step hooks; the member
+trains on while it is in flight and applies it with `land`, which carries the steps trained since
+the launch onto the new global copy (local = global_new + (local - local_at_launch)), so none of
+them is lost and each reaches the global model once, in the next window's pseudo-gradient.
+
 A run that ends between syncs calls `sync_now`: one last round for every fragment trained since
 its last launch, so the final model is the synced global one and not a replica's local drift.
 """
@@ -93,6 +99,8 @@ class _InFlight:
     fragment: _Fragment
     apply_at: int
     future: Future
+    at_launch: list[torch.Tensor] | None = None  # ``fill``: the local weights it was launched from (fp32)
+    tick: int = 0  # ``fill``: this member's step count at the launch
 
 
 class StreamingDiLoCo(SyncAlgorithm):
@@ -135,6 +143,9 @@ class StreamingDiLoCo(SyncAlgorithm):
         # step, which advances by H a round on every member whatever its share.
         self._tick = 0
         self._plan: dict[int, list[_Fragment]] | None = None
+        self._last_tick = -1  # the planned window's last step (its last launch)
+        # Train on while the window's last launch is in flight (the module docstring; `land`).
+        self.fill = False
 
     def plan_window(self, steps: int) -> int:
         """The next window is ``steps`` inner steps of this member (at least one per fragment, and
@@ -147,21 +158,49 @@ class StreamingDiLoCo(SyncAlgorithm):
             at = self._tick + (frag.index + 1) * steps // len(self.fragments) - 1
             plan.setdefault(at, []).append(frag)
         self._plan = plan
+        self._last_tick = self._tick + steps - 1
         return steps
+
     @torch.no_grad()
-    def _launch(self, frag: _Fragment, step: int) -> None:
-        deltas = [
-            g - self.params[j].detach().to(device=g.device, dtype=torch.float32)
-            for j, g in zip(frag.members, frag.globals_, strict=True)
-        ]
+    def _launch(self, frag: _Fragment, step: int, *, landing: bool = False) -> None:
+        locals_ = [self.params[j].detach().to(dtype=torch.float32) for j in frag.members]
+        deltas = [g - p.to(g.device) for g, p in zip(frag.globals_, locals_, strict=True)]
         key = f"{self.name}/{frag.index}"
         fut = self.exchange.all_reduce(deltas, round_id=frag.rounds, key=key, weight=self.weight)
         frag.rounds += 1
         frag.last_launch = step
-        self.in_flight.append(_InFlight(frag, step + self.tau, fut))
+        if landing:  # applied by `land`, however many steps later
+            at = [p.clone() if p.data_ptr() == self.params[j].data_ptr() else p
+                  for j, p in zip(frag.members, locals_, strict=True)]
+            self.in_flight.append(_InFlight(frag, 1 << 62, fut, at, self._tick))
+        else:
+            self.in_flight.append(_InFlight(frag, step + self.tau, fut))
+
+    def landing(self) -> Future | None:
+        """The in-flight launch that `land` applies (``fill``), or None."""
+        return self.in_flight[-1].future if self.in_flight and self.in_flight[-1].at_launch is not None else None
 
     @torch.no_grad()
-    def _apply(self, flight: _InFlight) -> None:
+    def land(self) -> None:
+        """Apply what is in flight (waiting for it), the ``fill`` launch last: the steps trained
+        since it launched are carried onto the new global copy."""
+        while self.in_flight:
+            flight = self.in_flight.pop(0)
+            if flight.at_launch is None:
+                self._apply(flight)
+                continue
+            self._outer_step(flight)
+            frag = flight.fragment
+            moved = self._tick != flight.tick
+            for j, g, base in zip(frag.members, frag.globals_, flight.at_launch, strict=True):
+                p = self.params[j]
+                if moved:  # local + (global_new - local_at_launch): its steps since the launch kept
+                    p.add_((g - base.to(g.device)).to(device=p.device, dtype=p.dtype))
+                else:
+                    p.copy_(g.to(device=p.device, dtype=p.dtype))
+
+    @torch.no_grad()
+    def _outer_step(self, flight: _InFlight) -> None:
         frag = flight.fragment
         result = self._wait(flight.future)
         for g, avg in zip(frag.globals_, result.tensors, strict=True):
@@ -169,6 +208,12 @@ class StreamingDiLoCo(SyncAlgorithm):
             g.grad = avg.to(g.device, non_blocking=True)
         frag.outer.step()
         frag.outer.zero_grad(set_to_none=True)
+        self.outer_steps += 1
+
+    @torch.no_grad()
+    def _apply(self, flight: _InFlight) -> None:
+        frag = flight.fragment
+        self._outer_step(flight)
         for j, g in zip(frag.members, frag.globals_, strict=True):
             p = self.params[j]
             new = g.to(device=p.device, dtype=p.dtype)
@@ -176,13 +221,12 @@ class StreamingDiLoCo(SyncAlgorithm):
                 p.mul_(self.alpha).add_(new, alpha=1 - self.alpha)
             else:
                 p.copy_(new)
-        self.outer_steps += 1
 
     def after_optimizer_step(self, step: int) -> bool:
         if self._plan is not None:
             step, self._tick = self._tick, self._tick + 1
             for frag in self._plan.pop(step, ()):
-                self._launch(frag, step)
+                self._launch(frag, step, landing=self.fill and step == self._last_tick)
         else:
             for frag in self.fragments:
                 if (step + 1) % self.h == frag.offset % self.h:
@@ -194,8 +238,7 @@ class StreamingDiLoCo(SyncAlgorithm):
         return applied
 
     def finish(self) -> None:
-        while self.in_flight:
-            self._apply(self.in_flight.pop(0))
+        self.land()
 
     def sync_now(self, step: int) -> None:
         """After inner step ``step``: apply what is in flight, then one round, applied at once, for

@@ -136,6 +136,10 @@ class SyncSection(Section):
     # pseudo-gradient weighted by its steps, a share clipped to [H/max_step_ratio, H*max_step_ratio].
     round_budget: Literal["fixed", "speed"] = "fixed"
     max_step_ratio: float = Field(4.0, ge=1, le=1000)
+    # With round_budget = "speed": a member whose share is done trains on while the round's exchange
+    # is in flight (waiting for the slowest member, then the all-reduce) instead of idling; those
+    # steps are carried into its next window (node/daemon/training.py, StreamingDiLoCo.land).
+    fill_wait: bool = True
     # DeMo
     demo_beta: float = Field(0.999, ge=0, lt=1)
     demo_topk: int = _bounded(32, 1 << 24, "a 4096x4096 chunk's coefficients", gt=0)

@@ -143,3 +143,50 @@ def test_a_window_is_longer_than_the_overlap_so_a_fragment_lands_before_it_launc
             sync.after_optimizer_step(0)
             keys = [f.fragment.index for f in sync.in_flight]
             assert len(keys) == len(set(keys)), keys
+
+
+def test_steps_trained_while_the_round_is_in_flight_are_carried_onto_the_new_global_copy():
+    # sync.fill_wait: "a" launches its window (moved by d_a), trains on while the round is in
+    # flight (moves by e), then lands it: local = new global + e, not the new global (e kept).
+    # "b" lands at once: local = new global exactly. Outer SGD lr 1, no momentum.
+    cfg = tiny_config(algorithm="diloco", outer_lr=1.0, outer_momentum=0.0, round_budget="speed")
+    group = InProcessGroup(["a", "b"], lambda: codec_from_config(cfg.sync))
+    start = torch.tensor([1.0, -1.0])
+    d = {"a": torch.tensor([0.4, 0.0]), "b": torch.tensor([0.0, -0.2])}
+    e = torch.tensor([0.05, 0.1])
+    params = {p: nn.Parameter(start.clone()) for p in d}
+    syncs = {p: DiLoCo([("w", params[p])], cfg.sync, group.exchange(p), round_timeout_s=30) for p in d}
+    filled: dict[str, bool] = {}
+
+    def member(p: str) -> None:
+        s = syncs[p]
+        s.fill, s.weight = True, 1.0
+        assert s.plan_window(2) == 2
+        with torch.no_grad():
+            params[p].add_(d[p])
+        s.after_optimizer_step(0)
+        s.after_optimizer_step(1)  # the window's last step launches; nothing waits for the round
+        assert s.outer_steps == 0 and s.landing() is not None
+        if p == "a":
+            with torch.no_grad():
+                params[p].add_(e)
+            s.after_optimizer_step(2)  # a step of the next window, trained while the round is in flight
+            assert s.outer_steps == 0  # the step hooks do not apply it
+        filled[p] = s.landing() is not None
+        s.land()
+
+    threads = [threading.Thread(target=member, args=(p,)) for p in d]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    new_global = start + (d["a"] + d["b"]) / 2
+    assert filled == {"a": True, "b": True}
+    for p in d:
+        assert syncs[p].outer_steps == 1 and syncs[p].landing() is None
+        assert syncs[p].global_params[0].tolist() == pytest.approx(new_global.tolist(), abs=1e-6)
+    assert params["a"].detach().tolist() == pytest.approx((new_global + e).tolist(), abs=1e-6)
+    assert params["b"].detach().tolist() == new_global.tolist()
+    # The next window's pseudo-gradient holds the carried steps: global - local = -e so far.
+    syncs["a"].plan_window(1)
+    assert (syncs["a"].global_params[0] - params["a"].detach()).tolist() == pytest.approx((-e).tolist(), abs=1e-6)

@@ -14,10 +14,16 @@ With sync.round_budget = "speed" (optim/budget.py) a window is this node's share
 K*H steps, from its measured compute speed and its peers' (their DHT records); its pseudo-gradient
 carries the window's tokens as its weight. The schedule's step still advances by H a window on
 every member (the lr schedule, the run's end and the shared state's counters stay the group's).
+With sync.fill_wait on as well, a member whose share is done does not idle while the round's
+exchange is in flight (it waits for the slowest member, then for the all-reduce): it trains on,
+and those steps are *carried* into the next window (`Carry`): StreamingDiLoCo.land keeps their
+drift on top of the new global copy, and their tokens are committed, and weigh, with the next
+window's round, the round whose pseudo-gradient holds them. The window ends when its round lands.
 """
 
 from __future__ import annotations
 
+import copy
 import math
 import time
 from collections import deque
@@ -81,7 +87,7 @@ class Segment:
 @dataclass(slots=True)
 class WindowResult:
     round: int
-    steps: int
+    steps: int  # this window's share (the steps it ran; with sync.fill_wait, ``carried`` come on top)
     loss: float
     tokens: int
     seconds: float
@@ -89,6 +95,18 @@ class WindowResult:
     segments: list[Segment] = field(default_factory=list)
     stopped: bool = False  # the window ended early because a stop was asked for
     exchange_wait_seconds: float = 0.0  # of ``seconds``: training blocked on the exchange
+    started: float = 0.0  # wall clock (time.time()) at the window's start
+    arrived: float = 0.0  # wall clock when its last step had computed (before any wait for the round)
+    filled: int = 0  # sync.fill_wait: steps trained while its round was in flight (carried to the next)
+    carried: int = 0  # sync.fill_wait: the last window's filled steps, committed with this one (not in ``steps``)
+
+
+@dataclass(slots=True)
+class Carry:
+    """Steps trained while a window's round was in flight (sync.fill_wait): the next window's."""
+
+    segments: list[Segment] = field(default_factory=list)
+    losses: list[torch.Tensor] = field(default_factory=list)
 
 
 class _MeteredFuture(Future):
@@ -205,6 +223,12 @@ class NodeTrainer:
         self.speed = SpeedMeter()
         self.group_rates: Callable[[], Iterable[float]] = tuple
         self.after_step: Callable[[float], None] | None = None  # --fault slow: told each step's seconds
+        self.carry = Carry()  # sync.fill_wait: steps trained while the last round was in flight
+        # The last `_fill`'s steps, their time, and its wait for the round to land after them.
+        self._filled_steps, self._fill_seconds, self._land_wait = 0, 0.0, 0.0
+        if self.by_speed() and cfg.sync.fill_wait and ranks is None:  # (local ranks: each window's steps only)
+            self.sync.fill = True
+        self._eval_copy: torch.nn.Module | None = None
 
     # -- data ------------------------------------------------------------------------------------
 
@@ -252,9 +276,41 @@ class NodeTrainer:
             return self.h
         assert isinstance(self.sync, StreamingDiLoCo)
         n = member_steps(self.h, self.speed.rate, self.group_rates(), self.cfg.sync.max_step_ratio)
+        # With carried steps the pseudo-gradient holds both: together within the share's bound.
+        n = min(n, max(1, self._most_steps() - len(self.carry.losses)))
         n = self.sync.plan_window(n)
-        self.sync.weight = float(n * self.span)
+        # The carried steps are in this window's pseudo-gradient too: they weigh with it.
+        self.sync.weight = float((n + len(self.carry.losses)) * self.span)
         return n
+
+    def _most_steps(self) -> int:
+        """The most inner steps one window's pseudo-gradient may hold (optim/budget.py's clip)."""
+        return int(self.h * self.cfg.sync.max_step_ratio)
+
+    def fills(self) -> bool:
+        return isinstance(self.sync, StreamingDiLoCo) and self.sync.fill
+
+    def drop_carry(self) -> None:
+        """Forget the carried steps (their lease was dropped: their tokens are trained again): the
+        local weights go back to the global copy."""
+        if self.carry.losses and isinstance(self.sync, StreamingDiLoCo) and not self.sync.in_flight:
+            with torch.no_grad():
+                for frag in self.sync.fragments:
+                    for j, g in zip(frag.members, frag.globals_, strict=True):
+                        self.sync.params[j].copy_(g.to(self.sync.params[j].dtype))
+        self.carry = Carry()
+
+    def eval_model(self) -> torch.nn.Module:
+        """The model to evaluate after a round: the global one. With carried steps the local
+        weights are ahead of it, so a copy holds the global weights."""
+        if not self.fills():
+            return self.model
+        if self._eval_copy is None:
+            self._eval_copy = copy.deepcopy(self.model)
+        with torch.no_grad():
+            for p, t in zip(self._eval_copy.parameters(), self.sync.eval_tensors(), strict=True):
+                p.copy_(t)
+        return self._eval_copy
 
     def _keep_queue(self, queued: deque[torch.cuda.Event]) -> None:
         """After a step is queued on a GPU: wait until no more than QUEUED_STEPS steps are queued
@@ -275,10 +331,13 @@ class NodeTrainer:
         """H inner steps on the leased data (taking new leases as shards run out). Its compute
         time is its wall time less its waits for leases and for the exchange (on a GPU the steps
         queued ahead run through such a wait, so the figure is low by up to QUEUED_STEPS steps)."""
-        t0, waited0 = time.perf_counter(), self.meter.waited_s
-        losses: list[torch.Tensor] = []
+        t0, waited0, started = time.perf_counter(), self.meter.waited_s, time.time()
+        arrived = started
+        carried, self.carry = self.carry, Carry()
+        losses: list[torch.Tensor] = list(carried.losses)
         leasing = 0.0
-        segments: list[Segment] = []
+        segments: list[Segment] = list(carried.segments)
+        timed = 0  # steps run (and timed) in this call
         stopped = False
         queued: deque[torch.cuda.Event] = deque()
         n, base = self.window_steps(), self.step
@@ -312,32 +371,80 @@ class NodeTrainer:
             # Step j of n is at schedule step base + j*H/n: the same lr at the same share of the
             # round on every member, whatever its count.
             losses.append(self._inner_step(x, y, base + j * self.h // n))
+            arrived = time.time() - (self.meter.waited_s - w_step)
             self.step = base + (j + 1) * self.h // n
             if self.after_step is not None:  # told the step's compute, not its wait for the round
                 self.after_step(time.perf_counter() - t_step - (self.meter.waited_s - w_step))
             self._keep_queue(queued)
             stepping += time.perf_counter() - t_step
+            timed += 1
         if stopped:
             if queued:
                 queued[-1].synchronize()
             seconds, waited = time.perf_counter() - t0, self.meter.waited_s - waited0
             return WindowResult(self.round, len(losses), math.nan, 0, seconds, seconds - leasing - waited, [], True)
+        if self.lease is not None and not self._fits():
+            self._close_segment(segments)  # runs out exactly at the window's end: commit with it
+        if self.fills():
+            arrived = time.time()
+            if not self._fill(stop, queued):  # a stop: nothing of this window is committed
+                seconds, waited = time.perf_counter() - t0, self.meter.waited_s - waited0
+                return WindowResult(self.round, len(losses), math.nan, 0, seconds, seconds - leasing - waited, [],
+                                    True, started=started, arrived=arrived)
         mean = torch.stack(losses).float().mean().item()  # waits for the window's last step
         if not math.isfinite(mean):
             raise TrainingError(f"loss became {mean} in round {self.round}: lower optim.lr")
         self.round += 1
-        if self.lease is not None and not self._fits():
-            self._close_segment(segments)  # runs out exactly at the window's end: commit with it
         tokens = sum(s.end - s.start for s in segments)
         seconds, waited = time.perf_counter() - t0, self.meter.waited_s - waited0
         # Per step, not per window: a window's fixed costs (the loss read, the round's bookkeeping)
-        # spread over a small share would make a slow member look slower still, and its next
-        # share smaller again. The exchange waits inside the steps (DiLoCo's last one) are not speed.
-        self.speed.add(len(losses) * self.span, stepping - waited)
+        # spread over a small share would make a slow member look slower and shrink its next share
+        # again. The exchange waits inside the steps (DiLoCo's last one) are not speed.
+        self.speed.add((timed + self._filled_steps) * self.span,
+                       stepping + self._fill_seconds - (waited - self._land_wait))
         return WindowResult(
-            self.round, len(losses), mean, tokens, seconds, seconds - leasing - waited, segments,
-            exchange_wait_seconds=waited,
+            self.round, timed, mean, tokens, seconds, seconds - leasing - waited, segments,
+            exchange_wait_seconds=waited, started=started, arrived=arrived, filled=len(self.carry.losses),
+            carried=len(carried.losses),
         )
+
+    def _fill(self, stop: Callable[[], bool], queued: deque[torch.cuda.Event]) -> bool:
+        """While the window's round is in flight: train on the leased data (the next window's
+        steps, `Carry`), then land the round. Only on the lease in hand: one that runs out ends the
+        filling (a new lease's segment would be the next window's first, taken there). False: a
+        stop came first (the round is left in flight; the window is not committed)."""
+        assert isinstance(self.sync, StreamingDiLoCo)
+        landing = self.sync.landing()
+        self._filled_steps, self._fill_seconds, self._land_wait = 0, 0.0, 0.0
+        # Leave room for the next window's share, as the speeds say now: the carried steps and the
+        # share stay within the bound together (a member that filled while the speeds were not
+        # known yet, the first rounds, trained 4H beside a 4x slower one's H). Cutting the share
+        # instead kept a member that had been slow on a small share after it was fast again: it
+        # came early, filled, and its share was cut again.
+        nxt = member_steps(self.h, self.speed.rate, self.group_rates(), self.cfg.sync.max_step_ratio)
+        most = self._most_steps() - nxt
+        while landing is not None and not landing.done() and len(self.carry.losses) < most:
+            if stop():
+                return False
+            if self.lease is None or self.loader is None or not self._fits():
+                break
+            if not self.carry.segments or self.carry.segments[-1].lease.lease_id != self.lease.lease_id:
+                offset = self.loader.position.offset
+                self.carry.segments.append(Segment(self.lease, offset, offset))
+            x, y = next(self.loader)
+            self.carry.segments[-1].end = self.loader.position.offset
+            t_step, w_step = time.perf_counter(), self.meter.waited_s
+            # At the next window's first schedule step (the schedule advances by H a window).
+            self.carry.losses.append(self._inner_step(x, y, self.step))
+            if self.after_step is not None:
+                self.after_step(time.perf_counter() - t_step - (self.meter.waited_s - w_step))
+            self._keep_queue(queued)
+            self._filled_steps += 1
+            self._fill_seconds += time.perf_counter() - t_step
+        waited0 = self.meter.waited_s
+        self.sync.land()
+        self._land_wait = self.meter.waited_s - waited0
+        return True
 
     def _close_segment(self, segments: list[Segment]) -> Segment | None:
         """The shard has no full batch left: its segment runs to the shard's end (the tail shorter
@@ -421,6 +528,7 @@ class NodeTrainer:
                 for j, g in zip(frag.members, frag.globals_, strict=True):
                     self.sync.params[j].copy_(g.to(self.sync.params[j].dtype))
             self.sync.in_flight.clear()
+        self.carry = Carry()  # the local weights are the global copy again: nothing carried
         self.step, self.round = int(state["step"]), int(state["round"])
 
     def renumber(self, round_id: int) -> None:

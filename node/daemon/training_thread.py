@@ -233,7 +233,7 @@ class TrainingThread:
         val = eval_batches(trainer.dataset, trainer.batch, trainer.seq_len, cfg.train.eval_batches)
         eval_every = max(1, round(cfg.train.eval_every / trainer.h))  # in rounds
         if trainer.round == 0:
-            v = evaluate(trainer.model, val, trainer.device, cfg.train.dtype)
+            v = evaluate(trainer.eval_model(), val, trainer.device, cfg.train.dtype)
             self.loop.call_soon_threadsafe(self._record_start, v)
         # The finisher's threads hand each round to the loop: its state to publish once hashed, then
         # the round itself once its checkpoint is on disk, where `_after_round` logs and commits it.
@@ -285,7 +285,7 @@ class TrainingThread:
             rounds_here += 1
             v = None
             if result.round % eval_every == 0 or trainer.step >= cfg.train.steps:
-                v = evaluate(trainer.model, val, trainer.device, cfg.train.dtype)
+                v = evaluate(trainer.eval_model(), val, trainer.device, cfg.train.dtype)
             record = self._round_record(result, v)
             commits = self._window_commits(result, record)
             # The leases this window ran out stay named as exhausted until its commits are handed
@@ -351,6 +351,7 @@ class TrainingThread:
             # lease's committed offset (the coordinator hands the same lease back). Training on
             # past them would have the next window's commit refused too.
             self.trainer.lease, self.trainer.loader = None, None
+            self.trainer.drop_carry()  # steps trained on that lease while the round was in flight
             self.loop.call_soon_threadsafe(
                 self.log, f"round {result.round}: this node's update was left out; its tokens are trained again"
             )
@@ -401,6 +402,7 @@ class TrainingThread:
         trainer = self.trainer
         if trainer.lease is not None and trainer.lease.lease_id in self.session.lost_leases:
             trainer.lease, trainer.loader = None, None  # its work is refused: take a new lease
+            trainer.drop_carry()  # and the steps carried on it
         split = self._split_group()
         if split:
             # The coordinator refused a commit as a split's: this node's state is that split's.
@@ -494,6 +496,15 @@ class TrainingThread:
             "compute_seconds": result.compute_seconds,
             "rate": t.speed.rate,  # compute tokens/s (EMA), announced to peers (sync.round_budget)
             "exchange_wait_seconds": result.exchange_wait_seconds,
+            # Where a fast member's window went (benchmarks/heterogeneous.py): it started, its last
+            # step had computed (it waits for the round from here), it ended (time - eval).
+            "window_started": result.started,
+            "arrived": result.arrived,
+            "window_ended": result.started + result.seconds,
+            # sync.fill_wait: steps trained while this round was in flight (the next window's), and
+            # those of the last round's flight, committed with this one (in "tokens", not "steps")
+            "filled": result.filled,
+            "carried": result.carried,
             "bytes_sent": sent,
             "bytes_received": t.sync.bytes.total_received,
             "compression": ddp / sent if sent else 0.0,
