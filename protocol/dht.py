@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import base64
+import gc
 import json
 import os
 import subprocess
@@ -207,6 +208,36 @@ async def _reconnect(dht: object, node: object, multiaddrs: list[str]) -> int:
     return answered
 
 
+def _fork_safely(start: Callable[[], object]) -> object:
+    """Run ``start`` (which forks hivemind's DHT process) so that the child never touches objects
+    another thread of this process was changing at the fork.
+
+    A fork copies only the calling thread: objects that the other threads (gRPC's, torch's, a
+    pytest worker's earlier tests) were mutating at that instant are copied half-changed, and the
+    child's garbage collector walks every object it inherited. A DHT child segfaulted that way in
+    the collector while it imported hivemind's multiaddr codecs (`make test`, 2026-12-05), right
+    after saying it was ready, and the start failed. So (1) the modules the child would import on
+    its first request are imported here first, and (2) every object alive now is frozen
+    (`gc.freeze`: out of the collector's reach, in the child for good; unfrozen here after)."""
+    _preload_child_imports()
+    gc.collect()
+    gc.freeze()
+    try:
+        return start()
+    finally:
+        gc.unfreeze()
+
+
+def _preload_child_imports() -> None:
+    """hivemind imports a multiaddr codec's module the first time an address uses it: parse the
+    kinds of addresses a DHT child reports (ip4, ip6, tcp, p2p) here, before it is forked."""
+    from hivemind.utils.multiaddr import Multiaddr
+
+    peer = "QmNnooDu7bfjPFoTZYxMNLWUQJyrVwtbZg5gBMjTezGAJN"  # any valid base58 peer id
+    for text in (f"/ip4/127.0.0.1/tcp/1/p2p/{peer}", f"/ip6/::1/tcp/1/p2p/{peer}"):
+        Multiaddr(text)
+
+
 def _fresh_future_backend() -> None:
     """Give hivemind's futures fresh cross-process locks when no DHT of this process is running.
 
@@ -281,7 +312,8 @@ class MurmurDHT:
         _fresh_future_backend()
         was_ready = False
         try:
-            dht = hivemind.DHT(
+            dht = _fork_safely(partial(
+                hivemind.DHT,
                 initial_peers=self.initial_peers or None,
                 start=True,
                 host_maddrs=[f"/ip4/{s.host}/tcp/{s.port}"],
@@ -289,7 +321,7 @@ class MurmurDHT:
                 await_ready=False,
                 client_mode=s.client_mode,
                 **({"identity_path": s.identity_path} if s.identity_path else {}),
-            )
+            ))
             dht.wait_until_ready(timeout=s.start_timeout)
             was_ready = True
             # The addresses do not change while the process lives: ask once, with a deadline.
