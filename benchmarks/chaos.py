@@ -6,7 +6,7 @@
 
 Every row is a fresh `murmur testnet` (real processes on loopback, configs/testnet-tiny.toml, one
 torch thread a node, the testnet's loopback deadlines): a coordinator with its DHT and 4 nodes, on
-the bundled corpus read twice (9.9M tokens, so that no row runs out of data in 10 minutes).
+the bundled corpus read three times (14.8M tokens, so that no row runs out of data in 10 minutes).
 Once every node has trained a round, the measured span starts; during it `node/testnet/chaos.py`
 SIGKILLs a random node (exponential gaps, mean ``mtbf_s``) and restarts it 3 s later. Then every
 node is stopped with SIGTERM (commit, release, leave) and the run is read back:
@@ -212,9 +212,10 @@ def main() -> int:
     rows: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="murmur-chaos-data-") as tmp:
         data = Path(tmp) / "data"
-        # The bundled corpus twice (9.9M tokens): once (4.9M) ran out in the clean row's ninth
-        # minute, and a row that runs out of shards stops completing rounds (its rate understated).
-        prepare(data, sources=[bundled_corpus()] * 2, tokenizer="byte", shard_tokens=8192)
+        # The bundled corpus three times (14.8M tokens): once (4.9M) ran out in the clean row's
+        # ninth minute, twice in its ninth on a quiet machine after the node got faster (2026-12-05),
+        # and a row that runs out of shards stops completing rounds (its rate understated).
+        prepare(data, sources=[bundled_corpus()] * 3, tokenizer="byte", shard_tokens=8192)
         for name in args.rows.split(","):
             mtbf = None if name == "clean" else float(name)
             row = chaos_row(mtbf, args.duration, args.seed, data)
