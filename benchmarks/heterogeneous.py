@@ -7,10 +7,10 @@ Node rows: each a fresh `murmur testnet up` (real processes on loopback, configs
 with H=30 and 16-row batches so that compute outweighs the exchange, one torch thread a node, a
 coordinator with its DHT) of 4 nodes with ``--speeds 1,1,2,4`` (slowdown factors: node i sleeps
 factor - 1 times each inner step's own time), once with ``round_budget = "fixed"`` and once with
-``"speed"``. The global model is evaluated after every round. A row ends at ``--duration`` or
-when the run's data (data/shakespeare-byte, 4.9M tokens) is all trained, whichever comes first: on
-a quiet machine the data comes first (about 100 s fixed, 50 s speed), so both rows train about the
-same tokens. Read back from the nodes' round records, past the first two rounds (the speeds are
+``"speed"``. The global model is evaluated after every round. A row lasts ``--duration`` on the
+bundled corpus read three times (14.8M tokens: with 4.9M a quiet machine's rows ended when their
+data did, after 100 s fixed and 50 s speed, and the ratio of two such short rows swung by 15%).
+Read back from the nodes' round records, past the first two rounds (the speeds are
 not measured yet):
 
     tokens_per_min                tokens of completed rounds, all nodes, per minute of the span
@@ -46,6 +46,7 @@ import os
 import platform
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -66,12 +67,13 @@ def _interp(points: list[tuple[float, float]], x: float) -> float | None:
     return None
 
 
-def node_row(rule: str, duration: float, out: Path) -> dict:
+def node_row(rule: str, duration: float, out: Path, data: Path) -> dict:
     from murmur.node.daemon.state_dir import read_rounds
 
     cmd = [sys.executable, "-m", "murmur.cli", "testnet", "up", "--nodes", str(len(SPEEDS)),
            "--speeds", ",".join(f"{s:g}" for s in SPEEDS), "--config", "configs/testnet-tiny.toml",
            "--duration", str(duration), "--out", str(out), "--set", f'sync.round_budget="{rule}"',
+           "--set", f'data.path="{data}"',
            *(a for s in NODE_SETS for a in ("--set", s))]
     t0 = time.time()
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=duration + 600)
@@ -243,7 +245,16 @@ def main() -> int:
     if args.sim_only:
         return write_sim_only(args)
     load0 = os.getloadavg()
-    nodes = [node_row(rule, args.duration, Path(args.work) / rule) for rule in ("fixed", "speed")]
+    from murmur.node.model.corpus import bundled_corpus
+    from murmur.node.model.data import prepare
+
+    with tempfile.TemporaryDirectory(prefix="murmur-hetero-data-") as tmp:
+        # The bundled corpus three times (14.8M tokens), so that both rows run their whole
+        # --duration: with data/shakespeare-byte alone (4.9M) a row ended when its data did (50 s
+        # for the speed rule on a quiet machine), and a 50 s row's ratio swung by 15% run to run.
+        data = Path(tmp) / "data"
+        prepare(data, sources=[bundled_corpus()] * 3, tokenizer="byte", shard_tokens=8192)
+        nodes = [node_row(rule, args.duration, Path(args.work) / rule, data) for rule in ("fixed", "speed")]
     compare(nodes)
     for r in nodes:
         print(json.dumps({k: v for k, v in r.items() if k != "curve"}), flush=True)
