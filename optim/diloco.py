@@ -176,6 +176,15 @@ class StreamingDiLoCo(SyncAlgorithm):
         else:
             self.in_flight.append(_InFlight(frag, step + self.tau, fut))
 
+    @torch.no_grad()
+    def locals_to_global(self) -> None:
+        """Every local weight set to its fragment's global copy (a state was loaded, or the steps
+        trained since the last round are given up)."""
+        for frag in self.fragments:
+            for j, g in zip(frag.members, frag.globals_, strict=True):
+                p = self.params[j]
+                p.copy_(g.to(device=p.device, dtype=p.dtype))
+
     def landing(self) -> Future | None:
         """The in-flight launch that `land` applies (``fill``), or None."""
         return self.in_flight[-1].future if self.in_flight and self.in_flight[-1].at_launch is not None else None

@@ -294,10 +294,7 @@ class NodeTrainer:
         """Forget the carried steps (their lease was dropped: their tokens are trained again): the
         local weights go back to the global copy."""
         if self.carry.losses and isinstance(self.sync, StreamingDiLoCo) and not self.sync.in_flight:
-            with torch.no_grad():
-                for frag in self.sync.fragments:
-                    for j, g in zip(frag.members, frag.globals_, strict=True):
-                        self.sync.params[j].copy_(g.to(self.sync.params[j].dtype))
+            self.sync.locals_to_global()
         self.carry = Carry()
 
     def eval_model(self) -> torch.nn.Module:
@@ -525,8 +522,7 @@ class NodeTrainer:
             for frag, saved in zip(self.sync.fragments, state["fragments"], strict=True):
                 frag.rounds = int(saved["rounds"])
                 frag.outer.load_state_dict(saved["outer"])
-                for j, g in zip(frag.members, frag.globals_, strict=True):
-                    self.sync.params[j].copy_(g.to(self.sync.params[j].dtype))
+            self.sync.locals_to_global()
             self.sync.in_flight.clear()
         self.carry = Carry()  # the local weights are the global copy again: nothing carried
         self.step, self.round = int(state["step"]), int(state["round"])
