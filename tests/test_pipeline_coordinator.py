@@ -38,6 +38,9 @@ PIPELINE = [
     "pipeline.hop_timeout_s=20.0", "pipeline.sync_every_s=2.0", "optim.warmup_steps=0",
 ]
 MICROBATCHES = 60
+# How long stage 0's peers must report one state before they are stopped: two sync periods and
+# two heartbeats (the coordinator's default interval of 1 s).
+AGREED_FOR_S = 2 * 2.0 + 2 * 1.0
 
 
 def wait_for(what: str, ok, timeout_s: float = RUN_TIMEOUT, every_s: float = 0.5):
@@ -86,10 +89,22 @@ def test_stages_are_assigned_synced_and_refilled_after_their_peers_are_killed(tm
                     p.proc.wait()
             out = finish(driver)
 
-            def agreed():  # idle now: the next sync round leaves stage 0's two peers with one state
+            # Idle now: the next sync round leaves stage 0's two peers with one state. The view's
+            # reports are a heartbeat old, and the driver's last microbatches can all land within
+            # one heartbeat (a CI run: 50 in 0.5 s): reports from before them still showed the one
+            # state of the idle refill wait, and the peers were stopped before the round that
+            # synced those microbatches. So the agreement must hold for two sync periods and two
+            # heartbeats, long enough for both peers to have reported after that round.
+            held = {"hash": None, "since": 0.0}
+
+            def agreed():
                 view = net.admin("stages", "--peers")
                 hashes = {p["report"]["state_hash"] for p in view["peers"] if p["report"]["stage"] == 0}
-                return view if len(hashes) == 1 else None
+                now = time.monotonic()
+                if len(hashes) != 1 or hashes != {held["hash"]}:
+                    held.update(hash=next(iter(hashes)) if len(hashes) == 1 else None, since=now)
+                    return None
+                return view if now - held["since"] >= AGREED_FOR_S else None
 
             # the move is the coordinator's, after the heartbeat TTL and a sweep: awaited, not assumed
             # done because the driver is
@@ -121,7 +136,10 @@ def test_stages_are_assigned_synced_and_refilled_after_their_peers_are_killed(tm
     assert "stage 0 -> 1 (empty stage)" in row1, table
     stage0 = [p for p in peers if p.stopped.get("stage") == 0]
     assert len(stage0) == 2 and all(p.stopped["sync_rounds"] > 0 for p in stage0), [p.stopped for p in stage0]
-    assert stage0[0].stopped["state_hash"] == stage0[1].stopped["state_hash"], [p.stopped for p in stage0]
+    sync = ["sync_rounds", "sync_idle_rounds", "sync_failed", "sync_adopted", "sync_last_round", "sync_last_error",
+            "state_hash"]
+    assert stage0[0].stopped["state_hash"] == stage0[1].stopped["state_hash"], \
+        [{k: p.stopped.get(k) for k in sync} for p in stage0]
     done = records(out, "done")[0]
     assert done["committed_tokens"] == MICROBATCHES * TOKENS_PER_MB
     # the stage served again: the heartbeat TTL, a sweep, the move and a local replica's load
