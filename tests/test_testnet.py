@@ -5,15 +5,18 @@ run`), the way `murmur testnet up` and deploy/compose.yaml do."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import signal
 import subprocess
 import sys
 
+import psutil
 import pytest
 from _node_helpers import hashes_by_round, ledger, log, make_testnet, small_dataset, trained, wait_log, wait_rounds
 
+from murmur.node.daemon.state_dir import read_rounds
 from murmur.node.testnet.procs import wait_for
 
 pytestmark = pytest.mark.system
@@ -224,3 +227,36 @@ def test_testnet_up_ends_with_the_exported_model_and_a_sample(tmp_path, data):
     assert prov["run_id"]  # the nodes left cleanly (join.json is gone): their round logs name the run
     if len({r["rounds"] for r in nodes}) == 1:  # every node's tokens went into the exported state
         assert prov["tokens_trained"] == sum(r["tokens"] for r in nodes), (prov, nodes)
+
+
+def test_sigterm_stops_a_chaos_testnet_and_everything_it_started(tmp_path, data):
+    """SIGTERM to `murmur testnet chaos` (a `timeout`, a service manager, a CI job's end) stops it as
+    Ctrl+C does: the nodes commit and leave, the coordinator stops, and not one process it started
+    (fork server, coordinator, DHT, nodes) is left running. SIGTERM's default used to end the
+    testnet alone and leave them all orphaned."""
+    out = tmp_path / "o"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "murmur.cli", "testnet", "chaos", "--nodes", "2", "--mtbf", "3600", "--config",
+         "configs/testnet-tiny.toml", "--set", f'data.path="{data}"', "--duration", "600", "--out", str(out)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    family: list[psutil.Process] = []
+    try:
+        wait_for(lambda: any("loss" in r for i in range(2) for r in read_rounds(out / "nodes" / f"node-{i}")),
+                 timeout_s=240, what="a trained round")
+        family = psutil.Process(proc.pid).children(recursive=True)
+        proc.send_signal(signal.SIGTERM)
+        stdout, stderr = proc.communicate(timeout=180)
+        assert proc.returncode == 0, stdout[-2000:] + stderr[-2000:]
+        assert "interrupted: stopping the nodes" in stdout, stdout[-2000:]
+        codes = json.loads((out / "summary.json").read_text())["exit_codes"]
+        assert codes["node-0"] == codes["node-1"] == 0 and codes["coordinator"] == 0, codes
+        # the fork server leaves when the testnet does; the others were stopped before it returned
+        _, alive = psutil.wait_procs(family, timeout=60)
+        alive = [p for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        assert len(family) >= 4 and not alive, (len(family), [(p.pid, p.cmdline()[:4]) for p in alive])
+    finally:  # a failure leaves nothing behind either
+        for p in [psutil.Process(proc.pid), *family] if proc.poll() is None else family:
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+        proc.communicate()

@@ -33,7 +33,7 @@ from murmur.errors import MurmurError
 from murmur.node.daemon.state_dir import read_rounds
 from murmur.node.testnet.chaos import Chaos
 from murmur.node.testnet.pipeline_net import PIPELINE_TESTNET_STEPS, run_pipeline
-from murmur.node.testnet.procs import NodeProc, Testnet, TestnetError
+from murmur.node.testnet.procs import NodeProc, Testnet, TestnetError, stop_like_ctrl_c
 
 if TYPE_CHECKING:
     from murmur.protocol.runconfig import RunConfig
@@ -303,6 +303,7 @@ def slow_args(speed: float) -> list[str]:
 
 def _run(args: argparse.Namespace) -> int:
     _check_args(args)
+    stop_like_ctrl_c()
     chaos = args.verb == "chaos"
     stages = getattr(args, "stages", 0)
     out = Path(args.out)

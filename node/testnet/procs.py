@@ -36,6 +36,29 @@ class TestnetError(MurmurError):
     pass
 
 
+def stop_like_ctrl_c() -> None:
+    """From now on SIGTERM stops this testnet as Ctrl+C does: the KeyboardInterrupt lands in the
+    run's loop, whose ``finally`` stops every node, the coordinator and its DHT. SIGTERM's default
+    ended this process at once and left them all running, orphaned (a `timeout`, a service manager
+    or a CI job's end sends it). Once stopping, a second SIGTERM or Ctrl+C is ignored with a line:
+    cut half-way, the stop left the same orphans (SIGKILL still ends this process at once)."""
+    if threading.current_thread() is not threading.main_thread():
+        return  # a test's thread: its signals are the test's
+    stopping = False
+
+    def on_signal(signum: int, frame: object) -> None:
+        nonlocal stopping
+        if stopping:
+            print(f"already stopping ({signal.Signals(signum).name} ignored): the nodes and the coordinator "
+                  "are being stopped", file=sys.stderr, flush=True)
+            return
+        stopping = True
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+
+
 def murmur_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "murmur.cli", *args]
 
