@@ -8,8 +8,10 @@ Needs a running Docker engine, debootstrap and root (CI installs them); skips in
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -68,17 +70,18 @@ def world_readable(tmp_path):
         shutil.rmtree(root, ignore_errors=True)
 
 
-@pytest.mark.skipif(PROBLEM is not None, reason=f"compose test skipped: {PROBLEM}")
-@pytest.mark.timeout(BUILD_TIMEOUT_S + TRAIN_TIMEOUT_S + 600)
-def test_compose_up_trains_three_nodes_and_down_leaves_nothing(world_readable):
+@contextlib.contextmanager
+def compose_run(root: Path, overrides: list[str], nodes: int):
+    """Build the image, `up -d --scale node=N` a run of ``root``'s tiny dataset (the tiny config with
+    ``overrides``), yield (the compose command, its environment, the build's end time); then `down -v`
+    and check that no container, volume or network of the project is left."""
     from murmur.protocol.runconfig import load_config
 
-    t0 = time.monotonic()
-    data = small_dataset(world_readable)
+    data = small_dataset(root)
     for path in [data, *data.rglob("*")]:
         path.chmod(0o755 if path.is_dir() else 0o644)
-    run_toml = world_readable / "run.toml"
-    run_toml.write_text(load_config(TINY, ['data.path="/data/run"']).to_toml())
+    run_toml = root / "run.toml"
+    run_toml.write_text(load_config(TINY, ['data.path="/data/run"', *overrides]).to_toml())
     run_toml.chmod(0o644)
 
     run([str(REPO / "deploy" / "build-base.sh")], BUILD_TIMEOUT_S)
@@ -89,14 +92,37 @@ def test_compose_up_trains_three_nodes_and_down_leaves_nothing(world_readable):
         "MURMUR_IMAGE": image,
         "MURMUR_DATA_DIR": str(data),
         "MURMUR_RUN_TOML": str(run_toml),
-        "MURMUR_MIN_PEERS": str(NODES),
+        "MURMUR_MIN_PEERS": str(nodes),
         "MURMUR_THREADS": "1",
     }
     compose = [str(COMPOSE_BIN), "-p", project, *FILES]
     run([*compose, "build"], BUILD_TIMEOUT_S, env)
     built = time.monotonic()
     try:
-        run([*compose, "up", "-d", "--scale", f"node={NODES}"], 300, env)
+        run([*compose, "up", "-d", "--scale", f"node={nodes}"], 300, env)
+        yield compose, env, built
+    finally:
+        subprocess.run([*compose, "down", "-v", "--timeout", "30"], capture_output=True, timeout=180, cwd=REPO,
+                       env={**os.environ, **env})
+    label = f"label=com.docker.compose.project={project}"
+    for kind in (["ps", "-a"], ["volume", "ls"], ["network", "ls"]):
+        left = run(["docker", *kind, "-q", "--filter", label], 60)
+        assert left.strip() == "", f"docker {' '.join(kind)} still lists {left!r} after down -v"
+    subprocess.run(["docker", "image", "rm", image], capture_output=True, timeout=120)
+
+
+def status(compose: list[str], env: dict[str, str]) -> dict:
+    """The status page's JSON (the coordinator's metrics address, published on loopback)."""
+    listening = json.loads(run([*compose, "exec", "-T", "coordinator", "cat", "/join/listening.json"], 60, env))
+    with urllib.request.urlopen(f"http://{listening['metrics']}/api/status", timeout=30) as reply:
+        return json.load(reply)
+
+
+@pytest.mark.skipif(PROBLEM is not None, reason=f"compose test skipped: {PROBLEM}")
+@pytest.mark.timeout(BUILD_TIMEOUT_S + TRAIN_TIMEOUT_S + 600)
+def test_compose_up_trains_three_nodes_and_down_leaves_nothing(world_readable):
+    t0 = time.monotonic()
+    with compose_run(world_readable, [], NODES) as (compose, env, built):
 
         def rounds(index: int) -> list[dict]:
             done = subprocess.run([*compose, "exec", "-T", "--index", str(index), "node", "cat", "/state/rounds.jsonl"],
@@ -120,19 +146,43 @@ def test_compose_up_trains_three_nodes_and_down_leaves_nothing(world_readable):
         common = [r for r in hashes if all(any(x["round"] == r for x in rec) for rec in by_node)]
         assert common and all(len(hashes[r]) == 1 for r in common), hashes
 
-        listening = json.loads(run([*compose, "exec", "-T", "coordinator", "cat", "/join/listening.json"], 60, env))
-        with urllib.request.urlopen(f"http://{listening['metrics']}/api/status", timeout=30) as reply:
-            status = json.load(reply)
-        assert len([n for n in status["nodes"] if n["status"] == "active"]) == NODES
-        assert int(status["status"]["run"]["tokens_committed"]) > 0
-    finally:
-        subprocess.run([*compose, "down", "-v", "--timeout", "30"], capture_output=True, timeout=180, cwd=REPO,
-                       env={**os.environ, **env})
-        downed = time.monotonic()
-    label = f"label=com.docker.compose.project={project}"
-    for kind in (["ps", "-a"], ["volume", "ls"], ["network", "ls"]):
-        left = run(["docker", *kind, "-q", "--filter", label], 60)
-        assert left.strip() == "", f"docker {' '.join(kind)} still lists {left!r} after down -v"
-    subprocess.run(["docker", "image", "rm", image], capture_output=True, timeout=120)
+        view = status(compose, env)
+        assert len([n for n in view["nodes"] if n["status"] == "active"]) == NODES
+        assert int(view["status"]["run"]["tokens_committed"]) > 0
     print(f"\ncompose test: build {built - t0:.0f}s, up to {ROUNDS} rounds {trained_at - built:.0f}s, "
-          f"down {downed - trained_at:.0f}s, total {time.monotonic() - t0:.0f}s")
+          f"total {time.monotonic() - t0:.0f}s")
+
+
+# A pipelined run (docs/pipeline.md): two stages, one driver. The schedule outlasts the test, so the
+# driver never finishes (its container would be restarted and join again).
+PIPELINED = ["pipeline.stages=2", "pipeline.drivers=1", "pipeline.microbatch_size=4", "pipeline.sync_every_s=5.0",
+             "train.steps=100000"]
+VALS = 2  # the driver's validation lines (every train.eval_every = 10 run steps)
+
+
+@pytest.mark.skipif(PROBLEM is not None, reason=f"compose test skipped: {PROBLEM}")
+@pytest.mark.timeout(BUILD_TIMEOUT_S + TRAIN_TIMEOUT_S + 600)
+def test_compose_pipelined_run_one_driver_two_stage_peers_and_down_leaves_nothing(world_readable):
+    """`MURMUR_RUN_TOML` with a [pipeline] section and `--scale node=3`, as deploy/README.md says: every
+    replica runs `murmur node run --role auto`; the first granted a lease drives, the two others
+    serve the two stages the coordinator assigns, over the compose network, and the ledger grows."""
+    with compose_run(world_readable, PIPELINED, 3) as (compose, env, _):
+
+        def events(kind: str) -> list[dict]:
+            """The nodes' ``<time> EVENT {json}`` log lines of one kind (node/daemon/pipeline_role.py)."""
+            logs = run([*compose, "logs", "--no-color", "node"], 60, env)
+            return [json.loads(m[1]) for m in re.finditer(rf"^\S+\s+\|\s+\S+ {kind} (\{{.*\}})$", logs, re.M)]
+
+        vals = wait_for(lambda: (v := events("val")) and len(v) >= VALS and v, TRAIN_TIMEOUT_S, poll_s=3.0,
+                        what=f"the driver's first {VALS} validation lines through the containers' stages")
+        logs = run([*compose, "logs", "--no-color", "node"], 60, env)
+        assert logs.count("role: driver") == 1 and logs.count("role: stage peer") == 2, logs[-3000:]
+        assert sorted(r["stage"] for r in events("ready")) == [0, 1], events("ready")
+        assert vals[-1]["val_loss"] < vals[0]["val_loss"], vals  # it learns through the stages
+        view = status(compose, env)
+        assert int(view["status"]["run"]["tokens_committed"]) > 0, view["status"]["run"]
+        listening = json.loads(run([*compose, "exec", "-T", "coordinator", "cat", "/join/listening.json"], 60, env))
+        stages = json.loads(run([*compose, "exec", "-T", "coordinator", "murmur", "admin", "stages", "--coordinator",
+                                 listening["address"], "--admin-key", listening["admin_key_file"], "--output", "json"],
+                                120, env))
+        assert [s["peers"] for s in stages["summary"]] == [1, 1], stages
