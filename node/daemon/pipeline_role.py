@@ -35,7 +35,7 @@ from murmur.node.daemon.session import contribution
 from murmur.node.daemon.state_dir import JoinRecord, StateDir
 from murmur.node.model.data import Dataset
 from murmur.protocol import identity
-from murmur.protocol.coordinator_client import CoordinatorError, JoinInfo, MemberClient
+from murmur.protocol.coordinator_client import CoordinatorError, MemberClient
 from murmur.protocol.runconfig import RunConfig, parse_config
 
 ROLES = ("auto", "stage", "driver")
@@ -83,12 +83,7 @@ class PipelineVolunteer:
                  cfg: RunConfig, config_toml: str) -> None:
         self.o, self.state, self.record, self.ident, self.cfg = options, state, info, ident, cfg
         self.log = options.log
-        self.info = JoinInfo(
-            node_id=info.node_id, run_id=info.run_id, config_toml=config_toml, node_address=info.node_address,
-            tls_server_name=info.tls_server_name, bootstrap_peers=list(info.bootstrap_peers),
-            heartbeat_interval_s=info.heartbeat_interval_s, heartbeat_ttl_s=info.heartbeat_ttl_s,
-            lease_ttl_s=info.lease_ttl_s,
-        )
+        self.info = info.join_info(config_toml)
         self._commits = {"ranges": 0, "tokens": 0, "logged_at": 0.0}
 
     def run(self, role: str) -> int:

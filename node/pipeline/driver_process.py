@@ -1,9 +1,16 @@
 """One pipeline driver as a process: it holds the data and sends microbatches through the stages.
 
-    python -m murmur.node.pipeline.driver_process --coordinator HOST:PORT --token TOKEN --data DATASET
+    python -m murmur.node.pipeline.driver_process --coordinator HOST:PORT --token TOKEN --data DATASET \
+        [--state-dir DIR]
     python -m murmur.node.pipeline.driver_process --identity DIR --run RUN --peers peers.json \
         --stages 2 [model args] --data DATASET --shard 0 --microbatches 40 \
         [--microbatch-size 4] [--concurrency 2] [--codec bf16] [--commit-log FILE]
+
+With ``--state-dir`` the driver keeps its key, certificate and join record in that folder
+(node/net/member_folder.py, as `murmur node run` does): restarted with it, it rejoins as the same
+node id without a token, and since a lease belongs to a node id, its first ask gets back the lease
+it held, from the ledger's committed offset, at once (not after the lease TTL); what the killed
+process had sent but not committed is sent again and counted once.
 
 Joined to a run (``--coordinator`` and ``--token``) whose config has a ``[pipeline]`` section, the
 run config names the model and the pipeline, the stage peers come from the coordinator
@@ -42,6 +49,7 @@ import torch
 
 from murmur.errors import MurmurError
 from murmur.node.model.data import Dataset, eval_batches
+from murmur.node.net.member_folder import MemberFolder
 from murmur.node.pipeline.client import StageClient, StageEndpoint
 from murmur.node.pipeline.config import (
     add_model_args,
@@ -169,7 +177,8 @@ async def drive(args: argparse.Namespace, joined: Callable[[], PipelineMember] |
     device = args.device
     member = run = None
     if joined is not None or args.coordinator:
-        member = joined() if joined is not None else await PipelineMember.join(args.coordinator, args.token)
+        folder = MemberFolder(args.state_dir) if args.state_dir else None
+        member = joined() if joined is not None else await PipelineMember.join(args.coordinator, args.token, folder)
         identity = member.ident
         run = parse_config(member.info.config_toml, "the run config")
     else:
@@ -360,7 +369,11 @@ def main(argv: list[str] | None = None, joined: Callable[[], PipelineMember] | N
     ap = argparse.ArgumentParser(prog="python -m murmur.node.pipeline.driver_process")
     ap.add_argument("--identity", help="folder with node.key, node.crt, ca.crt (without --coordinator)")
     ap.add_argument("--coordinator", default="", help="join this coordinator, lease a shard, commit to its ledger")
-    ap.add_argument("--token", default="", help="join token (with --coordinator)")
+    ap.add_argument("--token", default="",
+                    help="join token (with --coordinator; not needed to rejoin with a --state-dir that joined before)")
+    ap.add_argument("--state-dir", default="",
+                    help="with --coordinator: keep the identity and join record here; restarted with it, the driver "
+                         "rejoins as the same node (no token) and resumes its lease from the ledger at once")
     ap.add_argument("--run", default="murmur-run")
     ap.add_argument("--peers", default="",
                     help="JSON file naming the stage peers (see the module doc); a pipelined run: the coordinator")
@@ -394,6 +407,8 @@ def main(argv: list[str] | None = None, joined: Callable[[], PipelineMember] | N
         args.microbatches = UNLIMITED
     if args.microbatches < 1:
         ap.error(f"--microbatches must be at least 1, got {args.microbatches}")
+    if args.state_dir and not args.coordinator:
+        ap.error("--state-dir keeps a membership of a run: it needs --coordinator")
     torch.set_num_threads(args.threads)
     log_to_stderr()
     try:
@@ -406,6 +421,9 @@ def main(argv: list[str] | None = None, joined: Callable[[], PipelineMember] | N
         return asyncio.run(drive(args, joined))
     except KeyboardInterrupt:
         return 130
+    except MurmurError as err:  # a refused join, a folder another driver holds: one line, not a traceback
+        print(f"error: {err}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

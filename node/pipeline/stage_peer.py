@@ -134,6 +134,13 @@ class StagePeer:
             self._tasks.append(asyncio.create_task(self.sync.run()))
         if stage is None and self.settings.state_dir is not None:
             stage = self._checkpointed_stage()  # a restart: the stage it holds a checkpoint of
+        if self.member is not None and self.settings.pipelined and self.member.rejoined:
+            # The coordinator still lists the killed process under this node id, at its dead
+            # address: a report of no stage yet (-1) replaces that entry now, before the stage is
+            # built and loaded, so no driver dials the dead address meanwhile. Orders wait (none
+            # is heard until the stage is served).
+            self.member.report = self.report
+            await self.member.beat()
         if stage is not None:
             await self._become(stage, donors)
         if self.member is not None and self.settings.pipelined:

@@ -4,9 +4,14 @@
     python -m murmur.node.pipeline.stage_peer_process --identity DIR --run RUN --stage 1 --stages 2 \
         [--layers 2,2] [--preset tiny --dim 64 ...] [--target-samples 16] [--lr 1e-3] \
         [--fault delay:stage_compute:0.2@x*] [--device cuda:0] [--dtype bf16]
-    ... [--state-dir DIR]   checkpoint the stage there; a restart with it resumes from it
+    ... [--state-dir DIR]   the peer's identity and its stage's checkpoints; a restart with it
+                            is the same node (no token needed) and resumes from them
 
-With ``--state-dir`` (in a pipelined run) the peer checkpoints its stage there every
+With ``--state-dir`` and ``--coordinator`` the peer keeps its key, certificate and join record
+there (node/net/member_folder.py, as `murmur node run` does): restarted with the folder it rejoins
+as the same node id without a token (only the first join needs one), and the coordinator replaces
+its entry in the stage view at its first heartbeat instead of listing the dead one until the
+heartbeat TTL. With ``--state-dir`` (in a pipelined run) the peer checkpoints its stage there every
 ``pipeline.checkpoint_every_s`` and at a clean stop; restarted with the same folder and no
 ``--stage``, it serves the stage of its newest checkpoint again and loads it (unless a live peer of
 the stage gives it newer weights). ``murmur export`` assembles the stage peers' folders into one
@@ -46,6 +51,7 @@ from pathlib import Path
 import torch
 
 from murmur.node.net.faults import FaultInjector
+from murmur.node.net.member_folder import MemberFolder
 from murmur.node.pipeline import stage_state
 from murmur.node.pipeline.config import (
     MIB,
@@ -147,7 +153,8 @@ async def serve(args: argparse.Namespace, joined: Callable[[], PipelineMember] |
     if joined is not None:
         member = joined()
     else:
-        member = await PipelineMember.join(args.coordinator, args.token) if args.coordinator else None
+        folder = MemberFolder(args.state_dir) if args.state_dir and args.coordinator else None
+        member = await PipelineMember.join(args.coordinator, args.token, folder) if args.coordinator else None
     model, settings, schedule = settings_of(args, member)
     follower = None
     if schedule is not None:
@@ -207,7 +214,8 @@ def main(argv: list[str] | None = None, joined: Callable[[], PipelineMember] | N
     ap = argparse.ArgumentParser(prog="python -m murmur.node.pipeline.stage_peer_process")
     ap.add_argument("--identity", help="folder with node.key, node.crt, ca.crt (without --coordinator)")
     ap.add_argument("--coordinator", default="", help="join this coordinator for a certificate")
-    ap.add_argument("--token", default="", help="join token (with --coordinator)")
+    ap.add_argument("--token", default="",
+                    help="join token (with --coordinator; not needed to rejoin with a --state-dir that joined before)")
     ap.add_argument("--run", default="murmur-run")
     ap.add_argument("--stage", type=int, default=None,
                     help="the stage to serve (default in a pipelined run: the coordinator assigns it)")
@@ -223,7 +231,8 @@ def main(argv: list[str] | None = None, joined: Callable[[], PipelineMember] | N
     ap.add_argument("--state-from", default="",
                     help="peers JSON file: fetch this stage's state from its peers there before serving")
     ap.add_argument("--state-dir", default="",
-                    help="checkpoint the stage into this folder; restarted with it, resume from it")
+                    help="keep the identity and the stage's checkpoints in this folder; restarted with it, "
+                         "rejoin as the same node and resume from them")
     ap.add_argument("--max-rows", type=int, default=64)
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--fault", action="append", default=[],
