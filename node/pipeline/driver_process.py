@@ -24,7 +24,8 @@ every shard is done, or after ``--microbatches`` if given. Otherwise ``peers.jso
 launches the stage peers (a test, the testnet) may change it while the driver runs, and
 microbatch i holds the tokens [i*B*T, (i+1)*B*T] of ``--shard`` (wrapping round at its end).
 
-Output: one JSON line per lease, per completed microbatch (loss, the peer of every hop, retries),
+Output: with ``--coordinator``, first ``{"event": "joined", "node_id", "run_id", "rejoined"}``
+(``rejoined``: with the record of its state folder, no token spent); one JSON line per lease, per completed microbatch (loss, the peer of every hop, retries),
 per evaluation (``val``) and per commit (the contiguous range of microbatches and their tokens,
 also appended to ``--commit-log`` and fsynced), and a last line ``{"event": "done", ...}`` with
 why it stopped, what it committed (tokens, microbatches, the end index) and how many hops each
@@ -180,6 +181,7 @@ async def drive(args: argparse.Namespace, joined: Callable[[], PipelineMember] |
         folder = MemberFolder(args.state_dir) if args.state_dir else None
         member = joined() if joined is not None else await PipelineMember.join(args.coordinator, args.token, folder)
         identity = member.ident
+        emit(event="joined", node_id=member.info.node_id, run_id=member.info.run_id, rejoined=member.rejoined)
         run = parse_config(member.info.config_toml, "the run config")
     else:
         identity = Identity.load(args.identity)
