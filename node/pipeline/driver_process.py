@@ -25,11 +25,11 @@ launches the stage peers (a test, the testnet) may change it while the driver ru
 microbatch i holds the tokens [i*B*T, (i+1)*B*T] of ``--shard`` (wrapping round at its end).
 
 Output: with ``--coordinator``, first ``{"event": "joined", "node_id", "run_id", "rejoined"}``
-(``rejoined``: with the record of its state folder, no token spent); one JSON line per lease, per completed microbatch (loss, the peer of every hop, retries),
-per evaluation (``val``) and per commit (the contiguous range of microbatches and their tokens,
-also appended to ``--commit-log`` and fsynced), and a last line ``{"event": "done", ...}`` with
-why it stopped, what it committed (tokens, microbatches, the end index) and how many hops each
-peer served.
+(``rejoined``: with the record of its state folder, no token spent); one JSON line per lease,
+per completed microbatch (loss, the peer of every hop, retries), per evaluation (``val``) and per
+commit (the contiguous range of microbatches and their tokens, also appended to ``--commit-log``
+and fsynced), and a last line ``{"event": "done", ...}`` with why it stopped, what it committed
+(tokens, microbatches, the end index) and how many hops each peer served.
 """
 from __future__ import annotations
 
