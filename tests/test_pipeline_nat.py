@@ -23,7 +23,7 @@ import time
 import pytest
 from _net_helpers import REPO, python_env
 from _node_helpers import ledger, make_testnet
-from _pipeline_helpers import finish, records, start_driver, start_run_peer, stop_all
+from _pipeline_helpers import finish, free_port_pair, records, start_driver, start_run_peer, stop_all
 
 from murmur.node.testnet.procs import start_module
 
@@ -56,22 +56,6 @@ def _sh(*cmd: str, check: bool = True) -> None:
         raise RuntimeError(f"{' '.join(cmd)}: {done.stderr.strip()}")
 
 
-def _free_pair() -> int:
-    """A port P with P and P + 1 free on the host (the namespace's are all free)."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port < 65535:
-            with socket.socket() as t:
-                try:
-                    t.bind(("127.0.0.1", port + 1))
-                except OSError:
-                    continue
-            return port
-    raise RuntimeError("no two adjacent free ports")
-
-
 def _dnat(port: int) -> tuple[str, ...]:
     """The host's rule that forwards HOST_IP:port into the namespace (a router's port forward);
     in OUTPUT, since the driver and the other peer dial from this host."""
@@ -83,7 +67,7 @@ def _dnat(port: int) -> tuple[str, ...]:
 def nat():
     """A namespace on a veth pair: it can dial the host; of the connections into it only those to
     the two forwarded ports are let in, and the host's address forwards those two there."""
-    port = _free_pair()
+    port = free_port_pair()
     inside = ("ip", "netns", "exec", NS)
     rules: list[tuple[str, ...]] = []
     _sh("ip", "netns", "del", NS, check=False)

@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 from _net_helpers import REPO, python_env
-from _pipeline_helpers import MODEL, START_TIMEOUT, start_peer, stop_peer
+from _pipeline_helpers import MODEL, START_TIMEOUT, free_port_pair, start_peer, stop_peer
 
 from murmur.node.testnet.procs import start_module
 from murmur.protocol.identity import CertificateAuthority
@@ -16,24 +16,8 @@ from murmur.protocol.identity import CertificateAuthority
 pytestmark = pytest.mark.integration
 
 
-def free_pair() -> int:
-    """A port P with P and P + 1 free."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port < 65535:
-            with socket.socket() as t:
-                try:
-                    t.bind(("127.0.0.1", port + 1))
-                except OSError:
-                    continue
-            return port
-    raise RuntimeError("no two adjacent free ports")
-
-
 def test_a_stage_peer_serves_and_advertises_its_fixed_ports(tmp_path):
-    port = free_pair()
+    port = free_port_pair()
     ca = CertificateAuthority.create("ports")
     peer = start_peer(ca, tmp_path / "peer", 0, "--port", str(port), "--advertise-host", "localhost")
     try:
@@ -50,7 +34,7 @@ def test_a_stage_peer_serves_and_advertises_its_fixed_ports(tmp_path):
 
 @pytest.mark.parametrize(("which", "what"), [("--port", "the stage service"), ("--state-port", "the peer server")])
 def test_a_taken_port_is_refused_in_one_line(tmp_path, which, what):
-    port = free_pair()
+    port = free_port_pair()
     ca = CertificateAuthority.create("ports")
     ca.issue().save(tmp_path / "id")
     taken = port if which == "--port" else port + 1

@@ -88,7 +88,8 @@ def test_a_peer_restarted_under_its_node_id_replaces_its_entry_and_refills_its_o
     assert (order.stage, order.reason) == (1, "restarted")  # back to its own stage
     view = world.board.stage_map("pipe")
     listed = [p for p in view.peers if p.node_id == "b"]
-    assert len(listed) == 1 and listed[0].report.stage == -1 and listed[0].report.address == ""  # the dead one's is gone
+    # once, with the new report: the dead process's address is gone
+    assert len(listed) == 1 and listed[0].report.stage == -1 and listed[0].report.address == ""
     assert (listed[0].assigned_stage, listed[0].assignment) == (1, "joining")
     assert [s.peers for s in view.summary] == [1, 0]
     assert world.board.tick() == []  # being refilled by "b": stage 1 is not emptied onto "a"
