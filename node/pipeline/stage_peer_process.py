@@ -6,6 +6,12 @@
         [--fault delay:stage_compute:0.2@x*] [--device cuda:0] [--dtype bf16]
     ... [--state-dir DIR]   the peer's identity and its stage's checkpoints; a restart with it
                             is the same node (no token needed) and resumes from them
+    ... [--host H] [--port P] [--state-port Q] [--advertise-host A]
+                            where its two servers bind (the stage service on P, its peer server
+                            on Q, default P + 1; 0: the kernel's choice) and the host others dial
+
+Behind a NAT, forward P and Q from the router and pass its address as ``--advertise-host``: the
+coordinator hands out ``A:P`` to drivers and ``A:Q`` to stage-mates (docs/pipeline.md).
 
 With ``--state-dir`` and ``--coordinator`` the peer keeps its key, certificate and join record
 there (node/net/member_folder.py, as `murmur node run` does): restarted with the folder it rejoins
