@@ -31,13 +31,3 @@ def advertised_address(bound: str, host: str, advertise_host: str) -> str:
     the bound port."""
     return f"{advertised(host, advertise_host)}:{bound.rpartition(':')[2]}"
 
-
-def parse_port(text: str, what: str) -> int:
-    """A port number from the command line or an address (0: the kernel's choice), or a one-line error."""
-    try:
-        port = int(text or 0)
-    except ValueError:
-        raise ValueError(f"{what}: {text!r} is not a port number") from None
-    if not 0 <= port <= 65535:
-        raise ValueError(f"{what}: {port} is not a port number (0-65535)")
-    return port
