@@ -38,14 +38,19 @@ drivers as processes on loopback (fp32 activations), training for a number of ru
   stage was built, when it served and at its stop. On the small model the fixed costs alone are
   ten times the cap: only the memory row says anything about the target.
 - ``mtbf_s``/``kills``: stage peers (2 a stage) SIGKILLed at exponential intervals with that mean and
-  restarted with their state folder; ``longest_stall_s``: the longest gap between two microbatches
-  the drivers completed; ``microbatches_lost``: the schedule's microbatches the ledger does not hold
-  at the end (the driver re-runs a microbatch whose hop failed, so 0 is the target);
-  ``samples_committed``: the ledger's total in sequences (two drivers may each finish a microbatch
-  past the schedule's end: the ledger counts those too).
+  restarted with their state folder, which keeps their identity: each comes back as the same node,
+  and the coordinator replaces its entry at its first heartbeat (rows from before the stage peers
+  kept their identity restarted each as a new node, its dead entry listed until the heartbeat TTL);
+  ``longest_stall_s``: the longest gap between two microbatches the drivers completed;
+  ``microbatches_lost``: the schedule's microbatches the ledger does not hold at the end (the driver
+  re-runs a microbatch whose hop failed, so 0 is the target); ``samples_committed``: the ledger's
+  total in sequences (two drivers may each finish a microbatch past the schedule's end: the ledger
+  counts those too).
 - ``resumed_from_checkpoint``: every stage peer and the driver SIGKILLed at once half-way, then
-  restarted: true when every restarted peer loaded its stage's checkpoint (not the seed), and the
-  run went on to the end of its schedule.
+  restarted with their state folders: true when every restarted peer loaded its stage's checkpoint
+  (not the seed), and the run went on to the end of its schedule. The restarted driver is the same
+  node and gets its lease back at once (rows from before drivers kept a state folder restarted it
+  as a new node, which waited for the dead one's lease to expire or took another shard).
 """
 
 from __future__ import annotations
@@ -162,9 +167,10 @@ def start_peer(join: tuple[str, str], state: Path) -> Proc:
                 state.with_suffix(".log"))
 
 
-def start_driver(join: tuple[str, str], data: Path, root: Path, name: str) -> Proc:
+def start_driver(join: tuple[str, str], data: Path, root: Path, name: str, state: Path) -> Proc:
+    """A driver with its state folder: restarted with it, it is the same node (its lease is its own)."""
     return Proc("murmur.node.pipeline.driver_process",
-                ["--coordinator", join[0], "--token", join[1], "--data", str(data),
+                ["--coordinator", join[0], "--token", join[1], "--data", str(data), "--state-dir", str(state),
                  "--commit-log", str(root / f"{name}.commits")], root / f"{name}.log")
 
 
@@ -208,7 +214,7 @@ def run_row(root: Path, data: Path, steps: int, *, shape: Shape = TINY, peers_pe
             peers.append(start_peer(join, s))
             peers[-1].wait_ready()
         every_peer += peers
-        active = [start_driver(join, data, root, f"driver-{i}") for i in range(drivers)]
+        active = [start_driver(join, data, root, f"driver-{i}", root / f"driver-state-{i}") for i in range(drivers)]
         next_kill = time.time() + rng.expovariate(1 / mtbf_s) if mtbf_s > 0 else math.inf
         killed_all = False
         while any(d.proc.poll() is None for d in active):
@@ -225,7 +231,8 @@ def run_row(root: Path, data: Path, steps: int, *, shape: Shape = TINY, peers_pe
                 for p in peers:
                     restarts_from_ckpt.append(p.wait_ready()["state_source"] == "checkpoint")
                 every_peer += peers
-                active = [start_driver(join, data, root, f"driver-{len(finished) + i}") for i in range(drivers)]
+                active = [start_driver(join, data, root, f"driver-{len(finished) + i}", root / f"driver-state-{i}")
+                          for i in range(drivers)]
             if time.time() >= next_kill:
                 i = rng.randrange(n)
                 peers[i].kill()

@@ -16,6 +16,11 @@ the stage its lease names is not the one it serves. The lease is a row of the le
   ``rebalance_every_s`` and two agreeing checks.
 - a peer that is lost, leaves or is banned loses its lease (``stage_lost``); a move it was
   making is forgotten.
+- **restarting**: a peer restarted with its state folder keeps its node id (it rejoins without a
+  token) and first reports no stage (-1). That report replaces the dead process's at once (the
+  view lists the node once, at its new addresses, none while it loads), and its lease goes back to
+  **joining** at its stage (``stage_restarted``): the stage counts as being refilled, by it, and the
+  order it gets names that stage (a move it was making is given up).
 
 **Whose throughput.** Each peer reports its own samples/s, but that is its compute rate on its own
 stage: a stage of more blocks is slower per sample, and a peer may claim anything. Drivers measure
@@ -145,6 +150,14 @@ class StageBoard:
         now = self.clock()
         self._reports[node_id] = (now, _sane(rep))
         lease = self._leases.get(node_id)
+        if lease is not None and rep.stage < 0 and lease.state != "joining":
+            # A peer that served (or was moving) reports no stage: it restarted under its node id
+            # (its state folder keeps it). Its new report replaced the dead process's above; its
+            # stage counts as being filled (by it) rather than empty, and a move it was making is over.
+            if lease.state == "moving":
+                self._rebalancer(run_id).abandoned(node_id)
+            lease.state, lease.reason, lease.since = "joining", "restarted", now
+            self._put(lease, "stage_restarted", stage=lease.stage)
         if lease is None:
             if rep.stage >= 0:
                 lease = StageLease(node_id, run_id, rep.stage, "serving", -1, "chosen by the peer", now)

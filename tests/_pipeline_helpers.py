@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import json
 import signal
+import socket
 import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -206,3 +207,19 @@ def watcher_identity(join: tuple[str, str]) -> Identity:
     """A member identity of the run, for a test that calls the stage peers itself."""
     ident, _ = asyncio.run(join_run(join[0], join[1], generate_key()))
     return ident
+
+
+def free_port_pair() -> int:
+    """A port P with P and P + 1 free on loopback: a stage peer's fixed stage and peer-server ports."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port < 65535:
+            with socket.socket() as t:
+                try:
+                    t.bind(("127.0.0.1", port + 1))
+                except OSError:
+                    continue
+            return port
+    raise RuntimeError("no two adjacent free ports")

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from _net_helpers import python_env
-from _pipeline_helpers import coordinator, ledger_tokens
+from _pipeline_helpers import coordinator, free_port_pair, ledger_tokens
 
 from murmur.node.testnet.procs import start_murmur
 
@@ -93,7 +93,12 @@ def test_volunteers_serve_stages_and_drive_a_pipelined_run_as_the_coordinator_de
             vols[0].wait("role", lambda: any(m.startswith("role: driver") for m in vols[0].messages()))
             # The others are refused a lease (the run has its driver) and serve the two stages the
             # coordinator assigns them; no data needed for that.
-            vols += [Volunteer(tmp_path, name, join) for name in ("second", "third")]
+            # "second" on fixed ports: its --listen port for the stage service, the next one for
+            # its peer server, both advertised under --advertise-host.
+            port = free_port_pair()
+            vols.append(Volunteer(tmp_path, "second", join, "--listen", f"127.0.0.1:{port}",
+                                  "--advertise-host", "localhost"))
+            vols.append(Volunteer(tmp_path, "third", join))
             readies = [v.wait("ready", lambda v=v: v.events("ready")) for v in vols[1:]]
             # The driver follows the run's schedule to its end and leaves.
             code = vols[0].proc.wait(START_TIMEOUT_S * 2)
@@ -105,6 +110,7 @@ def test_volunteers_serve_stages_and_drive_a_pipelined_run_as_the_coordinator_de
     for v in stages:
         assert any(m.startswith("role: stage peer (no lease: the run has the 1 driver(s)") for m in v.messages())
     assert sorted(r[0]["stage"] for r in readies) == [0, 1], readies
+    assert (readies[0][0]["address"], readies[0][0]["state_address"]) == (f"localhost:{port}", f"localhost:{port + 1}")
     assert codes[1:] == [0, 0], [v.messages()[-20:] for v in stages]
     (done,) = driver.events("done")
     assert done["reason"] == "schedule done", done

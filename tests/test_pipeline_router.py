@@ -58,6 +58,22 @@ def test_a_failed_peer_is_benched_with_doubling_and_comes_back():
         router.choose(0, 1, exclude=["a", "b"])
 
 
+def test_a_peer_back_under_its_node_id_at_a_new_address_is_no_longer_benched():
+    router, _ = make()
+    router.set_peers(1, peers(1, "a", "b"))
+    dead = StageEndpoint("b", "127.0.0.1:2", 1)
+    for _ in range(3):  # the killed process: failures in a row, benched for 8 s
+        router.failed(dead, "forward", timed_out=False)
+    router.set_peers(1, [StageEndpoint("a", "127.0.0.1:1", 1), dead])  # the same address: still benched
+    assert {router.choose(1, 4).node_id for _ in range(5)} == {"a"}
+    arrivals = router.arrivals
+    router.set_peers(1, [StageEndpoint("a", "127.0.0.1:1", 1), StageEndpoint("b", "127.0.0.1:9", 1)])  # restarted
+    assert router.arrivals == arrivals + 1  # a driver pausing after a failure stops waiting
+    st = router.state(StageEndpoint("b", "127.0.0.1:9", 1))
+    assert (st.failures, st.benched_until, st.peer.address, st.failed_total) == (0, 0.0, "127.0.0.1:9", 3)
+    assert "b" in {router.choose(1, 4).node_id for _ in range(5)}
+
+
 def test_deadlines_adapt_to_latency_clamped_and_back_off_on_timeouts():
     router, _ = make()
     (p,) = peers(1, "p")

@@ -78,6 +78,29 @@ def test_an_emptied_stage_is_refilled_at_once_and_the_move_completes_when_the_pe
     assert "-> 1 (empty stage)" in view.summary[1].last_move
 
 
+def test_a_peer_restarted_under_its_node_id_replaces_its_entry_and_refills_its_own_stage(world):
+    assert [world.join(n) for n in "ab"] == [0, 1]
+    # "b" is SIGKILLed and restarted with its state folder: the same node id, a new process that
+    # reports no stage while it loads, at new addresses.
+    world.live.add("b")
+    rep = pb.StageReport(stage=-1, replica_stage=-1, state_address="b:new-state")
+    order = world.board.report("b", "pipe", rep)
+    assert (order.stage, order.reason) == (1, "restarted")  # back to its own stage
+    view = world.board.stage_map("pipe")
+    listed = [p for p in view.peers if p.node_id == "b"]
+    # once, with the new report: the dead process's address is gone
+    assert len(listed) == 1 and listed[0].report.stage == -1 and listed[0].report.address == ""
+    assert (listed[0].assigned_stage, listed[0].assignment) == (1, "joining")
+    assert [s.peers for s in view.summary] == [1, 0]
+    assert world.board.tick() == []  # being refilled by "b": stage 1 is not emptied onto "a"
+    assert world.board.report("b", "pipe", rep).stage == 1  # said again while it loads, one event only
+    assert [e["stage"] for e in world.events("stage_restarted")] == [1]
+    assert world.beat("b", 1) is None
+    rows = {r["node_id"]: (r["stage"], r["state"]) for r in world.store.stage_leases()}
+    assert rows == {"a": (0, "serving"), "b": (1, "serving")}
+    assert [p.report.address for p in world.board.stage_map("pipe").peers] == ["a:1", "b:1"]
+
+
 def test_a_bottleneck_move_waits_for_the_check_period_and_two_agreeing_checks(world):
     for node, stage, rate in (("a", 0, 10.0), ("b", 0, 10.0), ("c", 0, 10.0), ("d", 1, 5.0)):
         world.beat(node, stage, rate)  # started on stages of their own choosing

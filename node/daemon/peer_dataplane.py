@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import socket
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +37,7 @@ from murmur.node.daemon.state_dir import JoinRecord
 from murmur.node.exchange.group import DHTGroup, RendezvousSettings, RoundGate
 from murmur.node.exchange.peer import ExchangePeer, PeerSpec, abuild_peer
 from murmur.node.exchange.settings import ExchangeSettings
+from murmur.node.net.addresses import WILDCARDS, advertised
 from murmur.node.net.faults import FaultInjector
 from murmur.node.net.loop import RunningLoop
 from murmur.node.net.server import PeerServerSettings, PublishedState
@@ -54,7 +54,6 @@ from murmur.protocol.wire import tensors_hash
 # "coordinator") as a bootstrap peer, and must not be counted as a member or asked for state.
 TRAINER = "trainer"
 
-WILDCARDS = ("0.0.0.0", "::", "[::]", "")
 STATE_POLL_S = 0.5  # how often a joiner looks for peers' records
 DHT_RETRY_S = 1.0  # pause between DHT start attempts
 DHT_REFRESH_S = 5.0  # while the DHT cannot start, ask the coordinator for its bootstrap peers this often
@@ -63,18 +62,6 @@ DHT_GOODBYE_TIMEOUT_S = 5.0  # the "gone" record; past this, peers learn of the 
 
 class PeerDataPlaneError(MurmurError):
     pass
-
-
-def advertised(host: str, advertise_host: str) -> str:
-    """The host peers dial: --advertise-host, else the listen host, else this machine's address."""
-    if advertise_host:
-        return advertise_host
-    if host not in WILDCARDS:
-        return host
-    try:
-        return socket.gethostbyname(socket.gethostname())
-    except OSError:
-        return "127.0.0.1"
 
 
 @dataclass(slots=True)

@@ -34,8 +34,9 @@ from murmur.node.daemon.node import NodeOptions, PipelinedRun, run_node
 from murmur.node.daemon.session import contribution
 from murmur.node.daemon.state_dir import JoinRecord, StateDir
 from murmur.node.model.data import Dataset
+from murmur.node.net.addresses import advertised
 from murmur.protocol import identity
-from murmur.protocol.coordinator_client import CoordinatorError, JoinInfo, MemberClient
+from murmur.protocol.coordinator_client import CoordinatorError, MemberClient
 from murmur.protocol.runconfig import RunConfig, parse_config
 
 ROLES = ("auto", "stage", "driver")
@@ -83,12 +84,7 @@ class PipelineVolunteer:
                  cfg: RunConfig, config_toml: str) -> None:
         self.o, self.state, self.record, self.ident, self.cfg = options, state, info, ident, cfg
         self.log = options.log
-        self.info = JoinInfo(
-            node_id=info.node_id, run_id=info.run_id, config_toml=config_toml, node_address=info.node_address,
-            tls_server_name=info.tls_server_name, bootstrap_peers=list(info.bootstrap_peers),
-            heartbeat_interval_s=info.heartbeat_interval_s, heartbeat_ttl_s=info.heartbeat_ttl_s,
-            lease_ttl_s=info.lease_ttl_s,
-        )
+        self.info = info.join_info(config_toml)
         self._commits = {"ranges": 0, "tokens": 0, "logged_at": 0.0}
 
     def run(self, role: str) -> int:
@@ -138,12 +134,22 @@ class PipelineVolunteer:
         self.log(f"role: stage peer (no lease: {reply.reason})")
         return "stage"
 
-    def _stage_host(self) -> str:
-        """The host the stage service binds and advertises: peers and drivers dial it."""
-        from murmur.node.daemon.peer_dataplane import advertised  # the data-parallel node's rule
-
-        host = self.o.listen.rpartition(":")[0] or "127.0.0.1"
-        return advertised(host, self.o.advertise_host)
+    def _stage_addresses(self) -> list[str]:
+        """Where the stage peer's two servers bind and what they advertise: the ``--listen`` host,
+        the stage service on its port and the peer server on the next one (both the kernel's choice
+        for port 0), reported under ``--advertise-host`` (node/net/addresses.py's rule). One flag a
+        volunteer already sets for a data-parallel run, and a pair of adjacent ports to forward
+        (compose's node exposes 7800 and 7801)."""
+        host, _, port = self.o.listen.rpartition(":")
+        try:
+            p = int(port or 0)
+        except ValueError:
+            raise RoleError(f"--listen {self.o.listen}: {port!r} is not a port") from None
+        if not 0 <= p <= 65534:  # the peer server takes the next one
+            raise RoleError(f"--listen {self.o.listen}: the stage service's port must be 0-65534 (the peer server "
+                            "takes the next one)")
+        return ["--host", host or "127.0.0.1", "--port", str(p), "--state-port", str(p + 1 if p else 0),
+                "--advertise-host", advertised(host, self.o.advertise_host)]
 
     def _common(self) -> list[str]:
         import torch  # loaded already by the node
@@ -166,7 +172,7 @@ class PipelineVolunteer:
         stage_peer_process.SINK = self._record
         # The node's own state folder keeps its stage's checkpoints: a volunteer restarted with it
         # takes its stage back from disk when every other peer of it is gone.
-        argv = self._common() + ["--host", self._stage_host(), "--state-dir", str(self.state.root)]
+        argv = self._common() + [*self._stage_addresses(), "--state-dir", str(self.state.root)]
         return stage_peer_process.main(argv, joined=self._joined())
 
     def _drive(self) -> int:

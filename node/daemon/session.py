@@ -29,10 +29,11 @@ from murmur.node.daemon.state_dir import JoinRecord, PendingCommit, StateDir
 from murmur.node.daemon.stop import StopSignal
 from murmur.node.daemon.training import LeaseView
 from murmur.node.net.loop import next_due
+from murmur.node.net.member_folder import join_or_rejoin
 from murmur.optim.exchange import ExchangeError
 from murmur.protocol import coordinator_pb2 as pb
 from murmur.protocol import identity
-from murmur.protocol.coordinator_client import CoordinatorError, MemberClient, join_run
+from murmur.protocol.coordinator_client import CoordinatorError, MemberClient
 
 
 class SessionError(MurmurError):
@@ -83,36 +84,10 @@ async def join(
     name: str = "",
 ) -> tuple[JoinRecord, identity.Identity, str]:
     """The membership this state folder holds for ``coordinator``, else a new one from ``token``:
-    (join info, identity, the run configuration as TOML)."""
-    saved = state.load_join()
-    if saved is not None and saved[0].coordinator == coordinator:
-        info, ident, config = saved
-        log(f"rejoining run {info.run_id} as {info.node_id} (identity from {state.root})")
-        return info, ident, config
-    if not token:
-        raise SessionError(
-            f"{state.root} holds no membership of the coordinator at {coordinator}: "
-            "pass --token (from `murmur admin tokens create`)"
-        )
-    ident, joined = await join_run(
-        coordinator, token, state.node_key(), hardware=hardware(), timeout_s=settings.join_timeout_s, name=name
-    )
-    info = JoinRecord(
-        node_id=joined.node_id,
-        run_id=joined.run_id,
-        coordinator=coordinator,
-        node_address=joined.node_address,
-        tls_server_name=joined.tls_server_name,
-        bootstrap_peers=list(joined.bootstrap_peers),
-        heartbeat_interval_s=joined.heartbeat_interval_s,
-        heartbeat_ttl_s=joined.heartbeat_ttl_s,
-        lease_ttl_s=joined.lease_ttl_s,
-    )
-    if (aside := state.set_aside_other_run(joined.run_id, ident.ca_cert_pem)) is not None:
-        log(f"the local training state belongs to another run (or coordinator): set aside in {aside}, not resumed")
-    state.save_join(info, ident.cert_pem, ident.ca_cert_pem, joined.config_toml)
-    log(f"joined run {info.run_id} as {info.node_id}" + (f" ({name})" if name else ""))
-    return info, ident, joined.config_toml
+    (join info, identity, the run configuration as TOML). The member folder's rule
+    (node/net/member_folder.py), which stage peers and drivers follow too."""
+    return await join_or_rejoin(state, coordinator, token, log, hardware=hardware,
+                                timeout_s=settings.join_timeout_s, name=name)
 
 
 def contribution(reply: pb.LeaveReply) -> str:

@@ -13,46 +13,31 @@
       rounds.jsonl           one JSON line per outer round: loss, hash of the global state, peers
       node.lock              held while a daemon runs on this folder
 
+The identity, join record, run.json, config.toml and the lock are a member folder's
+(node/net/member_folder.py), which the stage peers and drivers keep too.
+
 Every write goes to a temporary file first and is renamed into place, so a kill at any instant
 leaves either the old file or the new one, never a torn one.
 """
 
 from __future__ import annotations
 
-import fcntl
-import hashlib
 import json
-import os
 import re
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from murmur.errors import MurmurError
-from murmur.protocol import identity
+from murmur.node.net.member_folder import JoinRecord, MemberFolder, MemberFolderError, atomic_write, run_owner
+
+# JoinRecord too: the daemon's modules find it here, beside the folder that keeps it.
+__all__ = ["JoinRecord", "PendingCommit", "StateDir", "StateDirError", "read_rounds"]
 
 
-class StateDirError(MurmurError):
+class StateDirError(MemberFolderError):
     """The state folder cannot be used (locked, unwritable, a damaged file). Not to be confused with
     node/net/state_transfer.py's StateError: a training state that could not be fetched from peers."""
-
-
-@dataclass(slots=True)
-class JoinRecord:
-    """What join.json keeps of a join, for a restart to rejoin as the same node: the join reply
-    (protocol/coordinator_client.py's JoinInfo) without the run config (config.toml holds it),
-    with the coordinator's public address the node joined through."""
-
-    node_id: str
-    run_id: str
-    coordinator: str  # the public address the node joined through
-    node_address: str  # the coordinator's mutual-TLS address for member calls
-    tls_server_name: str
-    bootstrap_peers: list[str] = field(default_factory=list)
-    heartbeat_interval_s: float = 1.0
-    heartbeat_ttl_s: float = 10.0
-    lease_ttl_s: float = 30.0
 
 
 @dataclass(slots=True)
@@ -71,82 +56,11 @@ class PendingCommit:
     val_loss: float | None = None  # the round's validation loss, on the round's first commit only
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    tmp.replace(path)
+class StateDir(MemberFolder):
+    """A member folder (node/net/member_folder.py: the lock, the identity, the join record) with the
+    node's training state beside it."""
 
-
-class StateDir:
-    def __init__(self, root: str | Path) -> None:
-        self.root = Path(root)
-        try:
-            self.root.mkdir(parents=True, exist_ok=True)
-        except OSError as err:
-            raise StateDirError(f"cannot create the state folder {self.root}: {err.strerror}") from None
-        self._lock_file: Any = None
-
-    # -- exclusive use ---------------------------------------------------------------------------
-
-    def lock(self) -> None:
-        """Refuse a second daemon on the same folder: two nodes with one identity would fight."""
-        f = open(self.root / "node.lock", "a+")  # noqa: SIM115 - held for the process's lifetime
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            f.close()
-            raise StateDirError(
-                f"another murmur node is running on {self.root}; give each node its own --state-dir"
-            ) from None
-        f.seek(0)
-        f.truncate()
-        f.write(str(os.getpid()))
-        f.flush()
-        self._lock_file = f
-
-    def unlock(self) -> None:
-        if self._lock_file is not None:
-            self._lock_file.close()
-            self._lock_file = None
-
-    # -- identity and join -------------------------------------------------------------------------
-
-    @property
-    def identity_dir(self) -> Path:
-        return self.root / "identity"
-
-    def node_key(self) -> identity.PrivateKey:
-        self.identity_dir.mkdir(exist_ok=True)
-        return identity.load_or_create_key(self.identity_dir / "node.key")
-
-    def save_join(self, info: JoinRecord, cert_pem: bytes, ca_pem: bytes, config_toml: str) -> None:
-        _atomic_write(self.root / "run.json", json.dumps(_run_owner(info.run_id, ca_pem)).encode())
-        (self.identity_dir / "node.crt").write_bytes(cert_pem)
-        (self.identity_dir / "ca.crt").write_bytes(ca_pem)
-        _atomic_write(self.root / "config.toml", config_toml.encode())
-        _atomic_write(self.root / "join.json", (json.dumps(asdict(info), indent=1) + "\n").encode())
-
-    def save_join_record(self, info: JoinRecord) -> None:
-        """The join record alone (the coordinator handed out new bootstrap peers)."""
-        _atomic_write(self.root / "join.json", (json.dumps(asdict(info), indent=1) + "\n").encode())
-
-    def load_join(self) -> tuple[JoinRecord, identity.Identity, str] | None:
-        """The saved join (info, identity, config text), or None when the node never joined."""
-        path = self.root / "join.json"
-        if not path.is_file():
-            return None
-        try:
-            info = JoinRecord(**json.loads(path.read_text()))
-            ident = identity.Identity.load(self.identity_dir)
-            config = (self.root / "config.toml").read_text()
-        except (OSError, TypeError, json.JSONDecodeError) as err:
-            raise StateDirError(
-                f"{self.root} holds a damaged join record ({err}); remove join.json to join afresh"
-            ) from None
-        return info, ident, config
+    error = StateDirError
 
     def set_aside_other_run(self, run_id: str, ca_pem: bytes) -> Path | None:
         """Move the training state of another run (another run id, or the same name under another
@@ -156,7 +70,7 @@ class StateDir:
         is deleted: it goes to ``other-run-<id>-<time>/``, which this returns (None: nothing to move)."""
         theirs = self._run_owner()
         kept = [p for p in (self.checkpoint_path, self.journal_path, self.rounds_path) if p.exists()]
-        if theirs is None or theirs == _run_owner(run_id, ca_pem) or not kept:
+        if theirs is None or theirs == run_owner(run_id, ca_pem) or not kept:
             return None
         name = re.sub(r"[^A-Za-z0-9._-]", "_", theirs["run_id"])
         aside = self.root / f"other-run-{name}-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -180,12 +94,7 @@ class StateDir:
             run_id = json.loads((self.root / "join.json").read_text())["run_id"]
         except (OSError, KeyError, json.JSONDecodeError):
             run_id = next((r["run"] for r in reversed(read_rounds(self.root)) if r.get("run")), "")
-        return _run_owner(run_id, ca_pem)
-
-    def forget_join(self) -> None:
-        """After a clean leave the coordinator wants a fresh join: drop the join record."""
-        for name in ("join.json",):
-            (self.root / name).unlink(missing_ok=True)
+        return run_owner(run_id, ca_pem)
 
     # -- checkpoint --------------------------------------------------------------------------------
 
@@ -224,7 +133,7 @@ class StateDir:
 
     def save_pending(self, pending: list[PendingCommit]) -> None:
         data = "".join(json.dumps(asdict(c)) + "\n" for c in pending)
-        _atomic_write(self.journal_path, data.encode())
+        atomic_write(self.journal_path, data.encode())
 
     def load_pending(self) -> list[PendingCommit]:
         if not self.journal_path.is_file():
@@ -262,6 +171,3 @@ def read_rounds(root: str | Path) -> list[dict[str, Any]]:
             continue  # the line being written when the node was killed
     return out
 
-
-def _run_owner(run_id: str, ca_pem: bytes) -> dict[str, str]:
-    return {"run_id": run_id, "ca_sha256": hashlib.sha256(ca_pem).hexdigest()}

@@ -1,9 +1,16 @@
 """One pipeline driver as a process: it holds the data and sends microbatches through the stages.
 
-    python -m murmur.node.pipeline.driver_process --coordinator HOST:PORT --token TOKEN --data DATASET
+    python -m murmur.node.pipeline.driver_process --coordinator HOST:PORT --token TOKEN --data DATASET \
+        [--state-dir DIR]
     python -m murmur.node.pipeline.driver_process --identity DIR --run RUN --peers peers.json \
         --stages 2 [model args] --data DATASET --shard 0 --microbatches 40 \
         [--microbatch-size 4] [--concurrency 2] [--codec bf16] [--commit-log FILE]
+
+With ``--state-dir`` the driver keeps its key, certificate and join record in that folder
+(node/net/member_folder.py, as `murmur node run` does): restarted with it, it rejoins as the same
+node id without a token, and since a lease belongs to a node id, its first ask gets back the lease
+it held, from the ledger's committed offset, at once (not after the lease TTL); what the killed
+process had sent but not committed is sent again and counted once.
 
 Joined to a run (``--coordinator`` and ``--token``) whose config has a ``[pipeline]`` section, the
 run config names the model and the pipeline, the stage peers come from the coordinator
@@ -17,11 +24,12 @@ every shard is done, or after ``--microbatches`` if given. Otherwise ``peers.jso
 launches the stage peers (a test, the testnet) may change it while the driver runs, and
 microbatch i holds the tokens [i*B*T, (i+1)*B*T] of ``--shard`` (wrapping round at its end).
 
-Output: one JSON line per lease, per completed microbatch (loss, the peer of every hop, retries),
-per evaluation (``val``) and per commit (the contiguous range of microbatches and their tokens,
-also appended to ``--commit-log`` and fsynced), and a last line ``{"event": "done", ...}`` with
-why it stopped, what it committed (tokens, microbatches, the end index) and how many hops each
-peer served.
+Output: with ``--coordinator``, first ``{"event": "joined", "node_id", "run_id", "rejoined"}``
+(``rejoined``: with the record of its state folder, no token spent); one JSON line per lease,
+per completed microbatch (loss, the peer of every hop, retries), per evaluation (``val``) and per
+commit (the contiguous range of microbatches and their tokens, also appended to ``--commit-log``
+and fsynced), and a last line ``{"event": "done", ...}`` with why it stopped, what it committed
+(tokens, microbatches, the end index) and how many hops each peer served.
 """
 from __future__ import annotations
 
@@ -42,6 +50,7 @@ import torch
 
 from murmur.errors import MurmurError
 from murmur.node.model.data import Dataset, eval_batches
+from murmur.node.net.member_folder import MemberFolder
 from murmur.node.pipeline.client import StageClient, StageEndpoint
 from murmur.node.pipeline.config import (
     add_model_args,
@@ -169,8 +178,10 @@ async def drive(args: argparse.Namespace, joined: Callable[[], PipelineMember] |
     device = args.device
     member = run = None
     if joined is not None or args.coordinator:
-        member = joined() if joined is not None else await PipelineMember.join(args.coordinator, args.token)
+        folder = MemberFolder(args.state_dir) if args.state_dir else None
+        member = joined() if joined is not None else await PipelineMember.join(args.coordinator, args.token, folder)
         identity = member.ident
+        emit(event="joined", node_id=member.info.node_id, run_id=member.info.run_id, rejoined=member.rejoined)
         run = parse_config(member.info.config_toml, "the run config")
     else:
         identity = Identity.load(args.identity)
@@ -360,7 +371,11 @@ def main(argv: list[str] | None = None, joined: Callable[[], PipelineMember] | N
     ap = argparse.ArgumentParser(prog="python -m murmur.node.pipeline.driver_process")
     ap.add_argument("--identity", help="folder with node.key, node.crt, ca.crt (without --coordinator)")
     ap.add_argument("--coordinator", default="", help="join this coordinator, lease a shard, commit to its ledger")
-    ap.add_argument("--token", default="", help="join token (with --coordinator)")
+    ap.add_argument("--token", default="",
+                    help="join token (with --coordinator; not needed to rejoin with a --state-dir that joined before)")
+    ap.add_argument("--state-dir", default="",
+                    help="with --coordinator: keep the identity and join record here; restarted with it, the driver "
+                         "rejoins as the same node (no token) and resumes its lease from the ledger at once")
     ap.add_argument("--run", default="murmur-run")
     ap.add_argument("--peers", default="",
                     help="JSON file naming the stage peers (see the module doc); a pipelined run: the coordinator")
@@ -394,6 +409,8 @@ def main(argv: list[str] | None = None, joined: Callable[[], PipelineMember] | N
         args.microbatches = UNLIMITED
     if args.microbatches < 1:
         ap.error(f"--microbatches must be at least 1, got {args.microbatches}")
+    if args.state_dir and not args.coordinator:
+        ap.error("--state-dir keeps a membership of a run: it needs --coordinator")
     torch.set_num_threads(args.threads)
     log_to_stderr()
     try:
@@ -406,6 +423,9 @@ def main(argv: list[str] | None = None, joined: Callable[[], PipelineMember] | N
         return asyncio.run(drive(args, joined))
     except KeyboardInterrupt:
         return 130
+    except MurmurError as err:  # a refused join, a folder another driver holds: one line, not a traceback
+        print(f"error: {err}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

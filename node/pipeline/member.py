@@ -2,6 +2,11 @@
 and its commits, through the coordinator's member protocol (protocol/coordinator_client.py).
 This is the member's side; the coordinator's register of all members is coordinator/membership.py.
 
+With a state folder (the processes' ``--state-dir``) the key, certificate and join record are
+kept there (node/net/member_folder.py, as `murmur node run` keeps them): a restarted stage peer or
+driver rejoins as the same node without a token, so the coordinator treats it as itself (a
+driver's lease is still its own; a stage peer's entry is replaced, not doubled).
+
 Stage peers join for their certificate and heartbeat to stay members; in a pipelined run (a
 ``[pipeline]`` section in the run config) each heartbeat carries the peer's `StageReport` and
 its reply may carry a `StageOrder` (coordinator/stage_board.py), handed to ``on_order``. A driver
@@ -27,6 +32,7 @@ from dataclasses import dataclass
 import grpc
 
 from murmur.node.net.loop import next_due
+from murmur.node.net.member_folder import MemberFolder, join_or_rejoin
 from murmur.protocol import coordinator_pb2 as pb
 from murmur.protocol import identity
 from murmur.protocol.coordinator_client import CoordinatorError, JoinInfo, MemberClient, join_run
@@ -52,10 +58,26 @@ class PipelineMember:
     # A driver: its measurements of the stage peers, sent with each heartbeat (the rebalancing's).
     measured: Callable[[], list[pb.MeasuredRate]] | None = None
 
+    # Joined with the saved record of a state folder: the coordinator knows this node id already
+    # (the process restarted), so a stage peer reports itself starting before it loads its stage.
+    rejoined: bool = False
+    folder: MemberFolder | None = None  # held (and locked) while the member lives
+
     @classmethod
-    async def join(cls, coordinator: str, token: str) -> PipelineMember:
-        ident, info = await join_run(coordinator, token, identity.generate_key())
-        return cls.joined(ident, info)
+    async def join(cls, coordinator: str, token: str, folder: MemberFolder | None = None) -> PipelineMember:
+        """Join with ``token``; with a state ``folder``, keep the identity and join record there
+        and rejoin with them on a restart (node/net/member_folder.py: no token needed then). The
+        folder is locked for the process's life: two processes with one identity would fight."""
+        if folder is None:
+            ident, info = await join_run(coordinator, token, identity.generate_key())
+            return cls.joined(ident, info)
+        folder.lock()
+        saved = folder.load_join()
+        rejoining = saved is not None and saved[0].coordinator == coordinator
+        record, ident, config = await join_or_rejoin(folder, coordinator, token, log.info)
+        member = cls.joined(ident, record.join_info(config))
+        member.rejoined, member.folder = rejoining, folder
+        return member
 
     @classmethod
     def joined(cls, ident: identity.Identity, info: JoinInfo) -> PipelineMember:
@@ -123,3 +145,5 @@ class PipelineMember:
             with contextlib.suppress(CoordinatorError):
                 await self.client.release(lease.lease_id)
         await self.client.close()
+        if self.folder is not None:
+            self.folder.unlock()

@@ -65,7 +65,8 @@ class Router:
 
     def set_peers(self, stage: int, peers: Iterable[StageEndpoint]) -> None:
         """The stage's current peers (from the DHT or the coordinator); keeps what it knew of those
-        that stay, forgets those that left, and lets newcomers in at the current minimum."""
+        that stay, forgets those that left, and lets newcomers in at the current minimum. A peer
+        that comes back under its node id at another address (restarted) is no longer benched."""
         known = self.stages.setdefault(stage, {})
         fresh = {p.node_id: p for p in peers}
         for node_id in list(known):
@@ -74,7 +75,15 @@ class Router:
         floor = min((s.busy for s in known.values()), default=0.0)
         for node_id, peer in fresh.items():
             if node_id in known:
-                known[node_id].peer = peer
+                st = known[node_id]
+                if st.peer.address != peer.address:
+                    # The same node restarted (its identity kept in its state folder): a new
+                    # process, not the one that failed; what was measured of the dead one is moot.
+                    st.failures, st.benched_until = 0, 0.0
+                    st.srtt.clear()
+                    st.rttvar.clear()
+                    self.arrivals += 1
+                st.peer = peer
             else:
                 known[node_id] = PeerState(peer, busy=floor)
                 self.arrivals += 1

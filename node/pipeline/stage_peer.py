@@ -16,6 +16,9 @@ its stage's parameters (node/pipeline/stage_state.py). In a pipelined run it hea
   to the coordinator, which records the newest complete set. A peer restarted with its folder and
   no ``--stage`` claims the stage of its newest checkpoint; becoming a stage, it loads that
   stage's checkpoint (weights and AdamW) when no live peer of the stage gives it the weights.
+- **Addresses**: both servers bind ``host``, on ``port`` and ``state_port`` (0: the kernel's
+  choice; fixed ones are what a volunteer behind a NAT forwards), and the peer reports them under
+  ``advertise_host`` (node/net/addresses.py's rule), which is what drivers and stage-mates dial.
 - **Replicas**: every ``replica_every_s`` a peer of stage s copies the weights of stage s+1 (the
   last stage: of stage 0) from that stage's peers, when they changed, and publishes the copy. A
   stage whose every peer dies is then refilled with weights at most that old, not the seed's.
@@ -37,6 +40,7 @@ import torch
 
 from murmur.node.model.stages import build_stage, split_layers
 from murmur.node.model.transformer import ModelConfig
+from murmur.node.net.addresses import advertised_address
 from murmur.node.net.faults import FaultInjector
 from murmur.node.net.server import PeerServer, PeerServerSettings, PublishedState
 from murmur.node.net.state_transfer import StateError, afetch
@@ -67,7 +71,12 @@ class StagePeerSettings:
     pipelined: bool = False  # the run config has a [pipeline] section: report to the coordinator, obey it
     sync: SyncSection | None = None  # the run's outer step, for the within-stage sync
     sync_every_s: float = 0.0  # 0: stage-mates do not sync (node/pipeline/stage_sync.py)
-    host: str = "127.0.0.1"
+    host: str = "127.0.0.1"  # where both servers bind
+    # Fixed ports to forward through a NAT (0: the kernel's choice): the stage service's (drivers
+    # and the previous stage call it) and the peer server's (stage-mates sync and fetch state).
+    port: int = 0
+    state_port: int = 0
+    advertise_host: str = ""  # what the coordinator is told to hand out (default: the bind host's rule)
     max_rows: int = 64
     device: str = "cpu"  # where the stage's weights live and compute runs: cpu, cuda, cuda:N
     autocast: str | None = None  # "bf16": bf16 autocast over fp32 master weights (node/pipeline/config.py)
@@ -96,7 +105,8 @@ class StagePeer:
         self.ident, self.run_id, self.model, self.settings = ident, run_id, model, settings
         self.member, self.faults, self.on_event = member, faults, on_event
         self.spans = split_layers(model.n_layers, settings.stages, settings.layers)
-        self.state_server = PeerServer(ident, run_id=run_id, settings=PeerServerSettings(host=settings.host))
+        self.state_server = PeerServer(ident, run_id=run_id,
+                                       settings=PeerServerSettings(host=settings.host, port=settings.state_port))
         self.state_address = ""
         self.service: StageService | None = None
         self.state_source = ""
@@ -119,6 +129,14 @@ class StagePeer:
         return self.service.span.index if self.service is not None else -1
 
     @property
+    def address(self) -> str:
+        """The stage service's address as drivers should dial it ("" before it serves)."""
+        return self._advertised(self.service.address) if self.service is not None and self.service.address else ""
+
+    def _advertised(self, bound: str) -> str:
+        return advertised_address(bound, self.settings.host, self.settings.advertise_host)
+
+    @property
     def worker(self) -> StageWorker | None:
         return self.service.worker if self.service is not None else None
 
@@ -127,13 +145,20 @@ class StagePeer:
     async def start(self, stage: int | None, donors: dict[str, str] | None = None) -> None:
         """Serve ``stage`` (None: wait for the coordinator's order). ``donors``: {node id: peer
         server address} to load the stage's state from (None: ask the coordinator)."""
-        self.state_address = await self.state_server.start()
+        self.state_address = self._advertised(await self.state_server.start())
         s = self.settings
         if self.member is not None and s.pipelined and s.sync is not None and s.sync_every_s > 0 and s.stages:
             self.sync = StageSync(self.state_server, s.sync, s.sync_every_s, self._mates, self.faults)
             self._tasks.append(asyncio.create_task(self.sync.run()))
         if stage is None and self.settings.state_dir is not None:
             stage = self._checkpointed_stage()  # a restart: the stage it holds a checkpoint of
+        if self.member is not None and self.settings.pipelined and self.member.rejoined:
+            # The coordinator still lists the killed process under this node id, at its dead
+            # address: a report of no stage yet (-1) replaces that entry now, before the stage is
+            # built and loaded, so no driver dials the dead address meanwhile. Orders wait (none
+            # is heard until the stage is served).
+            self.member.report = self.report
+            await self.member.beat()
         if stage is not None:
             await self._become(stage, donors)
         if self.member is not None and self.settings.pipelined:
@@ -178,7 +203,7 @@ class StagePeer:
                              replica_stage=-1)
         if self.service is not None:
             info = self.service.info()
-            rep.first_block, rep.end_block, rep.address = info.first_block, info.end_block, self.service.address
+            rep.first_block, rep.end_block, rep.address = info.first_block, info.end_block, self.address
             rep.samples_per_s, rep.queue = info.samples_per_s, info.queue
             rep.optimizer_steps, rep.samples_total = info.optimizer_steps, info.samples_total
             published = self.state_server.states.get(stage_state.state_name(self.stage))
@@ -259,7 +284,8 @@ class StagePeer:
             self.service = StageService(self.ident, worker, run_id=self.run_id, faults=self.faults,
                                         on_progress=self.settings.heard,
                                         settings=StageServiceSettings(
-                                            host=self.settings.host, max_rows=self.settings.max_rows,
+                                            host=self.settings.host, port=self.settings.port,
+                                            max_rows=self.settings.max_rows,
                                             max_message_bytes=self.settings.max_message_bytes,
                                             max_payload_bytes=self.settings.max_payload_bytes))
             await self.service.start()

@@ -4,9 +4,20 @@
     python -m murmur.node.pipeline.stage_peer_process --identity DIR --run RUN --stage 1 --stages 2 \
         [--layers 2,2] [--preset tiny --dim 64 ...] [--target-samples 16] [--lr 1e-3] \
         [--fault delay:stage_compute:0.2@x*] [--device cuda:0] [--dtype bf16]
-    ... [--state-dir DIR]   checkpoint the stage there; a restart with it resumes from it
+    ... [--state-dir DIR]   the peer's identity and its stage's checkpoints; a restart with it
+                            is the same node (no token needed) and resumes from them
+    ... [--host H] [--port P] [--state-port Q] [--advertise-host A]
+                            where its two servers bind (the stage service on P, its peer server
+                            on Q, default P + 1; 0: the kernel's choice) and the host others dial
 
-With ``--state-dir`` (in a pipelined run) the peer checkpoints its stage there every
+Behind a NAT, forward P and Q from the router and pass its address as ``--advertise-host``: the
+coordinator hands out ``A:P`` to drivers and ``A:Q`` to stage-mates (docs/pipeline.md).
+
+With ``--state-dir`` and ``--coordinator`` the peer keeps its key, certificate and join record
+there (node/net/member_folder.py, as `murmur node run` does): restarted with the folder it rejoins
+as the same node id without a token (only the first join needs one), and the coordinator replaces
+its entry in the stage view at its first heartbeat instead of listing the dead one until the
+heartbeat TTL. With ``--state-dir`` (in a pipelined run) the peer checkpoints its stage there every
 ``pipeline.checkpoint_every_s`` and at a clean stop; restarted with the same folder and no
 ``--stage``, it serves the stage of its newest checkpoint again and loads it (unless a live peer of
 the stage gives it newer weights). ``murmur export`` assembles the stage peers' folders into one
@@ -46,6 +57,7 @@ from pathlib import Path
 import torch
 
 from murmur.node.net.faults import FaultInjector
+from murmur.node.net.member_folder import MemberFolder
 from murmur.node.pipeline import stage_state
 from murmur.node.pipeline.config import (
     MIB,
@@ -93,7 +105,8 @@ def settings_of(args: argparse.Namespace, member: PipelineMember | None):
         return model, StagePeerSettings(
             stages=pipe.stages, layers=pipe.layers, seed=run.seed, optim=run.optim,
             target_samples=pipe.target_samples, grad_clip=run.optim.grad_clip, replica_every_s=pipe.replica_every_s,
-            host=args.host, max_rows=args.max_rows, pipelined=True, sync=run.sync, sync_every_s=pipe.sync_every_s,
+            host=args.host, port=args.port, state_port=args.state_port, advertise_host=args.advertise_host,
+            max_rows=args.max_rows, pipelined=True, sync=run.sync, sync_every_s=pipe.sync_every_s,
             device=str(device), autocast=autocast_of(run.train.dtype, device), max_message_bytes=cap,
             max_payload_bytes=payload, lr_now=schedule.lr, heard=schedule.heard,
             state_dir=Path(args.state_dir) if args.state_dir else None, checkpoint_every_s=pipe.checkpoint_every_s,
@@ -109,7 +122,8 @@ def settings_of(args: argparse.Namespace, member: PipelineMember | None):
     return model, StagePeerSettings(
         stages=args.stages, layers=layers, seed=args.seed,
         optim=OptimSection(lr=args.lr, warmup_steps=0, grad_clip=args.grad_clip),
-        target_samples=args.target_samples, grad_clip=args.grad_clip, host=args.host, max_rows=args.max_rows,
+        target_samples=args.target_samples, grad_clip=args.grad_clip, host=args.host, port=args.port,
+        state_port=args.state_port, advertise_host=args.advertise_host, max_rows=args.max_rows,
         device=str(device), autocast=autocast_of(args.dtype, device), max_message_bytes=cap,
         max_payload_bytes=payload,
     ), None
@@ -147,7 +161,8 @@ async def serve(args: argparse.Namespace, joined: Callable[[], PipelineMember] |
     if joined is not None:
         member = joined()
     else:
-        member = await PipelineMember.join(args.coordinator, args.token) if args.coordinator else None
+        folder = MemberFolder(args.state_dir) if args.state_dir and args.coordinator else None
+        member = await PipelineMember.join(args.coordinator, args.token, folder) if args.coordinator else None
     model, settings, schedule = settings_of(args, member)
     follower = None
     if schedule is not None:
@@ -170,7 +185,7 @@ async def serve(args: argparse.Namespace, joined: Callable[[], PipelineMember] |
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     span = peer.service.span
-    emit(event="ready", node_id=ident.node_id, address=peer.service.address, stage=span.index,
+    emit(event="ready", node_id=ident.node_id, address=peer.address, stage=span.index,
          first_block=span.first_block, end_block=span.end_block, state_address=peer.state_address,
          state_hash=stage_state.state_hash(peer.worker.module), fetched_from=peer.fetched_from,
          state_source=peer.state_source, device=peer.settings.device, autocast=peer.settings.autocast,
@@ -207,7 +222,8 @@ def main(argv: list[str] | None = None, joined: Callable[[], PipelineMember] | N
     ap = argparse.ArgumentParser(prog="python -m murmur.node.pipeline.stage_peer_process")
     ap.add_argument("--identity", help="folder with node.key, node.crt, ca.crt (without --coordinator)")
     ap.add_argument("--coordinator", default="", help="join this coordinator for a certificate")
-    ap.add_argument("--token", default="", help="join token (with --coordinator)")
+    ap.add_argument("--token", default="",
+                    help="join token (with --coordinator; not needed to rejoin with a --state-dir that joined before)")
     ap.add_argument("--run", default="murmur-run")
     ap.add_argument("--stage", type=int, default=None,
                     help="the stage to serve (default in a pipelined run: the coordinator assigns it)")
@@ -223,14 +239,30 @@ def main(argv: list[str] | None = None, joined: Callable[[], PipelineMember] | N
     ap.add_argument("--state-from", default="",
                     help="peers JSON file: fetch this stage's state from its peers there before serving")
     ap.add_argument("--state-dir", default="",
-                    help="checkpoint the stage into this folder; restarted with it, resume from it")
+                    help="keep the identity and the stage's checkpoints in this folder; restarted with it, "
+                         "rejoin as the same node and resume from them")
     ap.add_argument("--max-rows", type=int, default=64)
-    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--host", default="127.0.0.1", help="where the stage service and the peer server bind")
+    ap.add_argument("--port", type=int, default=0,
+                    help="the stage service's port, fixed to forward through a NAT (0: the kernel's choice)")
+    ap.add_argument("--state-port", type=int, default=None,
+                    help="the peer server's port (stage-mates sync, joiners fetch the stage); default: --port + 1 "
+                         "when --port is set, else the kernel's choice")
+    ap.add_argument("--advertise-host", default="",
+                    help="the host drivers and stage-mates should dial (behind a NAT: the router's public "
+                         "address, whose --port and --state-port forward here); default: --host")
     ap.add_argument("--fault", action="append", default=[],
                     help="e.g. delay:stage_compute:0.3@x* (a slow peer), see node/net/faults.py")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     ap.add_argument("--progress-every", type=float, default=10.0, help="seconds between progress lines (0: none)")
     args = ap.parse_args(argv)
+    if args.state_port is None:
+        args.state_port = args.port + 1 if args.port else 0
+    for flag, port in (("--port", args.port), ("--state-port", args.state_port)):
+        if not 0 <= port <= 65535:
+            ap.error(f"{flag} {port} is not a port (0-65535)")
+    if args.port and args.port == args.state_port:
+        ap.error(f"--port and --state-port are both {args.port}: the two servers need a port each")
     torch.set_num_threads(args.threads)
     return_freed_memory()  # before the stage is built: copies of it freed leave the process (memory.py)
     log_to_stderr()

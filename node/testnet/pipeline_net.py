@@ -12,8 +12,11 @@ so the drivers train until the testnet stops them (or the data runs out). A tabl
 redrawn every few seconds; at the end everything is stopped with SIGTERM and OUT/summary.json
 holds the last view. ``--device`` is every stage peer's (auto: a GPU where there is one, with
 bf16 autocast unless the config's train.dtype says fp32); each builds only its stage, there.
-Each stage peer checkpoints its stage into OUT/nodes/peer-N/ (``pipeline.checkpoint_every_s`` and
-at the stop), so `murmur export OUT --out DIR` assembles the run's model from them.
+Every stage peer and driver keeps its identity in its state folder (OUT/nodes/peer-N/,
+OUT/nodes/driver-N/): one restarted by hand with the same command is the same node, needing no
+token, and a driver resumes its lease at once. Each stage peer checkpoints its stage into its
+folder (``pipeline.checkpoint_every_s`` and at the stop), so `murmur export OUT --out DIR`
+assembles the run's model from them.
 """
 
 from __future__ import annotations
@@ -100,7 +103,8 @@ def run_pipeline(args, out: Path, config_path: Path, data: Path, coordinator_arg
                 f"driver-{i}",
                 "murmur.node.pipeline.driver_process",
                 [*join, "--data", str(data), "--threads", str(args.threads),
-                 "--commit-log", str(out / "nodes" / f"driver-{i}.commits")],
+                 "--commit-log", str(out / "nodes" / f"driver-{i}.commits"),
+                 "--state-dir", str(out / "nodes" / f"driver-{i}")],  # restarted with it: the same node
                 out / "nodes" / f"driver-{i}.jsonl", out / "nodes" / f"driver-{i}.log",
             )
             d.start(args.threads)

@@ -1,0 +1,57 @@
+"""A member's folder (node/net/member_folder.py): the saved join rejoins without a token or any
+call, a folder that never joined needs one, and two processes on one folder are refused."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from murmur.node.daemon.state_dir import StateDir, StateDirError
+from murmur.node.net.member_folder import JoinRecord, MemberFolder, MemberFolderError, join_or_rejoin
+from murmur.protocol.identity import CertificateAuthority
+
+# Nothing listens here: a join that tried the network would fail, not hang (a refused connection).
+NOWHERE = "127.0.0.1:1"
+
+
+def joined_folder(root) -> tuple[MemberFolder, str]:
+    """A folder holding a join to NOWHERE, as a first join with a token leaves it."""
+    folder = MemberFolder(root)
+    ca = CertificateAuthority.create("folder-test")
+    ident = ca.issue(key=folder.node_key())
+    record = JoinRecord(node_id=ident.node_id, run_id="r", coordinator=NOWHERE, node_address=NOWHERE,
+                        tls_server_name="murmur-coordinator")
+    folder.save_join(record, ident.cert_pem, ident.ca_cert_pem, "[pipeline]\nstages = 2\n")
+    return folder, ident.node_id
+
+
+def test_a_saved_join_rejoins_as_the_same_node_without_a_token(tmp_path):
+    folder, node_id = joined_folder(tmp_path / "f")
+    said: list[str] = []
+    record, ident, config = asyncio.run(join_or_rejoin(MemberFolder(tmp_path / "f"), NOWHERE, None, said.append))
+    assert record.node_id == ident.node_id == node_id
+    assert config == "[pipeline]\nstages = 2\n"
+    assert record.join_info(config).node_id == node_id and record.join_info(config).config_toml == config
+    assert said == [f"rejoining run r as {node_id} (identity from {tmp_path / 'f'})"]
+
+
+def test_a_folder_without_a_join_of_this_coordinator_needs_a_token_in_one_line(tmp_path):
+    with pytest.raises(MemberFolderError, match=r"holds no membership of the coordinator at 127.0.0.1:9: pass --token"):
+        asyncio.run(join_or_rejoin(MemberFolder(tmp_path / "empty"), "127.0.0.1:9", "", print))
+    joined_folder(tmp_path / "f")
+    with pytest.raises(MemberFolderError, match="holds no membership of the coordinator at 127.0.0.1:9"):
+        asyncio.run(join_or_rejoin(MemberFolder(tmp_path / "f"), "127.0.0.1:9", None, print))
+
+
+def test_two_processes_on_one_folder_are_refused_and_the_state_folder_says_so_its_way(tmp_path):
+    first = MemberFolder(tmp_path / "f")
+    first.lock()
+    try:
+        with pytest.raises(MemberFolderError, match="another murmur node is running on"):
+            MemberFolder(tmp_path / "f").lock()
+        with pytest.raises(StateDirError):  # the daemon's folder is a member folder: its own error
+            StateDir(tmp_path / "f").lock()
+    finally:
+        first.unlock()
+    MemberFolder(tmp_path / "f").lock()  # free again
