@@ -55,6 +55,14 @@ RESULTS = ROOT / "benchmarks" / "results" / "heterogeneous.json"
 SPEEDS = [1.0, 1.0, 2.0, 4.0]
 H = 30  # node rows: long enough that compute outweighs a round's exchange on loopback
 SIM_H = 20
+SIM_ROUNDS = 20
+
+
+def _seeds(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"seeds are comma-separated integers such as 0,1,2, got {text!r}") from None
 NODE_SETS = [f"sync.inner_steps={H}", "train.batch_size=16", f"train.eval_every={H}", "train.eval_batches=4",
              "train.steps=1000000", "optim.warmup_steps=20"]
 
@@ -138,7 +146,7 @@ QUALITY_SETS = [
 ]
 
 
-def sim_rows(rounds: int, device: str = "cpu", model: str = "tiny") -> list[dict]:
+def sim_rows(rounds: int, device: str = "cpu", model: str = "tiny", seed: int = 0) -> list[dict]:
     import torch
 
     from murmur.node.sim.hetero import run_hetero
@@ -154,19 +162,20 @@ def sim_rows(rounds: int, device: str = "cpu", model: str = "tiny") -> list[dict
     for rule, speeds in (("fixed", SPEEDS), ("speed", SPEEDS), ("fixed", [1.0] * len(SPEEDS))):
         cfg = load_config(ROOT / "configs" / "testnet-tiny.toml", [
             f'data.path="{ROOT / "data" / "shakespeare-byte"}"', f'sync.round_budget="{rule}"', *sets,
+            f"seed={seed}",
         ])
         t0 = time.time()
         r = run_hetero(cfg, speeds, dev, open_run_dataset(cfg), rounds=rounds, eval_every_rounds=1,
                        log=lambda _: None)
         rows.append({
-            "rule": rule, "speeds": speeds, "source": f"sim/{model}/{dev.type}", "rounds": rounds,
+            "rule": rule, "speeds": speeds, "source": f"sim/{model}/{dev.type}", "seed": seed, "rounds": rounds,
             "H": cfg.sync.inner_steps, "tokens": r.tokens,
             "sim_time_steps": r.time, "tokens_per_step_time": round(r.tokens / r.time, 1),
             "fast_node_busy_fraction": round(r.busy[0], 3), "busy": [round(b, 3) for b in r.busy],
             "final_val": round(r.curve[-1].val_loss, 4), "wall_s": round(time.time() - t0, 1),
             "curve": [{"t": p.time, "tokens": p.tokens, "val": p.val_loss} for p in r.curve],
         })
-        print(f"sim {rule} {speeds}: {r.tokens:,} tokens in {r.time:,.0f} step-times, busy {r.busy}, "
+        print(f"sim seed {seed} {rule} {speeds}: {r.tokens:,} tokens in {r.time:,.0f} step-times, busy {r.busy}, "
               f"val {r.curve[-1].val_loss:.4f} ({time.time() - t0:.0f} s)", flush=True)
     return rows
 
@@ -195,39 +204,123 @@ def _header(args: argparse.Namespace, device: str) -> dict:
     }
 
 
-def _sim_ratios(sims: list[dict]) -> dict:
-    homo = sims[2]
-    return {
-        "sim_tokens_per_time_speed_over_fixed": round(sims[1]["tokens_per_step_time"]
-                                                      / sims[0]["tokens_per_step_time"], 2),
-        "sim_val_at_equal_tokens_speed_vs_homogeneous_pct": round(
-            100 * (sims[1]["val_loss_at_equal_tokens"] / homo["val_loss_at_equal_tokens"] - 1), 2)
-        if sims[1]["val_loss_at_equal_tokens"] and homo["val_loss_at_equal_tokens"] else None,
+def _curve_key(r: dict) -> str:
+    seed = f"/seed{r['seed']}" if r["source"].startswith("sim/") else ""
+    return f"{r['source']}{seed}/{r['rule']}/{','.join(f'{s:g}' for s in r['speeds'])}"
+
+
+def _sim_by_seed(sims: list[dict]) -> dict[int, dict[str, dict]]:
+    """seed -> {"fixed", "speed", "homogeneous"} -> its sim row."""
+    out: dict[int, dict[str, dict]] = {}
+    for r in sims:
+        name = "homogeneous" if len(set(r["speeds"])) == 1 else r["rule"]
+        out.setdefault(r.get("seed", 0), {})[name] = r
+    return out
+
+
+def gap_curve(speed: dict, homo: dict) -> list[dict]:
+    """The speed rule's val loss against the homogeneous run's at the same tokens, in percent, at
+    each of the homogeneous run's evaluations (positive: the heterogeneous run is worse)."""
+    pts = [(p["tokens"], p["val"]) for p in speed["curve"]]
+    out = []
+    for p in homo["curve"][1:]:
+        v = _interp(pts, p["tokens"])
+        if v is not None:
+            out.append({"tokens": p["tokens"], "gap_pct": round(100 * (v / p["val"] - 1), 2)})
+    return out
+
+
+def _sim_ratios(sims: list[dict]) -> tuple[dict, list[dict]]:
+    """The simulator's ratios, over its seeds, and the gap curve (the speed rule against the
+    homogeneous run at equal tokens, as training goes on: its mean, least and most over the seeds).
+
+    What the issue's "val loss at equal tokens within 1% of a homogeneous run" asks is that uneven
+    shares cost no quality: the target is met when the heterogeneous run is never worse than the
+    homogeneous one by more than 1% at equal tokens (``sim_worst_gap_pct`` <= 1). Being better is
+    no failure: the speed rule's fast workers take more sequential inner steps per round (the
+    token-weighted mean is sum(n_i^2)/sum(n_i), 24 steps for shares 29, 29, 15, 7 against 20), which
+    helps early in training; the curve shows how much of that lead remains later."""
+    seeds = _sim_by_seed(sims)
+    gaps = {seed: gap_curve(rows["speed"], rows["homogeneous"]) for seed, rows in sorted(seeds.items())}
+    common = sorted(set.intersection(*({g["tokens"] for g in c} for c in gaps.values())))
+    curve = []
+    for t in common:
+        at = [next(g["gap_pct"] for g in c if g["tokens"] == t) for c in gaps.values()]
+        curve.append({"tokens": t, "gap_pct_mean": round(sum(at) / len(at), 2), "gap_pct_min": min(at),
+                      "gap_pct_max": max(at)})
+    final = {seed: c[-1]["gap_pct"] for seed, c in gaps.items() if c}
+    worst = max(g["gap_pct"] for c in gaps.values() for g in c)
+    half = [p["gap_pct_mean"] for p in curve[len(curve) // 2:]]
+    ratio = [rows["speed"]["tokens_per_step_time"] / rows["fixed"]["tokens_per_step_time"]
+             for rows in seeds.values() if "fixed" in rows]
+    ratios = {
+        "sim_tokens_per_time_speed_over_fixed": round(sum(ratio) / len(ratio), 2) if ratio else None,
+        "sim_seeds": sorted(seeds),
+        "sim_rounds": max(r["rounds"] for r in sims),
+        # At the end of the rows (the mean over the seeds; each seed's beside it).
+        "sim_val_at_equal_tokens_speed_vs_homogeneous_pct": round(sum(final.values()) / len(final), 2),
+        "sim_val_at_equal_tokens_speed_vs_homogeneous_pct_per_seed": {str(k): v for k, v in final.items()},
+        "sim_gap_pct_mean_over_second_half": round(sum(half) / len(half), 2) if half else None,
+        # The most the heterogeneous run was worse than the homogeneous one, any seed, any point.
+        "sim_worst_gap_pct": worst,
+        "sim_never_worse_than_homogeneous_by_1pct": worst <= 1.0,
     }
+    return ratios, curve
+
+
+def _sim_doc(sims: list[dict]) -> dict:
+    """The simulator's part of the result: its rows, ratios, gap curve and val curves."""
+    compare(sims)  # the homogeneous run is the shortest in time: every row read at its end
+    ratios, gap = _sim_ratios(sims)
+    return {"rows": [{k: v for k, v in r.items() if k != "curve"} for r in sims], "ratios": ratios,
+            "sim_gap_vs_tokens": gap, "curves": {_curve_key(r): r["curve"] for r in sims}}
 
 
 def write_sim_only(args: argparse.Namespace) -> int:
     import torch
 
-    sims = sim_rows(args.sim_rounds, args.sim_device, args.sim_model)
-    compare(sims)
-    name = torch.cuda.get_device_name() if args.sim_device.startswith("cuda") else "CPU"
-    doc = {
-        **_header(args, name),
-        "rows": [{k: v for k, v in r.items() if k != "curve"} for r in sims],
-        "ratios": _sim_ratios(sims),
-        "curves": {f"{r['source']}/{r['rule']}/{','.join(f'{s:g}' for s in r['speeds'])}": r["curve"] for r in sims},
-    }
+    sims = [r for seed in args.sim_seeds for r in sim_rows(args.sim_rounds, args.sim_device, args.sim_model, seed)]
+    name = torch.cuda.get_device_name() if args.sim_device.startswith("cuda") else (
+        f"CPU only: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, one torch thread a row")
+    doc = {**_header(args, name), **_sim_doc(sims)}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
     print(json.dumps(doc["ratios"]))
     return 0
 
 
+def replace_sim(args: argparse.Namespace) -> int:
+    """--out's simulator rows replaced by those of --sim-only results (one or several seeds), its
+    node rows, their commit and header kept as they are; the simulator's own runs are named under
+    ``sim_runs``."""
+    doc = json.loads(Path(args.out).read_text())
+    parts = [json.loads(Path(f).read_text()) for f in args.replace_sim]
+    sims = []
+    for part in parts:
+        for r in part["rows"]:
+            sims.append({**r, "curve": part["curves"][_curve_key({"seed": 0, **r})]})
+    if len({(r.get("seed", 0), r["rule"], tuple(r["speeds"])) for r in sims}) != len(sims):
+        raise SystemExit("--replace-sim: two results hold the same seed's rows")
+    sim = _sim_doc(sims)
+    nodes = [r for r in doc["rows"] if r["source"] == "nodes"]
+    doc["rows"] = [*nodes, *sim["rows"]]
+    doc["ratios"] = {k: v for k, v in doc["ratios"].items() if not k.startswith("sim_")} | sim["ratios"]
+    doc["sim_gap_vs_tokens"] = sim["sim_gap_vs_tokens"]
+    doc["curves"] = {k: v for k, v in doc["curves"].items() if k.startswith("nodes/")} | sim["curves"]
+    doc["sim_runs"] = [{k: p[k] for k in ("date", "commit", "command", "device")} for p in parts]
+    Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
+    print(json.dumps(doc["ratios"]))
+    print(f"replaced the simulator rows of {args.out} ({len(sims)} rows from {len(parts)} results)")
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--duration", type=float, default=150.0, help="seconds per node row (default 150)")
-    ap.add_argument("--sim-rounds", type=int, default=20, help="rounds per simulator row (default 20)")
+    ap.add_argument("--sim-rounds", type=int, default=SIM_ROUNDS,
+                    help=f"rounds per simulator row (default {SIM_ROUNDS})")
+    ap.add_argument("--sim-seeds", type=_seeds, default=[0],
+                    help="comma-separated seeds of the simulator rows (default 0)")
     ap.add_argument("--out", default=str(RESULTS))
     ap.add_argument("--work", default="runs/heterogeneous", help="testnet folders")
     ap.add_argument("--sim-only", action="store_true", help="only the simulator rows (e.g. on a GPU machine)")
@@ -235,7 +328,11 @@ def main() -> int:
     ap.add_argument("--sim-model", choices=("tiny", "quality"), default="tiny",
                     help="tiny: testnet-tiny's model; quality: the quality benchmark's (a GPU)")
     ap.add_argument("--add", metavar="JSON", help="a --sim-only result to add to --out's JSON under extra_sim")
+    ap.add_argument("--replace-sim", metavar="JSON", nargs="+",
+                    help="--sim-only results (e.g. one a seed) that replace --out's simulator rows; its node rows stay")
     args = ap.parse_args()
+    if args.replace_sim:
+        return replace_sim(args)
     if args.add:
         doc, extra = json.loads(Path(args.out).read_text()), json.loads(Path(args.add).read_text())
         doc.setdefault("extra_sim", []).append(extra)
@@ -260,20 +357,19 @@ def main() -> int:
     compare(nodes)
     for r in nodes:
         print(json.dumps({k: v for k, v in r.items() if k != "curve"}), flush=True)
-    sims = sim_rows(args.sim_rounds)
-    compare(sims)  # the homogeneous run is the shortest in time: every row read at its end
+    sim = _sim_doc([r for seed in args.sim_seeds for r in sim_rows(args.sim_rounds, seed=seed)])
     fixed_n, speed_n = nodes
     doc = {
         **_header(args, f"CPU only: {platform.processor() or platform.machine()}, {os.cpu_count()} cores"),
         "load_average_before": [round(x, 2) for x in load0],
         "load_average_after": [round(x, 2) for x in os.getloadavg()],
-        "rows": [{k: v for k, v in r.items() if k != "curve"} for r in [*nodes, *sims]],
+        "rows": [*({k: v for k, v in r.items() if k != "curve"} for r in nodes), *sim["rows"]],
         "ratios": {
             "nodes_tokens_per_min_speed_over_fixed": round(speed_n["tokens_per_min"] / fixed_n["tokens_per_min"], 2),
-            **_sim_ratios(sims),
+            **sim["ratios"],
         },
-        "curves": {f"{r['source']}/{r['rule']}/{','.join(f'{s:g}' for s in r['speeds'])}": r["curve"]
-                   for r in [*nodes, *sims]},
+        "sim_gap_vs_tokens": sim["sim_gap_vs_tokens"],
+        "curves": {**{_curve_key(r): r["curve"] for r in nodes}, **sim["curves"]},
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
