@@ -148,6 +148,41 @@ def test_filling_goes_on_past_a_shards_end_and_the_ledger_counts_each_token_once
             assert len(set(hashes.values())) == 1, f"round {r}: nodes disagree {hashes}"
 
 
+@pytest.mark.timeout(600)  # a node of two ranks starts a second process (torch, the model) under load
+def test_a_node_of_two_local_ranks_fills_too(tmp_path, data):
+    # `--gpus 2` on the CPU (gloo): rank 0 decides to fill and lands the round; its follower rank
+    # runs each step rank 0 starts. Beside a one-rank node slowed 3x it takes the larger share
+    # (shares are in steps: its steps take about one rank's time, with twice the rows) and trains
+    # on while the rounds are in flight.
+    with _start(tmp_path, data, [["--gpus", "2"], ["--fault", "slow:3@x*"]]) as net:
+        two, slow = net.nodes
+
+        def filled() -> list[dict]:
+            full = _full_rounds(net.nodes)
+            return [recs[two.name] for r, recs in full.items() if r > min(full) + 2 and recs[two.name]["filled"]]
+
+        wait_for(lambda: len(_full_rounds(net.nodes)) >= 6 and len(filled()) >= 2, WAIT_S,
+                 what="6 rounds of both nodes, the two-rank node filling in two past the first three")
+        _stop(net)
+        assert "2 local ranks (gloo)" in log(two), log(two)[-2000:]
+        full = _full_rounds(net.nodes)
+        settled = {r: v for r, v in full.items() if r >= min(full) + 3}
+        assert sum(v[two.name]["steps"] for v in settled.values()) > H * len(settled), settled
+        assert all(v[slow.name]["steps"] < H for v in settled.values()), settled
+        # Its steps are two ranks' rows each; the carried ones are committed with the next round.
+        recs = {r["round"]: r for r in trained(two)}
+        for r, x in recs.items():
+            assert x["tokens"] >= (x["steps"] + x["carried"]) * 2 * SPAN, x
+            before = recs.get(r - 1)
+            if before is not None and before["contributed"]:
+                assert x["carried"] in (0, before["filled"]), (before, x)
+        total, offsets, _ = ledger(net)
+        assert sum(offsets.values()) == total
+        assert total == sum(r["tokens"] for node in net.nodes for r in trained(node) if r["contributed"])
+        for r, hashes in hashes_by_round(net.nodes).items():
+            assert len(set(hashes.values())) == 1, f"round {r}: nodes disagree {hashes}"
+
+
 def test_a_node_whose_speed_changes_is_followed_within_a_few_rounds(tmp_path, data):
     # Slowed 4x for its first 60 inner steps, then at its own speed again. (Its steps trained
     # while a round is in flight count: in the first rounds, before the speeds are known, both

@@ -223,7 +223,7 @@ class NodeTrainer:
         self.n_params = sum(p.numel() for p in self.model.parameters())
         self.lease: LeaseView | None = None
         self.loader: BatchLoader | None = None
-        # sync.round_budget = "speed": this node's compute speed (tokens/s) and the last round's
+        # sync.round_budget = "speed": this node's compute speed (inner steps/s) and the last round's
         # members' (the training thread sets the source); the window's length comes from both.
         self.speed = SpeedMeter()
         self.group_rates: Callable[[], Iterable[float]] = tuple
@@ -232,7 +232,10 @@ class NodeTrainer:
         # The last `_fill`'s steps, their time, its wait for the round to land after them, and its
         # waits for leases (a shard that ran out while it filled).
         self._filled_steps, self._fill_seconds, self._land_wait, self._fill_leasing = 0, 0.0, 0.0, 0.0
-        if self.by_speed() and cfg.sync.fill_wait and ranks is None:  # (local ranks: each window's steps only)
+        # With local ranks too: rank 0 alone decides to fill and lands the round, and the other
+        # ranks follow it step by step (every step is one collective that rank 0 starts, from its
+        # weights), so all of them fill the same steps (docs/algorithms.md).
+        if self.by_speed() and cfg.sync.fill_wait:
             self.sync.fill = True
         self._eval_copy: torch.nn.Module | None = None
 
@@ -406,8 +409,9 @@ class NodeTrainer:
         # Per step, not per window: a window's fixed costs (the loss read, the round's bookkeeping)
         # spread over a small share would make a slow member look slower and shrink its next share
         # again. The exchange waits inside the steps (DiLoCo's last one) are not speed.
-        self.speed.add((timed + self._filled_steps) * self.span,
-                       stepping + self._fill_seconds - (waited - self._land_wait))
+        # In steps, not tokens: the shares even out the members' wall times, and a node of local
+        # ranks (N times the rows a step) takes a step about as long as one rank alone.
+        self.speed.add(timed + self._filled_steps, stepping + self._fill_seconds - (waited - self._land_wait))
         return WindowResult(
             self.round, timed, mean, tokens, seconds, seconds - leasing - waited, segments,
             exchange_wait_seconds=waited, started=started, arrived=arrived, filled=len(self.carry.losses),

@@ -507,7 +507,7 @@ class TrainingThread:
             "tokens_per_s": result.tokens / result.seconds if result.seconds > 0 else 0.0,
             "seconds": result.seconds,
             "compute_seconds": result.compute_seconds,
-            "rate": t.speed.rate,  # compute tokens/s (EMA), announced to peers (sync.round_budget)
+            "rate": t.speed.rate,  # compute inner steps/s (EMA), announced to peers (sync.round_budget)
             "exchange_wait_seconds": result.exchange_wait_seconds,
             # Where a fast member's window went (benchmarks/heterogeneous.py): it started, its last
             # step had computed (it waits for the round from here), it ended (time - eval).
