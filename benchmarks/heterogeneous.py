@@ -146,7 +146,7 @@ QUALITY_SETS = [
 ]
 
 
-def sim_rows(rounds: int, device: str = "cpu", model: str = "tiny", seed: int = 0) -> list[dict]:
+def sim_rows(rounds: int, device: str = "cpu", model: str = "tiny", seed: int = 0, data: str = "pooled") -> list[dict]:
     import torch
 
     from murmur.node.sim.hetero import run_hetero
@@ -165,18 +165,18 @@ def sim_rows(rounds: int, device: str = "cpu", model: str = "tiny", seed: int = 
             f"seed={seed}",
         ])
         t0 = time.time()
-        r = run_hetero(cfg, speeds, dev, open_run_dataset(cfg), rounds=rounds, eval_every_rounds=1,
+        r = run_hetero(cfg, speeds, dev, open_run_dataset(cfg), rounds=rounds, eval_every_rounds=1, data=data,
                        log=lambda _: None)
         rows.append({
-            "rule": rule, "speeds": speeds, "source": f"sim/{model}/{dev.type}", "seed": seed, "rounds": rounds,
+            "rule": rule, "speeds": speeds, "source": f"sim/{model}/{dev.type}/{data}", "seed": seed, "rounds": rounds,
             "H": cfg.sync.inner_steps, "tokens": r.tokens,
             "sim_time_steps": r.time, "tokens_per_step_time": round(r.tokens / r.time, 1),
             "fast_node_busy_fraction": round(r.busy[0], 3), "busy": [round(b, 3) for b in r.busy],
             "final_val": round(r.curve[-1].val_loss, 4), "wall_s": round(time.time() - t0, 1),
             "curve": [{"t": p.time, "tokens": p.tokens, "val": p.val_loss} for p in r.curve],
         })
-        print(f"sim seed {seed} {rule} {speeds}: {r.tokens:,} tokens in {r.time:,.0f} step-times, busy {r.busy}, "
-              f"val {r.curve[-1].val_loss:.4f} ({time.time() - t0:.0f} s)", flush=True)
+        print(f"sim {data} seed {seed} {rule} {speeds}: {r.tokens:,} tokens in {r.time:,.0f} step-times, "
+              f"busy {r.busy}, val {r.curve[-1].val_loss:.4f} ({time.time() - t0:.0f} s)", flush=True)
     return rows
 
 
@@ -209,12 +209,12 @@ def _curve_key(r: dict) -> str:
     return f"{r['source']}{seed}/{r['rule']}/{','.join(f'{s:g}' for s in r['speeds'])}"
 
 
-def _sim_by_seed(sims: list[dict]) -> dict[int, dict[str, dict]]:
-    """seed -> {"fixed", "speed", "homogeneous"} -> its sim row."""
-    out: dict[int, dict[str, dict]] = {}
+def _sim_by_seed(sims: list[dict]) -> dict[str, dict[str, dict]]:
+    """"<source>/seed<n>" -> {"fixed", "speed", "homogeneous"} -> its sim row."""
+    out: dict[str, dict[str, dict]] = {}
     for r in sims:
         name = "homogeneous" if len(set(r["speeds"])) == 1 else r["rule"]
-        out.setdefault(r.get("seed", 0), {})[name] = r
+        out.setdefault(f"{r['source']}/seed{r.get('seed', 0)}", {})[name] = r
     return out
 
 
@@ -255,11 +255,11 @@ def _sim_ratios(sims: list[dict]) -> tuple[dict, list[dict]]:
              for rows in seeds.values() if "fixed" in rows]
     ratios = {
         "sim_tokens_per_time_speed_over_fixed": round(sum(ratio) / len(ratio), 2) if ratio else None,
-        "sim_seeds": sorted(seeds),
+        "sim_seeds": sorted({r.get("seed", 0) for r in sims}),
         "sim_rounds": max(r["rounds"] for r in sims),
         # At the end of the rows (the mean over the seeds; each seed's beside it).
         "sim_val_at_equal_tokens_speed_vs_homogeneous_pct": round(sum(final.values()) / len(final), 2),
-        "sim_val_at_equal_tokens_speed_vs_homogeneous_pct_per_seed": {str(k): v for k, v in final.items()},
+        "sim_val_at_equal_tokens_speed_vs_homogeneous_pct_per_seed": final,
         "sim_gap_pct_mean_over_second_half": round(sum(half) / len(half), 2) if half else None,
         # The most the heterogeneous run was worse than the homogeneous one, any seed, any point.
         "sim_worst_gap_pct": worst,
@@ -279,7 +279,8 @@ def _sim_doc(sims: list[dict]) -> dict:
 def write_sim_only(args: argparse.Namespace) -> int:
     import torch
 
-    sims = [r for seed in args.sim_seeds for r in sim_rows(args.sim_rounds, args.sim_device, args.sim_model, seed)]
+    sims = [r for seed in args.sim_seeds
+            for r in sim_rows(args.sim_rounds, args.sim_device, args.sim_model, seed, args.sim_data)]
     name = torch.cuda.get_device_name() if args.sim_device.startswith("cuda") else (
         f"CPU only: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, one torch thread a row")
     doc = {**_header(args, name), **_sim_doc(sims)}
@@ -299,7 +300,7 @@ def replace_sim(args: argparse.Namespace) -> int:
     for part in parts:
         for r in part["rows"]:
             sims.append({**r, "curve": part["curves"][_curve_key({"seed": 0, **r})]})
-    if len({(r.get("seed", 0), r["rule"], tuple(r["speeds"])) for r in sims}) != len(sims):
+    if len({(r["source"], r.get("seed", 0), r["rule"], tuple(r["speeds"])) for r in sims}) != len(sims):
         raise SystemExit("--replace-sim: two results hold the same seed's rows")
     sim = _sim_doc(sims)
     nodes = [r for r in doc["rows"] if r["source"] == "nodes"]
@@ -321,6 +322,9 @@ def main() -> int:
                     help=f"rounds per simulator row (default {SIM_ROUNDS})")
     ap.add_argument("--sim-seeds", type=_seeds, default=[0],
                     help="comma-separated seeds of the simulator rows (default 0)")
+    ap.add_argument("--sim-data", choices=("pooled", "dealt"), default="pooled",
+                    help="the simulator workers' data: one pool handed out by share (as nodes lease; default) "
+                    "or worker i's own shards i, i+K, ... (node/sim/hetero.py)")
     ap.add_argument("--out", default=str(RESULTS))
     ap.add_argument("--work", default="runs/heterogeneous", help="testnet folders")
     ap.add_argument("--sim-only", action="store_true", help="only the simulator rows (e.g. on a GPU machine)")
@@ -357,7 +361,7 @@ def main() -> int:
     compare(nodes)
     for r in nodes:
         print(json.dumps({k: v for k, v in r.items() if k != "curve"}), flush=True)
-    sim = _sim_doc([r for seed in args.sim_seeds for r in sim_rows(args.sim_rounds, seed=seed)])
+    sim = _sim_doc([r for seed in args.sim_seeds for r in sim_rows(args.sim_rounds, seed=seed, data=args.sim_data)])
     fixed_n, speed_n = nodes
     doc = {
         **_header(args, f"CPU only: {platform.processor() or platform.machine()}, {os.cpu_count()} cores"),
