@@ -483,7 +483,13 @@ class TrainingThread:
         state = asyncio.run_coroutine_threadsafe(coro, self.loop).result()
         if state is None:
             return False
-        self.trainer.load_shared_tensors(state)
+        carried = bool(self.trainer.carry.segments)
+        self.trainer.load_shared_tensors(state)  # the local weights are the state's: carried steps dropped
+        if carried:
+            # The lease in hand went on past the carried steps' span, which is not committed now:
+            # every lease goes back to its committed offset (the carry's run-out ones included).
+            self.trainer.lease, self.trainer.loader = None, None
+            self._forget_exhausted(keep=set())
         self._last_shared = self.trainer.shared_state()
         self.loop.call_soon_threadsafe(self.log, f"re-synced to round {self.trainer.round} from peers")
         return True
