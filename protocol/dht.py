@@ -91,7 +91,7 @@ class PeerRecord:
     address: str  # host:port of the node's gRPC peer server
     role: str = "trainer"
     stage: int = -1  # SWARM stage served, -1 for none
-    throughput: float = 0.0  # samples/s (or tokens/s), as the node measures it
+    throughput: float = 0.0  # as the node measures it: samples/s (pipelines), inner steps/s (sync.round_budget)
     round: int = -1  # last completed round
     state_hash: str = ""  # hex hash of the global state after that round
     expires_at: float = 0.0  # DHT time; filled in by announce

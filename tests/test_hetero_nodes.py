@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 import pytest
-from _node_helpers import hashes_by_round, log, make_testnet, small_dataset, trained
+from _node_helpers import hashes_by_round, ledger, log, make_testnet, small_dataset, trained
 
 from murmur.node.testnet.procs import wait_for
 
@@ -26,6 +26,16 @@ WAIT_S = 240.0
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
     return small_dataset(tmp_path_factory.mktemp("hetero-data"))
+
+
+@pytest.fixture(scope="module")
+def short_shards(tmp_path_factory):
+    """Shards of 4096 tokens, 16 steps of testnet-tiny: shorter than a fill can be (4H - a share)."""
+    from murmur.node.model.data import prepare
+
+    path = tmp_path_factory.mktemp("hetero-short-shards") / "data"
+    prepare(path, tokenizer="byte", shard_tokens=4096)
+    return path
 
 
 def _start(tmp_path, data, faults: list[list[str]]):
@@ -101,6 +111,76 @@ def test_a_node_slowed_3x_trains_its_share_and_nobody_waits_for_its_full_h(tmp_p
                 if before is not None and before["contributed"]:
                     assert x["carried"] in (0, before["filled"]), (before, x)
     # (How busy the fast nodes are is a timing: benchmarks/heterogeneous.py measures it.)
+
+
+def test_filling_goes_on_past_a_shards_end_and_the_ledger_counts_each_token_once(tmp_path, short_shards):
+    # The fast node trains on while each round is in flight (most in the first rounds, while the
+    # speeds are not known yet and the 3x slower node trains its full H); with shards of 16 steps
+    # those fills run shards out, and it leases the next shard instead of waiting.
+    with _start(tmp_path, short_shards, [[], ["--fault", "slow:3@x*"]]) as net:
+        fast = net.nodes[0]
+
+        def crossed() -> list[dict]:
+            """Rounds whose carried steps (trained while the last round was in flight) ran on two shards or more."""
+            return [r for r in trained(fast) if len(r.get("carried_shards", ())) >= 2]
+
+        wait_for(lambda: len(crossed()) >= 2 and len(_full_rounds(net.nodes)) >= 6, WAIT_S,
+                 what="6 rounds of both nodes, two of them carrying fills that crossed a shard's end")
+        _stop(net)  # (a clean stop commits every completed round)
+        total, offsets, _ = ledger(net)
+        # Every token committed once: the shards' committed offsets add up to the run's count...
+        assert sum(offsets.values()) == total, (total, offsets)
+        # ... and that count is what the nodes trained and committed, round by round: the rounds
+        # that carried fills across a shard's end too (their tokens come with the round whose
+        # update holds them, never twice, none lost).
+        recs = {node.name: trained(node) for node in net.nodes}
+        assert total == sum(r["tokens"] for rs in recs.values() for r in rs if r["contributed"]), recs
+        for rs in recs.values():
+            by_round = {r["round"]: r for r in rs}
+            for r in rs:
+                # Its own steps and the carried ones, plus each shard's tail of less than a batch.
+                assert (r["steps"] + r["carried"]) * SPAN <= r["tokens"] <= (
+                    r["steps"] + r["carried"] + len(r["shards"])) * SPAN, r
+                before = by_round.get(r["round"] - 1)
+                if before is not None and before["contributed"]:
+                    assert r["carried"] in (0, before["filled"]), (before, r)
+        for r, hashes in hashes_by_round(net.nodes).items():
+            assert len(set(hashes.values())) == 1, f"round {r}: nodes disagree {hashes}"
+
+
+@pytest.mark.timeout(600)  # a node of two ranks starts a second process (torch, the model) under load
+def test_a_node_of_two_local_ranks_fills_too(tmp_path, data):
+    # `--gpus 2` on the CPU (gloo): rank 0 decides to fill and lands the round; its follower rank
+    # runs each step rank 0 starts. Beside a one-rank node slowed 3x it takes the larger share
+    # (shares are in steps: its steps take about one rank's time, with twice the rows) and trains
+    # on while the rounds are in flight.
+    with _start(tmp_path, data, [["--gpus", "2"], ["--fault", "slow:3@x*"]]) as net:
+        two, slow = net.nodes
+
+        def filled() -> list[dict]:
+            full = _full_rounds(net.nodes)
+            return [recs[two.name] for r, recs in full.items() if r > min(full) + 2 and recs[two.name]["filled"]]
+
+        wait_for(lambda: len(_full_rounds(net.nodes)) >= 6 and len(filled()) >= 2, WAIT_S,
+                 what="6 rounds of both nodes, the two-rank node filling in two past the first three")
+        _stop(net)
+        assert "2 local ranks (gloo)" in log(two), log(two)[-2000:]
+        full = _full_rounds(net.nodes)
+        settled = {r: v for r, v in full.items() if r >= min(full) + 3}
+        assert sum(v[two.name]["steps"] for v in settled.values()) > H * len(settled), settled
+        assert all(v[slow.name]["steps"] < H for v in settled.values()), settled
+        # Its steps are two ranks' rows each; the carried ones are committed with the next round.
+        recs = {r["round"]: r for r in trained(two)}
+        for r, x in recs.items():
+            assert x["tokens"] >= (x["steps"] + x["carried"]) * 2 * SPAN, x
+            before = recs.get(r - 1)
+            if before is not None and before["contributed"]:
+                assert x["carried"] in (0, before["filled"]), (before, x)
+        total, offsets, _ = ledger(net)
+        assert sum(offsets.values()) == total
+        assert total == sum(r["tokens"] for node in net.nodes for r in trained(node) if r["contributed"])
+        for r, hashes in hashes_by_round(net.nodes).items():
+            assert len(set(hashes.values())) == 1, f"round {r}: nodes disagree {hashes}"
 
 
 def test_a_node_whose_speed_changes_is_followed_within_a_few_rounds(tmp_path, data):

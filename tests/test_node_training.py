@@ -4,6 +4,7 @@ hash, and the shared state a joiner takes (flattened to named tensors and back).
 from __future__ import annotations
 
 import threading
+from concurrent.futures import Future
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ from _node_helpers import TINY, small_dataset
 
 from murmur.node.daemon.training import LeaseView, NodeTrainer
 from murmur.node.model.data import Dataset
+from murmur.optim.exchange import Exchange
 from murmur.optim.factory import make_aggregator_for, make_codec_for
 from murmur.optim.inprocess import InProcessGroup
 from murmur.protocol.runconfig import load_config
@@ -95,6 +97,67 @@ def test_a_shard_that_runs_out_mid_window_is_committed_with_the_window_whole(dat
     got = [(s.lease.lease_id, s.start, s.end, s.exhausted) for s in result.segments]
     assert got == [("a", start, size, True), ("b", 0, rest, False)]
     assert result.tokens == (size - start) + rest
+
+
+class HeldExchange(Exchange):
+    """One member's exchange whose all-reduce results are held back until ``release``: its round
+    stays in flight while the test lets the member fill."""
+
+    def __init__(self, inner: Exchange) -> None:
+        self.inner, self.held = inner, []
+
+    @property
+    def peer_id(self) -> str:
+        return self.inner.peer_id
+
+    def all_reduce(self, tensors, *, round_id, key="", weight=1.0):
+        out = Future()
+        self.held.append((self.inner.all_reduce(tensors, round_id=round_id, key=key, weight=weight), out))
+        return out
+
+    def all_gather(self, wire, *, round_id, key=""):
+        raise NotImplementedError
+
+    def release(self) -> None:
+        held, self.held = self.held, []
+        for inner, out in held:
+            out.set_result(inner.result(30))
+
+
+def test_a_fill_that_runs_its_shard_out_leases_the_next_and_commits_both_with_the_next_round(dataset):
+    # sync.fill_wait: the window's round is held in flight for 8 fill steps; the lease runs out
+    # one step into the fill. The fill closes it in the carry, names it exhausted in the next
+    # lease request (with a give-up test: the round landing), and trains on the next shard.
+    cfg = load_config(TINY, [f'data.path="{dataset.root}"', 'sync.algorithm="diloco"',
+                             'sync.round_budget="speed"', "sync.inner_steps=10"])
+    group = InProcessGroup(["p0"], lambda: make_codec_for(cfg.sync), make_aggregator_for(cfg.sync))
+    exchange = HeldExchange(group.exchange("p0"))
+    torch.set_num_threads(1)
+    trainer = NodeTrainer(cfg, dataset, torch.device("cpu"), exchange, round_timeout_s=60)
+    assert trainer.fills()
+    span, size = trainer.span, dataset.shard_size(0)
+    start = size - 11 * span - span // 2  # 11 full batches, then a tail of half a batch
+    queue = [LeaseView("a", 0, start, size), LeaseView("b", 1, 0, dataset.shard_size(1))]
+    asked: list[tuple] = []
+
+    def next_lease(done, give_up=None):
+        asked.append((done and (done.lease.lease_id, done.start, done.end, done.exhausted), give_up is not None))
+        return queue.pop(0) if queue else None
+
+    trainer.after_step = lambda _: exchange.release() if len(trainer.carry.losses) >= 8 else None
+    first = trainer.run_window(next_lease, lambda: False)
+    assert asked == [(None, False), (("a", start + 10 * span, size, True), True)]
+    assert [(s.lease.lease_id, s.start, s.end, s.exhausted) for s in first.segments] == [
+        ("a", start, start + 10 * span, False)]
+    assert first.steps == 10 and first.filled == 8 and first.tokens == 10 * span
+    # The carried steps: one on "a" with its tail, seven on "b"; committed with the next round.
+    second = trainer.run_window(next_lease, lambda: False)
+    got = [(s.lease.lease_id, s.start, s.end, s.exhausted) for s in second.segments]
+    assert got[:2] == [("a", start + 10 * span, size, True), ("b", 0, got[1][2], False)]
+    assert second.carried == 8 and second.carried_shards == [0, 1]
+    # "b" goes on where the carry left it: one contiguous span, every token of both shards once.
+    assert got[1][2] == (7 + second.steps) * span
+    assert first.tokens + second.tokens == (size - start) + got[1][2]
 
 
 def test_shared_state_round_trip_gives_a_joiner_the_same_state(dataset):

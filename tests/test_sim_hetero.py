@@ -4,12 +4,15 @@ with the node's own budget rule, weights and DiLoCo code."""
 from __future__ import annotations
 
 import json
+import threading
 
 import pytest
 import torch
 
 from murmur.cli import main
-from murmur.node.sim.hetero import plan_round, run_hetero
+from murmur.node.model.data import BatchLoader, Position
+from murmur.node.sim.errors import SimError
+from murmur.node.sim.hetero import PooledBatches, plan_round, run_hetero
 from murmur.protocol.runconfig import config_from_dict
 
 SPEEDS = [1.0, 1.0, 2.0, 4.0]
@@ -59,3 +62,33 @@ def test_cli_speeds_writes_the_curve_and_refuses_bad_factors(byte_dataset, tmp_p
     assert main([*base, "--speeds", "1,0.5"]) == 1
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and "at least 1" in err and "\n" not in err
+
+
+def test_pooled_data_hands_each_round_out_in_worker_order_whatever_the_threads(byte_dataset):
+    pool = PooledBatches(byte_dataset, 2, 32, k=2)
+    ref = BatchLoader(byte_dataset, list(range(byte_dataset.num_shards)), 2, 32, position=Position(0, 0))
+    expected = [next(ref)[0] for _ in range(7)]
+    got: dict[tuple[int, int], list[torch.Tensor]] = {}
+
+    def draw(r: int, i: int, n: int) -> None:
+        got[r, i] = [x for x, _ in pool.take(r, i, n)]
+
+    # Asked for in reverse order: each waits for its turn (round 0: worker 0 then 1; then round 1).
+    threads = [threading.Thread(target=draw, args=a) for a in ((1, 0, 2), (0, 1, 3), (0, 0, 2))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert [len(got[key]) for key in ((0, 0), (0, 1), (1, 0))] == [2, 3, 2]
+    flat = got[0, 0] + got[0, 1] + got[1, 0]
+    assert all(torch.equal(a, b) for a, b in zip(flat, expected, strict=True))
+
+
+def test_pooled_data_runs_both_rules_and_a_bad_mode_is_refused(byte_dataset):
+    for rule in ("fixed", "speed"):
+        run = run_hetero(_cfg(rule), SPEEDS, torch.device("cpu"), byte_dataset, rounds=2, data="pooled",
+                         log=lambda _: None)
+        assert run.tokens == sum(map(sum, run.steps)) * 2 * 32  # every step a batch of the pool
+        assert run.curve[-1].val_loss < run.curve[0].val_loss
+    with pytest.raises(SimError, match="dealt, pooled"):
+        run_hetero(_cfg("speed"), SPEEDS, torch.device("cpu"), byte_dataset, rounds=1, data="shuffled")

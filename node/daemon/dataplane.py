@@ -52,7 +52,7 @@ class DataPlane(Protocol):
         """Who took part in the last completed exchange."""
         ...
 
-    rate: float  # this node's compute speed (tokens/s), announced to its peers
+    rate: float  # this node's compute speed (inner steps/s, optim/budget.py), announced to its peers
 
     def member_rates(self) -> dict[str, float]:
         """The last round's members' compute speeds as last announced (0: unknown), for

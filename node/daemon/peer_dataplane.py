@@ -102,7 +102,7 @@ class PeerDataPlane:
         self._stop = asyncio.Event()
         self._rejoined_at = -DHT_REFRESH_S  # loop time of the last reconnect to the bootstrap peers
         self._apart_logged: frozenset[str] = frozenset()
-        # Compute speeds (tokens per second of compute; optim/budget.py): this node's, announced in
+        # Compute speeds (inner steps per second of compute; optim/budget.py): this node's, announced in
         # its record with each round's state, and the others' as their records last said.
         self.rate = 0.0
         self._rates: dict[str, float] = {}

@@ -54,6 +54,7 @@ OUTAGE_CODES = {
 MAX_UNREPORTED_REJECTIONS = 10_000  # rejection reports kept through an outage (the oldest go first)
 REJECTIONS_PER_REPORT = 500  # below the coordinator's limit of one ReportRejections call
 GONE_PER_REPORT = 64  # the coordinator's limit of one ReportGone call
+GIVE_UP_POLL_S = 0.05  # `acquire` with give_up: how often it looks while it waits (a round landing ends the wait)
 STARTING_CALL_S = 5.0  # the "starting" heartbeat before the data plane opens; past it, start anyway
 
 
@@ -413,13 +414,15 @@ class CoordinatorSession:
 
     # -- leases ----------------------------------------------------------------------------------
 
-    async def acquire(self) -> LeaseView | None:
-        """A lease to train on, waiting through outages and busy shards; None once the node stops."""
+    async def acquire(self, give_up: Callable[[], bool] | None = None) -> LeaseView | None:
+        """A lease to train on, waiting through outages and busy shards; None once the node stops,
+        or (``give_up``, polled while it waits) once that says so."""
         while not self.stop.is_set():
             # The coordinator hands back a held lease until its shard is done, or while it is
             # named as exhausted (run out by a window whose commits have not gone out): commits first.
             if not await self.flush_commits():
-                await self.stop.sleep(self.s.outage_retry_s)
+                if await self._wait_unless(give_up, self.s.outage_retry_s):
+                    return None
                 continue
             try:
                 reply = await self.client.acquire(sorted(self.exhausted))
@@ -428,7 +431,8 @@ class CoordinatorSession:
                 if not is_outage(err):
                     raise SessionError(f"the coordinator refused a lease: {err}") from None
                 self._mark(False, err)
-                await self.stop.sleep(self.s.outage_retry_s)
+                if await self._wait_unless(give_up, self.s.outage_retry_s):
+                    return None
                 continue
             if reply.granted:
                 lease = reply.lease
@@ -443,8 +447,23 @@ class CoordinatorSession:
             if "done" in reply.reason or "finished" in reply.reason:
                 self.stop.request(f"nothing left to train: {reply.reason}")
                 return None
-            await self.stop.sleep(self.s.lease_wait_s)
+            if await self._wait_unless(give_up, self.s.lease_wait_s):
+                return None
         return None
+
+    async def _wait_unless(self, give_up: Callable[[], bool] | None, seconds: float) -> bool:
+        """Sleep ``seconds`` (a stop ends it); True, at once, when ``give_up`` says so (it is
+        looked at every GIVE_UP_POLL_S meanwhile)."""
+        if give_up is None:
+            await self.stop.sleep(seconds)
+            return False
+        end = asyncio.get_running_loop().time() + seconds
+        while not give_up():
+            left = end - asyncio.get_running_loop().time()
+            if left <= 0 or self.stop.is_set():
+                return False
+            await self.stop.sleep(min(GIVE_UP_POLL_S, left))
+        return True
 
     # -- leaving ---------------------------------------------------------------------------------
 

@@ -30,7 +30,7 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -99,6 +99,7 @@ class WindowResult:
     arrived: float = 0.0  # wall clock when its last step had computed (before any wait for the round)
     filled: int = 0  # sync.fill_wait: steps trained while its round was in flight (carried to the next)
     carried: int = 0  # sync.fill_wait: the last window's filled steps, committed with this one (not in ``steps``)
+    carried_shards: list[int] = field(default_factory=list)  # the shards those carried steps trained on
 
 
 @dataclass(slots=True)
@@ -175,10 +176,14 @@ class WaitMeter(Exchange):
         self.inner.close()
 
 
-# Blocks until the coordinator grants a lease; None when the node should stop instead. It gets
-# the segment of the shard that just ran out (or None): that lease stays held, exhausted, and is
-# committed with the window (the coordinator would otherwise hand it back until its shard is done).
-LeaseSource = Callable[[Segment | None], LeaseView | None]
+class LeaseSource(Protocol):
+    """Blocks until the coordinator grants a lease; None when the node should stop instead. It gets
+    the segment of the shard that just ran out (or None): that lease stays held, exhausted, and is
+    committed with the window whose steps trained it (the coordinator would otherwise hand it back
+    until its shard is done). ``give_up`` (sync.fill_wait's lease while a round is in flight): also
+    None once it says so after a refusal, rather than waiting for a shard to come free."""
+
+    def __call__(self, done: Segment | None, give_up: Callable[[], bool] | None = None) -> LeaseView | None: ...
 
 
 class NodeTrainer:
@@ -218,15 +223,19 @@ class NodeTrainer:
         self.n_params = sum(p.numel() for p in self.model.parameters())
         self.lease: LeaseView | None = None
         self.loader: BatchLoader | None = None
-        # sync.round_budget = "speed": this node's compute speed (tokens/s) and the last round's
+        # sync.round_budget = "speed": this node's compute speed (inner steps/s) and the last round's
         # members' (the training thread sets the source); the window's length comes from both.
         self.speed = SpeedMeter()
         self.group_rates: Callable[[], Iterable[float]] = tuple
         self.after_step: Callable[[float], None] | None = None  # --fault slow: told each step's seconds
         self.carry = Carry()  # sync.fill_wait: steps trained while the last round was in flight
-        # The last `_fill`'s steps, their time, and its wait for the round to land after them.
-        self._filled_steps, self._fill_seconds, self._land_wait = 0, 0.0, 0.0
-        if self.by_speed() and cfg.sync.fill_wait and ranks is None:  # (local ranks: each window's steps only)
+        # The last `_fill`'s steps, their time, its wait for the round to land after them, and its
+        # waits for leases (a shard that ran out while it filled).
+        self._filled_steps, self._fill_seconds, self._land_wait, self._fill_leasing = 0, 0.0, 0.0, 0.0
+        # With local ranks too: rank 0 alone decides to fill and lands the round, and the other
+        # ranks follow it step by step (every step is one collective that rank 0 starts, from its
+        # weights), so all of them fill the same steps (docs/algorithms.md).
+        if self.by_speed() and cfg.sync.fill_wait:
             self.sync.fill = True
         self._eval_copy: torch.nn.Module | None = None
 
@@ -380,11 +389,14 @@ class NodeTrainer:
                 queued[-1].synchronize()
             seconds, waited = time.perf_counter() - t0, self.meter.waited_s - waited0
             return WindowResult(self.round, len(losses), math.nan, 0, seconds, seconds - leasing - waited, [], True)
+        closed = None
         if self.lease is not None and not self._fits():
-            self._close_segment(segments)  # runs out exactly at the window's end: commit with it
+            closed = self._close_segment(segments)  # runs out exactly at the window's end: commit with it
         if self.fills():
             arrived = time.time()
-            if not self._fill(stop, queued):  # a stop: nothing of this window is committed
+            filled = self._fill(stop, queued, next_lease, closed)
+            leasing += self._fill_leasing
+            if not filled:  # a stop: nothing of this window is committed
                 seconds, waited = time.perf_counter() - t0, self.meter.waited_s - waited0
                 return WindowResult(self.round, len(losses), math.nan, 0, seconds, seconds - leasing - waited, [],
                                     True, started=started, arrived=arrived)
@@ -397,22 +409,27 @@ class NodeTrainer:
         # Per step, not per window: a window's fixed costs (the loss read, the round's bookkeeping)
         # spread over a small share would make a slow member look slower and shrink its next share
         # again. The exchange waits inside the steps (DiLoCo's last one) are not speed.
-        self.speed.add((timed + self._filled_steps) * self.span,
-                       stepping + self._fill_seconds - (waited - self._land_wait))
+        # In steps, not tokens: the shares even out the members' wall times, and a node of local
+        # ranks (N times the rows a step) takes a step about as long as one rank alone.
+        self.speed.add(timed + self._filled_steps, stepping + self._fill_seconds - (waited - self._land_wait))
         return WindowResult(
             self.round, timed, mean, tokens, seconds, seconds - leasing - waited, segments,
             exchange_wait_seconds=waited, started=started, arrived=arrived, filled=len(self.carry.losses),
-            carried=len(carried.losses),
+            carried=len(carried.losses), carried_shards=[seg.lease.shard_id for seg in carried.segments],
         )
 
-    def _fill(self, stop: Callable[[], bool], queued: deque[torch.cuda.Event]) -> bool:
+    def _fill(self, stop: Callable[[], bool], queued: deque[torch.cuda.Event], next_lease: LeaseSource,
+              closed: Segment | None) -> bool:
         """While the window's round is in flight: train on the leased data (the next window's
-        steps, `Carry`), then land the round. Only on the lease in hand: one that runs out ends the
-        filling (a new lease's segment would be the next window's first, taken there). False: a
-        stop came first (the round is left in flight; the window is not committed)."""
+        steps, `Carry`), then land the round. A shard that runs out meanwhile is closed in the
+        carry and the next one leased, as a window does (``closed``: the window's own last shard,
+        run out at its end and committed with it, which the lease request names as exhausted). A
+        lease not granted at once while the round has landed ends the filling: the next window
+        asks again. False: a stop came first (the round is left in flight; the window is not
+        committed)."""
         assert isinstance(self.sync, StreamingDiLoCo)
         landing = self.sync.landing()
-        self._filled_steps, self._fill_seconds, self._land_wait = 0, 0.0, 0.0
+        self._filled_steps, self._fill_seconds, self._land_wait, self._fill_leasing = 0, 0.0, 0.0, 0.0
         # Leave room for the next window's share, as the speeds say now: the carried steps and the
         # share stay within the bound together (a member that filled while the speeds were not
         # known yet, the first rounds, trained 4H beside a 4x slower one's H). Cutting the share
@@ -424,7 +441,23 @@ class NodeTrainer:
             if stop():
                 return False
             if self.lease is None or self.loader is None or not self._fits():
-                break
+                # The shard ran out: its segment (the carry's, else the window's ``closed``) is
+                # committed with the round that holds its steps, and stays held meanwhile.
+                if self.lease is None:  # the window's last shard, in the window's segments
+                    done, closed = closed, None
+                else:
+                    done = self._close_segment(self.carry.segments)
+                    if done is not None and all(done is not seg for seg in self.carry.segments):
+                        self.carry.segments.append(done)  # its tail only (no step on it while filling)
+                t_lease = time.perf_counter()
+                lease = next_lease(done, landing.done)
+                self._fill_leasing += time.perf_counter() - t_lease
+                if lease is None:
+                    if stop():
+                        return False
+                    break  # the round landed while no shard was free: the next window asks again
+                self.use_lease(lease)
+                continue
             if not self.carry.segments or self.carry.segments[-1].lease.lease_id != self.lease.lease_id:
                 offset = self.loader.position.offset
                 self.carry.segments.append(Segment(self.lease, offset, offset))

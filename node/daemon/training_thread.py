@@ -289,8 +289,10 @@ class TrainingThread:
             record = self._round_record(result, v)
             commits = self._window_commits(result, record)
             # The leases this window ran out stay named as exhausted until its commits are handed
-            # over (`_after_round`); those it does not commit (left out) go back now.
-            ran_out = self._forget_exhausted(keep={c.lease_id for c in commits})
+            # over (`_after_round`); those it does not commit (left out) go back now. Those run out
+            # while it filled (sync.fill_wait) hold the next window's steps: named until its round.
+            carried = {seg.lease.lease_id for seg in trainer.carry.segments if seg.exhausted}
+            ran_out = self._forget_exhausted(keep={c.lease_id for c in commits}, carried=carried)
             if ran_out:
                 self._exhausted_by_round[result.round] = ran_out
             # Copies the next window cannot touch; hashing, the checkpoint and the hand-over to
@@ -328,13 +330,16 @@ class TrainingThread:
         if self._failures > RETRIES_AT_ONCE:
             self.stop.wait(min(self.s.lease_wait_s, 0.1 * 2 ** (self._failures - RETRIES_AT_ONCE)))
 
-    def _forget_exhausted(self, keep: set[str]) -> set[str]:
-        """End the window's bookkeeping of the leases it ran out (training thread): those not in
-        ``keep`` are no longer named as exhausted (the coordinator hands them back); returns the
-        rest."""
-        ran_out, self._window_exhausted = self._window_exhausted, set()
-        self.session.exhausted.difference_update(ran_out - keep)
-        return ran_out & keep
+    def _forget_exhausted(self, keep: set[str], carried: set[str] = frozenset()) -> set[str]:
+        """End the window's bookkeeping of the leases it ran out (training thread): those in
+        ``carried`` (run out by the steps the next window carries) stay the next window's; the
+        others not in ``keep`` are no longer named as exhausted (the coordinator hands them back);
+        returns the rest, named until this window's commits are handed over. (A lease may be in
+        both: the window committed a span of it and the carry runs it out.)"""
+        ran_out = self._window_exhausted
+        self._window_exhausted = ran_out & carried
+        self.session.exhausted.difference_update(ran_out - keep - carried)
+        return (ran_out & keep) - carried
 
     def _save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """The round finisher's write (its thread); ``--fault delay:checkpoint:S`` slows it."""
@@ -375,10 +380,12 @@ class TrainingThread:
             for i, seg in enumerate(spans)
         ]
 
-    def _next_lease_blocking(self, done: Segment | None) -> LeaseView | None:
-        """From the training thread: wait for a new lease. A shard that ran out (``done``) is not
-        committed now but with the window's round, so its tokens count only if the round
-        completes: the coordinator keeps it held (``exhausted``) and grants another beside it."""
+    def _next_lease_blocking(self, done: Segment | None, give_up: Callable[[], bool] | None = None
+                             ) -> LeaseView | None:
+        """From the training thread: wait for a new lease (``give_up``: None once it says so). A
+        shard that ran out (``done``) is not committed now but with the round whose update holds
+        its steps, so its tokens count only if that round completes: the coordinator keeps it
+        held (``exhausted``) and grants another beside it."""
         if done is not None:
             self.session.exhausted.add(done.lease.lease_id)  # read by acquire while this thread waits
             self._window_exhausted.add(done.lease.lease_id)
@@ -390,7 +397,7 @@ class TrainingThread:
             # their commits are handed over, so none is handed back meanwhile; waiting here cost a
             # GPU node 2-8 s each time a shard ran out (the finisher writes 1.5 GB checkpoints).
             self._finisher.drain()
-        return asyncio.run_coroutine_threadsafe(self.session.acquire(), self.loop).result()
+        return asyncio.run_coroutine_threadsafe(self.session.acquire(give_up), self.loop).result()
 
     def _run_moved_on(self) -> bool:
         """Whether a live trainer reports a round past this node's (training thread; plain reads)."""
@@ -400,9 +407,15 @@ class TrainingThread:
         """Before a window (training thread): drop a lease whose work was refused; leave a split's
         state, or skip rounds the run has completed already, for the run's newest state."""
         trainer = self.trainer
-        if trainer.lease is not None and trainer.lease.lease_id in self.session.lost_leases:
-            trainer.lease, trainer.loader = None, None  # its work is refused: take a new lease
-            trainer.drop_carry()  # and the steps carried on it
+        held = {seg.lease.lease_id for seg in trainer.carry.segments}
+        if trainer.lease is not None:
+            held.add(trainer.lease.lease_id)
+        if held & self.session.lost_leases:
+            # Its work is refused: take a new lease, and drop the steps carried (trained on it, or
+            # before it on a shard whose later spans would then not start at the committed offset).
+            trainer.lease, trainer.loader = None, None
+            trainer.drop_carry()
+            self._forget_exhausted(keep=set())  # the shards the carry ran out go back too
         split = self._split_group()
         if split:
             # The coordinator refused a commit as a split's: this node's state is that split's.
@@ -470,7 +483,13 @@ class TrainingThread:
         state = asyncio.run_coroutine_threadsafe(coro, self.loop).result()
         if state is None:
             return False
-        self.trainer.load_shared_tensors(state)
+        carried = bool(self.trainer.carry.segments)
+        self.trainer.load_shared_tensors(state)  # the local weights are the state's: carried steps dropped
+        if carried:
+            # The lease in hand went on past the carried steps' span, which is not committed now:
+            # every lease goes back to its committed offset (the carry's run-out ones included).
+            self.trainer.lease, self.trainer.loader = None, None
+            self._forget_exhausted(keep=set())
         self._last_shared = self.trainer.shared_state()
         self.loop.call_soon_threadsafe(self.log, f"re-synced to round {self.trainer.round} from peers")
         return True
@@ -494,7 +513,7 @@ class TrainingThread:
             "tokens_per_s": result.tokens / result.seconds if result.seconds > 0 else 0.0,
             "seconds": result.seconds,
             "compute_seconds": result.compute_seconds,
-            "rate": t.speed.rate,  # compute tokens/s (EMA), announced to peers (sync.round_budget)
+            "rate": t.speed.rate,  # compute inner steps/s (EMA), announced to peers (sync.round_budget)
             "exchange_wait_seconds": result.exchange_wait_seconds,
             # Where a fast member's window went (benchmarks/heterogeneous.py): it started, its last
             # step had computed (it waits for the round from here), it ended (time - eval).
@@ -505,6 +524,7 @@ class TrainingThread:
             # those of the last round's flight, committed with this one (in "tokens", not "steps")
             "filled": result.filled,
             "carried": result.carried,
+            "carried_shards": result.carried_shards,  # (a fill that ran a shard out took the next one)
             "bytes_sent": sent,
             "bytes_received": t.sync.bytes.total_received,
             "compression": ddp / sent if sent else 0.0,

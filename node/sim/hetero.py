@@ -11,18 +11,27 @@ clock is simulated, so the quality effect of uneven shares is measured apart fro
 
 After every ``eval_every_rounds`` rounds worker 0 evaluates the global model: the curve gives the
 validation loss against simulated time and against tokens trained.
+
+The data (``data``): ``"dealt"``, the simulator's usual deal (worker i reads shards i, i+K, ...,
+node/sim/replicas.py), or ``"pooled"``, one stream of the dataset's batches that every round
+hands out in worker order, each worker its share (`PooledBatches`), as the nodes lease shards from
+one pool: a fast node takes more shards, not more passes over its own. With the deal a worker that
+trains 4x the steps of another reads its own shards 4x as fast, and once it wraps round them it
+trains on repeats while the group as a whole has not seen all the data: at equal tokens the rules
+then differ in what they trained on, not only in how. Pooled, every rule has trained on the same
+tokens at equal tokens.
 """
 
 from __future__ import annotations
 
 import copy
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 
 import torch
 
-from murmur.node.model.data import Dataset, eval_batches
+from murmur.node.model.data import BatchLoader, Dataset, Position, eval_batches
 from murmur.node.sim.errors import SimError
 from murmur.node.sim.replicas import build_replica_model, worker_loaders
 from murmur.node.sim.report import load_eval_weights
@@ -63,6 +72,40 @@ class HeteroResult:
         return {**asdict(self), "time": self.time, "tokens": self.tokens}
 
 
+DATA_MODES = ("dealt", "pooled")
+POOL_WAIT_S = 600.0  # a worker waits this long for the others' draws before the run is given up
+
+
+class PooledBatches:
+    """One stream of batches for all workers: each round, worker 0 draws its share first, then
+    worker 1, ... (a turn each, so the split is the same whatever the threads' timing)."""
+
+    def __init__(self, dataset: Dataset, batch: int, seq_len: int, k: int, seed: int = 0) -> None:
+        order = list(range(dataset.num_shards))
+        if seed:  # another seed, another order of the shards (as the dealt loaders do)
+            order = torch.randperm(len(order), generator=torch.Generator().manual_seed(seed)).tolist()
+        self.loader = BatchLoader(dataset, order, batch, seq_len, position=Position(order[0], 0))
+        self.k, self.turn, self.failed = k, 0, False
+        self.cond = threading.Condition()
+
+    def take(self, round_: int, worker: int, n: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """Worker ``worker``'s ``n`` batches of round ``round_`` (0-based), once the workers before it drew theirs."""
+        with self.cond:
+            if not self.cond.wait_for(lambda: self.failed or self.turn == round_ * self.k + worker, POOL_WAIT_S):
+                raise SimError(f"worker {worker} waited {POOL_WAIT_S:g}s for the others' batches of round {round_}")
+            if self.failed:
+                raise SimError("another worker failed")
+            out = [next(self.loader) for _ in range(n)]
+            self.turn += 1
+            self.cond.notify_all()
+        return iter(out)
+
+    def fail(self) -> None:
+        with self.cond:
+            self.failed = True
+            self.cond.notify_all()
+
+
 def parse_speeds(text: str) -> list[float]:
     """``1,1,2,4`` -> slowdown factors, each at least 1."""
     try:
@@ -91,17 +134,21 @@ def run_hetero(
     *,
     rounds: int,
     eval_every_rounds: int = 1,
+    data: str = "dealt",
     log: Callable[[str], None] = print,
 ) -> HeteroResult:
-    """``rounds`` rounds of len(speeds) workers (DiLoCo or Streaming DiLoCo)."""
+    """``rounds`` rounds of len(speeds) workers (DiLoCo or Streaming DiLoCo); ``data``: see the module docstring."""
     k, h = len(speeds), cfg.sync.inner_steps
     if cfg.sync.algorithm not in ("diloco", "streaming"):
         raise SimError(f"workers of different speeds need sync.algorithm diloco or streaming, got {cfg.sync.algorithm}")
+    if data not in DATA_MODES:
+        raise SimError(f"the workers' data is one of {', '.join(DATA_MODES)}, not {data!r}")
     probe = build_replica_model(cfg, dataset.vocab_size, "cpu")
     seq_len, batch = probe.cfg.seq_len, cfg.train.batch_size
     del probe
     span = batch * seq_len
     val = eval_batches(dataset, batch, seq_len, cfg.train.eval_batches)
+    pool = PooledBatches(dataset, batch, seq_len, k, cfg.seed) if data == "pooled" else None
     workers, group = build_workers(cfg, k, device, worker_loaders(dataset, batch, seq_len, cfg.seed),
                                    dataset.vocab_size)
     lead = workers[0]
@@ -123,6 +170,8 @@ def run_hetero(
             for r in range(rounds):
                 n = sync.plan_window(plans[r][i])
                 sync.weight = float(n * span)
+                if pool is not None:
+                    w.batches = pool.take(r, i, n)
                 for j in range(n):
                     w.step(r * h + j * h // n, total)
                 if r + 1 == rounds:
@@ -136,6 +185,8 @@ def run_hetero(
             errors.append(err)
             group.abort(f"{w.peer} failed: {err}")
             done.abort()
+            if pool is not None:
+                pool.fail()
 
     def _lead_eval(r: int) -> None:
         nonlocal clock, tokens
@@ -153,7 +204,8 @@ def run_hetero(
     for t in threads:
         t.join()
     if errors:
-        first = next((e for e in errors if not isinstance(e, (ExchangeError, threading.BrokenBarrierError))), errors[0])
+        first = next((e for e in errors if not isinstance(e, (ExchangeError, threading.BrokenBarrierError, SimError))),
+                     errors[0])
         raise SimError(f"a worker failed: {type(first).__name__}: {first}") from first
     result.busy = [sum(p[i] for p in plans) * speeds[i] / result.time for i in range(k)]
     return result
