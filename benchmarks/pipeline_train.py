@@ -74,6 +74,7 @@ import torch
 from murmur.node.export.source import load_source
 from murmur.node.export.stage_set import load_sources
 from murmur.node.model.data import Dataset, eval_batches, prepare
+from murmur.node.pipeline import stage_checkpoint
 from murmur.node.testnet.procs import Testnet
 from murmur.protocol.runconfig import load_config
 
@@ -190,6 +191,20 @@ def val_of(source, batches) -> float:
         return sum(float(model(x, y)) for x, y in batches) / len(batches)
 
 
+def newer_checkpoint(state_dir: Path, since: float) -> bool:
+    """Whether the stage peer of ``state_dir`` has written a checkpoint after ``since`` (Unix time)."""
+    c = stage_checkpoint.newest(state_dir)
+    return c is not None and c.path.stat().st_mtime > since
+
+
+def wait_until(ok, timeout_s: float, every_s: float = 0.05) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not ok():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"not within {timeout_s:g} s")
+        time.sleep(every_s)
+
+
 def run_row(root: Path, data: Path, steps: int, *, shape: Shape = TINY, peers_per_stage: int, mtbf_s: float,
             kill_all: bool, seed: int, drivers: int = 1) -> dict:
     root.mkdir(parents=True, exist_ok=True)
@@ -220,7 +235,11 @@ def run_row(root: Path, data: Path, steps: int, *, shape: Shape = TINY, peers_pe
         while any(d.proc.poll() is None for d in active):
             time.sleep(0.5)
             if kill_all and not killed_all and ledger_tokens(net.db) >= schedule_tokens // 2:
-                time.sleep(3.0)  # past a checkpoint instant (every 2 s)
+                # Killed right after every peer wrote a checkpoint past the half-way mark, not after
+                # a fixed wait: on a quiet machine the driver finished the whole schedule within
+                # the 3 s this waited, and the "resumed" run then had nothing left to train.
+                half_at = time.time()
+                wait_until(lambda t=half_at: all(newer_checkpoint(s, t) for s in states), timeout_s=60.0)
                 for p in [*peers, *active]:
                     p.proc.send_signal(signal.SIGKILL)
                 for p in [*peers, *active]:
