@@ -26,7 +26,12 @@ each second is rewritten when it is ready. Rows:
   rebalance_recovery_s (in the refill rows: seconds from killing both peers of stage 1 to the
   moved peer serving it, from the ledger's events; with lost_after_s, moved_after_s,
   driver_gap_s, the longest pause of the driver's completions), load (the machine's load
-  averages at the end of the row: other jobs share these cores).
+  averages at the end of the row: other jobs share these cores); cpu_ms_per_sample (CPU per
+  sample: the stages' computing threads, the stage peers' whole processes from ready to stop, the
+  driver's whole process while it drove), cores_samples_per_s_all_cpu (the cores over the stage
+  peers' and the driver's CPU per sample: what this machine can do with everything the pipeline
+  runs, overheads included) and efficiency_vs_all_cpu (samples_per_s against it: near 1, the
+  cores are the limit, not waiting).
 
 Writes benchmarks/results/pipeline.json. Needs root (namespaces) and ip, tc and iptables (checked
 first, with a one-line error); cleans up after itself, a row that fails halfway included.
@@ -199,6 +204,16 @@ def one_row(args, work: Path, data: Path, rate: int, codec: str, mtbf: float) ->
     cores_bound = (os.cpu_count() or 1) / cpu_per_sample
     ideal = min(*per_stage, cores_bound)
     rate_achieved = samples / done["seconds"]
+    # Where the machine's CPU went, per sample: the stage peers' whole processes from ready to stop
+    # (compute, gRPC, codecs, the event loop) and the driver's while it drove. Here they share the
+    # cores, so all of it bounds the rate; a deployment gives each its own machine.
+    served = [p for p in peers if p.stopped.get("samples_total") and "process_cpu_seconds" in p.ready]
+    peer_cpu = sum(p.stopped["process_cpu_seconds"] - p.ready["process_cpu_seconds"] for p in served)
+    peer_rows = sum(p.stopped["samples_total"] for p in served) / args.stages
+    ms = {"stage_compute": 1000 * cpu_per_sample,
+          "stage_processes": 1000 * peer_cpu / peer_rows if peer_rows else float("nan"),
+          "driver": 1000 * done["cpu_seconds"] / max(samples, 1) if "cpu_seconds" in done else float("nan")}
+    all_cpu_bound = (os.cpu_count() or 1) / ((ms["stage_processes"] + ms["driver"]) / 1000)
     return {
         "stages": args.stages, "peers_per_stage": args.peers_per_stage, "link_mbps": rate,
         "activation_codec": codec, "mtbf_s": mtbf or None, "kills": len(kills),
@@ -206,6 +221,9 @@ def one_row(args, work: Path, data: Path, rate: int, codec: str, mtbf: float) ->
         "ideal_samples_per_s": round(ideal, 2), "stage_samples_per_s": [round(v, 2) for v in per_stage],
         "cores_samples_per_s": round(cores_bound, 2),
         "efficiency": round(rate_achieved / ideal, 3),
+        "cpu_ms_per_sample": {k: round(v, 2) for k, v in ms.items()},
+        "cores_samples_per_s_all_cpu": round(all_cpu_bound, 2),
+        "efficiency_vs_all_cpu": round(rate_achieved / all_cpu_bound, 3),
         "bytes_per_sample": round(done["wire_bytes"] / max(samples, 1)),
         "microbatches_lost": count - done["committed_end"], "retries": retries,
         "seconds": round(done["seconds"], 1), "rebalance_recovery_s": None, "load": shaped.load(),

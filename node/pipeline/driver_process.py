@@ -265,7 +265,7 @@ async def drive(args: argparse.Namespace, joined: Callable[[], PipelineMember] |
 
     refresher = asyncio.create_task(keep_refreshing())
     status, why = 0, ""
-    t0 = time.monotonic()
+    t0, cpu0 = time.monotonic(), time.process_time()
     try:
         if member is None:  # a fixed range of one shard, wrapping round (the tests, a manual check)
             batches = microbatch_source(dataset, args.shard, cfg.microbatch_size, model_cfg.seq_len)
@@ -293,7 +293,8 @@ async def drive(args: argparse.Namespace, joined: Callable[[], PipelineMember] |
     served = {st.peer.node_id: st.hops for stage in router.stages.values() for st in stage.values()}
     emit(event="done", reason=why, device=str(device), committed_tokens=tally["tokens"],
          committed_microbatches=tally["microbatches"], committed_end=tally["end"], hops_by_peer=served,
-         seconds=time.monotonic() - t0, wire_bytes=tally["wire_bytes"], val=val_losses[-1] if val_losses else None,
+         seconds=time.monotonic() - t0, cpu_seconds=round(time.process_time() - cpu0, 3),  # every thread's
+         wire_bytes=tally["wire_bytes"], val=val_losses[-1] if val_losses else None,
          run_step=schedule.step if schedule is not None else None)
     return status
 

@@ -51,6 +51,7 @@ import json
 import logging
 import signal
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -192,7 +193,8 @@ async def serve(args: argparse.Namespace, joined: Callable[[], PipelineMember] |
          stage_param_mb=round(peer.worker.module.parameter_bytes() / MIB, 3),
          start_rss_mb=round(start_rss, 1), built_peak_rss_mb=round(peer.built_peak_rss_mb, 1),
          peak_rss_mb=round(peak_rss_mb(), 1),
-         checkpoint_version=peer.loaded_checkpoint.version if peer.loaded_checkpoint is not None else None)
+         checkpoint_version=peer.loaded_checkpoint.version if peer.loaded_checkpoint is not None else None,
+         process_cpu_seconds=round(time.process_time(), 3))  # every thread's, since the start (with "stopped")
     progress = asyncio.create_task(show_progress(peer, args.progress_every))
     await stop.wait()
     progress.cancel()
@@ -215,7 +217,8 @@ async def serve(args: argparse.Namespace, joined: Callable[[], PipelineMember] |
          checkpoints_written=peer.checkpoints_written,
          checkpoint_version=peer.last_checkpoint.version if peer.last_checkpoint is not None else None,
          lr=worker.optimizer.param_groups[0]["lr"], run_step=schedule.step if schedule is not None else None,
-         state_hash=stage_state.state_hash(worker.module), peak_rss_mb=round(peak_rss_mb(), 1))
+         state_hash=stage_state.state_hash(worker.module), peak_rss_mb=round(peak_rss_mb(), 1),
+         process_cpu_seconds=round(time.process_time(), 3))
 
 
 def main(argv: list[str] | None = None, joined: Callable[[], PipelineMember] | None = None) -> int:
