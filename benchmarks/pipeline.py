@@ -247,6 +247,9 @@ def recovery_row(args, work: Path, data: Path, repeat: int) -> dict:
         "pipeline.target_samples=16", "pipeline.microbatch_attempts=8", "pipeline.hop_timeout_s=30.0",
         f"pipeline.rebalance_every_s={args.rebalance_every}", f"pipeline.replica_every_s={args.replica_every}",
         f"pipeline.sync_every_s={args.sync_every}",
+        # The driver follows the run's schedule: without this, testnet-tiny's 200 steps ended it at
+        # 200 of the --recovery-microbatches asked for, and the row counted 40 as lost.
+        f"train.steps={args.recovery_microbatches}",
     ])
     (root / "run.toml").write_text(cfg.to_toml())
     net = Testnet(root=root, config_path=root / "run.toml", data=data, threads=args.threads,
