@@ -168,7 +168,10 @@ def test_a_node_of_two_local_ranks_fills_too(tmp_path, data):
         full = _full_rounds(net.nodes)
         settled = {r: v for r, v in full.items() if r >= min(full) + 3}
         assert sum(v[two.name]["steps"] for v in settled.values()) > H * len(settled), settled
-        assert all(v[slow.name]["steps"] < H for v in settled.values()), settled
+        # Over the settled rounds, not in each: with the two ranks and the slowed node on two
+        # loaded cores (CI), a round's speeds swing, and one round in ~10 loaded runs gave the
+        # slowed node a full H.
+        assert sum(v[slow.name]["steps"] for v in settled.values()) < H * len(settled), settled
         # Its steps are two ranks' rows each; the carried ones are committed with the next round.
         recs = {r["round"]: r for r in trained(two)}
         for r, x in recs.items():

@@ -135,7 +135,11 @@ def test_a_stage_peer_killed_and_restarted_with_its_state_folder_is_the_same_nod
             view = net.admin("stages", "--run", net.run_id)
             # Training goes on through the restarted peer.
             mark = len(logged(tmp_path / "driver.commits"))
-            wait_for("commits after the restart", lambda: len(logged(tmp_path / "driver.commits")) >= mark + 3)
+            try:
+                wait_for("commits after the restart", lambda: len(logged(tmp_path / "driver.commits")) >= mark + 3)
+            except AssertionError as err:  # seen once in eight loaded runs: what the coordinator saw
+                raise AssertionError(f"{err}; stages: {net.admin('stages', '--peers')}; events: "
+                                     f"{net.admin('events', '--limit', '40')['events']}") from None
             joined = joins(net)
         finally:
             if driver is not None and driver.poll() is None:
