@@ -8,6 +8,7 @@ import json
 import signal
 import socket
 import subprocess
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +28,21 @@ MICROBATCH = 4
 TOKENS_PER_MB = MICROBATCH * 64
 START_TIMEOUT = 120  # torch import on a loaded 2-core machine
 RUN_TIMEOUT = 240
+# Shards of 32 microbatches (the `small_shards` fixture of tests/conftest.py): a schedule of 40 or
+# more spans several leases.
+SMALL_SHARD_TOKENS = 1 << 13
+
+
+def wait_until(what: str, ok, timeout_s: float = RUN_TIMEOUT, every_s: float = 0.2):
+    """Poll ``ok`` until it returns something truthy, and return that; AssertionError naming
+    ``what`` after ``timeout_s`` (processes and files have no event to await)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        got = ok()
+        if got:
+            return got
+        time.sleep(every_s)
+    raise AssertionError(f"timed out waiting for {what}")
 
 
 @dataclass

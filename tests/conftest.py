@@ -100,6 +100,18 @@ def byte_dataset(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def small_shards(tmp_path_factory):
+    """The bundled corpus in shards of 32 microbatches of the pipeline tests (tests/_pipeline_helpers.py)."""
+    from _pipeline_helpers import SMALL_SHARD_TOKENS
+
+    from murmur.node.model.data import prepare
+
+    root = tmp_path_factory.mktemp("data") / "shakespeare-byte-8k"
+    prepare(root, tokenizer="byte", shard_tokens=SMALL_SHARD_TOKENS)
+    return root
+
+
+@pytest.fixture(scope="module")
 def one_torch_thread():
     """One torch thread for a module of tiny-model tests (`pytest.mark.usefixtures`): their ops are
     too small to split, and on a loaded 2-core machine two threads wait on each other most of the

@@ -22,6 +22,7 @@ from _pipeline_helpers import (
     start_driver,
     start_run_peer,
     stop_all,
+    wait_until,
 )
 
 from murmur.node.testnet.procs import murmur_cmd
@@ -44,13 +45,7 @@ AGREED_FOR_S = 2 * 2.0 + 2 * 1.0
 
 
 def wait_for(what: str, ok, timeout_s: float = RUN_TIMEOUT, every_s: float = 0.5):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        got = ok()
-        if got:
-            return got
-        time.sleep(every_s)
-    raise AssertionError(f"timed out waiting for {what}")
+    return wait_until(what, ok, timeout_s, every_s)  # each look is a `murmur admin` call: every 0.5 s
 
 
 def committed(path) -> int:

@@ -12,6 +12,7 @@ import urllib.request
 
 import pytest
 from _pipeline_helpers import (
+    SMALL_SHARD_TOKENS,
     coordinator,
     finish,
     ledger_tokens,
@@ -19,6 +20,7 @@ from _pipeline_helpers import (
     start_driver,
     start_run_peer,
     stop_all,
+    wait_until,
 )
 
 from murmur.coordinator.store import Store
@@ -26,7 +28,6 @@ from murmur.coordinator.store import Store
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
 TOKENS_PER_MB = 4 * 64  # the tiny testnet config's seq_len, 4 rows a microbatch
-SHARD_TOKENS = 1 << 13  # 32 microbatches a shard: a schedule of 40 or more spans several leases
 HEARTBEAT_TTL_S = 3.0
 PIPELINE = [
     "pipeline.stages=2", "pipeline.rebalance_every_s=600.0", "pipeline.replica_every_s=1.0",
@@ -36,23 +37,7 @@ PIPELINE = [
 FAST_COORDINATOR = ["--heartbeat-ttl", str(HEARTBEAT_TTL_S), "--restart-grace", "1"]
 
 
-@pytest.fixture(scope="module")
-def small_shards(tmp_path_factory):
-    from murmur.node.model.data import prepare
 
-    root = tmp_path_factory.mktemp("data") / "shakespeare-byte-8k"
-    prepare(root, tokenizer="byte", shard_tokens=SHARD_TOKENS)
-    return root
-
-
-def wait_for(what: str, ok, timeout_s: float = 240.0, every_s: float = 0.2):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        got = ok()
-        if got:
-            return got
-        time.sleep(every_s)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def logged(path) -> list[dict]:
@@ -93,7 +78,7 @@ def test_drivers_follow_the_schedule_across_leases_and_the_val_loss_reaches_the_
     assert sum(c["tokens"] for c in commits) == tokens
     # shard 0 whole (its last microbatch holds 3 sequences and the shard's tail), then shard 1
     assert [(r["shard"], r["start"]) for r in records(out, "lease")] == [(0, 0), (1, 0)]
-    assert [c["ledger_end"] for c in commits if c["shard"] == 0][-1] == SHARD_TOKENS
+    assert [c["ledger_end"] for c in commits if c["shard"] == 0][-1] == SMALL_SHARD_TOKENS
     # an evaluation every 10 run steps, through the stages, carried to the ledger by the commit
     vals = records(out, "val")
     assert [v["step"] for v in vals] == [10, 20, 30, 40], vals
@@ -121,12 +106,12 @@ def test_a_driver_killed_and_restarted_resumes_from_the_ledger_with_nothing_coun
         try:
             peers = [start_run_peer(tmp_path / f"peer{i}", join) for i in range(2)]
             first = start_driver(None, tmp_path, small_shards, "first", join=join)
-            wait_for("the first driver's commits", lambda: sum(c["end"] - c["start"]
+            wait_until("the first driver's commits", lambda: sum(c["end"] - c["start"]
                                                               for c in logged(tmp_path / "first.commits")) >= 8)
             first.send_signal(signal.SIGKILL)
             first.communicate(timeout=60)
             # its lease goes back once the coordinator has lost it (heartbeat TTL and a sweep)
-            wait_for("the killed driver's lease to go back", lambda: ledger_tokens_and_free(net), timeout_s=60)
+            wait_until("the killed driver's lease to go back", lambda: ledger_tokens_and_free(net), timeout_s=60)
             _, offsets = ledger_tokens(net)
             second = start_driver(None, tmp_path, small_shards, "second", join=join)
             out = finish(second)
@@ -172,9 +157,9 @@ def test_a_stage_emptied_by_sigkill_is_refilled_and_the_same_drivers_go_on(tmp_p
                 view = net.admin("stages", "--peers")
                 return all(p["report"]["replica_stage"] == 1 for p in view["peers"] if p["report"]["stage"] == 0)
 
-            wait_for("stage 0's copies of stage 1", replicas)
+            wait_until("stage 0's copies of stage 1", replicas)
             drivers = [start_driver(None, tmp_path, small_shards, f"d{i}", join=join) for i in range(2)]
-            wait_for("both drivers' first commits", lambda: all(logged(tmp_path / f"d{i}.commits") for i in range(2)))
+            wait_until("both drivers' first commits", lambda: all(logged(tmp_path / f"d{i}.commits") for i in range(2)))
             killed_at = time.time()
             peers[1].proc.send_signal(signal.SIGKILL)
             peers[1].proc.wait()
