@@ -11,8 +11,8 @@ import signal
 import time
 
 import pytest
-from _pipeline_helpers import coordinator, ledger_tokens, start_driver, start_run_peer, stop_all
-from test_pipeline_run import FAST_COORDINATOR, PIPELINE, consistent, logged, small_shards, wait_for  # noqa: F401
+from _pipeline_helpers import coordinator, ledger_tokens, start_driver, start_run_peer, stop_all, wait_until
+from test_pipeline_run import FAST_COORDINATOR, PIPELINE, consistent, logged
 
 from murmur.node.export.stage_set import load_sources
 from murmur.node.model.data import Dataset, eval_batches
@@ -71,7 +71,7 @@ def test_every_peer_and_driver_killed_at_once_resume_from_the_checkpoints(tmp_pa
             assert sorted(p.ready["stage"] for p in peers) == [0, 1]
             assert all(p.ready["checkpoint_version"] is None for p in peers)  # a new run: the seed
             drivers.append(start_driver(None, tmp_path, small_shards, "first", join=join))
-            wait_for("40 microbatches trained", lambda: sum(c["end"] - c["start"]
+            wait_until("40 microbatches trained", lambda: sum(c["end"] - c["start"]
                                                           for c in logged(tmp_path / "first.commits")) >= 40)
             # Freeze the driver, so that nothing trains between the checkpoint and the kill.
             drivers[0].send_signal(signal.SIGSTOP)
@@ -81,7 +81,7 @@ def test_every_peer_and_driver_killed_at_once_resume_from_the_checkpoints(tmp_pa
                 sets = net.admin("events", "--kind", "stage_checkpoint_set")["events"]
                 return [e for e in sets if e["detail"]["version"] * EVERY_S > frozen_at + 2.0]
 
-            recorded = wait_for("a complete checkpoint set after the freeze", set_after_freeze, timeout_s=120)[0]
+            recorded = wait_until("a complete checkpoint set after the freeze", set_after_freeze, timeout_s=120)[0]
             before = val_through_stages(join, net.run_id, peers, batches)
             assert before < 0.9 * math.log(256), before  # trained well away from the seed's loss
 
@@ -109,7 +109,7 @@ def test_every_peer_and_driver_killed_at_once_resume_from_the_checkpoints(tmp_pa
 
             # the restarted driver resumes from the ledger, and the restored stages train on
             drivers.append(start_driver(None, tmp_path, small_shards, "second", join=join))
-            wait_for("the second driver's commits", lambda: sum(c["end"] - c["start"]
+            wait_until("the second driver's commits", lambda: sum(c["end"] - c["start"]
                                                               for c in logged(tmp_path / "second.commits")) >= 16)
             drivers[1].send_signal(signal.SIGTERM)
             drivers[1].communicate(timeout=120)
