@@ -75,7 +75,7 @@ from murmur.node.export.source import load_source
 from murmur.node.export.stage_set import load_sources
 from murmur.node.model.data import Dataset, eval_batches, prepare
 from murmur.node.pipeline import stage_checkpoint
-from murmur.node.testnet.procs import Testnet
+from murmur.node.testnet.procs import Testnet, wait_for
 from murmur.protocol.runconfig import load_config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -197,14 +197,6 @@ def newer_checkpoint(state_dir: Path, since: float) -> bool:
     return c is not None and c.path.stat().st_mtime > since
 
 
-def wait_until(ok, timeout_s: float, every_s: float = 0.05) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not ok():
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"not within {timeout_s:g} s")
-        time.sleep(every_s)
-
-
 def run_row(root: Path, data: Path, steps: int, *, shape: Shape = TINY, peers_per_stage: int, mtbf_s: float,
             kill_all: bool, seed: int, drivers: int = 1) -> dict:
     root.mkdir(parents=True, exist_ok=True)
@@ -239,7 +231,8 @@ def run_row(root: Path, data: Path, steps: int, *, shape: Shape = TINY, peers_pe
                 # a fixed wait: on a quiet machine the driver finished the whole schedule within
                 # the 3 s this waited, and the "resumed" run then had nothing left to train.
                 half_at = time.time()
-                wait_until(lambda t=half_at: all(newer_checkpoint(s, t) for s in states), timeout_s=60.0)
+                wait_for(lambda t=half_at: all(newer_checkpoint(s, t) for s in states), timeout_s=60.0, poll_s=0.05,
+                         what="every peer's checkpoint past half-way")
                 for p in [*peers, *active]:
                     p.proc.send_signal(signal.SIGKILL)
                 for p in [*peers, *active]:
