@@ -13,6 +13,9 @@ from murmur.node.testnet.procs import Testnet, TestnetError, wait_for
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "configs" / "testnet-tiny.toml"
 ROUND_WAIT_S = 90.0  # a few rounds of the tiny model, on a loaded 2-core machine
+# For tests that stop their nodes themselves: the tiny config's 200 steps end in ~2 s on a fast
+# machine (a solo node's rounds took 30 ms in CI), before a restart or an outage is over.
+UNTIL_STOPPED = ["train.steps=100000"]
 
 
 def small_dataset(root: Path) -> Path:

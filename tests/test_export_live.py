@@ -9,7 +9,7 @@ import subprocess
 import pytest
 from _coordinator_helpers import start_coordinator, write_run_files
 from _net_helpers import PYTHON, REPO, python_env
-from _node_helpers import hashes_by_round, make_testnet, small_dataset, wait_rounds
+from _node_helpers import UNTIL_STOPPED, hashes_by_round, make_testnet, small_dataset, wait_rounds
 
 pytestmark = pytest.mark.integration
 EXPORT_TIMEOUT_S = 240  # the CLI's start, the grant, a tiny model's state: seconds, minutes when loaded
@@ -22,7 +22,7 @@ def _export(*args: str) -> subprocess.CompletedProcess[str]:
 
 def test_a_live_run_exports_the_state_its_nodes_hold(tmp_path):
     data = small_dataset(tmp_path / "data")
-    net = make_testnet(tmp_path / "net", data)
+    net = make_testnet(tmp_path / "net", data, overrides=UNTIL_STOPPED)
     with net:
         net.start_coordinator()
         net.create_run(token_uses=8)

@@ -12,7 +12,7 @@ import re
 import subprocess
 
 import pytest
-from _node_helpers import TINY, small_dataset
+from _node_helpers import TINY, UNTIL_STOPPED, small_dataset
 
 from murmur.node.daemon.state_dir import read_rounds
 from murmur.node.testnet.procs import run_murmur, start_murmur, stop_process, wait_for
@@ -34,7 +34,7 @@ def test_a_run_started_as_the_readme_says_trains_as_one_group(tmp_path):
 
     data = small_dataset(tmp_path)
     config = tmp_path / "run.toml"
-    config.write_text(load_config(TINY, [f'data.path="{data}"']).to_toml())
+    config.write_text(load_config(TINY, [f'data.path="{data}"', *UNTIL_STOPPED]).to_toml())
     env = _env()
     procs: list[subprocess.Popen] = []
     logs = []

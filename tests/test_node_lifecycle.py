@@ -10,7 +10,17 @@ import signal
 import urllib.request
 
 import pytest
-from _node_helpers import ROUND_WAIT_S, ledger, log, make_testnet, small_dataset, trained, wait_log, wait_rounds
+from _node_helpers import (
+    ROUND_WAIT_S,
+    UNTIL_STOPPED,
+    ledger,
+    log,
+    make_testnet,
+    small_dataset,
+    trained,
+    wait_log,
+    wait_rounds,
+)
 
 from murmur.node.daemon.round_finish import MAX_WAITING
 
@@ -29,7 +39,7 @@ def _committed_spans_add_up(offsets: dict[int, int], total: int) -> None:
 
 
 def test_sigterm_commits_releases_and_leaves(tmp_path, data):
-    with make_testnet(tmp_path, data, node_args=["--solo"]) as net:
+    with make_testnet(tmp_path, data, node_args=["--solo"], overrides=UNTIL_STOPPED) as net:
         net.start_coordinator()
         net.create_run(token_uses=4)
         node = net.add_node()
@@ -54,7 +64,7 @@ def test_sigterm_commits_releases_and_leaves(tmp_path, data):
 
 
 def test_sigkill_then_restart_resumes_from_checkpoint(tmp_path, data):
-    with make_testnet(tmp_path, data, node_args=["--solo"]) as net:
+    with make_testnet(tmp_path, data, node_args=["--solo"], overrides=UNTIL_STOPPED) as net:
         net.start_coordinator()
         net.create_run(token_uses=4)
         node = net.add_node()
@@ -83,7 +93,7 @@ def test_sigkill_then_restart_resumes_from_checkpoint(tmp_path, data):
 def test_coordinator_outage_training_goes_on_and_commits_arrive(tmp_path, byte_dataset):
     # 64K-token shards: the lease outlasts the outage (a node that needs a *new* lease while the
     # coordinator is down waits for it, by design).
-    with make_testnet(tmp_path, byte_dataset.root, node_args=["--solo"]) as net:
+    with make_testnet(tmp_path, byte_dataset.root, node_args=["--solo"], overrides=UNTIL_STOPPED) as net:
         net.start_coordinator()
         net.create_run(token_uses=4)
         node = net.add_node()
@@ -157,7 +167,7 @@ def test_a_slow_model_build_does_not_silence_the_heartbeats(tmp_path, data):
     which sends the heartbeats: a build slower than the heartbeat TTL (a large model on a slow
     machine; the testnet's tiny model took 2 s on an idle machine) does not have the node marked
     lost. Built on the loop, every testnet node under load was lost at each restart."""
-    net = make_testnet(tmp_path, data, node_args=["--solo", "--fault", "delay:build_model:8"])
+    net = make_testnet(tmp_path, data, node_args=["--solo", "--fault", "delay:build_model:8"], overrides=UNTIL_STOPPED)
     # A join grace of 1 s: the node is lost 5 s after its join unless it heartbeats meanwhile.
     net.coordinator_args = ["--lease-ttl", "5", "--heartbeat-ttl", "5", "--join-grace", "1", "--restart-grace", "1"]
     with net:

@@ -17,7 +17,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from _node_helpers import log, make_testnet, small_dataset, wait_rounds
+from _node_helpers import UNTIL_STOPPED, log, make_testnet, small_dataset, wait_rounds
 
 from murmur.coordinator.runs import ddp_equivalent_bytes, shape_of
 from murmur.node.testnet.procs import kill_group, wait_for
@@ -93,7 +93,7 @@ def read_page(tmp: Path, url: str) -> _Rows:
 @pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (apt-get install -y chromium chromium-driver)")
 def test_status_page_shows_the_ledger_and_a_lost_node(tmp_path):
     data = small_dataset(tmp_path / "data")
-    net = make_testnet(tmp_path / "net", data, node_args=FAST_NODE)
+    net = make_testnet(tmp_path / "net", data, node_args=FAST_NODE, overrides=UNTIL_STOPPED)
     net.coordinator_args = list(FAST_COORDINATOR)
     with net:
         net.start_coordinator()
