@@ -2,7 +2,7 @@
 
     sudo .venv/bin/python benchmarks/pipeline.py [--stages 2] [--peers-per-stage 2] \
         [--rates 1000,100,20] [--codecs bf16,int8] [--mtbf 0,30] [--microbatches 120] \
-        [--kill-microbatches 400] [--concurrency 4]
+        [--kill-microbatches 400] [--concurrency 4,8]
 
 Every process (S x P stage peers, `python -m murmur.node.pipeline.stage_peer_process`, and one
 driver, `python -m murmur.node.pipeline.driver_process`) runs in its own network namespace on one
@@ -15,11 +15,12 @@ With ``mtbf_s > 0`` a chaos thread gives every stage peer an exponential lifetim
 that must import torch and build its stage before it serves) and the peer list the driver re-reads
 each second is rewritten when it is ready. Rows:
 
-  stages, peers_per_stage, link_mbps, activation_codec, mtbf_s, kills,
-  samples_per_s (rows the driver completed and committed per second of its run),
-  ideal_samples_per_s (the slowest stage's measured compute: per stage, the peers' CPU seconds
-  per sample, from the peers that stopped cleanly, with P peers working in parallel; and no more
-  than cores_samples_per_s, every stage's CPU per sample spread over the machine's cores),
+  stages, peers_per_stage, link_mbps, activation_codec, mtbf_s, kills, concurrency (microbatches
+  the driver keeps in flight), samples_per_s (rows the driver completed and committed per second
+  of its run), ideal_samples_per_s (the slowest stage's measured compute: per stage, the peers'
+  CPU seconds per sample of forward, backward, gradient accumulation and optimizer steps, from the
+  peers that stopped cleanly, with P peers working in parallel; and no more than
+  cores_samples_per_s, every stage's CPU per sample spread over the machine's cores),
   efficiency (samples_per_s / ideal_samples_per_s), bytes_per_sample (wire bytes of the hops that
   succeeded, both ways, per row), microbatches_lost (asked for minus committed: 0 means every
   microbatch was eventually committed, once), retries (hop attempts beyond the first),
@@ -136,7 +137,7 @@ def chaos(peers: list[Peer], mtbf: float, stop: threading.Event, path: Path, loc
             due[p.slot] = time.monotonic() + rng.expovariate(1 / mtbf)
 
 
-def one_row(args, work: Path, data: Path, rate: int, codec: str, mtbf: float) -> dict:
+def one_row(args, work: Path, data: Path, rate: int, codec: str, mtbf: float, concurrency: int) -> dict:
     from murmur.protocol.identity import CertificateAuthority
 
     n_peers = args.stages * args.peers_per_stage
@@ -165,7 +166,7 @@ def one_row(args, work: Path, data: Path, rate: int, codec: str, mtbf: float) ->
         cmd = in_ns(0, sys.executable, "-m", "murmur.node.pipeline.driver_process", "--identity", str(row_dir / "id0"),
                     "--run", "bench", "--peers", str(peers_file), "--stages", str(args.stages), *MODEL,
                     "--data", str(data), "--microbatches", str(count), "--microbatch-size", str(MICROBATCH),
-                    "--concurrency", str(args.concurrency), "--codec", codec, "--hop-timeout-s", "30",
+                    "--concurrency", str(concurrency), "--codec", codec, "--hop-timeout-s", "30",
                     "--microbatch-attempts", "20", "--threads", str(args.threads))
         driver = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env(args.threads), cwd=REPO)
         monkey = None
@@ -216,7 +217,7 @@ def one_row(args, work: Path, data: Path, rate: int, codec: str, mtbf: float) ->
     all_cpu_bound = (os.cpu_count() or 1) / ((ms["stage_processes"] + ms["driver"]) / 1000)
     return {
         "stages": args.stages, "peers_per_stage": args.peers_per_stage, "link_mbps": rate,
-        "activation_codec": codec, "mtbf_s": mtbf or None, "kills": len(kills),
+        "activation_codec": codec, "mtbf_s": mtbf or None, "kills": len(kills), "concurrency": concurrency,
         "microbatches": count, "samples_per_s": round(rate_achieved, 2),
         "ideal_samples_per_s": round(ideal, 2), "stage_samples_per_s": [round(v, 2) for v in per_stage],
         "cores_samples_per_s": round(cores_bound, 2),
@@ -272,7 +273,7 @@ def recovery_row(args, work: Path, data: Path, repeat: int) -> dict:
         with open(out_path, "w") as out:
             driver = subprocess.Popen([sys.executable, "-m", "murmur.node.pipeline.driver_process", *join,
                                        "--data", str(data), "--microbatches", str(args.recovery_microbatches),
-                                       "--concurrency", str(args.concurrency), "--threads", str(args.threads)],
+                                       "--concurrency", str(args.concurrency[-1]), "--threads", str(args.threads)],
                                       stdout=out, text=True, env=env(args.threads), cwd=REPO)
 
             def records(kind: str) -> list[dict]:
@@ -310,7 +311,8 @@ def recovery_row(args, work: Path, data: Path, repeat: int) -> dict:
     gaps = [b - a for a, b in zip(times, times[1:], strict=False) if b >= killed_at]
     return {
         "stages": 2, "peers_per_stage": 2, "link_mbps": None, "activation_codec": "bf16",
-        "mtbf_s": None, "kills": 2, "scenario": "both peers of stage 1 SIGKILLed (loopback, coordinator)",
+        "mtbf_s": None, "kills": 2, "concurrency": args.concurrency[-1],
+        "scenario": "both peers of stage 1 SIGKILLed (loopback, coordinator)",
         "repeat": repeat, "heartbeat_ttl_s": RECOVERY_TTL_S, "rebalance_every_s": args.rebalance_every,
         "replica_every_s": args.replica_every, "sync_every_s": args.sync_every,
         "lost_after_s": round(lost["at"] - killed_at, 2), "moved_after_s": round(move["at"] - killed_at, 2),
@@ -331,7 +333,8 @@ def main() -> int:
     ap.add_argument("--mtbf", default="0,30", help="mean seconds between failures per peer (0: none)")
     ap.add_argument("--microbatches", type=int, default=120)
     ap.add_argument("--kill-microbatches", type=int, default=400, help="microbatches of a row with kills")
-    ap.add_argument("--concurrency", type=int, default=4, help="microbatches the driver keeps in flight")
+    ap.add_argument("--concurrency", default="4,8",
+                    help="microbatches the driver keeps in flight, a row per value (the refill rows: the last)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--congestion", default="cubic")
     ap.add_argument("--row-timeout", type=float, default=900)
@@ -342,6 +345,7 @@ def main() -> int:
     ap.add_argument("--sync-every", type=float, default=10.0)
     ap.add_argument("--out", default=str(HERE / "results" / "pipeline.json"))
     args = ap.parse_args()
+    args.concurrency = [int(v) for v in args.concurrency.split(",") if v]
     if os.geteuid() != 0:
         raise SystemExit("error: needs root for network namespaces (sudo)")
     missing = [tool for tool in NEEDED_TOOLS if shutil.which(tool) is None]
@@ -364,14 +368,15 @@ def main() -> int:
         os.chmod(work, 0o755)
         data = work / "data"
         prepare(data, tokenizer="byte", shard_tokens=1 << 20)
-        for mtbf in [float(v) for v in args.mtbf.split(",") if v]:
-            for rate in [int(v) for v in args.rates.split(",") if v]:
-                for codec in args.codecs.split(","):
-                    row = one_row(args, work, data, rate, codec, mtbf)
-                    print(json.dumps(row), flush=True)
-                    rows.append(row)
-                    # after every row, so an interrupted run keeps what it measured
-                    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+        for concurrency in args.concurrency:
+            for mtbf in [float(v) for v in args.mtbf.split(",") if v]:
+                for rate in [int(v) for v in args.rates.split(",") if v]:
+                    for codec in args.codecs.split(","):
+                        row = one_row(args, work, data, rate, codec, mtbf, concurrency)
+                        print(json.dumps(row), flush=True)
+                        rows.append(row)
+                        # after every row, so an interrupted run keeps what it measured
+                        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
         for repeat in range(args.recovery):
             row = recovery_row(args, work, data, repeat)
             print(json.dumps(row), flush=True)

@@ -10,10 +10,11 @@ tokens (RESOURCE_EXHAUSTED), and every tensor must decode to exactly the shape t
 with finite values and token ids inside the vocabulary (INVALID_ARGUMENT with the reason). A
 refused call changes nothing and the stage keeps serving; each refusal is counted and logged.
 
-The computation runs in a worker thread (`StageWorker`, one at a time) so the event loop keeps
-answering; ``queue`` counts the calls waiting for it. A Backward is accumulated only while its
-caller still waits for the answer (a hop the driver timed out and retried elsewhere is not
-counted twice); see docs/pipeline.md for the window this leaves.
+The computation runs in one compute thread (`StageWorker`, one call at a time) so the event loop
+keeps answering; ``queue`` counts the calls waiting for it and the one it computes. A Backward is
+accumulated only while its caller still waits for the answer (a hop the driver timed out and
+retried elsewhere is not counted twice; one still queued when its caller gives up is not computed
+at all); see docs/pipeline.md for the window this leaves.
 
 A request or reply above one gRPC message (``max_message_bytes``, the run's
 ``pipeline.message_cap_mb``) travels through ForwardStream / BackwardStream as a header and byte
@@ -24,6 +25,7 @@ call's. The streamed handlers answer in chunks too, whatever the reply's size.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import math
 import threading
@@ -88,6 +90,9 @@ class StageService(pipeline_pb2_grpc.StageServicer):
         self._ema_raw, self._ema_n = 0.0, 0
         self._server: grpc.aio.Server | None = None
         self.address = ""
+        # One thread computes, calls queue for it (the worker computes one at a time anyway): a
+        # thread of the shared pool per waiting call only adds threads that contend for the GIL.
+        self._compute_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="stage-compute")
 
     @property
     def span(self):
@@ -111,6 +116,7 @@ class StageService(pipeline_pb2_grpc.StageServicer):
         if self._server is not None:
             await self._server.stop(self.settings.stop_grace)
             self._server = None
+        self._compute_thread.shutdown(wait=False, cancel_futures=True)
 
     async def wait(self) -> None:
         if self._server is not None:
@@ -203,23 +209,26 @@ class StageService(pipeline_pb2_grpc.StageServicer):
     # -- compute ---------------------------------------------------------------------------------
 
     async def _compute(self, fn, rows: int):
-        """``fn()`` in a worker thread. The thread runs to its end even if the caller gives up
-        (a cancelled handler); ``queue`` counts it until then."""
+        """``fn()`` in the compute thread, after the calls queued before it. A computation that
+        started runs to its end even if the caller gives up (a cancelled handler); one still
+        queued is dropped. ``queue`` counts a call until either happens."""
         with self._queue_lock:
             self.queue += 1
 
         def run():
-            try:
-                t0 = time.perf_counter()
-                self._injected_delay()
-                result = fn()
-                self._measure(rows, time.perf_counter() - t0)
-                return result
-            finally:
-                with self._queue_lock:
-                    self.queue -= 1
+            t0 = time.perf_counter()
+            self._injected_delay()
+            result = fn()
+            self._measure(rows, time.perf_counter() - t0)
+            return result
 
-        return await asyncio.to_thread(run)
+        def dequeue(_):
+            with self._queue_lock:
+                self.queue -= 1
+
+        done = self._compute_thread.submit(run)
+        done.add_done_callback(dequeue)  # finished, failed or cancelled before it started
+        return await asyncio.wrap_future(done)
 
     def _injected_delay(self) -> None:
         """A slow machine, on purpose: the delay fault sleeps in the compute thread, so a caller
@@ -284,10 +293,11 @@ class StageService(pipeline_pb2_grpc.StageServicer):
         self, x: torch.Tensor, reply_codec: str, targets: torch.Tensor | None = None
     ) -> pipeline_pb2.ForwardReply:
         t0 = time.perf_counter()
+        worker = self.worker  # the stage the call was checked against, even if the peer moves meanwhile
         if targets is not None:
-            loss = await self._compute(lambda: self.worker.evaluate(x, targets), x.shape[0])
+            loss = await self._compute(lambda: worker.evaluate(x, targets), x.shape[0])
             return pipeline_pb2.ForwardReply(loss=loss, compute_s=time.perf_counter() - t0)
-        out = await self._compute(lambda: self.worker.forward(x), x.shape[0])
+        out = await self._compute(lambda: worker.forward(x), x.shape[0])
         return pipeline_pb2.ForwardReply(
             outputs=codec.encode(out, reply_codec), compute_s=time.perf_counter() - t0
         )
@@ -342,12 +352,13 @@ class StageService(pipeline_pb2_grpc.StageServicer):
     async def _backward(self, microbatch: str, x, grad_out, targets, reply_codec) -> pipeline_pb2.BackwardReply:
         rows = x.shape[0]
         t0 = time.perf_counter()
+        worker = self.worker  # the stage the call was checked against, even if the peer moves meanwhile
         # The caller may give up (a timeout) while we compute: gRPC then cancels this handler,
         # and the computation, which runs on, is not kept.
         gone = threading.Event()
         try:
             res = await self._compute(
-                lambda: self.worker.backward(x, grad_out, targets, keep=lambda: not gone.is_set()), rows
+                lambda: worker.backward(x, grad_out, targets, keep=lambda: not gone.is_set()), rows
             )
         except asyncio.CancelledError:
             gone.set()
@@ -357,7 +368,7 @@ class StageService(pipeline_pb2_grpc.StageServicer):
         reply = pipeline_pb2.BackwardReply(
             loss=res.loss or 0.0,
             stepped=res.stepped,
-            optimizer_steps=self.worker.stats.optimizer_steps,
+            optimizer_steps=worker.stats.optimizer_steps,
             compute_s=time.perf_counter() - t0,
         )
         if res.grad_inputs is not None:

@@ -301,7 +301,11 @@ class StagePeer:
         self.serving = True
         self._publish(worker)
         loop = asyncio.get_running_loop()
-        worker.on_step = lambda: loop.call_soon_threadsafe(self._publish_if_current, worker)
+        # In the compute thread with the worker's lock held, after a step or a sync round: the copy
+        # is taken there, where nothing can change the weights halfway through it (taken later on
+        # the event loop, the next step could), and the loop only publishes it.
+        worker.on_step = lambda: loop.call_soon_threadsafe(
+            self._publish_if_current, worker, stage_state.published(worker.module))
         if self.sync is not None:
             if old is not None and old.span.index != stage:
                 self.state_server.unpublish_state(outer_name(old.span.index))
@@ -387,9 +391,9 @@ class StagePeer:
     def _publish(self, worker: StageWorker) -> None:
         self.state_server.publish_state(stage_state.published(worker.module))
 
-    def _publish_if_current(self, worker: StageWorker) -> None:
+    def _publish_if_current(self, worker: StageWorker, state: PublishedState) -> None:
         if self.service is not None and self.service.worker is worker:
-            self._publish(worker)
+            self.state_server.publish_state(state)
 
     async def _mates(self, stage: int) -> dict[str, str]:
         """{node: peer server address} of the peers serving ``stage`` now, this one included."""

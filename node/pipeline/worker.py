@@ -115,22 +115,28 @@ class StageWorker:
                     grads = torch.autograd.grad(out, wrt, grad_outputs)
             grad_inputs = None if self.span.is_first else grads[0].cpu()
             param_grads = grads if self.span.is_first else grads[1:]
+            self.stats.backwards += 1
+            kept = keep()
+            stepped = False
+            if kept:
+                for acc, g in zip(self.grad_sums, param_grads, strict=True):
+                    acc.add_(g)
+                self.stats.samples_accumulated += rows
+                self.stats.samples_total += rows
+                stepped = self.stats.samples_accumulated >= self.target_samples
+                if stepped:
+                    self._step()
+            # The accumulation and the optimizer step are training work that one process training
+            # the whole model does too: counted as compute, not as the pipeline's overhead.
             self.stats.compute_seconds += time.perf_counter() - t0
             self.stats.cpu_seconds += time.thread_time() - c0
-            self.stats.backwards += 1
-            if not keep():
-                return BackwardResult(grad_inputs, _item(loss), kept=False, stepped=False)
-            for acc, g in zip(self.grad_sums, param_grads, strict=True):
-                acc.add_(g)
-            self.stats.samples_accumulated += rows
-            self.stats.samples_total += rows
-            stepped = self.stats.samples_accumulated >= self.target_samples
-            if stepped:
-                self._step()
-            return BackwardResult(grad_inputs, _item(loss), kept=True, stepped=stepped)
+            if stepped and self.on_step is not None:
+                self.on_step()
+            return BackwardResult(grad_inputs, _item(loss), kept=kept, stepped=stepped)
 
     def _step(self) -> None:
-        """Mean gradient over the samples accumulated, one optimizer step, a fresh accumulator."""
+        """Mean gradient over the samples accumulated, one optimizer step, a fresh accumulator
+        (``on_step`` is the caller's to call, once the step's time is counted)."""
         n = self.stats.samples_accumulated
         if self.lr_now is not None:  # the run's schedule at its global progress (node/pipeline/schedule.py)
             set_lr(self.optimizer, self.lr_now())
@@ -143,8 +149,6 @@ class StageWorker:
         self.grad_sums = [torch.zeros_like(p) for p in self.params]
         self.stats.samples_accumulated = 0
         self.stats.optimizer_steps += 1
-        if self.on_step is not None:
-            self.on_step()
 
 
 def _item(loss: torch.Tensor | None) -> float | None:
