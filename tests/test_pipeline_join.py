@@ -140,3 +140,32 @@ def test_a_pipeline_role_against_a_data_parallel_run_is_a_one_line_error(tmp_pat
     assert errors == [f"error: run {net.run_id} is not pipelined (its config has no [pipeline] section): "
                       "--role stage needs one; leave --role out to train it data parallel"], v.messages()
     assert int(view["run"]["tokens_committed"]) == 0
+
+
+def test_a_stage_volunteer_restarted_with_its_folder_says_so_before_it_loads_its_stage(tmp_path, byte_dataset):
+    """SIGKILLed and started again with its state folder, a `--role stage` volunteer rejoins as the
+    same node and first reports no stage, which the coordinator records as the stage's peer
+    restarting (``stage_restarted``): until the stage is loaded, no driver is sent to the killed
+    process's address. The TTLs are long, so nothing else would tell the coordinator."""
+    slow = ["--heartbeat-ttl", "60", "--lease-ttl", "120", "--restart-grace", "1"]
+    overrides = [*PIPELINE, "pipeline.checkpoint_every_s=1.0"]
+    with coordinator(tmp_path, byte_dataset.root, joins=1, overrides=overrides, coordinator_args=slow) as (net, join):
+        v = Volunteer(tmp_path, "staged", join, "--role", "stage")
+        try:
+            (first,) = v.wait("ready", lambda: v.events("ready"))
+            # With a checkpoint in its folder, a restart claims that stage and loads it before it
+            # hears from the coordinator: the case where the early report matters.
+            v.wait("a checkpoint", lambda: list((v.state / "stage-checkpoints").glob("*.pt")))
+            v.proc.send_signal(signal.SIGKILL)
+            v.proc.wait(60)
+            v._file.close()
+            v = Volunteer(tmp_path, "staged", join, "--role", "stage")  # the same folder: a rejoin, no token spent
+            v.wait("second ready", lambda: v.events("ready")[1:])
+            events = net.admin("events", "--run", net.run_id)["events"]
+        finally:
+            v.stop()
+    node = first["node_id"]
+    assert [e["node_id"] for e in events if e["kind"] == "join"] == [node], events
+    restarted = [e for e in events if e["kind"] == "stage_restarted"]
+    assert [(e["node_id"], e["detail"]["stage"]) for e in restarted] == [(node, first["stage"])], events
+    assert v.events("ready")[1]["node_id"] == node and v.events("ready")[1]["stage"] == first["stage"]

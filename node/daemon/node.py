@@ -47,6 +47,7 @@ from murmur.node.daemon.stop import StopSignal
 from murmur.node.daemon.training_thread import TrainingThread
 from murmur.node.model.data import Dataset
 from murmur.node.net.faults import FaultInjector
+from murmur.node.net.member_folder import holds_membership
 from murmur.node.train.build import resolve_device
 from murmur.protocol import identity
 from murmur.protocol.runconfig import RunConfig, parse_config
@@ -61,9 +62,10 @@ class PipelinedRun(Exception):  # noqa: N818 - a hand-over, not a failure
     train. The membership stays in the state folder for node/daemon/pipeline_role.py, which
     serves a stage or drives; ``stopped``: a SIGTERM came while the node joined."""
 
-    def __init__(self, run_id: str, stopped: bool) -> None:
+    def __init__(self, run_id: str, stopped: bool, rejoined: bool = False) -> None:
         super().__init__(run_id)
-        self.run_id, self.stopped = run_id, stopped
+        # rejoined: the node joined with its folder's saved membership (a restart)
+        self.run_id, self.stopped, self.rejoined = run_id, stopped, rejoined
 
 
 @dataclass(kw_only=True, slots=True)
@@ -146,12 +148,13 @@ class Node:
         # and leaves no member behind in the coordinator's ledger.
         device = resolve_device(self.o.device)
         checked = self._data_before_join()
+        rejoining = holds_membership(self.state, self.o.coordinator)
         info, ident, config_toml = await join(
             self.o.coordinator, self.o.token, self.state, self.s, self.log, name=self.o.name
         )
         cfg = parse_config(config_toml, "the run configuration")
         if cfg.pipeline is not None:  # never trained data parallel: a stage or a driver instead
-            raise PipelinedRun(info.run_id, self.stop.is_set())
+            raise PipelinedRun(info.run_id, self.stop.is_set(), rejoining)
         if self.o.role != "auto":
             raise NodeError(f"run {info.run_id} is not pipelined (its config has no [pipeline] section): "
                             f"--role {self.o.role} needs one; leave --role out to train it data parallel")

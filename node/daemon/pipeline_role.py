@@ -57,7 +57,7 @@ def run_volunteer(options: NodeOptions) -> int:
         # SIGTERM from here on ends the pipeline role cleanly (the node's loop, which held the
         # signal while it joined, is gone).
         signal.signal(signal.SIGTERM, signal.default_int_handler)
-        stopped, run_id = handed.stopped, handed.run_id
+        stopped, run_id, rejoined = handed.stopped, handed.run_id, handed.rejoined
     state = StateDir(options.state_dir)
     saved = state.load_join()
     if saved is None:  # the node saves its join before it reads the run config
@@ -66,7 +66,7 @@ def run_volunteer(options: NodeOptions) -> int:
     cfg = parse_config(config_toml, "the run configuration")
     state.lock()
     try:
-        volunteer = PipelineVolunteer(options, state, info, ident, cfg, config_toml)
+        volunteer = PipelineVolunteer(options, state, info, ident, cfg, config_toml, rejoined=rejoined)
         if stopped:  # a SIGTERM while it joined: leave at once, as the node does
             volunteer.log("stopping: SIGTERM while joining")
             asyncio.run(volunteer.leave("stopped while joining"))
@@ -81,8 +81,9 @@ def run_volunteer(options: NodeOptions) -> int:
 
 class PipelineVolunteer:
     def __init__(self, options: NodeOptions, state: StateDir, info: JoinRecord, ident: identity.Identity,
-                 cfg: RunConfig, config_toml: str) -> None:
+                 cfg: RunConfig, config_toml: str, *, rejoined: bool = False) -> None:
         self.o, self.state, self.record, self.ident, self.cfg = options, state, info, ident, cfg
+        self.rejoined = rejoined  # a restart: the coordinator lists this node id at its old addresses
         self.log = options.log
         self.info = info.join_info(config_toml)
         self._commits = {"ranges": 0, "tokens": 0, "logged_at": 0.0}
@@ -162,7 +163,14 @@ class PipelineVolunteer:
     def _joined(self):
         from murmur.node.pipeline.member import PipelineMember
 
-        return lambda: PipelineMember.joined(self.ident, self.info)
+        def member() -> PipelineMember:
+            m = PipelineMember.joined(self.ident, self.info)
+            # A stage peer restarted with its folder reports "no stage yet" before it loads its
+            # stage, so no driver dials the killed process's address meanwhile (node/pipeline/stage_peer.py).
+            m.rejoined = self.rejoined
+            return m
+
+        return member
 
     def _serve_stage(self) -> int:
         from murmur.node.pipeline import stage_peer_process

@@ -163,6 +163,13 @@ class MemberFolder:
         return None
 
 
+def holds_membership(folder: MemberFolder, coordinator: str) -> bool:
+    """Whether ``folder`` keeps a membership of ``coordinator``: a start with it rejoins (the
+    coordinator knows the node id already) instead of joining afresh."""
+    saved = folder.load_join()
+    return saved is not None and saved[0].coordinator == coordinator
+
+
 async def join_or_rejoin(
     folder: MemberFolder,
     coordinator: str,
