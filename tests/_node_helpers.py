@@ -113,7 +113,7 @@ FAST_NODE = ["--peer-timeout", "8", "--rendezvous-deadline", "8", "--round-timeo
 @contextlib.contextmanager
 def churn_net(tmp: Path, data: Path, token_uses: int):
     """A running coordinator (the DHT bootstrap peer) with a run, fast timeouts, no node yet."""
-    net = make_testnet(tmp, data, overrides=["train.steps=5000"], node_args=FAST_NODE)
+    net = make_testnet(tmp, data, overrides=UNTIL_STOPPED, node_args=FAST_NODE)
     net.coordinator_args = list(FAST_COORDINATOR)
     with net:
         net.start_coordinator()

@@ -11,7 +11,7 @@ from __future__ import annotations
 import signal
 
 import pytest
-from _node_helpers import ledger, log, make_testnet, small_dataset, trained, wait_log, wait_rounds
+from _node_helpers import UNTIL_STOPPED, ledger, log, make_testnet, small_dataset, trained, wait_log, wait_rounds
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
@@ -26,7 +26,7 @@ def data(tmp_path_factory):
 
 
 def test_a_joiner_blind_to_peer_records_fetches_the_state_and_never_trains_alone(tmp_path, data):
-    net = make_testnet(tmp_path, data, overrides=["train.steps=5000"], node_args=FAST_NODE)
+    net = make_testnet(tmp_path, data, overrides=UNTIL_STOPPED, node_args=FAST_NODE)
     net.coordinator_args = list(FAST_COORDINATOR)
     with net:
         net.start_coordinator()

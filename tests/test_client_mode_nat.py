@@ -14,7 +14,17 @@ import signal
 import subprocess
 
 import pytest
-from _node_helpers import hashes_by_round, ledger, log, make_testnet, small_dataset, trained, wait_log, wait_rounds
+from _node_helpers import (
+    UNTIL_STOPPED,
+    hashes_by_round,
+    ledger,
+    log,
+    make_testnet,
+    small_dataset,
+    trained,
+    wait_log,
+    wait_rounds,
+)
 
 from murmur.node.testnet.procs import TestnetError, wait_for
 
@@ -77,7 +87,7 @@ def _testnet(tmp_path, data, overrides=()):
 
 
 def test_a_node_behind_a_nat_trains_in_client_mode_and_its_death_does_not_stop_the_round(tmp_path, data, nat):
-    with _testnet(tmp_path, data, overrides=["train.steps=2000"]) as net:
+    with _testnet(tmp_path, data, overrides=UNTIL_STOPPED) as net:
         reachable = [net.add_node(extra=["--listen", f"{HOST_IP}:0", "--min-peers", "3"]) for _ in range(2)]
         behind = net.add_node(extra=["--listen", f"{NS_IP}:0", "--min-peers", "3"], prefix=nat)
         wait_log(behind, r"taking part in client mode", timeout_s=120)
