@@ -7,7 +7,6 @@ import contextlib
 import json
 import signal
 import socket
-import subprocess
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -45,12 +44,66 @@ def wait_until(what: str, ok, timeout_s: float = RUN_TIMEOUT, every_s: float = 0
     raise AssertionError(f"timed out waiting for {what}")
 
 
+class LoggedProc:
+    """A process whose stdout goes to a file, not a pipe: a driver prints a JSON line a
+    microbatch, and a pipe the test reads only at the end held about 150 of them (64 KiB) before
+    the driver's event loop blocked on a write, heartbeats and all (a fast machine got there
+    before a test's restart was over). Everything else is the process's own; ``communicate``
+    waits and returns what it printed."""
+
+    def __init__(self, proc, out: Path) -> None:
+        self._proc, self.out = proc, out
+
+    def __getattr__(self, name: str):
+        return getattr(self._proc, name)
+
+    def printed(self) -> str:
+        return self.out.read_text() if self.out.exists() else ""
+
+    def records(self) -> list[dict]:
+        """The JSON lines it printed so far (a line still being written is left out)."""
+        text = self.printed()
+        return [json.loads(line) for line in text[: text.rfind("\n") + 1].splitlines() if line.strip()]
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, None]:
+        self._proc.wait(timeout)
+        return self.printed(), None
+
+
+def start_logged(module: str, args: list[str], out_stem: Path, **kw) -> LoggedProc:
+    """``python -m module args`` with its stdout in a new file beside ``out_stem`` (a restart
+    under the same name gets the next one)."""
+    n = 0
+    while (out := out_stem.with_name(f"{out_stem.name}.{n}.out")).exists():
+        n += 1
+    with open(out, "w") as f:  # the child holds its own descriptor
+        proc = start_module(module, args, stdout=f, text=True, env=python_env(), cwd=REPO, **kw)
+    return LoggedProc(proc, out)
+
+
+def _records_until(proc: LoggedProc, last, what: str) -> list[dict]:
+    """Its records up to the first for which ``last(record)`` holds; RuntimeError naming ``what``
+    if it exits first."""
+    while True:
+        got = proc.records()
+        for i, record in enumerate(got):
+            if last(record):
+                return got[: i + 1]
+        if proc.poll() is not None:
+            got = proc.records()
+            if any(last(r) for r in got):
+                continue
+            raise RuntimeError(f"{what} (rc {proc.returncode})")
+        time.sleep(0.05)
+
+
 @dataclass
 class PeerProc:
-    proc: subprocess.Popen[str]
+    proc: LoggedProc
     ready: dict
     stopped: dict = field(default_factory=dict)
-    lines: list[dict] = field(default_factory=list)  # everything it printed after "ready"
+    lines: list[dict] = field(default_factory=list)  # everything it printed, "ready" aside
+    seen: int = 1  # records up to and including "ready"
 
     @property
     def node_id(self) -> str:
@@ -72,31 +125,21 @@ def start_peer(ca: CertificateAuthority, folder: Path, stage: int, *extra: str,
                join: tuple[str, str] | None = None) -> PeerProc:
     args = [*membership(ca, folder, join), "--stage", str(stage), *MODEL, "--target-samples", "8", "--lr", "3e-3",
             *extra]
-    proc = start_module("murmur.node.pipeline.stage_peer_process", args, stdout=subprocess.PIPE, stderr=None,
-                        text=True, env=python_env(), cwd=REPO)
-    line = proc.stdout.readline()
-    if not line:
-        proc.wait(10)
-        raise RuntimeError(f"stage peer exited before it was ready (rc {proc.returncode})")
-    return PeerProc(proc, json.loads(line))
+    proc = start_logged("murmur.node.pipeline.stage_peer_process", args, folder, stderr=None)
+    (ready,) = _records_until(proc, lambda r: True, "stage peer exited before it was ready")
+    return PeerProc(proc, ready)
 
 
 def start_run_peer(folder: Path, join: tuple[str, str], *extra: str) -> PeerProc:
     """A stage peer of a pipelined run: the model, the pipeline and (without --stage) its stage
     come from the coordinator."""
-    err = open(folder.with_suffix(".log"), "ab")  # noqa: SIM115 - the child holds it
-    proc = start_module("murmur.node.pipeline.stage_peer_process", ["--coordinator", join[0], "--token", join[1],
-                        *extra], stdout=subprocess.PIPE, stderr=err, text=True, env=python_env(), cwd=REPO)
-    before = []
-    while True:  # the stage it was assigned comes first
-        line = proc.stdout.readline()
-        if not line:
-            proc.wait(10)
-            raise RuntimeError(f"stage peer exited before it was ready (rc {proc.returncode}); see {err.name}")
-        record = json.loads(line)
-        if record.get("event") == "ready":
-            return PeerProc(proc, record, lines=before)
-        before.append(record)
+    log = folder.with_suffix(".log")
+    with open(log, "ab") as err:  # the child holds its own descriptor
+        proc = start_logged("murmur.node.pipeline.stage_peer_process",
+                            ["--coordinator", join[0], "--token", join[1], *extra], folder, stderr=err)
+    # the stage it was assigned comes first
+    got = _records_until(proc, lambda r: r.get("event") == "ready", f"stage peer exited before it was ready; see {log}")
+    return PeerProc(proc, got[-1], lines=got[:-1], seen=len(got))
 
 
 def stop_peer(p: PeerProc) -> None:
@@ -112,8 +155,9 @@ def _terminate(p: PeerProc) -> None:
 
 
 def _read_to_end(p: PeerProc) -> None:
-    out, _ = p.proc.communicate(timeout=60)  # a loaded 2-core machine
-    p.lines += [json.loads(line) for line in (out or "").splitlines()]
+    p.proc.wait(60)  # a loaded 2-core machine
+    p.lines += p.proc.records()[p.seen :]
+    p.seen = len(p.lines) + 1
     p.stopped = next((r for r in p.lines if r.get("event") == "stopped"), {})
 
 
@@ -156,7 +200,7 @@ def stop_all(peers: list[PeerProc]) -> None:
 
 
 def start_driver(ca: CertificateAuthority | None, tmp_path: Path, data: Path, name: str, *extra: str,
-                 join: tuple[str, str] | None = None) -> subprocess.Popen[str]:
+                 join: tuple[str, str] | None = None) -> LoggedProc:
     """A driver; with ``ca`` None it drives a pipelined run (the run config and the coordinator
     name the model, the pipeline and the peers)."""
     if ca is None:
@@ -166,11 +210,10 @@ def start_driver(ca: CertificateAuthority | None, tmp_path: Path, data: Path, na
         shape = [*membership(ca, tmp_path / name, join), "--peers", str(tmp_path / "peers.json"), *MODEL,
                  "--microbatch-size", str(MICROBATCH)]
     args = [*shape, "--data", str(data), "--commit-log", str(tmp_path / f"{name}.commits"), *extra]
-    return start_module("murmur.node.pipeline.driver_process", args, stdout=subprocess.PIPE, stderr=None, text=True,
-                        env=python_env(), cwd=REPO)
+    return start_logged("murmur.node.pipeline.driver_process", args, tmp_path / name, stderr=None)
 
 
-def finish(driver: subprocess.Popen[str]) -> str:
+def finish(driver: LoggedProc) -> str:
     """The driver's output once it exits (killed if it runs past RUN_TIMEOUT)."""
     try:
         out, _ = driver.communicate(timeout=RUN_TIMEOUT)

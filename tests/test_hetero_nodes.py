@@ -91,9 +91,11 @@ def test_a_node_slowed_3x_trains_its_share_and_nobody_waits_for_its_full_h(tmp_p
         tokens = {n: sum(recs[n]["tokens"] for recs in settled.values()) for n in (x.name for x in net.nodes)}
         share = tokens[slow.name] / sum(tokens.values())
         assert 0.07 <= share <= 0.22, (share, tokens)
-        # Its share matches what the rates say (each node's measured compute speed, as announced).
-        last = settled[max(settled)]
-        expected = last[slow.name]["rate"] / sum(x["rate"] for x in last.values())
+        # Its share matches what the rates say (each node's measured compute speed, as announced),
+        # over the same rounds: one round's rates swing with the load (the last round's alone once
+        # said 0.067 against a share of 0.118, in a full suite's run).
+        fractions = [v[slow.name]["rate"] / sum(x["rate"] for x in v.values()) for v in settled.values()]
+        expected = sum(fractions) / len(fractions)
         assert abs(share - expected) <= 0.5 * expected, (share, expected)
         # One state per round: every node recorded the same hash for every round they shared.
         by_round = hashes_by_round(net.nodes)

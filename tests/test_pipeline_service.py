@@ -179,6 +179,33 @@ def test_an_evaluation_on_the_last_stage_gives_the_training_loss_and_changes_not
     assert loss == pytest.approx(last.loss, rel=1e-5)  # the same loss the backward trains on
 
 
+def test_a_call_still_queued_when_its_caller_gives_up_is_never_computed(pipeline):
+    """One compute thread a peer: a call waits behind the one computing. When its caller's
+    deadline passes while it waits, it leaves the queue without being computed, and the queue
+    count (what the peer reports) goes back to 0."""
+    loop, _, services, client, peers, _, _ = pipeline
+    svc = services[1]
+    svc.faults = FaultInjector()
+    svc.faults.arm("delay", point="stage_compute", seconds=2.0)  # the first call only
+    x, y = batch()
+    h = services[0].worker.forward(x)
+
+    async def one_computing_one_abandoned():
+        slow = asyncio.create_task(
+            client.backward(peers[1], "slow", h, targets=y, reply_codec="fp32", timeout=60, dim=CFG.dim))
+        while svc.queue == 0:  # the slow call holds the compute thread (in its injected delay)
+            await asyncio.sleep(0.01)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await client.backward(peers[1], "late", h, targets=y, reply_codec="fp32", timeout=0.3, dim=CFG.dim)
+        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        return await slow
+
+    answer = loop.run(one_computing_one_abandoned())
+    assert answer.loss > 0
+    assert svc.worker.stats.backwards == 1 and svc.worker.stats.samples_accumulated == ROWS
+    assert svc.queue == 0
+
+
 def test_a_backward_the_caller_gave_up_on_is_not_accumulated(pipeline):
     loop, _, services, client, peers, _, _ = pipeline
     services[1].faults = FaultInjector()
