@@ -84,6 +84,7 @@ class PipelineVolunteer:
                  cfg: RunConfig, config_toml: str, *, rejoined: bool = False) -> None:
         self.o, self.state, self.record, self.ident, self.cfg = options, state, info, ident, cfg
         self.rejoined = rejoined  # a restart: the coordinator lists this node id at its old addresses
+        self.stopped_by = ""  # a signal the role's own loop took (the driver's SIGTERM)
         self.log = options.log
         self.info = info.join_info(config_toml)
         self._commits = {"ranges": 0, "tokens": 0, "logged_at": 0.0}
@@ -105,7 +106,7 @@ class PipelineVolunteer:
         except KeyboardInterrupt:
             code = 130
         if code == 130:  # stopped by SIGTERM or Ctrl+C: a clean stop, as the data-parallel node's
-            self.log("stopping: " + (stop["signal"] or "interrupted"))
+            self.log("stopping: " + (stop["signal"] or self.stopped_by or "interrupted"))
             code = 0
         asyncio.run(self.leave("stopped" if code == 0 else f"the {role} failed"))
         return code
@@ -193,7 +194,9 @@ class PipelineVolunteer:
         self.log(f"driving run {self.info.run_id} with the data in {data} ({self.cfg.pipeline.stages} stages)")
         driver_process.SINK = self._record
         argv = self._common() + ["--data", str(data)]  # the microbatch size and the rest: the run config's
-        return driver_process.main(argv, joined=self._joined())
+        code = driver_process.main(argv, joined=self._joined())
+        self.stopped_by = driver_process.STOPPED_BY
+        return code
 
     # -- log lines ----------------------------------------------------------------------------------
 

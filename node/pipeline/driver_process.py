@@ -80,6 +80,7 @@ def print_record(record: dict) -> None:
 
 
 SINK = print_record  # where records go: stdout's JSON lines; `murmur node run` logs them its way
+STOPPED_BY = ""  # the signal that stopped the driving ("" if none): `murmur node run` names it
 
 
 def emit(**record: object) -> None:
@@ -175,6 +176,19 @@ async def drive(args: argparse.Namespace, joined: Callable[[], PipelineMember] |
     """Drive until the schedule ends; ``joined``: the membership of a node that already joined
     (`murmur node run`, node/daemon/pipeline_role.py) instead of joining with ``args.token``.
     Either way the member is closed here (its heartbeats renew the lease, which ends with the driving)."""
+    # SIGTERM cancels the driving, as Ctrl+C does (asyncio.run's own SIGINT handling): a
+    # KeyboardInterrupt raised by a Python-level handler lands wherever the loop happens to be,
+    # and inside grpc's callbacks it is swallowed ("Exception ignored in ... functor_run"), the
+    # call it belonged to never completes, and the driver hangs on instead of stopping.
+    task = asyncio.current_task()
+
+    def sigterm() -> None:
+        global STOPPED_BY
+        STOPPED_BY = "SIGTERM"
+        task.cancel()
+
+    with contextlib.suppress(NotImplementedError, RuntimeError):  # no signals off the main thread
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, sigterm)
     device = args.device
     member = run = None
     if joined is not None or args.coordinator:
@@ -419,14 +433,19 @@ def main(argv: list[str] | None = None, joined: Callable[[], PipelineMember] | N
     except MurmurError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    signal.signal(signal.SIGTERM, signal.default_int_handler)  # stop as Ctrl+C does
+    # Until the loop runs (and after it), SIGTERM stops the driver as Ctrl+C does.
+    before = signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         return asyncio.run(drive(args, joined))
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, asyncio.CancelledError):
         return 130
     except MurmurError as err:  # a refused join, a folder another driver holds: one line, not a traceback
         print(f"error: {err}", file=sys.stderr)
         return 1
+    finally:
+        # asyncio leaves SIGTERM at its default (the process dies) once the loop closes; the
+        # volunteer that called this still has to leave the run.
+        signal.signal(signal.SIGTERM, before)
 
 
 if __name__ == "__main__":
