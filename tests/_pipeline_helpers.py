@@ -85,14 +85,12 @@ def _records_until(proc: LoggedProc, last, what: str) -> list[dict]:
     """Its records up to the first for which ``last(record)`` holds; RuntimeError naming ``what``
     if it exits first."""
     while True:
+        exited = proc.poll() is not None  # asked first: all it printed before exiting is in the file
         got = proc.records()
         for i, record in enumerate(got):
             if last(record):
                 return got[: i + 1]
-        if proc.poll() is not None:
-            got = proc.records()
-            if any(last(r) for r in got):
-                continue
+        if exited:
             raise RuntimeError(f"{what} (rc {proc.returncode})")
         time.sleep(0.05)
 
@@ -103,7 +101,6 @@ class PeerProc:
     ready: dict
     stopped: dict = field(default_factory=dict)
     lines: list[dict] = field(default_factory=list)  # everything it printed, "ready" aside
-    seen: int = 1  # records up to and including "ready"
 
     @property
     def node_id(self) -> str:
@@ -139,7 +136,7 @@ def start_run_peer(folder: Path, join: tuple[str, str], *extra: str) -> PeerProc
                             ["--coordinator", join[0], "--token", join[1], *extra], folder, stderr=err)
     # the stage it was assigned comes first
     got = _records_until(proc, lambda r: r.get("event") == "ready", f"stage peer exited before it was ready; see {log}")
-    return PeerProc(proc, got[-1], lines=got[:-1], seen=len(got))
+    return PeerProc(proc, got[-1], lines=got[:-1])
 
 
 def stop_peer(p: PeerProc) -> None:
@@ -156,8 +153,7 @@ def _terminate(p: PeerProc) -> None:
 
 def _read_to_end(p: PeerProc) -> None:
     p.proc.wait(60)  # a loaded 2-core machine
-    p.lines += p.proc.records()[p.seen :]
-    p.seen = len(p.lines) + 1
+    p.lines += p.proc.records()[len(p.lines) + 1 :]  # those it printed since: "ready" is not in lines
     p.stopped = next((r for r in p.lines if r.get("event") == "stopped"), {})
 
 

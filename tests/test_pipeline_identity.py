@@ -29,9 +29,6 @@ PIPELINE = [
 SLOW_TTL = ["--heartbeat-ttl", "60", "--lease-ttl", "120", "--restart-grace", "1"]
 
 
-
-
-
 def logged(path: Path) -> list[dict]:
     return records(path.read_text(), "commit") if path.exists() else []
 

@@ -157,8 +157,7 @@ def test_a_stage_volunteer_restarted_with_its_folder_says_so_before_it_loads_its
             # hears from the coordinator: the case where the early report matters.
             v.wait("a checkpoint", lambda: list((v.state / "stage-checkpoints").glob("*.pt")))
             v.proc.send_signal(signal.SIGKILL)
-            v.proc.wait(60)
-            v._file.close()
+            v.stop()  # dead already: it waits and closes the log
             v = Volunteer(tmp_path, "staged", join, "--role", "stage")  # the same folder: a rejoin, no token spent
             v.wait("second ready", lambda: v.events("ready")[1:])
             events = net.admin("events", "--run", net.run_id)["events"]

@@ -37,9 +37,6 @@ PIPELINE = [
 FAST_COORDINATOR = ["--heartbeat-ttl", str(HEARTBEAT_TTL_S), "--restart-grace", "1"]
 
 
-
-
-
 def logged(path) -> list[dict]:
     """The commits a driver's fsynced commit log holds."""
     return records(path.read_text(), "commit") if path.exists() else []

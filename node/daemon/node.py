@@ -47,7 +47,7 @@ from murmur.node.daemon.stop import StopSignal
 from murmur.node.daemon.training_thread import TrainingThread
 from murmur.node.model.data import Dataset
 from murmur.node.net.faults import FaultInjector
-from murmur.node.net.member_folder import holds_membership
+from murmur.node.net.member_folder import saved_membership
 from murmur.node.train.build import resolve_device
 from murmur.protocol import identity
 from murmur.protocol.runconfig import RunConfig, parse_config
@@ -148,7 +148,7 @@ class Node:
         # and leaves no member behind in the coordinator's ledger.
         device = resolve_device(self.o.device)
         checked = self._data_before_join()
-        rejoining = holds_membership(self.state, self.o.coordinator)
+        rejoining = saved_membership(self.state, self.o.coordinator) is not None
         info, ident, config_toml = await join(
             self.o.coordinator, self.o.token, self.state, self.s, self.log, name=self.o.name
         )

@@ -163,11 +163,12 @@ class MemberFolder:
         return None
 
 
-def holds_membership(folder: MemberFolder, coordinator: str) -> bool:
-    """Whether ``folder`` keeps a membership of ``coordinator``: a start with it rejoins (the
-    coordinator knows the node id already) instead of joining afresh."""
+def saved_membership(folder: MemberFolder, coordinator: str) -> tuple[JoinRecord, identity.Identity, str] | None:
+    """The membership ``folder`` keeps of ``coordinator`` (join record, identity, run config), or
+    None: a start with one rejoins (the coordinator knows the node id already) instead of joining
+    afresh."""
     saved = folder.load_join()
-    return saved is not None and saved[0].coordinator == coordinator
+    return saved if saved is not None and saved[0].coordinator == coordinator else None
 
 
 async def join_or_rejoin(
@@ -183,8 +184,8 @@ async def join_or_rejoin(
     """The membership ``folder`` holds for ``coordinator``, else a new one from ``token`` (saved
     there): (join record, identity, the run configuration as TOML). A rejoin spends no token.
     ``hardware``: what the join reports of this machine (asked only for a fresh join)."""
-    saved = folder.load_join()
-    if saved is not None and saved[0].coordinator == coordinator:
+    saved = saved_membership(folder, coordinator)
+    if saved is not None:
         info, ident, config = saved
         log(f"rejoining run {info.run_id} as {info.node_id} (identity from {folder.root})")
         return info, ident, config

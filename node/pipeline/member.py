@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import grpc
 
 from murmur.node.net.loop import next_due
-from murmur.node.net.member_folder import MemberFolder, holds_membership, join_or_rejoin
+from murmur.node.net.member_folder import MemberFolder, join_or_rejoin, saved_membership
 from murmur.protocol import coordinator_pb2 as pb
 from murmur.protocol import identity
 from murmur.protocol.coordinator_client import CoordinatorError, JoinInfo, MemberClient, join_run
@@ -72,7 +72,7 @@ class PipelineMember:
             ident, info = await join_run(coordinator, token, identity.generate_key())
             return cls.joined(ident, info)
         folder.lock()
-        rejoining = holds_membership(folder, coordinator)
+        rejoining = saved_membership(folder, coordinator) is not None
         record, ident, config = await join_or_rejoin(folder, coordinator, token, log.info)
         member = cls.joined(ident, record.join_info(config))
         member.rejoined, member.folder = rejoining, folder
