@@ -37,6 +37,9 @@ class Codec(abc.ABC):
     dense: bool = True
     # Keep the residual of what was not sent and add it to the next payload of the same key.
     error_feedback: bool = False
+    # Sparse codecs: average each coordinate over the members that sent it (optim/reduce.py)
+    # rather than over all members, counting a coordinate not sent as 0.
+    average_over_senders: bool = False
 
     def __init__(self, *, error_feedback: bool | None = None, ef_decay: float = 1.0) -> None:
         if error_feedback is not None:
@@ -176,8 +179,11 @@ class TopKCodec(Codec):
     dense = False
     error_feedback = True
 
-    def __init__(self, fraction: float, value_bits: int = 16, chunk: int = TOPK_CHUNK, **kw) -> None:
+    def __init__(
+        self, fraction: float, value_bits: int = 16, chunk: int = TOPK_CHUNK, *, over_senders: bool = False, **kw
+    ) -> None:
         super().__init__(**kw)
+        self.average_over_senders = over_senders
         if value_bits not in (2, 16):
             raise CodecError(f"top-k values travel as 16 or 2 bits, not {value_bits}")
         self.chunk, self.value_bits = chunk, value_bits
@@ -213,6 +219,13 @@ class TopKCodec(Codec):
             levels = wire.parts["scales"].float()  # [chunks, 2]: small, large magnitude
             vals = levels.gather(1, q & 1) * ((q >> 1).float() * 2 - 1)
         return scatter_chunked(idx, vals, chunk, math.prod(wire.shape))
+
+    def support(self, wire: WireTensor) -> torch.Tensor:
+        """Which coordinates the payload sends (bool, the tensor's shape): a sent value may be 0."""
+        idx, chunk = wire.parts["indices"].long(), int(wire.meta["chunk"])
+        sent = scatter_chunked(idx, torch.ones(idx.shape, dtype=torch.bool, device=idx.device), chunk,
+                               math.prod(wire.shape))
+        return sent.reshape(wire.shape)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -340,6 +353,7 @@ def make_codec(
     powersgd_rank: int = 4,
     error_feedback: bool | None = None,
     ef_decay: float = 1.0,
+    sparse_average: str = "members",
 ) -> Codec:
     """A fresh codec (its own error-feedback state) by name; unknown names list the known ones."""
     kw = {"error_feedback": error_feedback, "ef_decay": ef_decay}
@@ -352,7 +366,7 @@ def make_codec(
     if name in ("int8", "int4"):
         return BlockIntCodec(int(name[3:]), block, **kw)
     if name in ("topk", "topk2bit"):
-        return TopKCodec(topk_fraction, 16 if name == "topk" else 2, **kw)
+        return TopKCodec(topk_fraction, 16 if name == "topk" else 2, over_senders=sparse_average == "senders", **kw)
     if name == "sign":
         return SignCodec(block, **kw)
     if name == "powersgd":
@@ -368,5 +382,6 @@ def codec_from_config(sync) -> Codec:  # sync: protocol.runconfig.SyncSection
         powersgd_rank=sync.powersgd_rank,
         error_feedback=getattr(sync, "error_feedback", None),
         ef_decay=getattr(sync, "ef_decay", 1.0),
+        sparse_average=getattr(sync, "sparse_average", "members"),
     )
 

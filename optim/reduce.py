@@ -10,6 +10,11 @@ Byte model (per peer, payload bytes only):
   ring all-reduce's 2 (K-1)/K * 4N.
 - sparse codec (top-k) in an all-reduce, and every all-gather: the peer sends its payload to each
   of the K-1 others and receives theirs.
+
+Averaging sparse payloads: members' top-k sets mostly differ, so the mean over all K members moves
+a coordinate that one member sent by 1/K of it. With ``sync.sparse_average = "senders"`` each
+coordinate is averaged over the members that sent it instead (SparseLoCo's reference code does
+this), with the rule ``mean`` only: a robust rule's per-coordinate result has no such rescaling.
 """
 
 from __future__ import annotations
@@ -58,8 +63,26 @@ def reduce_payloads(
     agg, dropped_idx = aggregator(decoded, [float(weights[p]) for p in peers])
     dropped = {peers[i]: why for i, why in dropped_idx.items()}
     members = [p for p in peers if p not in dropped]
+    if codec.average_over_senders:
+        agg = over_senders(codec, agg, [payloads[p] for p in members], [float(weights[p]) for p in members])
     back: list[WireTensor] = []
     if codec.dense:
         back = [codec.encode_stateless(t, f"{key}/{i}") for i, t in enumerate(agg)]
         agg = [codec.decode(w) for w in back]
     return agg, members, dropped, back
+
+
+def over_senders(
+    codec: Codec, mean: list[torch.Tensor], wires: Sequence[Sequence[WireTensor]], weights: Sequence[float]
+) -> list[torch.Tensor]:
+    """The weighted mean over all members (a coordinate not sent counting as 0) turned into the
+    weighted mean over the members that sent each coordinate: times total weight / senders' weight."""
+    total = float(sum(weights))
+    out = []
+    for i, t in enumerate(mean):
+        sent = torch.zeros(t.shape, dtype=torch.float32, device=t.device)
+        for member, w in zip(wires, weights, strict=True):  # fixed order: sorted peers
+            if w > 0:
+                sent.add_(codec.support(member[i]).to(t.device), alpha=w)
+        out.append(torch.where(sent > 0, t * (total / sent.clamp_min(1e-30)), t))
+    return out

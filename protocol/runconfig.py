@@ -154,6 +154,10 @@ class SyncSection(Section):
     topk_fraction: float = Field(0.0156, gt=0, le=1)
     powersgd_rank: int = _bounded(4, 1024, "a rank this high sends more than the matrix", gt=0)
     ef_decay: float = Field(1.0, gt=0, le=1)  # error feedback: residual kept per round (SparseLoCo uses 0.95)
+    # Top-k codecs: a coordinate's aggregate is the mean over all members (one not sent counts as
+    # 0: disjoint top-k sets shrink the step by 1/K) or over the members that sent it (SparseLoCo's
+    # reference code). "senders" needs the aggregator "mean" (optim/reduce.py).
+    sparse_average: Literal["members", "senders"] = "members"
     aggregator: Literal["mean", "trimmed_mean", "centered_clip"] = "mean"
     trim: int = _bounded(1, 1024, "values dropped at each end: more than a round's members", ge=0)
     clip_tau: float = _bounded(1.0, 1e6, "a radius this large never clips", gt=0)
@@ -168,6 +172,16 @@ class SyncSection(Section):
                 "cross_field",
                 "must be within [0, sync.inner_steps = {inner}), got {value}",
                 {"config_key": "overlap_steps", "inner": self.inner_steps, "value": self.overlap_steps},
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _senders_with_mean(self) -> SyncSection:
+        if self.sparse_average == "senders" and self.aggregator != "mean":
+            raise PydanticCustomError(
+                "cross_field",
+                "\"senders\" averages with the aggregator \"mean\" only, got sync.aggregator = \"{aggregator}\"",
+                {"config_key": "sparse_average", "aggregator": self.aggregator},
             )
         return self
 

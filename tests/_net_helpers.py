@@ -57,6 +57,7 @@ def start_peers(
     codec: str = "fp32",
     ban_lists: list[BanList] | None = None,
     clients: int = 0,
+    codec_kw: dict | None = None,
     **settings,
 ) -> list[Peer]:
     """One exchange peer per identity (node/exchange/peer.py's build_peer), each with its own
@@ -70,7 +71,7 @@ def start_peers(
             spec = PeerSpec(
                 identity=ident,
                 run_id=RUN,
-                codec=make_codec(codec),
+                codec=make_codec(codec, **(codec_kw or {})),
                 group=StaticGroup({}),
                 settings=ExchangeSettings(**{**FAST, **settings}),
                 ban_list=ban_lists[i] if ban_lists is not None else None,
@@ -109,13 +110,15 @@ def close_peers(loop: LoopThread, peers: list[Peer]) -> None:
 
 @contextlib.contextmanager
 def peer_group(
-    n: int, codec: str = "fp32", ca: CertificateAuthority | None = None, clients: int = 0, **settings
+    n: int, codec: str = "fp32", ca: CertificateAuthority | None = None, clients: int = 0,
+    codec_kw: dict | None = None, **settings
 ) -> Iterator[tuple[LoopThread, list[Peer], CertificateAuthority]]:
     ca = ca or CertificateAuthority.create("test")
     loop = LoopThread()
     peers: list[Peer] = []
     try:
-        peers = start_peers(loop, [ca.issue() for _ in range(n)], codec, clients=clients, **settings)
+        peers = start_peers(loop, [ca.issue() for _ in range(n)], codec, clients=clients, codec_kw=codec_kw,
+                            **settings)
         yield loop, peers, ca
     finally:
         close_peers(loop, peers)

@@ -26,6 +26,7 @@ from murmur.node.net.server import PublishedState
 from murmur.node.net.state_transfer import StateError, StateFetchSettings, fetch_state, newest_state, state_name
 from murmur.optim.codecs import make_codec
 from murmur.optim.exchange import ExchangeError
+from murmur.optim.inprocess import InProcessGroup
 from murmur.protocol import peer_pb2
 from murmur.protocol.identity import BanList, CertificateAuthority
 from murmur.protocol.wire import tensors_hash
@@ -119,6 +120,32 @@ def test_sparse_codec_all_reduce_aggregates_every_payload_identically():
         results = run_reduce(peers, xs)
         assert_identical(results)
         assert len(results[0].members) == 3
+
+
+@pytest.mark.parametrize("average", ["members", "senders"])
+def test_sparse_average_over_members_or_senders_is_the_same_over_grpc_as_in_process(average):
+    """A coordinate sent by one of three peers: 1/3 of it over members, all of it over senders;
+    the nodes' gRPC path and the simulator's in-process path give the same bits."""
+    xs = [[torch.zeros(4096)] for _ in range(3)]
+    for i, x in enumerate(xs):
+        x[0][i * 100 : i * 100 + 64] = float(i + 1)  # three disjoint top-64 sets
+    xs[2][0][:64] = 9.0  # and one coordinate set shared by peers 0 and 2
+    with peer_group(3, codec="topk", codec_kw={"sparse_average": average}) as (_, peers, _):
+        results = run_reduce(peers, xs, weights=[1.0, 1.0, 2.0])
+    assert_identical(results)
+    got = results[0].tensors[0]
+    group = InProcessGroup([p.node_id for p in peers], lambda: make_codec("topk", sparse_average=average))
+    futs = [group.exchange(p.node_id).all_reduce(x, round_id=1, key="k", weight=w)
+            for p, x, w in zip(peers, xs, [1.0, 1.0, 2.0], strict=True)]
+    assert torch.equal(futs[0].result(timeout=TIMEOUT).tensors[0], got)
+    shared, only_peer1 = got[:64], got[100:164]
+    if average == "members":
+        torch.testing.assert_close(only_peer1, torch.full((64,), 2.0 / 4))
+        torch.testing.assert_close(shared, torch.full((64,), (1.0 + 2 * 9.0) / 4))
+    else:
+        torch.testing.assert_close(only_peer1, torch.full((64,), 2.0))
+        torch.testing.assert_close(shared, torch.full((64,), (1.0 + 2 * 9.0) / 3))
+    assert got[200:264].abs().sum() == 0  # peer 2's own set was displaced by the shared one
 
 
 @pytest.mark.parametrize(

@@ -30,10 +30,16 @@ def test_inner_lr_scale_sqrt_k_scales_the_local_step_algorithms_only():
 
 
 @pytest.mark.parametrize("key,value", [("inner_lr_scale", "cube"), ("fragment_layout", "random"),
-                                       ("demo_values", "fp8")])
+                                       ("demo_values", "fp8"), ("sparse_average", "chunk")])
 def test_option_values_are_validated(key, value):
     with pytest.raises(ConfigError, match=f"sync.{key}"):
         config_from_dict({"sync": {key: value}})
+
+
+def test_averaging_over_senders_refuses_a_robust_aggregator_in_one_line():
+    with pytest.raises(ConfigError, match='sync.sparse_average.*"mean" only.*"trimmed_mean"') as err:
+        config_from_dict({"sync": {"codec": "topk2bit", "sparse_average": "senders", "aggregator": "trimmed_mean"}})
+    assert "\n" not in str(err.value)
 
 
 NAMES = ["embed.weight"] + [f"blocks.{b}.{w}" for b in range(4) for w in ("attn.wq.weight", "norm.weight")] + [
