@@ -158,6 +158,10 @@ def build_rows(regime: dict, smoke: bool) -> list[Row]:
                         {"algorithm": "diloco", "inner_steps": h, "codec": "sign", "codec_block": 256, **OUTER1_N05},
                         variants=short))
         rows.append(Row(f"sparseloco-topk2bit-ef0.95-H{h}", {**SPARSELOCO, "inner_steps": h}, variants=short))
+        # The same, each coordinate averaged over the members that sent it (SparseLoCo's reference
+        # code; sync.sparse_average): disjoint top-k sets no longer shrink the step by 1/K.
+        rows.append(Row(f"sparseloco-senders-topk2bit-ef0.95-H{h}",
+                        {**SPARSELOCO, "inner_steps": h, "sparse_average": "senders"}, variants=short))
         if smoke:
             break  # one H is enough to exercise every kind of row
     # The outer lr swept under Nesterov 0.9 (each outer lr at each of the short sweep's inner lrs):
@@ -179,6 +183,16 @@ def build_rows(regime: dict, smoke: bool) -> list[Row]:
     rows.append(Row(f"sparseloco-knobs-H{hs[0]}", {**SPARSELOCO, "inner_steps": hs[0]},
                     variants=[{**knob, **v} for knob in ({}, {"sync.outer_lr": 2.0}, {"sync.ef_decay": 1.0})
                               for v in short]))
+    # Averaged over senders: the outer step's Nesterov 0.5 (DiLoCo-int4's best) and 1.5x the density
+    # (96 of 4096); against them, over members with outer lr K (a coordinate one member sends
+    # moves by all of it, one that all send by K times their mean).
+    rows.append(Row(f"sparseloco-senders-knobs-H{hs[0]}",
+                    {**SPARSELOCO, "inner_steps": hs[0], "sparse_average": "senders"},
+                    variants=[{**knob, **v} for knob in ({"sync.outer_momentum": 0.5, "sync.nesterov": True},
+                                                         {"sync.topk_fraction": 96 / 4096})
+                              for v in short]))
+    rows.append(Row(f"sparseloco-members-outer-lrK-H{hs[0]}", {**SPARSELOCO, "inner_steps": hs[0]},
+                    variants=[{"sync.outer_lr": float(regime["workers"]), **v} for v in short]))
     for values in ("fp32", "bf16"):
         rows.append(Row(f"demo-{values}", {"algorithm": "demo", "inner_steps": hs[0], "demo_values": values},
                         variants=lr_variants(regime["demo_sweep"])))
@@ -473,6 +487,8 @@ def main(argv: list[str] | None = None) -> int:
                                        "row each at the first --sweep multiple")
     p.add_argument("--curve-batches", help="the curve's per-worker batches in tokens, comma-separated (default: the "
                                            "regime's, 2048,8192,32768,65536): to fit a budget")
+    p.add_argument("--train-shards", type=int, help="the rows train on only the first N shards of the corpus (the "
+                                                    "warm start on all): how much repetition changes the gap")
     p.add_argument("--init-from", help="a warm start made earlier (instead of training one)")
     p.add_argument("--warm-dir", default="/tmp/murmur-quality", help="where the warm start is saved")
     p.add_argument("--old-table", default=str(RESULTS / "quality.json"),
@@ -521,6 +537,12 @@ def main(argv: list[str] | None = None) -> int:
         rows = [by_name[n] for n in args.rows.split(",")]
     device = resolve_device("cpu" if args.smoke and args.device == "auto" else args.device)
     dataset = Dataset.open(data)
+    if args.train_shards:
+        if not 0 < args.train_shards <= dataset.num_shards:
+            print(f"error: --train-shards must be in [1, {dataset.num_shards}], got {args.train_shards}",
+                  file=sys.stderr)
+            return 2
+        dataset = Dataset(dataset.root, {**dataset.manifest, "shards": dataset.manifest["shards"][:args.train_shards]})
     old = old_table(Path(args.old_table) if args.old_table else None)
     warm, init_path = None, args.init_from
     if warm_steps and not init_path:
@@ -540,7 +562,8 @@ def main(argv: list[str] | None = None) -> int:
                    "steps_after_warm_start": steps, "seeds": seeds, "sweep_seeds": args.sweep_seeds,
                    "lr_sweep": regime["lr_sweep"], "short_sweep": regime["short_sweep"],
                    "model": regime["base"]["model"], "optim": regime["base"]["optim"], "train": regime["base"]["train"],
-                   "corpus": f"{data}: {sum(dataset.shard_size(i) for i in range(dataset.num_shards)):,} train tokens",
+                   "corpus": f"{data}: {sum(dataset.shard_size(i) for i in range(dataset.num_shards)):,} train tokens"
+                             + (f" (its first {args.train_shards} shards)" if args.train_shards else ""),
                    "smoke": args.smoke},
         "warm_start": warm, "init": init_file, "rows": [], "summary": {}, "curves": {},
         "curve_columns": ["step", "tokens", "bytes_sent_per_worker", "val_loss"], "gap_vs_batch": [],

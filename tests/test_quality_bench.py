@@ -42,7 +42,8 @@ def test_the_full_regime_has_the_rows_the_issue_asks_for(quality):
     for r in rows:
         cfg = quality.row_config(quality.FULL, r, r.variants[0], "d", 1000, 0)
         outer = quality.describe_outer(cfg.sync)
-        if r.name.startswith("avg-") or r.name.startswith("sparseloco"):
+        if r.name.startswith("avg-") or r.name.startswith("sparseloco") and not r.name.startswith(
+                ("sparseloco-senders-knobs", "sparseloco-members-outer-lrK")):
             assert outer == "averaging", r.name
         if r.name.startswith("nesterov0.7m0.9"):
             assert outer == "lr 0.7, nesterov 0.9", r.name
@@ -187,3 +188,31 @@ def test_sweep_seeds_runs_the_variants_on_the_first_seeds_and_only_the_best_on_t
     assert sorted(len(v["seeds"]) for v in ddp["variants"]) == [1, 2]
     best = next(v for v in ddp["variants"] if len(v["seeds"]) == 2)
     assert best["val_loss_mean"] == ddp["val_loss_mean"]
+
+
+def test_sparseloco_rows_average_over_senders_and_undo_the_dilution_over_members(quality):
+    """The rows that test why SparseLoCo trails: averaged over the members that sent a coordinate,
+    and averaged over all members with the outer lr raised to K."""
+    r32 = quality.REGIMES["32k"]
+    by = {r.name: r for r in quality.build_rows(r32, smoke=False)}
+    senders = quality.row_config(r32, by["sparseloco-senders-topk2bit-ef0.95-H50"], {}, "d", 1000, 0).sync
+    assert (senders.codec, senders.sparse_average, senders.ef_decay, senders.outer_lr) == ("topk2bit", "senders",
+                                                                                         0.95, 1.0)
+    row = by["sparseloco-members-outer-lrK-H50"]
+    lrk = quality.row_config(r32, row, row.variants[0], "d", 1000, 0).sync
+    assert (lrk.sparse_average, lrk.outer_lr) == ("members", float(r32["workers"]))
+    row = by["sparseloco-senders-knobs-H50"]
+    knobs = [quality.row_config(r32, row, v, "d", 1000, 0).sync for v in row.variants]
+    assert {(s.outer_momentum, s.topk_fraction) for s in knobs} == {(0.5, 64 / 4096), (0.0, 96 / 4096)}
+    assert all(s.sparse_average == "senders" for s in knobs)
+
+
+def test_train_shards_limits_the_rows_corpus_and_says_so(quality, byte_dataset, tmp_path):
+    out = tmp_path / "res"
+    args = ["--smoke", "--data", str(byte_dataset.root), "--results-dir", str(out), "--old-table", "",
+            "--warm-dir", str(tmp_path), "--seeds", "1", "--sweep", "1", "--no-curve", "--rows", "ddp"]
+    assert quality.main([*args, "--train-shards", "1"]) == 0
+    regime = json.loads((out / "quality.json").read_text())["regime"]
+    first = byte_dataset.shard_size(0)
+    assert regime["corpus"] == f"{byte_dataset.root}: {first:,} train tokens (its first 1 shards)"
+    assert quality.main([*args, "--train-shards", str(byte_dataset.num_shards + 1)]) == 2
