@@ -55,3 +55,49 @@ def test_two_processes_on_one_folder_are_refused_and_the_state_folder_says_so_it
     finally:
         first.unlock()
     MemberFolder(tmp_path / "f").lock()  # free again
+
+
+# A process that locks a folder, forks a child that lives on (as hivemind's DHT process does), and
+# says where both are; then waits to be killed.
+_LOCK_AND_FORK = """
+import os, sys, time
+from murmur.node.net.member_folder import MemberFolder
+folder = MemberFolder(sys.argv[1])
+folder.lock()
+child = os.fork()
+if child == 0:
+    time.sleep(120)
+    os._exit(0)
+print(child, flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_folder_whose_node_was_sigkilled_is_free_while_a_forked_child_of_it_lives_on(tmp_path):
+    """A node's forked DHT process outlives a SIGKILL until the reaper kills it: the folder must not
+    stay locked meanwhile, or the node's restart is refused as "another node"."""
+    import signal
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-c", _LOCK_AND_FORK, str(tmp_path / "f")], stdout=subprocess.PIPE,
+                            text=True)
+    child = None
+    try:
+        child = int(proc.stdout.readline())
+        with pytest.raises(MemberFolderError, match="another murmur node is running"):
+            MemberFolder(tmp_path / "f").lock()  # the node itself holds it
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+        assert open(f"/proc/{child}/stat").read().split()[2] != "Z"  # the child lives on
+        MemberFolder(tmp_path / "f").lock()
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+        if child is not None:
+            import os
+
+            try:
+                os.kill(child, signal.SIGKILL)
+            except ProcessLookupError:
+                pass

@@ -27,6 +27,7 @@ import fcntl
 import hashlib
 import json
 import os
+import weakref
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -82,6 +83,26 @@ def run_owner(run_id: str, ca_pem: bytes) -> dict[str, str]:
     return {"run_id": run_id, "ca_sha256": hashlib.sha256(ca_pem).hexdigest()}
 
 
+# The folder locks this process holds. A forked child (hivemind's DHT process) inherits the lock's
+# open file, and flock holds until every copy is closed: a node SIGKILLed while its DHT child lives on
+# (until protocol/dht_reaper.py kills it, half a second or more under load) would keep its folder
+# locked, and its restart would be refused as "another node". So a forked child closes its copies.
+# Weak: a lock lives as long as its MemberFolder's file, as before.
+_held_locks: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def _close_locks_in_child() -> None:
+    for f in list(_held_locks):
+        try:
+            f.close()
+        except OSError:
+            pass
+    _held_locks.clear()
+
+
+os.register_at_fork(after_in_child=_close_locks_in_child)
+
+
 class MemberFolder:
     error: type[MemberFolderError] = MemberFolderError  # what its refusals raise (the state folder's own)
 
@@ -110,9 +131,11 @@ class MemberFolder:
         f.write(str(os.getpid()))
         f.flush()
         self._lock_file = f
+        _held_locks.add(f)
 
     def unlock(self) -> None:
         if self._lock_file is not None:
+            _held_locks.discard(self._lock_file)
             self._lock_file.close()
             self._lock_file = None
 
