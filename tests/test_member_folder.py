@@ -58,16 +58,19 @@ def test_two_processes_on_one_folder_are_refused_and_the_state_folder_says_so_it
 
 
 # A process that locks a folder, forks a child that lives on (as hivemind's DHT process does), and
-# says where both are; then waits to be killed.
+# once the child runs (its fork handlers have run) says the child's pid; then waits to be killed.
 _LOCK_AND_FORK = """
 import os, sys, time
 from murmur.node.net.member_folder import MemberFolder
 folder = MemberFolder(sys.argv[1])
 folder.lock()
+r, w = os.pipe()
 child = os.fork()
 if child == 0:
+    os.write(w, b"1")
     time.sleep(120)
     os._exit(0)
+os.read(r, 1)
 print(child, flush=True)
 time.sleep(120)
 """
