@@ -357,6 +357,8 @@ def make_codec(
 ) -> Codec:
     """A fresh codec (its own error-feedback state) by name; unknown names list the known ones."""
     kw = {"error_feedback": error_feedback, "ef_decay": ef_decay}
+    if sparse_average not in ("members", "senders"):  # a typo must not quietly mean "members"
+        raise CodecError(f"sparse_average is 'members' or 'senders', not {sparse_average!r}")
     if name == "fp32":
         return CastCodec("fp32", torch.float32, **kw)
     if name == "fp16":
