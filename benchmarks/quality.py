@@ -433,11 +433,30 @@ def old_table(path: Path | None) -> dict | None:
     return old.get("old_table") if "regime" in old else old
 
 
+SETTING_KEYS = ("algo", "codec", "H", "workers", "per_worker_batch_tokens", "tokens", "inner_lr", "outer")
+
+
+def same_setting_other_seeds(a: dict, b: dict) -> bool:
+    """Two calls ran one row at the same setting on different seeds (``--first-seed``)."""
+    if not (a.get("seeds") and b.get("seeds")):
+        return False
+    return all(a.get(k) == b.get(k) for k in SETTING_KEYS) and not set(a["seeds"]) & set(b["seeds"])
+
+
+def join_seeds(a: dict, b: dict) -> dict:
+    losses = a["val_losses"] + b["val_losses"]
+    return {**a, "seeds": a["seeds"] + b["seeds"], "val_losses": losses,
+            "val_loss_mean": round(sum(losses) / len(losses), 4),
+            "val_loss_spread": round((max(losses) - min(losses)) / 2, 4),
+            "seconds": round(a.get("seconds", 0) + b.get("seconds", 0), 1)}
+
+
 def combine(paths: list[Path], out: Path) -> dict:
     """Calls that ran different --rows or different --sweep values, as one result: a row that
     several calls ran is the best of them, with every call's variants listed (and its curve from
     the best); gaps and the summary are recomputed. Each call's command and warm start are kept
-    under ``parts``: calls that trained their own warm start did not start from the same weights."""
+    under ``parts``: calls that trained their own warm start did not start from the same weights.
+    A row that two calls ran at the same setting on different seeds is one row over all of them."""
     parts = [json.loads(p.read_text()) for p in paths]
     merged = dict(parts[0])
     best: dict[str, dict] = {}
@@ -446,6 +465,9 @@ def combine(paths: list[Path], out: Path) -> dict:
         for r in part["rows"]:
             kept = best.get(r["name"])
             tried = (kept["variants"] if kept else []) + r.get("variants", [])
+            if kept is not None and same_setting_other_seeds(kept, r):
+                best[r["name"]] = {**join_seeds(kept, r), "variants": tried}
+                continue
             if kept is None or r["val_loss_mean"] < kept["val_loss_mean"]:
                 best[r["name"]] = dict(r)
                 curves[r["name"]] = part["curves"].get(r["name"], [])
@@ -475,6 +497,8 @@ def main(argv: list[str] | None = None) -> int:
                         "250; DDP's lr swept x2, x4, x8); both start from the same warm start")
     p.add_argument("--workers", type=int, help="K, the number of workers (default 4): the K=8 row")
     p.add_argument("--seeds", type=int, default=2, help="seeds per variant (default 2)")
+    p.add_argument("--first-seed", type=int, default=0,
+                   help="the first seed (default 0): a later call runs more seeds, joined by --combine")
     p.add_argument("--sweep-seeds", type=int, help="run a row's variants on this many seeds first and only the best "
                                                    "on the rest (default: every variant on every seed)")
     p.add_argument("--rows", help="comma-separated subset of the rows (default all)")
@@ -518,7 +542,7 @@ def main(argv: list[str] | None = None) -> int:
     data = args.data or ("data/shakespeare-byte" if args.smoke else "data/quality-gpt2")
     steps = args.steps or (4 if args.smoke else 1000)
     warm_steps = args.warm_start_steps if args.warm_start_steps is not None else (2 if args.smoke else 1000)
-    seeds = list(range(args.seeds))
+    seeds = list(range(args.first_seed, args.first_seed + args.seeds))
     rows = build_rows(regime, args.smoke)
     by_name = {r.name: r for r in rows}
     if args.curve_row:

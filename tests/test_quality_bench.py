@@ -216,3 +216,23 @@ def test_train_shards_limits_the_rows_corpus_and_says_so(quality, byte_dataset, 
     first = byte_dataset.shard_size(0)
     assert regime["corpus"] == f"{byte_dataset.root}: {first:,} train tokens (its first 1 shards)"
     assert quality.main([*args, "--train-shards", str(byte_dataset.num_shards + 1)]) == 2
+
+
+def test_combine_joins_a_row_run_on_other_seeds_by_a_later_call(quality, tmp_path):
+    """--first-seed 1 in a second call: the same setting on a new seed is one row over both seeds,
+    while a different setting of the row is still kept only if better."""
+    def row(loss, seed, lr=4e-3):
+        return {**_row("avg", loss, 350.0), "inner_lr": lr, "seeds": [seed], "val_losses": [loss],
+                "val_loss_spread": 0.0, "seconds": 10.0, "variants": [{"seeds": [seed]}]}
+
+    parts = {"a": [_row("ddp", 3.0, 1.0), row(3.2, 0)], "b": [row(3.4, 1)], "c": [row(3.1, 2, lr=2e-3)]}
+    for name, rows in parts.items():
+        (tmp_path / f"{name}.json").write_text(json.dumps({"command": name, "rows": rows, "curves": {}}))
+    joined = quality.combine([tmp_path / "a.json", tmp_path / "b.json"], tmp_path / "out")
+    avg = next(r for r in joined["rows"] if r["name"] == "avg")
+    assert avg["seeds"] == [0, 1] and avg["val_losses"] == [3.2, 3.4] and avg["seconds"] == 20.0
+    assert avg["val_loss_mean"] == pytest.approx(3.3) and avg["val_loss_spread"] == pytest.approx(0.1)
+    assert avg["loss_gap_pct"] == pytest.approx(10.0) and len(avg["variants"]) == 2
+    other = quality.combine([tmp_path / "a.json", tmp_path / "c.json"], tmp_path / "out2")
+    avg = next(r for r in other["rows"] if r["name"] == "avg")
+    assert avg["seeds"] == [2] and avg["inner_lr"] == 2e-3
