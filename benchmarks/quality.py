@@ -479,6 +479,9 @@ def combine(paths: list[Path], out: Path) -> dict:
     merged["warm_start"] = next((p["warm_start"] for p in parts if p.get("warm_start")), None)
     merged["gap_vs_batch"] = next((p["gap_vs_batch"] for p in parts if p.get("gap_vs_batch")), [])
     merged["command"] = " ; ".join(p["command"] for p in parts)
+    if "regime" in merged:  # the seeds of every call (--first-seed), not only the first call's
+        merged["regime"] = {**merged["regime"],
+                            "seeds": sorted({s for p in parts for s in p.get("regime", {}).get("seeds", [])})}
     add_gaps(merged["rows"])
     merged["summary"] = summarize(merged["rows"])
     write([out], merged)

@@ -226,13 +226,15 @@ def test_combine_joins_a_row_run_on_other_seeds_by_a_later_call(quality, tmp_pat
                 "val_loss_spread": 0.0, "seconds": 10.0, "variants": [{"seeds": [seed]}]}
 
     parts = {"a": [_row("ddp", 3.0, 1.0), row(3.2, 0)], "b": [row(3.4, 1)], "c": [row(3.1, 2, lr=2e-3)]}
-    for name, rows in parts.items():
-        (tmp_path / f"{name}.json").write_text(json.dumps({"command": name, "rows": rows, "curves": {}}))
+    for seed, (name, rows) in enumerate(parts.items()):
+        (tmp_path / f"{name}.json").write_text(json.dumps({"command": name, "rows": rows, "curves": {},
+                                                           "regime": {"seeds": [seed]}}))
     joined = quality.combine([tmp_path / "a.json", tmp_path / "b.json"], tmp_path / "out")
     avg = next(r for r in joined["rows"] if r["name"] == "avg")
     assert avg["seeds"] == [0, 1] and avg["val_losses"] == [3.2, 3.4] and avg["seconds"] == 20.0
     assert avg["val_loss_mean"] == pytest.approx(3.3) and avg["val_loss_spread"] == pytest.approx(0.1)
     assert avg["loss_gap_pct"] == pytest.approx(10.0) and len(avg["variants"]) == 2
+    assert joined["regime"]["seeds"] == [0, 1]
     other = quality.combine([tmp_path / "a.json", tmp_path / "c.json"], tmp_path / "out2")
     avg = next(r for r in other["rows"] if r["name"] == "avg")
     assert avg["seeds"] == [2] and avg["inner_lr"] == 2e-3
