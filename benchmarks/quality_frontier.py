@@ -76,8 +76,8 @@ def plot(result: dict, path: Path) -> None:
         ax.annotate(f"{p['row']} ({len(p['seeds'])}s)", (p["reduction_vs_ddp"], p["loss_gap_pct"]), fontsize=5,
                     xytext=(3, 2), textcoords="offset points")
     front = result["frontier"]
-    ax.step([p["reduction_vs_ddp"] for p in front], [p["loss_gap_pct"] for p in front], where="post", color="C0",
-            label="frontier")
+    ax.step([p["reduction_vs_ddp"] for p in front], [p["loss_gap_pct"] for p in front], where="pre", color="C0",
+            label="frontier (the least gap at this traffic cut or more)")
     for pct, floor in TARGETS:
         ax.plot([floor, floor], [0, pct], color="C3", linewidth=1)
         ax.plot([floor], [pct], "x", color="C3")
