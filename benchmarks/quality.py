@@ -337,12 +337,15 @@ def gap_vs_batch(regime, row, best_variant, ddp_variant, data, steps, seeds, dev
     return points
 
 
-def warm_start(regime, data, steps, device, path: Path) -> dict:
+def warm_start(regime, data, steps, device, path: Path, lr_mult: float = 1.0) -> dict:
     """One model trained ``steps`` steps at DDP's global batch (K x the rows' batch), saved with
     its AdamW state; every row continues from it. Its loss is taken on the rows' validation
-    batches (the rows' batch size and count), so it is the rows' step-0 loss."""
+    batches (the rows' batch size and count), so it is the rows' step-0 loss. Its lr is
+    ``lr_mult`` x optim.lr: at 1 (every run before 2026-12-06) a row swept to x4 starts by warming
+    up to 4x the lr the weights were trained at, a jump its curve shows (loss up after step 0)."""
     d = copy.deepcopy(regime["base"])
     d["data"]["path"] = data
+    d["optim"]["lr"] *= lr_mult
     rows_batch = d["train"]["batch_size"]
     d["train"].update(steps=steps, batch_size=regime.get("warm_batch", regime["workers"] * rows_batch))
     d["optim"]["min_lr_ratio"] = 1.0  # stay at the peak: the rows' schedules continue one schedule
@@ -358,8 +361,9 @@ def warm_start(regime, data, steps, device, path: Path) -> dict:
     after = evaluate(trainer.model, val, device, cfg.train.dtype)
     path.parent.mkdir(parents=True, exist_ok=True)
     torch.save({"model": trainer.model.state_dict(), "optimizer": trainer.opt.state_dict()}, path)
-    return {"steps": steps, "batch_size": cfg.train.batch_size, "tokens": steps * cfg.train.batch_size *
-            trainer.model.cfg.seq_len, "val_loss_before": round(before, 4), "val_loss": round(after, 4),
+    return {"steps": steps, "batch_size": cfg.train.batch_size, "lr": cfg.optim.lr,
+            "tokens": steps * cfg.train.batch_size * trainer.model.cfg.seq_len,
+            "val_loss_before": round(before, 4), "val_loss": round(after, 4),
             "val_set": f"the rows': {len(val)} batches of {rows_batch}", "seconds": round(time.perf_counter() - t0, 1)}
 
 
@@ -495,6 +499,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="auto")
     p.add_argument("--steps", type=int, help="inner steps per row after the warm start (default 1000; smoke 4)")
     p.add_argument("--warm-start-steps", type=int, help="warm start steps at DDP's batch (default 1000; smoke 2)")
+    p.add_argument("--warm-lr", type=float, default=1.0,
+                   help="the warm start's lr as a multiple of optim.lr (default 1): the rows' --sweep multiple "
+                        "makes the rows continue at the lr the warm start trained at")
     p.add_argument("--regime", choices=sorted(REGIMES), default="8k",
                    help="tokens per worker-step of the rows: 8k (32 x 256; H 25-250) or 32k (128 x 256; H 50, 125, "
                         "250; DDP's lr swept x2, x4, x8); both start from the same warm start")
@@ -574,7 +581,7 @@ def main(argv: list[str] | None = None) -> int:
     warm, init_path = None, args.init_from
     if warm_steps and not init_path:
         init_path = Path(args.warm_dir) / ("warm-smoke.pt" if args.smoke else "warm.pt")
-        warm = warm_start(regime, data, warm_steps, device, init_path)
+        warm = warm_start(regime, data, warm_steps, device, init_path, args.warm_lr)
         print(f"warm start: {json.dumps(warm)}", flush=True)
     init = read_warm_start(init_path) if init_path else None
     init_file = {"path": str(init_path), "sha256": sha256(Path(init_path))} if init_path else None

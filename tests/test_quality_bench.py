@@ -238,3 +238,20 @@ def test_combine_joins_a_row_run_on_other_seeds_by_a_later_call(quality, tmp_pat
     other = quality.combine([tmp_path / "a.json", tmp_path / "c.json"], tmp_path / "out2")
     avg = next(r for r in other["rows"] if r["name"] == "avg")
     assert avg["seeds"] == [2] and avg["inner_lr"] == 2e-3
+
+
+def test_warm_lr_trains_the_warm_start_at_the_rows_lr(quality, byte_dataset, tmp_path):
+    """--warm-lr: the warm start trains at that multiple of optim.lr (says so in its JSON), so a row
+    swept to the same multiple continues at the lr its weights were trained at."""
+    warm = {}
+    for mult in (1.0, 4.0):
+        out = tmp_path / f"res{mult:g}"
+        assert quality.main(["--smoke", "--data", str(byte_dataset.root), "--results-dir", str(out), "--old-table", "",
+                             "--warm-dir", str(tmp_path / f"w{mult:g}"), "--seeds", "1", "--sweep", "1", "--no-curve",
+                             "--rows", "ddp", "--warm-lr", str(mult)]) == 0
+        warm[mult] = json.loads((out / "quality.json").read_text())
+    base = quality.SMOKE["base"]["optim"]["lr"]
+    assert warm[1.0]["warm_start"]["lr"] == pytest.approx(base)
+    assert warm[4.0]["warm_start"]["lr"] == pytest.approx(4 * base)
+    assert warm[1.0]["init"]["sha256"] != warm[4.0]["init"]["sha256"]
+    assert "--warm-lr 4.0" in warm[4.0]["command"]
