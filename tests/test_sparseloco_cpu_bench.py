@@ -1,26 +1,16 @@
 """benchmarks/sparseloco_cpu.py: sections of rows at a per-worker batch each, the gap by rounds read
 off the curves, and the 2-bit coding's error measured on real error-feedback buffers."""
 
-import importlib
 import json
-import sys
-from pathlib import Path
 
 import pytest
-
-_DIR = Path(__file__).resolve().parent.parent / "benchmarks"
+from _bench_helpers import benchmark_module
 
 
 @pytest.fixture(scope="module")
 def bench():
-    # Imported by name from benchmarks/: its rows run in spawned processes, which import it (and
-    # quality.py beside it) the same way.
-    sys.path.insert(0, str(_DIR))
-    try:
-        yield importlib.import_module("sparseloco_cpu")
-    finally:
-        sys.modules.pop("sparseloco_cpu", None)
-        sys.path.remove(str(_DIR))
+    with benchmark_module("sparseloco_cpu") as module:
+        yield module
 
 
 def test_sections_write_rows_gaps_by_round_and_the_coding_error(bench, byte_dataset, tmp_path, monkeypatch):

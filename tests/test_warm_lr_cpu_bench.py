@@ -1,26 +1,16 @@
 """benchmarks/warm_lr_cpu.py: the same rows from warm starts trained at different lrs, each warm
 start's lr said in the JSON and each row's gap taken against its own warm start's DDP."""
 
-import importlib
 import json
-import sys
-from pathlib import Path
 
 import pytest
-
-_DIR = Path(__file__).resolve().parent.parent / "benchmarks"
+from _bench_helpers import benchmark_module
 
 
 @pytest.fixture(scope="module")
 def bench():
-    # Imported by name from benchmarks/, as its spawned row processes import sparseloco_cpu.py.
-    sys.path.insert(0, str(_DIR))
-    try:
-        yield importlib.import_module("warm_lr_cpu")
-    finally:
-        for name in ("warm_lr_cpu", "sparseloco_cpu"):
-            sys.modules.pop(name, None)
-        sys.path.remove(str(_DIR))
+    with benchmark_module("warm_lr_cpu") as module:
+        yield module
 
 
 def test_each_warm_start_gets_its_own_rows_and_gaps(bench, byte_dataset, tmp_path):
