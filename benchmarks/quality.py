@@ -50,7 +50,7 @@ import torch
 
 from murmur.node.model.data import Dataset, eval_batches
 from murmur.node.sim.replicas import read_warm_start
-from murmur.node.sim.report import seed_summary
+from murmur.node.sim.report import loss_summary, seed_summary
 from murmur.node.sim.run import run_sim
 from murmur.node.train.build import resolve_device
 from murmur.node.train.step import evaluate
@@ -283,6 +283,16 @@ def add_gaps(rows: list[dict]) -> None:
             r["loss_gap_pct"] = round(100 * (r["val_loss_mean"] - ddp["val_loss_mean"]) / ddp["val_loss_mean"], 2)
 
 
+def best_within(rows: list[dict], pct: float) -> dict | None:
+    """The row that sends least among those at most ``pct`` % behind DDP."""
+    return max((r for r in rows if r["loss_gap_pct"] <= pct), key=lambda r: r["reduction_vs_ddp"], default=None)
+
+
+def smallest_gap_at(rows: list[dict], floor: float) -> dict | None:
+    """The row closest to DDP among those sending at least ``floor`` x less."""
+    return min((r for r in rows if r["reduction_vs_ddp"] >= floor), key=lambda r: r["loss_gap_pct"], default=None)
+
+
 def summarize(rows: list[dict]) -> dict:
     def brief(r):
         return r and {k: r[k] for k in ("name", "reduction_vs_ddp", "loss_gap_pct")}
@@ -290,11 +300,9 @@ def summarize(rows: list[dict]) -> dict:
     low = [r for r in rows if r["loss_gap_pct"] is not None and r["reduction_vs_ddp"] and r["algo"] != "ddp"]
     out = {}
     for pct in (3, 5):
-        within = [r for r in low if r["loss_gap_pct"] <= pct]
-        out[f"best_within_{pct}pct"] = brief(max(within, key=lambda r: r["reduction_vs_ddp"], default=None))
+        out[f"best_within_{pct}pct"] = brief(best_within(low, pct))
     for floor in (250, 1000):
-        out[f"smallest_gap_at_{floor}x"] = brief(min((r for r in low if r["reduction_vs_ddp"] >= floor),
-                                                     key=lambda r: r["loss_gap_pct"], default=None))
+        out[f"smallest_gap_at_{floor}x"] = brief(smallest_gap_at(low, floor))
     by = {r["name"]: r for r in rows}
     for r in rows:
         if r["name"].startswith("avg-int4-") and (fp := by.get(r["name"].replace("int4", "fp32"))):
@@ -420,12 +428,17 @@ def plot(payload: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def write_json(path: Path, payload: dict) -> None:
+    """Atomically: a run cut short leaves the whole JSON of its last write."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(payload, indent=1) + "\n")
+    tmp.replace(path)
+
+
 def write(dirs: list[Path], payload: dict) -> None:
     for d in dirs:
         d.mkdir(parents=True, exist_ok=True)
-        tmp = d / "quality.json.tmp"
-        tmp.write_text(json.dumps(payload, indent=1) + "\n")
-        tmp.replace(d / "quality.json")  # atomic: a run cut short leaves a whole JSON
+        write_json(d / "quality.json", payload)
         plot(payload, d / "quality.png")
 
 
@@ -448,10 +461,8 @@ def same_setting_other_seeds(a: dict, b: dict) -> bool:
 
 
 def join_seeds(a: dict, b: dict) -> dict:
-    losses = a["val_losses"] + b["val_losses"]
-    return {**a, "seeds": a["seeds"] + b["seeds"], "val_losses": losses,
-            "val_loss_mean": round(sum(losses) / len(losses), 4),
-            "val_loss_spread": round((max(losses) - min(losses)) / 2, 4),
+    s = loss_summary(a["val_losses"] + b["val_losses"], a["seeds"] + b["seeds"])
+    return {**a, **s, "val_loss_mean": round(s["val_loss_mean"], 4), "val_loss_spread": round(s["val_loss_spread"], 4),
             "seconds": round(a.get("seconds", 0) + b.get("seconds", 0), 1)}
 
 

@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from quality import commit  # noqa: E402
+from quality import best_within, commit, smallest_gap_at, write_json  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 TARGETS = ((3.0, 1000.0), (2.0, 250.0))  # issue 39: >= 1000x within 3%, >= 250x within 2%
@@ -50,14 +50,9 @@ def frontier(doc: dict, sections: list[str]) -> dict:
         p["on_frontier"] = on_frontier(p, pts)
     front = sorted((p for p in pts if p["on_frontier"]), key=lambda p: p["reduction_vs_ddp"])
 
-    def best_within(pct: float) -> dict | None:
-        return max((p for p in pts if p["loss_gap_pct"] <= pct), key=lambda p: p["reduction_vs_ddp"], default=None)
-
-    def smallest_gap_at(floor: float) -> dict | None:
-        return min((p for p in pts if p["reduction_vs_ddp"] >= floor), key=lambda p: p["loss_gap_pct"], default=None)
-
-    summary = {"best_within_3pct": best_within(3.0), "best_within_2pct": best_within(2.0),
-               "smallest_gap_at_250x": smallest_gap_at(250.0), "smallest_gap_at_1000x": smallest_gap_at(1000.0)}
+    summary = {"best_within_3pct": best_within(pts, 3.0), "best_within_2pct": best_within(pts, 2.0),
+               "smallest_gap_at_250x": smallest_gap_at(pts, 250.0),
+               "smallest_gap_at_1000x": smallest_gap_at(pts, 1000.0)}
     summary["targets_met"] = {f">={floor:g}x within {pct:g}%": any(
         p["reduction_vs_ddp"] >= floor and p["loss_gap_pct"] <= pct for p in pts) for pct, floor in TARGETS}
     return {"sections": sections, "frontier": front, "points": pts, "summary": summary}
@@ -110,9 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), "commit": commit(),
               "command": f"python3 benchmarks/quality_frontier.py {argv_text}", **frontier(doc, sections)}
     doc[args.name] = result
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(doc, indent=1) + "\n")
-    tmp.replace(path)
+    write_json(path, doc)
     plot(result, path.parent / f"quality-{args.name}.png")
     print(json.dumps(result["summary"], indent=1))
     return 0

@@ -92,9 +92,7 @@ def main(argv: list[str] | None = None) -> int:
                 entry["curves"][out["name"]] = curve
                 quality.add_gaps(entry["rows"])
                 payload["seconds"] = round(time.perf_counter() - t0, 1)
-                tmp = out_dir / "warm_lr_cpu.json.tmp"
-                tmp.write_text(json.dumps(payload, indent=1) + "\n")
-                tmp.replace(out_dir / "warm_lr_cpu.json")
+                quality.write_json(out_dir / "warm_lr_cpu.json", payload)
                 print(json.dumps({k: v for k, v in out.items() if k != "variants"}), flush=True)
     for entry in payload["warm_starts"]:
         print(f"warm x{entry['lr_mult']:g}", json.dumps({r["name"]: r["loss_gap_pct"] for r in entry["rows"]}))

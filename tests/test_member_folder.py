@@ -4,6 +4,10 @@ call, a folder that never joined needs one, and two processes on one folder are 
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+import subprocess
+import sys
 
 import pytest
 
@@ -79,10 +83,6 @@ time.sleep(120)
 def test_a_folder_whose_node_was_sigkilled_is_free_while_a_forked_child_of_it_lives_on(tmp_path):
     """A node's forked DHT process outlives a SIGKILL until the reaper kills it: the folder must not
     stay locked meanwhile, or the node's restart is refused as "another node"."""
-    import signal
-    import subprocess
-    import sys
-
     proc = subprocess.Popen([sys.executable, "-c", _LOCK_AND_FORK, str(tmp_path / "f")], stdout=subprocess.PIPE,
                             text=True)
     child = None
@@ -98,8 +98,6 @@ def test_a_folder_whose_node_was_sigkilled_is_free_while_a_forked_child_of_it_li
         proc.kill()
         proc.wait(timeout=30)
         if child is not None:
-            import os
-
             try:
                 os.kill(child, signal.SIGKILL)
             except ProcessLookupError:

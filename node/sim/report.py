@@ -141,7 +141,11 @@ class Progress:
 def seed_summary(results: list[SimResult], seeds: list[int]) -> dict:
     """One row's runs over several seeds: the mean validation loss and its spread, half the range
     (mean +- spread covers every seed), with each seed's loss."""
-    losses = [r.val_loss for r in results]
+    return loss_summary([r.val_loss for r in results], seeds)
+
+
+def loss_summary(losses: list[float], seeds: list[int]) -> dict:
+    """seed_summary's figures from the losses themselves (a row joined from two calls' seeds)."""
     return {
         "seeds": list(seeds),
         "val_losses": [round(v, 6) for v in losses],
