@@ -64,6 +64,10 @@ def test_the_outer_steps_run_with_int4_and_the_outer_lr_sweep_crosses_the_inner_
     cfg = quality.row_config(quality.FULL, sweep, {"sync.outer_lr": 0.4, "optim.lr": 2.0}, "d", 1000, 0)
     assert (cfg.sync.codec, cfg.sync.outer_lr, cfg.sync.outer_momentum, cfg.optim.lr) == ("int4", 0.4, 0.9, 2e-3)
     assert quality.describe_outer(cfg.sync) == "lr 0.4, nesterov 0.9"
+    # The 32k regime's outer lr sweep at its largest H keeps DiLoCo-int4's Nesterov 0.5.
+    wide = {r.name: r for r in quality.build_rows(quality.FULL_32K, False)}["outer-lr-sweep-nesterov0.5-int4-H250"]
+    cfg = quality.row_config(quality.FULL_32K, wide, {"sync.outer_lr": 2.0, "optim.lr": 4.0}, "d", 1000, 0)
+    assert (cfg.sync.inner_steps, cfg.sync.outer_lr, cfg.sync.outer_momentum, cfg.optim.lr) == (250, 2.0, 0.5, 4e-3)
 
 
 def test_smoke_run_writes_the_table(quality, byte_dataset, tmp_path):
