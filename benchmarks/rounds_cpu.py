@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures as futures
-import datetime
 import json
 import sys
 import time
@@ -52,18 +51,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: --steps must be at least one round ({cpu.H}), got {args.steps}", file=sys.stderr)
         return 2
     torch.set_num_threads(args.jobs)
-    regime = cpu.section_regime(args.batch_rows, max(1, cpu.EVAL_SEQUENCES // args.batch_rows))
-    payload = {
-        "device": quality.device_name(torch.device("cpu")) + f", {args.jobs} rows at once",
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "command": "python3 benchmarks/rounds_cpu.py " + " ".join(sys.argv[1:] if argv is None else argv),
-        "commit": quality.commit(),
-        "regime": {"workers": regime["workers"], "H": cpu.H, "model": regime["base"]["model"],
-                   "optim": regime["base"]["optim"], "rows_lr_mult": warm_lr_cpu.ROWS_LR, "seeds": [0],
-                   "per_worker_batch_tokens": args.batch_rows * regime["base"]["model"]["seq_len"],
-                   "steps": args.steps, "rounds": args.steps // cpu.H, "corpus": args.data},
-        "rows": [], "curves": {}, "curve_columns": ["step", "tokens", "bytes_sent_per_worker", "val_loss"],
-    }
+    regime = warm_lr_cpu.rows_regime(args.batch_rows)
+    payload = warm_lr_cpu.run_header("rounds_cpu.py", argv, args, regime)
+    payload["regime"]["rounds"] = args.steps // cpu.H
+    payload.update(rows=[], curves={})
     out_dir = Path(args.results_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
@@ -74,17 +65,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"warm start: {json.dumps(payload['warm_start'])}", flush=True)
     ctx = torch.multiprocessing.get_context("spawn")
     with futures.ProcessPoolExecutor(max_workers=args.jobs, mp_context=ctx) as pool:
-        pending = [pool.submit(cpu.run_one, regime, r, args.data, args.steps, str(init_path))
-                   for r in warm_lr_cpu.ROWS]
-        for done in futures.as_completed(pending):
-            out, curve = done.result()
-            payload["rows"].append(out)
-            payload["curves"][out["name"]] = curve
-            quality.add_gaps(payload["rows"])
+        def save() -> None:
             payload["gap_by_rounds"] = cpu.gap_by_rounds(payload["rows"], payload["curves"])
             payload["seconds"] = round(time.perf_counter() - t0, 1)
             quality.write_json(out_dir / "rounds_cpu.json", payload)
-            print(json.dumps({k: v for k, v in out.items() if k != "variants"}), flush=True)
+
+        warm_lr_cpu.run_rows(pool, regime, args, init_path, payload, save)
     print(json.dumps(payload["gap_by_rounds"]))
     return 0
 

@@ -43,6 +43,40 @@ ROWS = [
 ]
 
 
+def rows_regime(batch_rows: int) -> dict:
+    """sparseloco_cpu.py's regime at this per-worker batch, its validation set the same size."""
+    return cpu.section_regime(batch_rows, max(1, cpu.EVAL_SEQUENCES // batch_rows))
+
+
+def run_header(script: str, argv: list[str] | None, args: argparse.Namespace, regime: dict) -> dict:
+    """The head of the JSON that this script and rounds_cpu.py write: the machine, the run, the regime."""
+    return {
+        "device": quality.device_name(torch.device("cpu")) + f", {args.jobs} rows at once",
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "command": f"python3 benchmarks/{script} " + " ".join(sys.argv[1:] if argv is None else argv),
+        "commit": quality.commit(),
+        "regime": {"workers": regime["workers"], "H": cpu.H, "model": regime["base"]["model"],
+                   "optim": regime["base"]["optim"], "rows_lr_mult": ROWS_LR, "seeds": [0],
+                   "per_worker_batch_tokens": args.batch_rows * regime["base"]["model"]["seq_len"],
+                   "steps": args.steps, "corpus": args.data},
+        "curve_columns": ["step", "tokens", "bytes_sent_per_worker", "val_loss"],
+    }
+
+
+def run_rows(pool: futures.Executor, regime: dict, args: argparse.Namespace, init_path: Path, entry: dict,
+             save) -> None:
+    """ROWS from the warm start at ``init_path``, --jobs at once; as each ends, its row and curve go
+    into ``entry``, every row's gap is taken again and ``save()`` writes the JSON."""
+    pending = [pool.submit(cpu.run_one, regime, r, args.data, args.steps, str(init_path)) for r in ROWS]
+    for done in futures.as_completed(pending):
+        out, curve = done.result()
+        entry["rows"].append(out)
+        entry["curves"][out["name"]] = curve
+        quality.add_gaps(entry["rows"])
+        save()
+        print(json.dumps({k: v for k, v in out.items() if k != "variants"}), flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--data", default="data/shakespeare-byte")
@@ -60,18 +94,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: --warm-lrs is a comma-separated list of numbers, got {args.warm_lrs!r}", file=sys.stderr)
         return 2
     torch.set_num_threads(args.jobs)
-    regime = cpu.section_regime(args.batch_rows, max(1, cpu.EVAL_SEQUENCES // args.batch_rows))
-    payload = {
-        "device": quality.device_name(torch.device("cpu")) + f", {args.jobs} rows at once",
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "command": "python3 benchmarks/warm_lr_cpu.py " + " ".join(sys.argv[1:] if argv is None else argv),
-        "commit": quality.commit(),
-        "regime": {"workers": regime["workers"], "H": cpu.H, "model": regime["base"]["model"],
-                   "optim": regime["base"]["optim"], "rows_lr_mult": ROWS_LR, "seeds": [0],
-                   "per_worker_batch_tokens": args.batch_rows * regime["base"]["model"]["seq_len"],
-                   "steps": args.steps, "corpus": args.data},
-        "warm_starts": [], "curve_columns": ["step", "tokens", "bytes_sent_per_worker", "val_loss"],
-    }
+    regime = rows_regime(args.batch_rows)
+    payload = {**run_header("warm_lr_cpu.py", argv, args, regime), "warm_starts": []}
     out_dir = Path(args.results_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
@@ -85,15 +109,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"warm start x{mult:g}: {json.dumps(warm)}", flush=True)
             entry = {"lr_mult": mult, "warm_start": warm, "rows": [], "curves": {}}
             payload["warm_starts"].append(entry)
-            pending = [pool.submit(cpu.run_one, regime, r, args.data, args.steps, str(init_path)) for r in ROWS]
-            for done in futures.as_completed(pending):
-                out, curve = done.result()
-                entry["rows"].append(out)
-                entry["curves"][out["name"]] = curve
-                quality.add_gaps(entry["rows"])
+            def save() -> None:
                 payload["seconds"] = round(time.perf_counter() - t0, 1)
                 quality.write_json(out_dir / "warm_lr_cpu.json", payload)
-                print(json.dumps({k: v for k, v in out.items() if k != "variants"}), flush=True)
+
+            run_rows(pool, regime, args, init_path, entry, save)
     for entry in payload["warm_starts"]:
         print(f"warm x{entry['lr_mult']:g}", json.dumps({r["name"]: r["loss_gap_pct"] for r in entry["rows"]}))
     return 0
