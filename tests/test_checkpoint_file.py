@@ -1,5 +1,6 @@
 """The node's checkpoint file: what goes in comes back, tensor for tensor, bit for bit; files of the
-older torch.save format still load; a torn file is an error, not a state."""
+older formats (torch.save's, murmur-checkpoint-1) still load, unchecked; a torn or overwritten file
+is one clear error naming it and what to do, not a state."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import torch
 
 from murmur.node.daemon import checkpoint_file
 from murmur.node.daemon.state_dir import StateDir, StateDirError
+from murmur.protocol import integrity
 
 
 def _state() -> dict:
@@ -64,5 +66,43 @@ def test_a_torn_checkpoint_is_a_clear_error_in_the_state_folder(tmp_path):
     _equal(_state(), sd.load_checkpoint())
     data = sd.checkpoint_path.read_bytes()
     sd.checkpoint_path.write_bytes(data[: len(data) - 20])  # the last tensor cut short
-    with pytest.raises(StateDirError, match="cannot be read"):
+    with pytest.raises(StateDirError, match=r"checkpoint\.pt is truncated .*move it aside"):
+        sd.verify_checkpoint()
+    with pytest.raises(StateDirError, match=r"checkpoint\.pt is truncated"):
         sd.load_checkpoint()
+
+
+def test_a_checkpoint_overwritten_in_place_is_refused_before_anything_is_read(tmp_path):
+    """Bytes overwritten inside a tensor, the size unchanged: torch reads such a file happily (the
+    issue's node trained from it); the checksum refuses it, in one line naming the file."""
+    sd = StateDir(tmp_path)
+    sd.save_checkpoint(_state())
+    assert sd.verify_checkpoint() is True
+    data = bytearray(sd.checkpoint_path.read_bytes())
+    at = len(data) - 200  # inside the tensor bytes, before the trailer
+    data[at : at + 8] = bytes(8) if any(data[at : at + 8]) else b"\xff" * 8
+    sd.checkpoint_path.write_bytes(bytes(data))
+    assert sd.checkpoint_path.stat().st_size == len(data)
+    with pytest.raises(StateDirError, match=r"checkpoint\.pt is corrupt \(sha256 .* was written\): move it aside"):
+        sd.verify_checkpoint()
+    with pytest.raises(StateDirError, match="is corrupt"):
+        sd.load_checkpoint()
+    message = ""
+    try:
+        sd.load_checkpoint()
+    except StateDirError as err:
+        message = str(err)
+    assert "\n" not in message and str(sd.checkpoint_path) in message
+
+
+def test_a_checkpoint_of_the_format_before_checksums_loads_unchecked(tmp_path):
+    """murmur-checkpoint-1 (the same layout, no trailer): read, and `verify` says it was not checked."""
+    path = tmp_path / "v1.pt"
+    checkpoint_file.save(_state(), path)
+    data = path.read_bytes()
+    old = checkpoint_file.MAGIC_V1 + data[len(checkpoint_file.MAGIC) : -integrity.TRAILER_BYTES]
+    path.write_bytes(old)
+    assert checkpoint_file.verify(path) is False
+    _equal(_state(), checkpoint_file.load(path))
+    torch.save(_state(), tmp_path / "old.pt")
+    assert checkpoint_file.verify(tmp_path / "old.pt") is False

@@ -15,6 +15,7 @@ from murmur.node.export.write import export
 from murmur.node.model.data import prepare
 from murmur.node.model.transformer import Transformer
 from murmur.node.train.build import resolve_model_config
+from murmur.protocol import integrity
 from murmur.protocol.runconfig import config_from_dict
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -39,6 +40,7 @@ def test_eval_refuses_data_of_another_tokenizer(tmp_path, capsys):
     (tmp_path / "run").mkdir()
     model = Transformer(resolve_model_config(cfg, 256))  # a byte-vocabulary model
     torch.save({"config": cfg.to_dict(), "model": model.state_dict(), "step": 0}, tmp_path / "run" / "checkpoint.pt")
+    integrity.seal(tmp_path / "run" / "checkpoint.pt")  # as `murmur train` writes it (no warning line)
     assert main(["eval", str(tmp_path / "run"), "--data", str(tmp_path / "gpt2"), "--device", "cpu"]) == 1
     err = capsys.readouterr().err.strip()
     assert "prepared with the 'gpt2' tokenizer" in err and "\n" not in err

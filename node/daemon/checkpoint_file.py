@@ -8,9 +8,13 @@ file writes release the GIL around each system call. So the tensors' bytes go ou
 ``file.write`` of their memory, and only the structure (dicts, numbers, strings, and a reference in
 place of each tensor) goes through torch's pickler.
 
-    MAGIC | structure length (8 bytes, little endian) | structure (torch.save) | tensor bytes
+    MAGIC | structure length (8 bytes, little endian) | structure (torch.save) | tensor bytes | trailer
 
-Files torch.save wrote (older murmur versions) are still read: they do not start with MAGIC.
+The trailer is the sha256 of every byte before it (protocol/integrity.py), hashed while the bytes
+are written; `load` checks it before it reads anything, so a checkpoint overwritten in place or cut
+short is refused in one line instead of trained from. Files of the format before it (MAGIC_V1, no
+trailer) and files torch.save wrote (older murmur versions, no MAGIC) are still read, unchecked:
+`verify` says so and the node logs a warning line (docs/failure-model.md).
 """
 
 from __future__ import annotations
@@ -24,8 +28,11 @@ from typing import Any, BinaryIO
 import torch
 
 from murmur.node.daemon.tree import map_leaves
+from murmur.protocol import integrity
 
-MAGIC = b"murmur-checkpoint-1\n"
+MAGIC = b"murmur-checkpoint-2\n"  # ends with a checksum trailer
+MAGIC_V1 = b"murmur-checkpoint-1\n"  # the same layout without it
+FIX = "move it aside (or delete it) and start the node again: it takes the run's state from its peers"
 ALIGN = 64  # each tensor's bytes start at a multiple of this in the file
 
 
@@ -48,21 +55,38 @@ def save(state: Any, path: Path) -> None:
     head = io.BytesIO()
     torch.save({"tree": tree, "tensors": refs}, head)
     structure = head.getvalue()
-    with open(path, "wb", buffering=0) as f:
-        f.write(MAGIC + len(structure).to_bytes(8, "little") + structure)
+    with open(path, "wb", buffering=0) as raw:
+        f = integrity.HashingWriter(raw)
+        _write_all(f, memoryview(MAGIC + len(structure).to_bytes(8, "little") + structure))
         pos = 0
         for t, ref in zip(tensors, refs, strict=True):
             if ref.offset > pos:
-                f.write(bytes(ref.offset - pos))
+                _write_all(f, memoryview(bytes(ref.offset - pos)))
             _write_all(f, _bytes_of(t))
             pos = ref.offset + ref.nbytes
-        os.fsync(f.fileno())
+        f.finish()
+        os.fsync(raw.fileno())
 
 
-def load(path: Path) -> Any:
-    """What `save` wrote (or what torch.save wrote, for files from before this format)."""
+def verify(path: Path, what: str = "checkpoint", fix: str = FIX) -> bool:
+    """Check the file against its checksum without reading it into memory: True when it matches,
+    False for a file of a format without one (older murmur versions). IntegrityError, one line
+    naming the file and what to do, when it does not match or is cut short."""
     with open(path, "rb") as f:
-        if f.read(len(MAGIC)) != MAGIC:
+        head = f.read(len(MAGIC))
+    if head == MAGIC:
+        return integrity.check(path, what=what, fix=fix, required=True)
+    return integrity.check(path, what=what, fix=fix)  # older formats: no trailer, False
+
+
+def load(path: Path, *, verified: bool = False) -> Any:
+    """What `save` wrote (or what torch.save wrote, for files from before this format), checked
+    against its checksum first unless ``verified`` (the caller ran `verify` on it already)."""
+    if not verified:
+        verify(path)
+    with open(path, "rb") as f:
+        head = f.read(len(MAGIC))
+        if head not in (MAGIC, MAGIC_V1):
             return torch.load(path, map_location="cpu", weights_only=False)
         size = int.from_bytes(_read_exact(f, 8), "little")
         head = torch.load(io.BytesIO(_read_exact(f, size)), map_location="cpu", weights_only=False)
@@ -105,7 +129,7 @@ def _bytes_of(t: torch.Tensor) -> memoryview:
     return memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy())
 
 
-def _write_all(f: BinaryIO, data: memoryview) -> None:
+def _write_all(f: BinaryIO | integrity.HashingWriter, data: memoryview) -> None:
     while data:
         n = f.write(data)
         data = data[n:]

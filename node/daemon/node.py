@@ -148,6 +148,11 @@ class Node:
         # and leaves no member behind in the coordinator's ledger.
         device = resolve_device(self.o.device)
         checked = self._data_before_join()
+        # A checkpoint that is not the one written (overwritten in place, cut short) is refused here,
+        # before the join: nothing is trained from it and the ledger does not hear of this start.
+        if self.state.verify_checkpoint() is False:
+            self.log(f"warning: {self.state.checkpoint_path} was written before checkpoints carried a checksum: "
+                     "it is read unchecked (the next checkpoint carries one)")
         rejoining = saved_membership(self.state, self.o.coordinator) is not None
         info, ident, config_toml = await join(
             self.o.coordinator, self.o.token, self.state, self.s, self.log, name=self.o.name

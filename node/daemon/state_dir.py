@@ -35,6 +35,12 @@ from murmur.node.net.member_folder import JoinRecord, MemberFolder, MemberFolder
 __all__ = ["JoinRecord", "PendingCommit", "StateDir", "StateDirError", "read_rounds"]
 
 
+CHECKPOINT_FIX = (
+    "move it aside (mv it out of {root}) or delete it, and start the node again: it takes the run's "
+    "state from its peers"
+)
+
+
 class StateDirError(MemberFolderError):
     """The state folder cannot be used (locked, unwritable, a damaged file). Not to be confused with
     node/net/state_transfer.py's StateError: a training state that could not be fetched from peers."""
@@ -61,6 +67,7 @@ class StateDir(MemberFolder):
     node's training state beside it."""
 
     error = StateDirError
+    _verified: tuple[int, int] | None = None  # (size, mtime) of the checkpoint verify_checkpoint passed
 
     def set_aside_other_run(self, run_id: str, ca_pem: bytes) -> Path | None:
         """Move the training state of another run (another run id, or the same name under another
@@ -112,13 +119,34 @@ class StateDir(MemberFolder):
         checkpoint_file.save(state, tmp)  # fsynced
         tmp.replace(self.checkpoint_path)
 
+    def verify_checkpoint(self) -> bool | None:
+        """Check the checkpoint against its checksum (a streaming hash: no memory for it), before the
+        node joins: None when there is none, True when it matches, False for a file written before
+        checksums (read unchecked). StateDirError, one line naming the file and what to do, when
+        it is corrupt or cut short: nothing is trained from it and the ledger is not touched."""
+        if not self.checkpoint_path.is_file():
+            return None
+        from murmur.node.daemon import checkpoint_file
+        from murmur.protocol.integrity import IntegrityError
+
+        try:
+            ok = checkpoint_file.verify(self.checkpoint_path, fix=CHECKPOINT_FIX.format(root=self.root))
+        except IntegrityError as err:
+            raise StateDirError(str(err)) from None
+        stat = self.checkpoint_path.stat()
+        self._verified = (stat.st_size, stat.st_mtime_ns)
+        return ok
+
     def load_checkpoint(self) -> dict[str, Any] | None:
         if not self.checkpoint_path.is_file():
             return None
         from murmur.node.daemon import checkpoint_file
 
+        stat = self.checkpoint_path.stat()
+        if self._verified != (stat.st_size, stat.st_mtime_ns):
+            self.verify_checkpoint()  # the same file is not hashed twice in one start
         try:
-            return checkpoint_file.load(self.checkpoint_path)
+            return checkpoint_file.load(self.checkpoint_path, verified=True)
         except Exception as err:  # noqa: BLE001 - any unreadable file is the same user error
             raise StateDirError(
                 f"checkpoint {self.checkpoint_path} cannot be read ({type(err).__name__}); delete it and "

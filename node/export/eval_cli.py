@@ -40,7 +40,8 @@ def _run(args: argparse.Namespace) -> int:
     from murmur.node.train.build import resolve_device
 
     device = resolve_device(args.device)
-    source = load_source(args.source)
+    source = load_source(args.source)  # an export's or a checkpoint's checksum is checked here
+    source.check_finite()
     batch, batches, dtype = run_defaults(source)
     r = evaluate_source(
         source, Dataset.open(args.data), device,

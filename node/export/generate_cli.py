@@ -41,7 +41,8 @@ def _run(args: argparse.Namespace) -> int:
 
     sampling = Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     device = resolve_device(args.device)
-    source = load_source(args.source)
+    source = load_source(args.source)  # an export's or a checkpoint's checksum is checked here
+    source.check_finite()
     tok = get_tokenizer(source.tokenizer)
     model = source.build_model(device)
     prompt = tok.encode(args.prompt) if args.prompt else [tok.eot]

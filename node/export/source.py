@@ -21,6 +21,7 @@ the local weights.
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,7 @@ from murmur.node.model.transformer import ModelConfig, Transformer
 PROVENANCE = "provenance.json"
 EXPORT_FORMAT = "murmur-export-1"
 CHECKPOINT = "checkpoint.pt"
+CHECKPOINT_FIX = "use another checkpoint (an earlier round's, or another node's state folder)"
 
 
 class SourceError(MurmurError):
@@ -48,6 +50,17 @@ class Source:
     tokenizer: str  # "byte" or "gpt2"
     run_config: dict[str, Any] | None = None
     provenance: dict[str, Any] = field(default_factory=dict)
+
+    def check_finite(self) -> None:
+        """Refuse weights that hold NaN or Inf (a corrupted file that still parses, a run that
+        diverged): they would evaluate to a NaN loss and sample from NaN probabilities."""
+        for name, t in self.weights.items():
+            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                bad = int((~torch.isfinite(t)).sum())
+                raise SourceError(
+                    f"{self.path}: the weight {name} holds {bad:,} NaN or Inf values: the model is broken; "
+                    "export it again from a good checkpoint (or use an earlier one)"
+                )
 
     def build_model(self, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> Transformer:
         """murmur's own model with these weights, in eval mode."""
@@ -87,9 +100,13 @@ def load_source(path: str | Path) -> Source:
 
 def _read_checkpoint(path: Path) -> dict[str, Any]:
     from murmur.node.daemon import checkpoint_file
+    from murmur.protocol.integrity import IntegrityError
 
     try:
-        state = checkpoint_file.load(path)
+        checked = checkpoint_file.verify(path, fix=CHECKPOINT_FIX)
+        state = checkpoint_file.load(path, verified=True)
+    except IntegrityError as err:
+        raise SourceError(str(err)) from None
     except Exception as err:  # noqa: BLE001 - a truncated, corrupt or foreign file is the same user error
         reason = (str(err).splitlines() or [""])[0][:120]
         raise SourceError(
@@ -97,6 +114,9 @@ def _read_checkpoint(path: Path) -> dict[str, Any]:
         ) from None
     if not isinstance(state, dict) or not isinstance(state.get("model"), dict) or "config" not in state:
         raise SourceError(f"{path} is readable but not a murmur checkpoint (no model and run config in it)")
+    if not checked:
+        print(f"warning: {path} was written before checkpoints carried a checksum: it is read unchecked",
+              file=sys.stderr)
     return state
 
 
@@ -223,6 +243,22 @@ def _newest_testnet_node(root: Path) -> Path | None:
 # Export folders (written by node/export/write.py)
 
 
+def _check_weights_file(folder: Path, prov: dict[str, Any]) -> None:
+    """model.safetensors against the sha256 its provenance.json recorded (a streaming hash). An
+    export from before checksums has none: read unchecked, with a warning line (stderr)."""
+    from murmur.protocol.integrity import check_digest
+
+    weights = folder / "model.safetensors"
+    expected = prov.get("weights_sha256")
+    if not expected:
+        print(f"warning: {folder} was exported before exports carried a checksum: its weights are read unchecked "
+              "(export it again to add one)", file=sys.stderr)
+        return
+    if not weights.is_file():
+        raise SourceError(f"{folder} has no model.safetensors: export it again (murmur export)")
+    check_digest(weights, str(expected), what="the export's weights", fix="export it again (murmur export)")
+
+
 def _from_export(folder: Path) -> Source:
     from safetensors import SafetensorError
     from safetensors.torch import load_file
@@ -234,6 +270,7 @@ def _from_export(folder: Path) -> Source:
         if prov.get("format") != EXPORT_FORMAT:
             raise ValueError(f"format {prov.get('format')!r}, expected {EXPORT_FORMAT!r}")
         mcfg = model_config_from_llama(json.loads((folder / "config.json").read_text()))
+        _check_weights_file(folder, prov)
         weights = {from_llama_name(k): v for k, v in load_file(folder / "model.safetensors").items()}
     except (OSError, ValueError, KeyError, TypeError, SafetensorError) as err:
         raise SourceError(f"{folder} is not a readable murmur export ({type(err).__name__}: {err})") from None

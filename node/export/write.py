@@ -7,7 +7,8 @@
       tokenizer.json           the run's tokenizer (node/export/hf_tokenizer.py)
       tokenizer_config.json
       provenance.json          format, run name and id, round, state hash, tokens trained, the run config
-                               (a pipelined run's: round is the checkpoint version; each stage's hash)
+                               (a pipelined run's: round is the checkpoint version; each stage's hash),
+                               and weights_sha256: model.safetensors' sha256, checked by every reader
 
 Everything is written into a hidden folder beside OUT and renamed into place at the end, so an
 interrupted or failed export leaves no half-written OUT (at worst the hidden folder, which the next
@@ -30,6 +31,7 @@ from murmur.errors import MurmurError
 from murmur.node.export.hf_tokenizer import write_tokenizer
 from murmur.node.export.llama_format import generation_config, llama_config, to_llama_name
 from murmur.node.export.source import EXPORT_FORMAT, PROVENANCE, Source
+from murmur.protocol.integrity import sha256_file
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -65,7 +67,10 @@ def export(source: Source, out: Path, *, dtype: torch.dtype = torch.float32, for
         eot = write_tokenizer(source.tokenizer, tmp, max_length=source.model.seq_len)
         _write_json(tmp / "config.json", llama_config(source.model, dtype=_DTYPE_NAMES[dtype], eos_token_id=eot))
         _write_json(tmp / "generation_config.json", generation_config(eos_token_id=eot))
-        _write_json(tmp / PROVENANCE, provenance(source, dtype))
+        # The weights' checksum, streamed over the file just written: murmur eval, generate and
+        # every other reader of an export check it before they use the weights (source.py).
+        weights_sha256 = sha256_file(tmp / "model.safetensors")
+        _write_json(tmp / PROVENANCE, provenance(source, dtype, weights_sha256))
         for f in tmp.iterdir():
             with open(f, "rb") as fh:
                 os.fsync(fh.fileno())
@@ -83,7 +88,7 @@ def export(source: Source, out: Path, *, dtype: torch.dtype = torch.float32, for
     return out
 
 
-def provenance(source: Source, dtype: torch.dtype) -> dict:
+def provenance(source: Source, dtype: torch.dtype, weights_sha256: str | None = None) -> dict:
     p = source.provenance
     return {
         "format": EXPORT_FORMAT,
@@ -102,6 +107,7 @@ def provenance(source: Source, dtype: torch.dtype) -> dict:
         "tokens_trained": p.get("tokens_trained"),
         "tokens_note": p.get("tokens_note"),
         "dtype": _DTYPE_NAMES[dtype],
+        **({"weights_sha256": weights_sha256} if weights_sha256 else {}),
         "tokenizer": source.tokenizer,
         "model": dataclasses.asdict(source.model),
         "run_config": source.run_config,

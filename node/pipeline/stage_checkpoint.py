@@ -22,6 +22,9 @@ The coordinator records each checkpoint (its `ReportCheckpoint`, location ``stag
 newest complete set in the ledger (coordinator/stage_board.py); `murmur export` picks the newest
 complete set among the files it is given (node/export/stage_set.py).
 
+Every file ends with a checksum trailer (protocol/integrity.py: the sha256 of the torch.save bytes
+before it), checked by `read` before anything is loaded from it.
+
 A file holds the stage's parameters (the whole model's names), its AdamW state, the within-stage
 sync's anchor, momentum and round (``outer``), the run's progress the peer had heard of
 (``tokens_committed``), the model's shape and the run config, so that one file says all a restart
@@ -41,12 +44,14 @@ from typing import Any
 import torch
 
 from murmur.node.model.stages import StageModule
+from murmur.protocol import integrity
 from murmur.protocol.wire import tensors_hash
 
 FORMAT = "murmur-stage-checkpoint-1"
 FOLDER = "stage-checkpoints"
 KEEP = 3  # newest versions kept per stage
 SPARSE = 10  # ... and the newest KEEP multiples of this
+FIX = "move it aside (or delete it): the stage is then taken from its peers, or an older version is used"
 _NAME = re.compile(r"^stage-(\d+)-of-(\d+)-v(\d+)\.pt$")
 
 
@@ -123,8 +128,7 @@ def write(
     tmp = path.with_name(f".{path.name}.tmp")
     with open(tmp, "wb") as f:
         torch.save(state, f)
-        f.flush()
-        os.fsync(f.fileno())
+    integrity.seal(tmp)  # the checksum trailer (protocol/integrity.py), fsynced
     tmp.replace(path)
     _fsync_dir(folder)
     for old in dropped([c for c in listed(state_dir) if c.stage == stage]):
@@ -140,7 +144,10 @@ def dropped(files: list[CheckpointFile]) -> list[CheckpointFile]:
 
 
 def read(path: Path) -> dict[str, Any]:
-    """A checkpoint file's content; ValueError if it is not one."""
+    """A checkpoint file's content; ValueError if it is not one. IntegrityError (one line: the file
+    and what to do) if its bytes do not match the checksum written with them; a file from before
+    checksums (no trailer) is read unchecked."""
+    integrity.check(path, what="stage checkpoint", fix=FIX)
     try:
         state = torch.load(Path(path), map_location="cpu", weights_only=True)
     except Exception as err:  # noqa: BLE001 - truncated, corrupt or foreign: the same answer

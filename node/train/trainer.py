@@ -21,6 +21,7 @@ from murmur.node.model.data import BatchLoader, Dataset, Position, eval_batches
 from murmur.node.train.build import build_model_from_config, open_run_dataset, resolve_device
 from murmur.node.train.step import InnerStep, clip_grad_norm, evaluate
 from murmur.optim.inner import make_inner_optimizer
+from murmur.protocol import integrity
 from murmur.protocol.runconfig import RunConfig
 
 
@@ -91,9 +92,13 @@ class Trainer:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
         torch.save(self.state_dict(), tmp)
+        integrity.seal(tmp)  # the checksum trailer (protocol/integrity.py): checked by every reader
         tmp.replace(path)  # atomic: a crash mid-save never leaves a torn checkpoint
 
     def load(self, path: Path) -> None:
+        # Before anything is read from it: one line naming the file when its bytes are not the
+        # ones written (a checkpoint from before checksums has no trailer and is read unchecked).
+        integrity.check(path, what="checkpoint", fix="delete it (or move it aside) and train again, or resume another")
         try:
             state = torch.load(path, map_location=self.device, weights_only=False)
         except Exception as err:  # noqa: BLE001 - any unreadable file is the same user error
