@@ -86,6 +86,33 @@ def test_a_truncated_checkpoint_is_one_clear_error(tmp_path):
         stage_checkpoint.read(c.path)
 
 
+def test_a_stage_checkpoint_overwritten_in_place_is_refused_in_one_line(tmp_path):
+    """Same size, bytes changed inside its tensors: torch.load reads such a file; its checksum
+    trailer (protocol/integrity.py) refuses it before anything is loaded, and `murmur export` (a
+    process of its own) says so in one line and writes nothing."""
+    import subprocess
+
+    from murmur.node.testnet.procs import murmur_cmd
+    from murmur.protocol.integrity import IntegrityError
+
+    workers = trained_stages(1)
+    a, b = tmp_path / "peer-a", tmp_path / "peer-b"
+    save(a, workers[0], 2)
+    c = save(b, workers[1], 2)
+    assert stage_checkpoint.read(c.path)["version"] == 2
+    data = bytearray(c.path.read_bytes())
+    at = len(data) // 2
+    data[at : at + 16] = bytes(x ^ 0x5A for x in data[at : at + 16])
+    c.path.write_bytes(bytes(data))
+    with pytest.raises(IntegrityError, match=r"stage checkpoint .*stage-1-of-2-v2\.pt is corrupt .*move it aside"):
+        stage_checkpoint.read(c.path)
+    result = subprocess.run(murmur_cmd("export", str(a), str(b), "--out", str(tmp_path / "out")),
+                            capture_output=True, text=True, timeout=180)
+    err = result.stderr.strip()
+    assert result.returncode == 1 and "\n" not in err and "stage-1-of-2-v2.pt is corrupt" in err, err[-2000:]
+    assert not (tmp_path / "out").exists()
+
+
 def test_export_of_the_stages_loads_in_transformers_untied_with_the_stages_logits(tmp_path):
     workers = trained_stages()
     a, b = tmp_path / "peer-a", tmp_path / "peer-b"
