@@ -24,6 +24,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from murmur.errors import MurmurError
+from murmur.protocol import coordinator_pb2 as pb
 from murmur.protocol.runconfig import ConfigError, parse_config
 
 from .settings import CoordinatorSettings
@@ -50,6 +51,21 @@ class BadCommit(LeaseError):
 
 class UnknownShard(LeaseError):
     code = "NOT_FOUND"
+
+
+class Why(str):
+    """Why no lease (the words, for logs) with its typed status (``pb.LeaseStatus``), which the
+    AcquireLease reply carries and nodes decide on. A str, so callers that only log it need not care."""
+
+    status: int
+
+    def __new__(cls, reason: str, status: int) -> Why:
+        why = super().__new__(cls, reason)
+        why.status = status
+        return why
+
+
+GRANTED = Why("", pb.LEASE_GRANTED)
 
 
 @dataclass(slots=True)
@@ -108,8 +124,10 @@ class Leases:
         stored = shard.lease_expiry or 0.0
         return max(stored, seen + self.settings.lease_ttl_s) if seen is not None else stored
 
-    def acquire(self, run_id: str, node_id: str, exhausted: frozenset[str] = frozenset()) -> tuple[Shard | None, str]:
-        """The node's lease: the one it already holds, else a free shard. (None, why) when none.
+    def acquire(self, run_id: str, node_id: str, exhausted: frozenset[str] = frozenset()) -> tuple[Shard | None, Why]:
+        """The node's lease: the one it already holds, else a free shard. (None, why) when none:
+        ``why.status`` says whether the node should stop (every shard done, the run finished) or
+        ask again later (every unfinished shard leased, the run paused, ...).
 
         Held leases named in ``exhausted`` (no full batch left; the node commits them with the
         window it is training) are not handed back: they stay held, and a free shard is granted
@@ -118,7 +136,8 @@ class Leases:
         if run is None:
             raise UnknownShard(f"run {run_id} does not exist")
         if run["state"] != "active":
-            return None, f"run {run_id} is {run['state']}"
+            status = pb.LEASE_RUN_FINISHED if run["state"] == "finished" else pb.LEASE_RUN_PAUSED
+            return None, Why(f"run {run_id} is {run['state']}", status)
         now = self.clock()
         with self.store.write():
             done_with = 0
@@ -126,18 +145,19 @@ class Leases:
                 if held.run_id != run_id:
                     continue
                 if held.lease_id not in exhausted:
-                    return held, ""
+                    return held, GRANTED
                 done_with += 1
             if done_with > MAX_EXHAUSTED_HELD:
-                return None, f"this node holds {done_with} exhausted leases it has not committed; commit them first"
+                why = f"this node holds {done_with} exhausted leases it has not committed; commit them first"
+                return None, Why(why, pb.LEASE_COMMIT_FIRST)
             if (full := self._drivers_full(run_id, run["config_toml"], node_id, now)) is not None:
-                return None, full
+                return None, Why(full, pb.LEASE_DRIVERS_FULL)
             shard = self.store.free_shard(run_id)
             if shard is None:
                 totals = self.store.run_totals(run_id)
                 if totals["shards_done"] == totals["shards_total"]:
-                    return None, "every shard is done"
-                return None, "every unfinished shard is leased; ask again later"
+                    return None, Why("every shard is done", pb.LEASE_ALL_DONE)
+                return None, Why("every unfinished shard is leased; ask again later", pb.LEASE_ALL_LEASED)
             lease_id = secrets.token_hex(8)
             expiry = now + self.settings.lease_ttl_s
             self.store.set_lease(run_id, shard.shard_id, node_id, lease_id, expiry)
@@ -152,7 +172,7 @@ class Leases:
                 offset=shard.committed_offset,
             )
             shard.holder, shard.lease_id, shard.lease_expiry = node_id, lease_id, expiry
-        return shard, ""
+        return shard, GRANTED
 
     def commit(
         self,

@@ -213,9 +213,10 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             self.membership.started(node_id)  # a lease is renewed by heartbeats: the TTL holds now
             shard, reason = self.leases.acquire(run_id, node_id, frozenset(list(request.exhausted)[:64]))
             if shard is None:
-                return pb.AcquireLeaseReply(granted=False, reason=reason)
+                return pb.AcquireLeaseReply(granted=False, reason=reason, status=reason.status)
             return pb.AcquireLeaseReply(
                 granted=True,
+                status=pb.LEASE_GRANTED,
                 lease=pb.Lease(
                     lease_id=shard.lease_id,
                     shard_id=shard.shard_id,

@@ -1,10 +1,30 @@
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class LeaseStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    LEASE_STATUS_UNSPECIFIED: _ClassVar[LeaseStatus]
+    LEASE_GRANTED: _ClassVar[LeaseStatus]
+    LEASE_ALL_DONE: _ClassVar[LeaseStatus]
+    LEASE_RUN_FINISHED: _ClassVar[LeaseStatus]
+    LEASE_ALL_LEASED: _ClassVar[LeaseStatus]
+    LEASE_RUN_PAUSED: _ClassVar[LeaseStatus]
+    LEASE_DRIVERS_FULL: _ClassVar[LeaseStatus]
+    LEASE_COMMIT_FIRST: _ClassVar[LeaseStatus]
+LEASE_STATUS_UNSPECIFIED: LeaseStatus
+LEASE_GRANTED: LeaseStatus
+LEASE_ALL_DONE: LeaseStatus
+LEASE_RUN_FINISHED: LeaseStatus
+LEASE_ALL_LEASED: LeaseStatus
+LEASE_RUN_PAUSED: LeaseStatus
+LEASE_DRIVERS_FULL: LeaseStatus
+LEASE_COMMIT_FIRST: LeaseStatus
 
 class Hardware(_message.Message):
     __slots__ = ("device", "cpu_cores", "memory_bytes", "accelerator_memory_bytes")
@@ -195,14 +215,16 @@ class Lease(_message.Message):
     def __init__(self, lease_id: _Optional[str] = ..., shard_id: _Optional[int] = ..., shard_name: _Optional[str] = ..., start_offset: _Optional[int] = ..., end_offset: _Optional[int] = ..., expires_at: _Optional[float] = ...) -> None: ...
 
 class AcquireLeaseReply(_message.Message):
-    __slots__ = ("granted", "lease", "reason")
+    __slots__ = ("granted", "lease", "reason", "status")
     GRANTED_FIELD_NUMBER: _ClassVar[int]
     LEASE_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
     granted: bool
     lease: Lease
     reason: str
-    def __init__(self, granted: _Optional[bool] = ..., lease: _Optional[_Union[Lease, _Mapping]] = ..., reason: _Optional[str] = ...) -> None: ...
+    status: LeaseStatus
+    def __init__(self, granted: _Optional[bool] = ..., lease: _Optional[_Union[Lease, _Mapping]] = ..., reason: _Optional[str] = ..., status: _Optional[_Union[LeaseStatus, str]] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
     __slots__ = ("lease_id", "shard_id", "start_offset", "end_offset", "outer_step", "loss", "bytes_sent", "seconds", "round_members", "val_loss")
@@ -669,7 +691,7 @@ class ReadStateGrant(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., certificate_pem: _Optional[bytes] = ..., ca_certificate_pem: _Optional[bytes] = ..., config_toml: _Optional[str] = ..., round: _Optional[int] = ..., state_hash: _Optional[str] = ..., holders: _Optional[_Iterable[_Union[LiveMember, _Mapping]]] = ..., tokens_committed: _Optional[int] = ...) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("run", "nodes", "last_loss", "tokens_per_s", "bytes_sent", "rounds", "nodes_by_status", "last_round_at", "last_round_age_s", "stall_after_s", "stalled", "stall_reason")
+    __slots__ = ("run", "nodes", "last_loss", "tokens_per_s", "bytes_sent", "rounds", "nodes_by_status", "last_round_at", "last_round_age_s", "stall_after_s", "stalled", "stall_reason", "stopped")
     class NodesByStatusEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -689,6 +711,7 @@ class StatusReply(_message.Message):
     STALL_AFTER_S_FIELD_NUMBER: _ClassVar[int]
     STALLED_FIELD_NUMBER: _ClassVar[int]
     STALL_REASON_FIELD_NUMBER: _ClassVar[int]
+    STOPPED_FIELD_NUMBER: _ClassVar[int]
     run: RunInfo
     nodes: _containers.RepeatedCompositeFieldContainer[NodeInfo]
     last_loss: float
@@ -701,7 +724,8 @@ class StatusReply(_message.Message):
     stall_after_s: float
     stalled: bool
     stall_reason: str
-    def __init__(self, run: _Optional[_Union[RunInfo, _Mapping]] = ..., nodes: _Optional[_Iterable[_Union[NodeInfo, _Mapping]]] = ..., last_loss: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., bytes_sent: _Optional[int] = ..., rounds: _Optional[int] = ..., nodes_by_status: _Optional[_Mapping[str, int]] = ..., last_round_at: _Optional[float] = ..., last_round_age_s: _Optional[float] = ..., stall_after_s: _Optional[float] = ..., stalled: _Optional[bool] = ..., stall_reason: _Optional[str] = ...) -> None: ...
+    stopped: bool
+    def __init__(self, run: _Optional[_Union[RunInfo, _Mapping]] = ..., nodes: _Optional[_Iterable[_Union[NodeInfo, _Mapping]]] = ..., last_loss: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., bytes_sent: _Optional[int] = ..., rounds: _Optional[int] = ..., nodes_by_status: _Optional[_Mapping[str, int]] = ..., last_round_at: _Optional[float] = ..., last_round_age_s: _Optional[float] = ..., stall_after_s: _Optional[float] = ..., stalled: _Optional[bool] = ..., stall_reason: _Optional[str] = ..., stopped: _Optional[bool] = ...) -> None: ...
 
 class GetStagesRequest(_message.Message):
     __slots__ = ("run_id",)

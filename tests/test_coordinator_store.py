@@ -14,8 +14,11 @@ from murmur.coordinator.membership import JoinRefused, Membership, MembershipErr
 from murmur.coordinator.runs import RunError, Runs, parse_manifest
 from murmur.coordinator.settings import CoordinatorSettings, SettingsError
 from murmur.coordinator.store import SCHEMA_VERSION, Store, StoreError
+from murmur.protocol import coordinator_pb2 as pb
 from murmur.protocol import identity
 from murmur.protocol.jointoken import JoinToken
+from murmur.protocol.lease_status import LeaseAction
+from murmur.protocol.lease_status import action as lease_action
 
 
 def manifest(*tokens: int) -> str:
@@ -260,3 +263,44 @@ def test_a_pipelined_run_leases_to_at_most_its_wanted_drivers(tmp_path):
         assert sb is not None and sb.shard_id == sa.shard_id
     finally:
         store.close()
+
+
+def test_a_refused_lease_says_why_by_a_typed_status_that_decides_stop_or_wait(ledger):
+    """The node stops or waits on the reply's LeaseStatus, never on its words: "every unfinished
+    shard is leased" contains "finished", and a node that read the words stopped at a run's end
+    with its last shards untrained (issue 50)."""
+    store, members, runs, clock, run_id, token = ledger
+    a, b = join(members, token), join(members, token)
+    members.heartbeat(a, 1.0)
+    members.heartbeat(b, 1.0)
+    leases = members.leases
+    sa, why = leases.acquire(run_id, a)
+    assert sa is not None and why.status == pb.LEASE_GRANTED
+    sb, _ = leases.acquire(run_id, b)
+    p = Progress(outer_step=1, loss=2.0, bytes_sent=0, seconds=1.0)
+    leases.commit(run_id, b, sb.lease_id, sb.shard_id, 0, sb.tokens, p)  # b's shard done
+    none, why = leases.acquire(run_id, b)  # a holds the other one
+    assert none is None and why.status == pb.LEASE_ALL_LEASED and "unfinished" in why
+    reply = pb.AcquireLeaseReply(granted=False, reason=why, status=why.status)
+    assert lease_action(reply) is LeaseAction.WAIT
+    runs.set_state(run_id, "paused")
+    assert leases.acquire(run_id, b)[1].status == pb.LEASE_RUN_PAUSED
+    runs.set_state(run_id, "active")
+    leases.commit(run_id, a, sa.lease_id, sa.shard_id, 0, sa.tokens, p)
+    none, why = leases.acquire(run_id, b)
+    assert none is None and why.status == pb.LEASE_ALL_DONE
+    assert lease_action(pb.AcquireLeaseReply(reason=why, status=why.status)) is LeaseAction.STOP
+    runs.set_state(run_id, "finished")
+    assert leases.acquire(run_id, b)[1].status == pb.LEASE_RUN_FINISHED
+
+
+def test_a_reply_of_a_coordinator_from_before_the_status_is_read_as_it_was_meant():
+    """No status (the field absent): a grant trains, "every shard is done" and a finished run
+    stop, anything else waits, "unfinished" included."""
+    old = pb.AcquireLeaseReply
+    assert lease_action(old(granted=True)) is LeaseAction.TRAIN
+    assert lease_action(old(reason="every shard is done")) is LeaseAction.STOP
+    assert lease_action(old(reason="run r-1 is finished")) is LeaseAction.STOP
+    assert lease_action(old(reason="every unfinished shard is leased; ask again later")) is LeaseAction.WAIT
+    assert lease_action(old(reason="run r-1 is paused")) is LeaseAction.WAIT
+    assert lease_action(old(reason="done", status=99)) is LeaseAction.WAIT  # a status newer than the node

@@ -34,6 +34,8 @@ from murmur.optim.exchange import ExchangeError
 from murmur.protocol import coordinator_pb2 as pb
 from murmur.protocol import identity
 from murmur.protocol.coordinator_client import CoordinatorError, MemberClient
+from murmur.protocol.lease_status import LeaseAction, status_name
+from murmur.protocol.lease_status import action as lease_action
 
 
 class SessionError(MurmurError):
@@ -55,6 +57,7 @@ MAX_UNREPORTED_REJECTIONS = 10_000  # rejection reports kept through an outage (
 REJECTIONS_PER_REPORT = 500  # below the coordinator's limit of one ReportRejections call
 GONE_PER_REPORT = 64  # the coordinator's limit of one ReportGone call
 GIVE_UP_POLL_S = 0.05  # `acquire` with give_up: how often it looks while it waits (a round landing ends the wait)
+LEASE_WAIT_GROWTH = 4  # waiting for a shard: the pause between asks grows to this many lease_wait_s
 STARTING_CALL_S = 5.0  # the "starting" heartbeat before the data plane opens; past it, start anyway
 
 
@@ -146,6 +149,11 @@ class CoordinatorSession:
         self.view = RunView(info.node_id, self.incarnation, fresh_s=max(3.0, 3 * (info.heartbeat_ttl_s or 10.0)))
         self.viewed = asyncio.Event()  # set by the first heartbeat reply
         self.in_rounds = False  # a peer data plane: heartbeats report it, commits name round groups
+        # Waiting for a shard (every unfinished one leased to others): out of the rounds meanwhile.
+        # Its heartbeats report no peer address, so the trainers still training do not count it
+        # in their quorum nor wait for it at their rendezvous (one of two nodes waiting held the
+        # other's every round); it reports its address again with its next lease.
+        self.waiting_for_shard = False
         # (round, sender, reason) of updates this node refused as an owner, not reported yet; sent
         # after heartbeats. Kept in memory only: a crash loses at most these reports.
         self.unreported: deque[tuple[int, str, str]] = deque(maxlen=MAX_UNREPORTED_REJECTIONS)
@@ -210,7 +218,7 @@ class CoordinatorSession:
                 if self.in_rounds:
                     peer = pb.HeartbeatRequest(
                         incarnation=self.incarnation,
-                        peer_address=self.peer_address,
+                        peer_address="" if self.waiting_for_shard else self.peer_address,
                         round=self.round,
                         state_hash=self.state_hash,
                     )
@@ -414,9 +422,27 @@ class CoordinatorSession:
 
     # -- leases ----------------------------------------------------------------------------------
 
-    async def acquire(self, give_up: Callable[[], bool] | None = None) -> LeaseView | None:
+    async def acquire(self, give_up: Callable[[], bool] | None = None, *, may_end_window: bool = False
+                      ) -> LeaseView | None:
         """A lease to train on, waiting through outages and busy shards; None once the node stops,
-        or (``give_up``, polled while it waits) once that says so."""
+        or (``give_up``, polled while it waits) once that says so, or (``may_end_window``: a shard
+        ran out in the window under way) at once when no shard is free: the window ends with the
+        steps it has (node/daemon/training.py), since waiting mid-window for a shard held by
+        another node that waits the same way would hold both for good at a run's end.
+
+        The coordinator's typed status decides (protocol/lease_status.py): every shard done or
+        the run finished stops the node; every unfinished shard leased to others, or the run
+        paused, waits, asking again after ``lease_wait_s``, then after longer pauses up to
+        LEASE_WAIT_GROWTH times that (heartbeats go on meanwhile), out of the rounds
+        (``waiting_for_shard``). A lease whose holder died expires (``lease_ttl_s``) and comes
+        back to the pool: a waiting node takes it over, so the run trains its every shard."""
+        try:
+            return await self._acquire(give_up, may_end_window)
+        finally:
+            self.waiting_for_shard = False
+
+    async def _acquire(self, give_up: Callable[[], bool] | None, may_end_window: bool) -> LeaseView | None:
+        wait = self.s.lease_wait_s
         while not self.stop.is_set():
             # The coordinator hands back a held lease until its shard is done, or while it is
             # named as exhausted (run out by a window whose commits have not gone out): commits first.
@@ -434,8 +460,11 @@ class CoordinatorSession:
                 if await self._wait_unless(give_up, self.s.outage_retry_s):
                     return None
                 continue
-            if reply.granted:
+            act = lease_action(reply)
+            if act is LeaseAction.TRAIN:
                 lease = reply.lease
+                if self.waiting_for_shard:
+                    self.log("a shard came free: back in the rounds")
                 self.lost_leases.discard(lease.lease_id)
                 view = LeaseView(lease.lease_id, int(lease.shard_id), int(lease.start_offset), int(lease.end_offset))
                 self.current_lease = view
@@ -444,11 +473,18 @@ class CoordinatorSession:
                     f"({view.end_offset - view.start_offset:,} tokens left)"
                 )
                 return view
-            if "done" in reply.reason or "finished" in reply.reason:
-                self.stop.request(f"nothing left to train: {reply.reason}")
+            if act is LeaseAction.STOP:
+                self.stop.request(f"nothing left to train: {reply.reason or status_name(reply)}")
                 return None
-            if await self._wait_unless(give_up, self.s.lease_wait_s):
+            if may_end_window:
                 return None
+            if give_up is None and not self.waiting_for_shard:
+                self.log(f"no shard to train ({reply.reason or status_name(reply)}): waiting for one, "
+                         "out of the rounds meanwhile")
+                self.waiting_for_shard = True
+            if await self._wait_unless(give_up, wait):
+                return None
+            wait = min(wait * 1.5, self.s.lease_wait_s * LEASE_WAIT_GROWTH)
         return None
 
     async def _wait_unless(self, give_up: Callable[[], bool] | None, seconds: float) -> bool:

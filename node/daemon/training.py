@@ -220,6 +220,7 @@ class NodeTrainer:
         self.h = cfg.sync.inner_steps
         self.step = 0  # inner steps done (drives the lr schedule and DeMo's round ids)
         self.round = 0  # windows done
+        self._last_loss = math.nan  # the last window's mean loss (what a dry window of no step reports)
         self.n_params = sum(p.numel() for p in self.model.parameters())
         self.lease: LeaseView | None = None
         self.loader: BatchLoader | None = None
@@ -344,7 +345,7 @@ class NodeTrainer:
         leasing = 0.0
         segments: list[Segment] = list(carried.segments)
         timed = 0  # steps run (and timed) in this call
-        stopped = False
+        stopped = dry = False
         queued: deque[torch.cuda.Event] = deque()
         n, base = self.window_steps(), self.step
         stepping = 0.0  # the steps' own time (the speed: without the window's fixed costs)
@@ -360,12 +361,21 @@ class NodeTrainer:
                 # tokens count only if the round completes (the coordinator keeps it held).
                 t_lease = time.perf_counter()
                 lease = next_lease(done)
+                ends = done is not None and self.can_end_dry() and bool(losses or math.isfinite(self._last_loss))
+                if lease is None and done is not None and not ends and not stop():
+                    lease = next_lease(None)  # no step and no loss to end the window with: wait for a shard
                 leasing += time.perf_counter() - t_lease
                 if lease is None:
-                    stopped = True
+                    # No free shard and this window's ran out (a run's last shards): its remaining
+                    # steps are dry. Else (None without such an end) the node stops.
+                    dry = ends and not stop()
+                    stopped = not dry
                     break
                 self.use_lease(lease)
             if stopped:
+                break
+            if dry:
+                self._dry_steps(base, j, n, len(losses))
                 break
             assert self.loader is not None and self.lease is not None
             if not segments or segments[-1].lease.lease_id != self.lease.lease_id:
@@ -400,9 +410,12 @@ class NodeTrainer:
                 seconds, waited = time.perf_counter() - t0, self.meter.waited_s - waited0
                 return WindowResult(self.round, len(losses), math.nan, 0, seconds, seconds - leasing - waited, [],
                                     True, started=started, arrived=arrived)
-        mean = torch.stack(losses).float().mean().item()  # waits for the window's last step
+        # waits for the window's last step; a dry window of no step (a shard's tail only, taken
+        # over at a run's end) reports the last window's loss
+        mean = torch.stack(losses).float().mean().item() if losses else self._last_loss
         if not math.isfinite(mean):
             raise TrainingError(f"loss became {mean} in round {self.round}: lower optim.lr")
+        self._last_loss = mean
         self.round += 1
         tokens = sum(s.end - s.start for s in segments)
         seconds, waited = time.perf_counter() - t0, self.meter.waited_s - waited0
@@ -417,6 +430,24 @@ class NodeTrainer:
             exchange_wait_seconds=waited, started=started, arrived=arrived, filled=len(self.carry.losses),
             carried=len(carried.losses), carried_shards=[seg.lease.shard_id for seg in carried.segments],
         )
+
+    def can_end_dry(self) -> bool:
+        """Whether a window may end before its H steps when its data runs out (a run's last shards):
+        DiLoCo's and Streaming DiLoCo's, whose sync happens at given steps of the window and can be
+        ticked without a step. Not DDP or DeMo (their exchange is every step's gradient), nor a node
+        of local ranks (the other ranks take every step's slices)."""
+        return self.ranks is None and isinstance(self.sync, StreamingDiLoCo) and not self.sync.replaces_optimizer
+
+    def _dry_steps(self, base: int, first: int, n: int, trained: int) -> None:
+        """Steps ``first``..n-1 of the window without data: no forward, backward or AdamW step, but
+        the sync hears of each, so the window's exchanges launch at the same steps as its peers'
+        (same rounds, same members). Where pseudo-gradients weigh their tokens (round_budget =
+        "speed"), this one weighs the steps really trained."""
+        if self.by_speed():
+            self.sync.weight = float(trained * self.span)
+        for j in range(first, n):
+            self.sync.after_optimizer_step(base + j * self.h // n)
+            self.step = base + (j + 1) * self.h // n
 
     def _fill(self, stop: Callable[[], bool], queued: deque[torch.cuda.Event], next_lease: LeaseSource,
               closed: Segment | None) -> bool:

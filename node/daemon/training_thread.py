@@ -397,7 +397,12 @@ class TrainingThread:
             # their commits are handed over, so none is handed back meanwhile; waiting here cost a
             # GPU node 2-8 s each time a shard ran out (the finisher writes 1.5 GB checkpoints).
             self._finisher.drain()
-        return asyncio.run_coroutine_threadsafe(self.session.acquire(give_up), self.loop).result()
+        # A shard that ran out in this window (``done``) with no other free: the window ends with
+        # the steps it has rather than wait for a shard (training.py's dry steps).
+        may_end = done is not None and give_up is None and self.trainer.can_end_dry()
+        return asyncio.run_coroutine_threadsafe(
+            self.session.acquire(give_up, may_end_window=may_end), self.loop
+        ).result()
 
     def _run_moved_on(self) -> bool:
         """Whether a live trainer reports a round past this node's (training thread; plain reads)."""

@@ -68,6 +68,8 @@ from murmur.node.train.build import resolve_device
 from murmur.protocol import coordinator_pb2 as pb
 from murmur.protocol.coordinator_client import CoordinatorError
 from murmur.protocol.identity import Identity
+from murmur.protocol.lease_status import LeaseAction
+from murmur.protocol.lease_status import action as lease_action
 from murmur.protocol.runconfig import PipelineSection, RunConfig, parse_config
 
 UNLIMITED = 1 << 62  # --microbatches left out: the run's schedule decides
@@ -165,7 +167,7 @@ async def next_lease(member: PipelineMember, schedule: RunSchedule, exhausted: l
         reply = await member.client.acquire(exhausted)
         if reply.granted:
             return reply.lease
-        if "done" in reply.reason or "finished" in reply.reason:
+        if lease_action(reply) is LeaseAction.STOP:  # the typed status, never the words
             emit(event="no_lease", reason=reply.reason)
             return None
         await asyncio.sleep(LEASE_WAIT_S)
