@@ -430,12 +430,14 @@ def _status(client: Any, args: argparse.Namespace) -> None:
         pct = 100.0 * r.tokens_committed / r.tokens_total if r.tokens_total else 0.0
         return "\n".join(
             [
-                f"run {r.run_id} ({r.state})   nodes: {counts}",
+                f"run {r.run_id} ({r.state}{', STOPPED: no active node' if st.stopped else ''})   nodes: {counts}",
                 f"progress: {r.tokens_committed}/{r.tokens_total} tokens ({pct:.1f}%), "
                 f"{r.shards_done}/{r.shards_total} shards done, outer step {r.outer_step}, {st.rounds} rounds",
                 f"loss {st.last_loss:.4f}   tokens/s {st.tokens_per_s:.1f}   bytes sent {_bytes(st.bytes_sent)}   "
                 f"last round {_age(st.last_round_age_s) if st.last_round_at else 'none yet'}",
-                *([f"STALLED (no round for over {st.stall_after_s:.0f}s): {st.stall_reason}"] if st.stalled else []),
+                *([f"STOPPED (no active node for over {st.stall_after_s:.0f}s): {st.stall_reason}"] if st.stopped
+                  else [f"STALLED (no round for over {st.stall_after_s:.0f}s): {st.stall_reason}"] if st.stalled
+                  else []),
                 "",
                 _node_rows(st.nodes),
             ]

@@ -94,7 +94,11 @@ class LedgerCollector:
                                 "The validation loss of the newest round a node evaluated (absent before one).",
                                 labels=["run"])
         stalled = GaugeMetricFamily("murmur_run_stalled",
-                                    "1 while active nodes have completed no round for the stall threshold.",
+                                    "1 while active nodes have completed no round for the stall threshold, "
+                                    "or the run has had no active node for it (stopped).",
+                                    labels=["run"])
+        stopped = GaugeMetricFamily("murmur_run_stopped",
+                                    "1 while an active run has had no active node for the stall threshold.",
                                     labels=["run"])
         for reply in self.progress():
             run = [reply.run.run_id]
@@ -102,12 +106,14 @@ class LedgerCollector:
             if reply.last_round_at:
                 age.add_metric(run, reply.last_round_age_s)
             stalled.add_metric(run, int(reply.stalled))
+            stopped.add_metric(run, int(reply.stopped))
             if (v := self.store.last_val_loss(reply.run.run_id)) is not None:
                 val.add_metric(run, v)
         yield step
         yield age
         yield val
         yield stalled
+        yield stopped
 
     def _per_node(self) -> Iterator[Metric]:
         tps = GaugeMetricFamily(

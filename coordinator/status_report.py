@@ -68,6 +68,10 @@ class StatusSource:
         tokens, sent = self.store.node_totals(row["node_id"])
         seen = self.membership.last_seen(row["node_id"])
         live = self.membership.peer_address(row["node_id"])
+        # A node that is not active trains nothing: its last reported rate is not shown as if it did.
+        rate = 0.0
+        if row["status"] == "active":
+            rate = self.membership.tokens_per_s(row["node_id"]) or row["tokens_per_s"]
         info = pb.NodeInfo(
             node_id=row["node_id"],
             name=row["name"],
@@ -75,7 +79,7 @@ class StatusSource:
             status=row["status"],
             joined_at=row["joined_at"],
             last_heartbeat=max(row["last_heartbeat"], seen or 0.0),
-            tokens_per_s=self.membership.tokens_per_s(row["node_id"]) or row["tokens_per_s"],
+            tokens_per_s=rate,
             peer_address=live or row["peer_address"],
             reachability=("client mode" if is_client(live) else "direct") if live else "",
             tokens_committed=tokens,
@@ -101,17 +105,25 @@ class StatusSource:
         tokens, first = self.store.committed_since(run_id, now - self.settings.tokens_per_s_window_s)
         last = self.store.last_round(run_id)
         rows = self.store.nodes(run_id)
+        active = [r for r in rows if r["status"] == "active"]
         reply = pb.StatusReply(
             run=info,
             nodes=[self.node_info(r) for r in rows],
             last_loss=(last["loss_sum"] / last["commits"]) if last else 0.0,
-            tokens_per_s=tokens / max(now - first, 1.0) if first is not None else 0.0,
+            # No active node: nothing trains, whatever the window's commits say (27 s after a run's
+            # last node died the page still showed its last minute's 4,917 tokens/s).
+            tokens_per_s=tokens / max(now - first, 1.0) if first is not None and active else 0.0,
             bytes_sent=self.store.bytes_sent(run_id),
             rounds=self.store.round_count(run_id),
             nodes_by_status=self.store.nodes_by_status(run_id),
         )
-        self._progress(reply, [r["joined_at"] for r in rows if r["status"] == "active"], now)
+        self._progress(reply, [r["joined_at"] for r in active], now, self._last_seen(rows))
         return reply
+
+    def _last_seen(self, rows: list[Any]) -> float:
+        """When a node of the run was last heard from (0: the run never had one)."""
+        return max((max(r["last_heartbeat"], self.membership.last_seen(r["node_id"]) or 0.0) for r in rows),
+                   default=0.0)
 
     def progress(self, now: float | None = None) -> list[pb.StatusReply]:
         """Each run's progress fields alone (round, last round, stalled), for the metrics: the same
@@ -122,19 +134,34 @@ class StatusSource:
             last = self.store.last_round(row["run_id"])
             reply = pb.StatusReply(run=pb.RunInfo(run_id=row["run_id"], state=row["state"],
                                                   outer_step=last["outer_step"] if last else 0))
-            self._progress(reply, [n["joined_at"] for n in self.store.nodes(row["run_id"], "active")], now)
+            nodes = self.store.nodes(row["run_id"])
+            active = [n["joined_at"] for n in nodes if n["status"] == "active"]
+            self._progress(reply, active, now, self._last_seen(nodes))
             replies.append(reply)
         return replies
 
-    def _progress(self, reply: pb.StatusReply, active_joined: list[float], now: float) -> None:
-        """The last round's time and age, and whether the run looks stalled, and why."""
+    def _progress(self, reply: pb.StatusReply, active_joined: list[float], now: float, last_seen: float) -> None:
+        """The last round's time and age, and whether the run looks stalled or stopped, and why.
+        ``last_seen``: when a node of the run was last heard from (0: never one)."""
         times = self.store.round_times(reply.run.run_id, GAP_ROUNDS + 1)
         gaps = sorted(b - a for a, b in zip(times, times[1:], strict=False))
         reply.stall_after_s = max(self.settings.stall_after_s, STALL_GAPS * gaps[len(gaps) // 2] if gaps else 0.0)
         reply.last_round_at = times[-1] if times else 0.0
         reply.last_round_age_s = max(0.0, now - reply.last_round_at) if times else 0.0
-        if reply.run.state != "active" or not active_joined:
-            return  # paused, finished, or nobody to make progress: idle, not stalled
+        if reply.run.state != "active":
+            return  # paused or finished: idle, not stalled
+        if not active_joined:
+            # Every node left or was lost: the run is stopped once that lasts past the threshold
+            # (from the last node heard of, or the last round if later). A run no node joined yet
+            # is waiting for its first, not stopped.
+            gone_for = now - max(reply.last_round_at, last_seen)
+            if last_seen and gone_for > reply.stall_after_s:
+                reply.stalled = reply.stopped = True
+                reply.stall_reason = (
+                    f"no active node for {gone_for:.0f}s (every node left or was lost): nothing trains "
+                    f"at round {reply.run.outer_step}; start a node (murmur node run) to go on"
+                )
+            return
         # Waiting since the last round, or since the first of today's active nodes joined if later
         # (a run picked up again after everyone had left is not stalled the moment one joins).
         since = max(reply.last_round_at, min(active_joined))

@@ -86,3 +86,32 @@ def test_a_round_ends_the_stall_and_slow_rounds_raise_the_threshold(run):
 def test_the_threshold_must_be_positive():
     with pytest.raises(SettingsError, match="stall_after_s"):
         CoordinatorSettings(stall_after_s=0)
+
+
+def test_a_run_whose_nodes_are_all_gone_is_stopped_past_the_threshold_and_its_rates_are_zero(run):
+    """0 active nodes counted as idle, not stalled: the page said `(active)` with no banner, and 27 s
+    after the run's last node died it still showed its last minute's tokens/s."""
+    store, members, clock, run_id, token, status = run
+    node = _join(members, token)
+    lease, _ = members.leases.acquire(run_id, node)
+    members.leases.commit(run_id, node, lease.lease_id, lease.shard_id, 0, 500, Progress(1, 3.0, 0, 1.0))
+    reply = status.status_reply(run_id, clock.t)
+    assert reply.tokens_per_s > 0 and not reply.stopped
+    members.leave(node, "test")  # the last node goes (lost would do the same)
+    gone = clock.t
+    reply = status.status_reply(run_id, gone + 1)
+    assert reply.tokens_per_s == 0.0 and all(n.tokens_per_s == 0.0 for n in reply.nodes)
+    assert not reply.stopped and not reply.stalled  # within the threshold
+    reply = status.status_reply(run_id, gone + STALL_S + 1)
+    assert reply.stopped and reply.stalled and reply.run.state == "active"
+    assert reply.stall_reason.startswith("no active node for 101s") and "murmur node run" in reply.stall_reason
+    (progress,) = status.progress(gone + STALL_S + 1)
+    assert progress.stopped
+    page = status.page_status(run_id)  # now: long after the hand-driven clock's moments
+    assert page["status"]["stopped"] is True
+
+
+def test_a_run_no_node_joined_yet_is_waiting_not_stopped(run):
+    store, members, clock, run_id, token, status = run
+    reply = status.status_reply(run_id, clock.t + 10 * STALL_S)
+    assert not reply.stopped and not reply.stalled

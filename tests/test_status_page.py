@@ -265,3 +265,37 @@ def test_no_card_is_cut_at_1400_or_800_pixels(tmp_path):
         chromium(tmp_path, page.as_uri(), f"--screenshot={tmp_path / f'status-{width}.png'}",
                  f"--window-size={width},1000", "--hide-scrollbars")
         assert cut == [], (width, cut)
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (apt-get install -y chromium chromium-driver)")
+def test_a_run_whose_every_node_left_shows_stopped_in_its_title_and_banner(tmp_path):
+    """No active node past --stall-after: the title says stopped, not just "(active)", and the
+    banner says why (tests/test_run_stopped.py: the same with a SIGKILLed node, without a browser)."""
+    import asyncio
+
+    from _coordinator_helpers import admin, admin_json, join, new_token, start_coordinator, write_run_files
+
+    from murmur.node.testnet.procs import wait_for
+
+    coord = start_coordinator(tmp_path / "coord.db", "--stall-after", "1")
+    try:
+        config, manifest = write_run_files(tmp_path, [1000])
+        assert admin(coord, "runs", "create", "--config", str(config), "--manifest", str(manifest)).returncode == 0
+        token = new_token(coord)
+
+        async def member() -> None:
+            client, _ = await join(coord, token)
+            async with client:
+                await client.heartbeat(tokens_per_s=10.0)
+                await client.leave("test")
+
+        asyncio.run(member())
+        wait_for(lambda: admin_json(coord, "status")["stopped"], timeout_s=60, what="the run to show as stopped")
+        dom = chromium(tmp_path, f"http://{coord.info['metrics']}/", "--dump-dom")
+        assert 'data-stopped="true"' in dom and "stopped: no active node" in dom, dom[:3000]
+        start = dom.index('id="stalled"')
+        banner = dom[start:dom.index("</div>", start)]
+        assert "hidden" not in banner, banner
+        assert "Stopped (no active node for over 1.0 s): no active node for" in banner, banner
+    finally:
+        coord.stop()
