@@ -180,8 +180,10 @@ class LeaseSource(Protocol):
     """Blocks until the coordinator grants a lease; None when the node should stop instead. It gets
     the segment of the shard that just ran out (or None): that lease stays held, exhausted, and is
     committed with the window whose steps trained it (the coordinator would otherwise hand it back
-    until its shard is done). ``give_up`` (sync.fill_wait's lease while a round is in flight): also
-    None once it says so after a refusal, rather than waiting for a shard to come free."""
+    until its shard is done). Given such a segment, and no other shard free, it may also return
+    None at once without a stop (``can_end_dry``): the window then ends dry (`_dry_steps`).
+    ``give_up`` (sync.fill_wait's lease while a round is in flight): also None once it says so
+    after a refusal, rather than waiting for a shard to come free."""
 
     def __call__(self, done: Segment | None, give_up: Callable[[], bool] | None = None) -> LeaseView | None: ...
 
