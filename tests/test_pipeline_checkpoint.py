@@ -106,6 +106,9 @@ def test_a_stage_checkpoint_overwritten_in_place_is_refused_in_one_line(tmp_path
     c.path.write_bytes(bytes(data))
     with pytest.raises(IntegrityError, match=r"stage checkpoint .*stage-1-of-2-v2\.pt is corrupt .*move it aside"):
         stage_checkpoint.read(c.path)
+    assert stage_checkpoint.verify_folder(a) == 1  # what a peer checks before it joins
+    with pytest.raises(IntegrityError, match=r"stage-1-of-2-v2\.pt is corrupt"):
+        stage_checkpoint.verify_folder(b)
     result = subprocess.run(murmur_cmd("export", str(a), str(b), "--out", str(tmp_path / "out")),
                             capture_output=True, text=True, timeout=180)
     err = result.stderr.strip()

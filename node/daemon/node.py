@@ -48,6 +48,7 @@ from murmur.node.daemon.training_thread import TrainingThread
 from murmur.node.model.data import Dataset
 from murmur.node.net.faults import FaultInjector
 from murmur.node.net.member_folder import saved_membership
+from murmur.node.pipeline import stage_checkpoint
 from murmur.node.train.build import resolve_device
 from murmur.protocol import identity
 from murmur.protocol.runconfig import RunConfig, parse_config
@@ -153,6 +154,7 @@ class Node:
         if self.state.verify_checkpoint() is False:
             self.log(f"warning: {self.state.checkpoint_path} was written before checkpoints carried a checksum: "
                      "it is read unchecked (the next checkpoint carries one)")
+        stage_checkpoint.verify_folder(self.state.root)  # a stage peer's (a pipelined run's node)
         rejoining = saved_membership(self.state, self.o.coordinator) is not None
         info, ident, config_toml = await join(
             self.o.coordinator, self.o.token, self.state, self.s, self.log, name=self.o.name

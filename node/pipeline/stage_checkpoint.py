@@ -143,6 +143,14 @@ def dropped(files: list[CheckpointFile]) -> list[CheckpointFile]:
     return [c for c in files if c.version not in keep]
 
 
+def verify_folder(state_dir: Path) -> int:
+    """Check every stage checkpoint of a state folder against its checksum (a streaming hash; no
+    file is loaded), before the peer joins its run: IntegrityError, one line naming the first bad
+    file and what to do. Returns how many files carry a checksum (the others predate checksums
+    and are read unchecked)."""
+    return sum(integrity.check(c.path, what="stage checkpoint", fix=FIX) for c in listed(state_dir))
+
+
 def read(path: Path) -> dict[str, Any]:
     """A checkpoint file's content; ValueError if it is not one. IntegrityError (one line: the file
     and what to do) if its bytes do not match the checksum written with them; a file from before

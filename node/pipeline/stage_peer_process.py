@@ -59,7 +59,7 @@ import torch
 
 from murmur.node.net.faults import FaultInjector
 from murmur.node.net.member_folder import MemberFolder
-from murmur.node.pipeline import stage_state
+from murmur.node.pipeline import stage_checkpoint, stage_state
 from murmur.node.pipeline.config import (
     MIB,
     PipelineSection,
@@ -162,6 +162,8 @@ async def serve(args: argparse.Namespace, joined: Callable[[], PipelineMember] |
     if joined is not None:
         member = joined()
     else:
+        if args.state_dir:  # its checkpoints' checksums, before the join (one line if one is corrupt)
+            stage_checkpoint.verify_folder(Path(args.state_dir))
         folder = MemberFolder(args.state_dir) if args.state_dir and args.coordinator else None
         member = await PipelineMember.join(args.coordinator, args.token, folder) if args.coordinator else None
     model, settings, schedule = settings_of(args, member)
