@@ -30,8 +30,10 @@ def few_shards(tmp_path_factory):
 
 def test_a_node_dead_with_the_last_shard_leased_leaves_it_to_the_others_and_the_run_ends(tmp_path, few_shards):
     # Steps 10x slower (the tiny model's rounds take a fraction of a second): the last shard's
-    # holder is still training it when the other node runs out and waits.
-    node_args = [*FAST_NODE, "--state-fetch-timeout", "5", "--lease-wait", "0.5", "--fault", "slow:10@x*"]
+    # holder is still training it when the other node runs out and waits. --min-peers 2: neither
+    # trains the run's shards alone while the other is still starting.
+    node_args = [*FAST_NODE, "--state-fetch-timeout", "5", "--lease-wait", "0.5", "--fault", "slow:10@x*",
+                 "--min-peers", "2"]
     with make_testnet(tmp_path, few_shards, overrides=UNTIL_STOPPED, node_args=node_args) as net:
         net.coordinator_args = list(FAST_COORDINATOR)  # heartbeat TTL 3 s, lease TTL 4 s
         net.start_coordinator()
