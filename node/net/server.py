@@ -205,6 +205,23 @@ class PeerServer(peer_pb2_grpc.PeerServicer):
             await context.abort(
                 grpc.StatusCode.NOT_FOUND, f"no published state {request.name!r} on {self.node_id}"
             )
+        # A state read from live tensors (a stage peer's, node/pipeline/stage_state.py) is opened
+        # for the call and read tensor by tensor off the loop; a plain one is its tensors.
+        live = getattr(state, "read", None) is not None
+        if live:
+            try:
+                state.open()
+            except Exception as err:  # noqa: BLE001 - changed since, or gone: the caller asks again
+                await context.abort(grpc.StatusCode.UNAVAILABLE, str(err))
+            try:
+                await self._send_state(state, request, context, live)
+            finally:
+                state.close()
+            return
+        await self._send_state(state, request, context, live)
+
+    async def _send_state(self, state, request: peer_pb2.StateRequest, context: grpc.aio.ServicerContext,
+                          live: bool) -> None:
         infos = [
             peer_pb2.TensorInfo(name=n, dtype=dtype_name(t.dtype), shape=list(t.shape))
             for n, t in state.tensors
@@ -217,7 +234,10 @@ class PeerServer(peer_pb2_grpc.PeerServicer):
         for name, t in state.tensors:
             if name not in wanted:
                 continue
-            data = tensor_bytes(t)
+            try:
+                data = await asyncio.to_thread(state.read, name) if live else tensor_bytes(t)
+            except Exception as err:  # noqa: BLE001 - the live weights changed and nobody kept a copy
+                await context.abort(grpc.StatusCode.UNAVAILABLE, str(err))
             for piece in split(data, self.settings.chunk_bytes):
                 part = peer_pb2.StateFrame(part={"name": name, "dtype": dtype_name(t.dtype), "data": piece})
                 await context.write(part)

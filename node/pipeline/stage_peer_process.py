@@ -111,6 +111,7 @@ def settings_of(args: argparse.Namespace, member: PipelineMember | None):
             device=str(device), autocast=autocast_of(run.train.dtype, device), max_message_bytes=cap,
             max_payload_bytes=payload, lr_now=schedule.lr, heard=schedule.heard,
             state_dir=Path(args.state_dir) if args.state_dir else None, checkpoint_every_s=pipe.checkpoint_every_s,
+            checkpoint_keep=pipe.checkpoint_keep,
             tokens_committed=lambda: schedule.tokens_committed, run_config=run.to_dict(),
         ), schedule
     if args.state_dir:

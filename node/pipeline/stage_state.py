@@ -2,7 +2,8 @@
 
 A stage peer publishes its stage's parameters (under the whole model's names) on its peer
 server (node/net/server.py) as ``stage/<s>``, once at start and again after every optimizer
-step. A peer that joins a stage, or moves to it, fetches that state from the stage's peers
+step: a hash and the live weights (`LiveState`), read tensor by tensor when a peer asks, not a
+copy. A peer that joins a stage, or moves to it, fetches that state from the stage's peers
 before it serves a call: node/net/state_transfer.py splits the tensors among the donors, fetches
 them in parallel and refuses anything that does not hash to what the donors announced. Only the
 parameters travel (the newcomer's AdamW starts fresh); see docs/pipeline.md.
@@ -10,6 +11,7 @@ parameters travel (the newcomer's AdamW starts fresh); see docs/pipeline.md.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping
 
 import torch
@@ -18,7 +20,7 @@ from murmur.node.model.stages import StageModule
 from murmur.node.net.server import PublishedState
 from murmur.node.net.state_transfer import StateError, StateFetchSettings, afetch
 from murmur.protocol.identity import Identity
-from murmur.protocol.wire import tensors_hash
+from murmur.protocol.wire import tensor_bytes, tensors_hash
 
 
 def state_name(stage: int) -> str:
@@ -33,6 +35,87 @@ def snapshot(module: StageModule) -> list[tuple[str, torch.Tensor]]:
 
 def state_hash(module: StageModule) -> str:
     return tensors_hash((n, p.detach().cpu()) for n, p in module.named_stage_parameters()).hex()
+
+
+class StateChanged(RuntimeError):
+    """The weights a published state names have changed since (an optimizer step, a sync round)."""
+
+
+class LiveState:
+    """The stage's parameters as `PeerServer` serves them (the ``PublishedState`` fields), read from
+    the live weights instead of a copy kept after every step.
+
+    A copy per step cost the stage's weights once more for good, and twice while the next step's
+    copy replaced it; the state is read seldom (a joiner, a mover, a replica's refresh). So the
+    server asks for one tensor at a time (`read`, under the worker's lock, off the event loop), and
+    a change of the weights (`LivePublisher.before_change`, in the compute thread, under the lock)
+    first copies the state for the calls still reading it (``pin``): a transfer never mixes two
+    steps, and the copy exists only while a step falls inside a transfer. A call that opens the
+    state after the weights changed is refused (`StateChanged`): its caller asks again, for the
+    newer state the peer publishes after every step."""
+
+    def __init__(self, worker, name: str, state_hash: bytes) -> None:
+        self.name, self.state_hash, self.members = name, state_hash, []
+        self._worker = worker
+        self.tensors = [(n, p.detach()) for n, p in worker.module.named_stage_parameters()]
+        self._guard = threading.Lock()
+        self._readers = 0
+        self._stale = False
+        self._pinned: dict[str, torch.Tensor] | None = None
+
+    def open(self) -> None:
+        with self._guard:
+            if self._stale and self._pinned is None:
+                raise StateChanged(f"{self.name} changed since it was published; ask again")
+            self._readers += 1
+
+    def close(self) -> None:
+        with self._guard:
+            self._readers -= 1
+            if self._readers == 0 and self._pinned is not None:
+                self._pinned = None  # the last call that needed the copy is done
+                self._stale = True
+
+    def read(self, name: str) -> bytes:
+        """One tensor's bytes, as the state was when published (blocking: call it in a thread)."""
+        with self._worker.lock, self._guard:
+            if self._pinned is not None:
+                return tensor_bytes(self._pinned[name])
+            if self._stale:
+                raise StateChanged(f"{self.name} changed while it was read; ask again")
+            return tensor_bytes(dict(self.tensors)[name])
+
+    def pin(self) -> None:
+        """The weights are about to change (called with the worker's lock held): keep a copy for
+        the calls reading now; none: the state is stale."""
+        with self._guard:
+            if self._stale or self._pinned is not None:
+                return
+            if self._readers > 0:
+                self._pinned = {n: t.to("cpu", copy=True) for n, t in self.tensors}
+            else:
+                self._stale = True
+
+
+class LivePublisher:
+    """A worker's `LiveState`s: a new one after every change of the weights (``state``), and the
+    hook that pins the older ones before the weights change (``before_change``)."""
+
+    def __init__(self, worker) -> None:
+        self.worker = worker
+        self._open: list[LiveState] = []
+
+    def state(self) -> LiveState:
+        """The state as the weights are now (with the worker's lock held, or before it serves)."""
+        st = LiveState(self.worker, state_name(self.worker.span.index), tensors_hash(
+            (n, p.detach()) for n, p in self.worker.module.named_stage_parameters()))
+        self._open.append(st)
+        return st
+
+    def before_change(self) -> None:
+        for st in self._open:
+            st.pin()
+        self._open = []
 
 
 def published(module: StageModule) -> PublishedState:

@@ -67,6 +67,10 @@ class StageWorker:
         # Called after every optimizer step, in the compute thread, with the lock held: the
         # place to take a consistent copy of the weights (stage_state.published).
         self.on_step: Callable[[], None] | None = None
+        # Called before the weights change (a step here, a sync round's rebase), in the compute
+        # thread with the lock held: a state published from the live weights is copied there for
+        # the calls still reading it (node/pipeline/stage_state.py, LiveState).
+        self.before_step: Callable[[], None] | None = None
         # The lr of the next step (the run's schedule); None keeps the optimizer's own lr.
         self.lr_now: Callable[[], float] | None = None
 
@@ -86,7 +90,8 @@ class StageWorker:
     def evaluate(self, x: torch.Tensor, targets: torch.Tensor) -> float:
         """The last stage's mean loss of ``targets``, without gradients: nothing changes."""
         with self.lock, torch.no_grad():
-            return float(self.module(x, targets))
+            dev = self.module.device  # a GPU stage: the wire's tensors arrive on the CPU
+            return float(self.module(x.to(dev), targets.to(dev)))
 
     def backward(
         self,
@@ -138,6 +143,8 @@ class StageWorker:
         """Mean gradient over the samples accumulated, one optimizer step, a fresh accumulator
         (``on_step`` is the caller's to call, once the step's time is counted)."""
         n = self.stats.samples_accumulated
+        if self.before_step is not None:
+            self.before_step()
         if self.lr_now is not None:  # the run's schedule at its global progress (node/pipeline/schedule.py)
             set_lr(self.optimizer, self.lr_now())
         for p, acc in zip(self.params, self.grad_sums, strict=True):
@@ -146,7 +153,10 @@ class StageWorker:
             torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        self.grad_sums = [torch.zeros_like(p) for p in self.params]
+        # Zeroed in place: fresh zeros would hold a second copy of the gradients until the list
+        # is replaced (a stage's weights more at every step's peak).
+        for acc in self.grad_sums:
+            acc.zero_()
         self.stats.samples_accumulated = 0
         self.stats.optimizer_steps += 1
 
