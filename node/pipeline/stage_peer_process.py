@@ -35,8 +35,9 @@ device (node/model/stages.py).
 
 It prints one JSON line ``{"event": "ready", "node_id", "address", "stage", ...}`` once it
 serves (with ``stage_param_mb``, ``start_rss_mb``, ``built_peak_rss_mb`` and ``peak_rss_mb``: what
-its stage holds, the process's resident memory before the model, at its peak once the stage was
-built, and at its peak so far), one
+its stage holds, the process's resident memory before the model (the interpreter, torch, grpc and
+what an optimizer's first use imports), at its peak once the stage was built, and at its peak so
+far), one
 ``{"event": "stage", ...}`` per move, and on SIGTERM or SIGINT it stops serving and prints
 ``{"event": "stopped", ...}`` with what it computed (forwards, backwards, samples, optimizer
 steps, refusals) and its peak resident memory.
@@ -159,7 +160,11 @@ async def serve(args: argparse.Namespace, joined: Callable[[], PipelineMember] |
     """Serve until SIGTERM or SIGINT. ``joined``: the membership of a node that already joined
     (`murmur node run`, node/daemon/pipeline_role.py, which says Leave after) instead of joining
     with ``args.token``."""
-    start_rss = rss_mb()  # the interpreter, torch and grpc, before any of the model
+    # The optimizer's first use imports torch._dynamo (~140 MiB here), a fixed cost of any process
+    # that trains (murmur train's too), not of the stage: paid before the base is read, so that the
+    # base is the bare process and what the stage costs is measured above it.
+    torch.optim.AdamW([torch.zeros(1, requires_grad=True)])
+    start_rss = rss_mb()  # the interpreter, torch, grpc and the optimizer's imports, before any of the model
     if joined is not None:
         member = joined()
     else:
@@ -218,6 +223,7 @@ async def serve(args: argparse.Namespace, joined: Callable[[], PipelineMember] |
          checkpoints_written=peer.checkpoints_written,
          checkpoint_version=peer.last_checkpoint.version if peer.last_checkpoint is not None else None,
          lr=worker.optimizer.param_groups[0]["lr"], run_step=schedule.step if schedule is not None else None,
+         sync_holds_state=peer.sync.holds_state if peer.sync else False,
          state_hash=stage_state.state_hash(worker.module), peak_rss_mb=round(peak_rss_mb(), 1),
          process_cpu_seconds=round(time.process_time(), 3))
 
