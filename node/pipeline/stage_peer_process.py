@@ -40,7 +40,8 @@ what an optimizer's first use imports), at its peak once the stage was built, an
 far), one
 ``{"event": "stage", ...}`` per move, and on SIGTERM or SIGINT it stops serving and prints
 ``{"event": "stopped", ...}`` with what it computed (forwards, backwards, samples, optimizer
-steps, refusals) and its peak resident memory.
+steps, refusals) and its peak resident memory (on a GPU also ``gpu_peak_mb`` and
+``gpu_reserved_peak_mb``: its tensors' peak on the device and torch's allocator's).
 """
 
 from __future__ import annotations
@@ -92,6 +93,16 @@ SINK = print_record  # where records go: stdout's JSON lines; `murmur node run` 
 
 def emit(**record: object) -> None:
     SINK(record)
+
+
+def gpu_memory(device: str) -> dict:
+    """On a GPU stage: the peak of what its tensors took on the device, and of what torch's
+    allocator reserved there (what other processes on the card cannot use), in MiB."""
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return {}
+    return {"gpu_peak_mb": round(torch.cuda.max_memory_allocated(dev) / MIB, 1),
+            "gpu_reserved_peak_mb": round(torch.cuda.max_memory_reserved(dev) / MIB, 1)}
 
 
 def settings_of(args: argparse.Namespace, member: PipelineMember | None):
@@ -200,6 +211,7 @@ async def serve(args: argparse.Namespace, joined: Callable[[], PipelineMember] |
          start_rss_mb=round(start_rss, 1), built_peak_rss_mb=round(peer.built_peak_rss_mb, 1),
          peak_rss_mb=round(peak_rss_mb(), 1),
          checkpoint_version=peer.loaded_checkpoint.version if peer.loaded_checkpoint is not None else None,
+         **gpu_memory(peer.settings.device),
          process_cpu_seconds=round(time.process_time(), 3))  # every thread's, since the start (with "stopped")
     progress = asyncio.create_task(show_progress(peer, args.progress_every))
     await stop.wait()
@@ -225,6 +237,7 @@ async def serve(args: argparse.Namespace, joined: Callable[[], PipelineMember] |
          lr=worker.optimizer.param_groups[0]["lr"], run_step=schedule.step if schedule is not None else None,
          sync_holds_state=peer.sync.holds_state if peer.sync else False,
          state_hash=stage_state.state_hash(worker.module), peak_rss_mb=round(peak_rss_mb(), 1),
+         stage_param_mb=round(worker.module.parameter_bytes() / MIB, 3), **gpu_memory(peer.settings.device),
          process_cpu_seconds=round(time.process_time(), 3))
 
 
