@@ -148,13 +148,19 @@ def test_the_published_state_is_the_live_weights_and_a_replica_streams_to_disk(t
             p.numel() * 4 for p in params)
         assert all(torch.equal(disk.tensor(n), p) for (n, _), p in zip(state.tensors, params, strict=True))
         # A call reading while a step lands: it keeps reading the state it opened.
-        name = state.tensors[0][0]
-        state.open()
-        before = state.read(name)
+        (first, _), (name, t) = state.tensors[0], state.tensors[1]
+        reader = state.open()
+        reader.read(first, 0, 4)  # the first tensor is being sent
+        reader.read(first, 4, params[0].numel() * 4)
+        before = [reader.read(name, 0, 64), reader.read(name, 64, t.numel() * 4)]
+        reader.read(name, 0, 8)  # the second one started: the first is sent
         worker.backward(torch.randn(1, 8, 32), targets=torch.randint(0, 256, (1, 8)))  # one optimizer step
         assert worker.stats.optimizer_steps == 1
-        assert state.read(name) == before != params[0].detach().numpy().tobytes()
-        state.close()
+        assert first not in state._pinned and name in state._pinned  # only what the call still sends
+        assert b"".join([reader.read(name, 0, 64), reader.read(name, 64, t.numel() * 4)]) == b"".join(before)
+        assert b"".join(before) != params[1].detach().numpy().tobytes()
+        reader.close()
+        assert state._pinned == {}  # the copy went with the last call that needed it
         with pytest.raises(stage_state.StateChanged):
             state.open()  # stale, and nobody kept a copy for a new call
         fresh = publisher.state()
@@ -162,7 +168,7 @@ def test_the_published_state_is_the_live_weights_and_a_replica_streams_to_disk(t
         again = loop.run(replica.fetch_to_disk(ca.issue(), server.node_id, server.address, fresh.name,
                                                tmp_path / "replica.bin"))
         assert again.state_hash == fresh.state_hash != state.state_hash
-        assert torch.equal(again.tensor(name), params[0])
+        assert torch.equal(again.tensor(name), params[1])
     finally:
         loop.run(server.stop())
         loop.stop()

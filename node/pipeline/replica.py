@@ -53,18 +53,22 @@ class DiskState:
         # What the manifest needs (names, dtypes, shapes), without the data.
         self.tensors = [(e.name, torch.empty(e.shape, dtype=DTYPES[e.dtype], device="meta")) for e in entries]
 
-    def open(self) -> None:
+    def open(self) -> DiskState:
+        """A call's reader (`PeerServer.GetState`): the state itself, read from its file."""
         if not self.path.is_file():
             raise StateError(f"the replica file of {self.name} is gone")
+        return self
 
     def close(self) -> None:
         pass
 
-    def read(self, name: str) -> bytes:
+    def read(self, name: str, start: int = 0, end: int | None = None) -> bytes:
+        """Bytes [start, end) of tensor ``name`` (all of it by default)."""
         e = self._by_name[name]
+        end = e.nbytes if end is None else min(end, e.nbytes)
         with open(self.path, "rb") as f:
-            f.seek(e.offset)
-            return f.read(e.nbytes)
+            f.seek(e.offset + start)
+            return f.read(max(0, end - start))
 
     def tensor(self, name: str) -> torch.Tensor:
         e = self._by_name[name]

@@ -46,55 +46,92 @@ class LiveState:
     the live weights instead of a copy kept after every step.
 
     A copy per step cost the stage's weights once more for good, and twice while the next step's
-    copy replaced it; the state is read seldom (a joiner, a mover, a replica's refresh). So the
-    server asks for one tensor at a time (`read`, under the worker's lock, off the event loop), and
-    a change of the weights (`LivePublisher.before_change`, in the compute thread, under the lock)
-    first copies the state for the calls still reading it (``pin``): a transfer never mixes two
-    steps, and the copy exists only while a step falls inside a transfer. A call that opens the
-    state after the weights changed is refused (`StateChanged`): its caller asks again, for the
-    newer state the peer publishes after every step."""
+    copy replaced it; the state is read seldom (a joiner, a mover, a replica's refresh). So each
+    call opens a `Reader` and reads the state one frame at a time (a slice of a tensor, under the
+    worker's lock, off the event loop); a change of the weights (`LivePublisher.before_change`, in
+    the compute thread, under the lock) first copies, for the calls still reading, the tensors they
+    have not sent yet (``pin``): a transfer never mixes two steps, and the copy exists only while a
+    step falls inside a transfer. A call that opens the state after the weights changed is refused
+    (`StateChanged`): its caller asks again, for the newer state the peer publishes after every
+    step."""
 
     def __init__(self, worker, name: str, state_hash: bytes) -> None:
         self.name, self.state_hash, self.members = name, state_hash, []
         self._worker = worker
         self.tensors = [(n, p.detach()) for n, p in worker.module.named_stage_parameters()]
+        self._live = dict(self.tensors)
         self._guard = threading.Lock()
-        self._readers = 0
-        self._stale = False
-        self._pinned: dict[str, torch.Tensor] | None = None
+        self._readers: list[Reader] = []
+        self._stale = False  # the live weights are not this state any more
+        self._pinned: dict[str, torch.Tensor] = {}  # what the readers still needed when they changed
 
-    def open(self) -> None:
+    def open(self) -> Reader:
         with self._guard:
-            if self._stale and self._pinned is None:
-                raise StateChanged(f"{self.name} changed since it was published; ask again")
-            self._readers += 1
-
-    def close(self) -> None:
-        with self._guard:
-            self._readers -= 1
-            if self._readers == 0 and self._pinned is not None:
-                self._pinned = None  # the last call that needed the copy is done
-                self._stale = True
-
-    def read(self, name: str) -> bytes:
-        """One tensor's bytes, as the state was when published (blocking: call it in a thread)."""
-        with self._worker.lock, self._guard:
-            if self._pinned is not None:
-                return tensor_bytes(self._pinned[name])
             if self._stale:
-                raise StateChanged(f"{self.name} changed while it was read; ask again")
-            return tensor_bytes(dict(self.tensors)[name])
+                raise StateChanged(f"{self.name} changed since it was published; ask again")
+            reader = Reader(self)
+            self._readers.append(reader)
+            return reader
+
+    def _close(self, reader: Reader) -> None:
+        with self._guard:
+            self._readers.remove(reader)
+            if not self._readers:
+                self._pinned = {}  # the last call that needed the copies is done
+
+    def _read(self, reader: Reader, name: str, start: int, end: int) -> bytes:
+        with self._worker.lock, self._guard:
+            t = self._pinned.get(name)
+            if t is None:
+                if self._stale:
+                    raise StateChanged(f"{self.name} changed while it was read; ask again")
+                t = self._live[name]
+            reader.started(name)
+            return _byte_slice(t, start, end)
 
     def pin(self) -> None:
-        """The weights are about to change (called with the worker's lock held): keep a copy for
-        the calls reading now; none: the state is stale."""
+        """The weights are about to change (called with the worker's lock held): copy, for the
+        calls reading now, the tensors they have not sent yet; the state is stale from here on."""
         with self._guard:
-            if self._stale or self._pinned is not None:
+            if self._stale:
                 return
-            if self._readers > 0:
-                self._pinned = {n: t.to("cpu", copy=True) for n, t in self.tensors}
-            else:
-                self._stale = True
+            self._stale = True
+            needed = {n for r in self._readers for n in r.remaining()}
+            self._pinned = {n: t.to("cpu", copy=True) for n, t in self.tensors if n in needed}
+
+
+class Reader:
+    """One call's reading of a `LiveState`, in the state's order (`PeerServer.GetState`)."""
+
+    def __init__(self, state: LiveState) -> None:
+        self._state = state
+        self._names = [n for n, _ in state.tensors]
+        self._at = 0  # index of the tensor being sent: those before it are sent
+
+    def started(self, name: str) -> None:  # with the state's guard held
+        while self._at < len(self._names) and self._names[self._at] != name:
+            self._at += 1
+
+    def remaining(self) -> list[str]:  # with the state's guard held
+        return self._names[self._at:]
+
+    def read(self, name: str, start: int, end: int) -> bytes:
+        """Bytes [start, end) of tensor ``name`` as the state was published (blocking: call it in
+        a thread; tensors in the state's order)."""
+        return self._state._read(self, name, start, end)
+
+    def close(self) -> None:
+        self._state._close(self)
+
+
+def _byte_slice(t: torch.Tensor, start: int, end: int) -> bytes:
+    flat = t.detach().reshape(-1)
+    if flat.device.type != "cpu":  # the elements of the slice only, one frame at a time
+        size = flat.element_size()
+        first, last = start // size, -(-end // size)
+        chunk = flat[first:last].cpu()
+        return tensor_bytes(chunk)[start - first * size:end - first * size]
+    return flat.view(torch.uint8).numpy()[start:end].tobytes()
 
 
 class LivePublisher:
