@@ -150,7 +150,8 @@ def run_pipeline(work: Path, data: Path, args) -> dict:
                        "peak_rss_mb": s["peak_rss_mb"], "over_base_of_state":
                        round((s["peak_rss_mb"] - r["start_rss_mb"]) / state_mb, 3),
                        "optimizer_steps": s["optimizer_steps"], "checkpoints_written": s["checkpoints_written"],
-                       "sync_rounds": s["sync_rounds"]})
+                       "sync_rounds": s["sync_rounds"], "state_copies": s.get("state_copies"),
+                       "state_copied_mb_max": s.get("state_copied_mb_max")})
     mbs = driver.of("microbatch") if driver else []
     losses = [r["loss"] for r in mbs if r.get("loss") is not None]
     return {"detail": detail, "driver_exit": driver.proc.returncode if driver else None,

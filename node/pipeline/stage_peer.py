@@ -123,6 +123,7 @@ class StagePeer:
         self._tasks: list[asyncio.Task] = []
         self._stopping = False
         self.sync: StageSync | None = None
+        self.publisher: stage_state.LivePublisher | None = None  # the stage's state as served now
         self.built_peak_rss_mb = 0.0
         self.checkpoints_written = 0
         self.last_checkpoint: stage_checkpoint.CheckpointFile | None = None
@@ -306,7 +307,7 @@ class StagePeer:
             self._replica.remove()
             self._replica = None  # it serves that stage now; the copy is its own state
         self.state_source = source
-        publisher = stage_state.LivePublisher(worker)
+        publisher = self.publisher = stage_state.LivePublisher(worker)
 
         def first_state() -> stage_state.LiveState:
             with worker.lock:  # it may serve calls already

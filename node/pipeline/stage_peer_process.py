@@ -236,6 +236,8 @@ async def serve(args: argparse.Namespace, joined: Callable[[], PipelineMember] |
          checkpoint_version=peer.last_checkpoint.version if peer.last_checkpoint is not None else None,
          lr=worker.optimizer.param_groups[0]["lr"], run_step=schedule.step if schedule is not None else None,
          sync_holds_state=peer.sync.holds_state if peer.sync else False,
+         state_copies=peer.publisher.copies if peer.publisher else 0,
+         state_copied_mb_max=round(peer.publisher.copied_bytes_max / MIB, 1) if peer.publisher else 0.0,
          state_hash=stage_state.state_hash(worker.module), peak_rss_mb=round(peak_rss_mb(), 1),
          stage_param_mb=round(worker.module.parameter_bytes() / MIB, 3), **gpu_memory(peer.settings.device),
          process_cpu_seconds=round(time.process_time(), 3))

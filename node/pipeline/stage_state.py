@@ -64,6 +64,7 @@ class LiveState:
         self._readers: list[Reader] = []
         self._stale = False  # the live weights are not this state any more
         self._pinned: dict[str, torch.Tensor] = {}  # what the readers still needed when they changed
+        self.pinned_bytes = 0
 
     def open(self) -> Reader:
         with self._guard:
@@ -98,6 +99,7 @@ class LiveState:
             self._stale = True
             needed = {n for r in self._readers for n in r.remaining()}
             self._pinned = {n: t.to("cpu", copy=True) for n, t in self.tensors if n in needed}
+            self.pinned_bytes = sum(t.numel() * t.element_size() for t in self._pinned.values())
 
 
 class Reader:
@@ -141,6 +143,8 @@ class LivePublisher:
     def __init__(self, worker) -> None:
         self.worker = worker
         self._open: list[LiveState] = []
+        self.copies = 0  # steps that landed inside a transfer and copied what it still had to send
+        self.copied_bytes_max = 0
 
     def state(self) -> LiveState:
         """The state as the weights are now (with the worker's lock held, or before it serves)."""
@@ -152,6 +156,9 @@ class LivePublisher:
     def before_change(self) -> None:
         for st in self._open:
             st.pin()
+            if st.pinned_bytes:
+                self.copies += 1
+                self.copied_bytes_max = max(self.copied_bytes_max, st.pinned_bytes)
         self._open = []
 
 
