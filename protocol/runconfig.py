@@ -238,6 +238,10 @@ class PipelineSection(Section):
     # one instant make a complete set of the model (node/pipeline/stage_checkpoint.py). 0: only
     # at a clean stop.
     checkpoint_every_s: float = _bounded(60.0, MAX_SECONDS, _SECONDS_WHY, ge=0)
+    # Checkpoint versions a stage peer keeps on disk per stage (the newest, and the newest
+    # multiples of 10 periods: node/pipeline/stage_checkpoint.py). Small by default: a big stage's
+    # file is GBs, and six kept a stage filled a volunteer's 64 GB disk.
+    checkpoint_keep: int = _bounded(2, 1000, "a thousand versions of one stage", ge=1)
     # One gRPC message of the stage service, in MiB; a Forward or Backward payload above it
     # travels as a stream of chunks below it (node/pipeline/chunks.py). gRPC's own limit is 2 GiB.
     message_cap_mb: float = _bounded(8.0, 1024.0, "gRPC messages stop at 2 GiB", ge=0.0625)

@@ -46,25 +46,51 @@ def trained_stages(steps: int = 3, seed: int = 5) -> list[StageWorker]:
     return workers
 
 
-def save(folder, worker: StageWorker, version: int, run_id: str = "run-1") -> stage_checkpoint.CheckpointFile:
-    params, opt = stage_checkpoint.take(worker.module, worker.optimizer)
-    return stage_checkpoint.write(
-        folder, run_id=run_id, stage=worker.span.index, stages=STAGES, version=version, model=MODEL, layers=[2, 1],
-        params=params, optimizer=opt, outer=None, tokens_committed=100 * version, optimizer_steps=version,
-        run_config=CONFIG)
+def save(folder, worker: StageWorker, version: int, run_id: str = "run-1",
+         keep: int = stage_checkpoint.KEEP) -> stage_checkpoint.CheckpointFile:
+    with worker.lock:  # as the stage peer writes it: the live tensors, no copy
+        params, opt = stage_checkpoint.live(worker.module, worker.optimizer)
+        return stage_checkpoint.write(
+            folder, run_id=run_id, stage=worker.span.index, stages=STAGES, version=version, model=MODEL,
+            layers=[2, 1], params=params, optimizer=opt, outer=None, tokens_committed=100 * version,
+            optimizer_steps=version, run_config=CONFIG, keep=keep)
 
 
-def test_a_checkpoint_restores_weights_and_adamw_and_only_the_newest_are_kept(tmp_path):
+def test_the_versions_on_disk_are_bounded_by_checkpoint_keep(tmp_path):
+    worker = trained_stages()[1]
+    for keep, early, late in ((2, [4, 5], [40, 45]), (6, [1, 2, 3, 4, 5], [20, 30, 40, 43, 44, 45])):
+        folder = tmp_path / f"keep-{keep}"
+        for v in range(1, 6):
+            save(folder, worker, v, keep=keep)
+        assert [c.version for c in stage_checkpoint.listed(folder)] == early
+        for v in range(6, 46):
+            save(folder, worker, v, keep=keep)
+        # the newest, and the newest multiples of SPARSE: peers stopped minutes apart share a version
+        assert [c.version for c in stage_checkpoint.listed(folder)] == late
+        assert not list((folder / stage_checkpoint.FOLDER).glob(".*tmp"))  # nothing half-written left
+
+
+def test_a_write_that_fails_leaves_no_file_behind(tmp_path, monkeypatch):
+    """A full disk (here: torch.save raising as it would on ENOSPC) leaves the older checkpoints
+    and no temporary file: a stop on a full disk never leaves a broken checkpoint."""
+    worker = trained_stages()[1]
+    save(tmp_path, worker, 1)
+
+    def no_space(*_a, **_k):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(stage_checkpoint.torch, "save", no_space)
+    with pytest.raises(OSError, match="No space"):
+        save(tmp_path, worker, 2)
+    assert [c.version for c in stage_checkpoint.listed(tmp_path)] == [1]
+    assert not list((tmp_path / stage_checkpoint.FOLDER).glob(".*tmp"))
+    stage_checkpoint.read(stage_checkpoint.newest(tmp_path).path)  # the old one is whole
+
+
+def test_a_checkpoint_restores_weights_and_adamw(tmp_path):
     worker = trained_stages()[1]
     for v in range(1, 6):
         save(tmp_path, worker, v)
-    kept = stage_checkpoint.listed(tmp_path)
-    assert [c.version for c in kept] == [3, 4, 5]  # KEEP versions
-    for v in range(6, 46):
-        save(tmp_path, worker, v)
-    # and the newest KEEP multiples of SPARSE: peers stopped minutes apart still share a version
-    assert [c.version for c in stage_checkpoint.listed(tmp_path)] == [20, 30, 40, 43, 44, 45]
-    assert not list((tmp_path / stage_checkpoint.FOLDER).glob(".*tmp"))  # nothing half-written left
     state = stage_checkpoint.read(stage_checkpoint.newest(tmp_path, 1).path)
     fresh = StageWorker(build_stage(MODEL, 99, worker.span), OptimSection(lr=1e-2, warmup_steps=0), target_samples=2)
     with torch.no_grad():

@@ -18,7 +18,7 @@ from murmur.node.model.transformer import model_config
 from murmur.node.net.faults import FaultInjector
 from murmur.node.net.loop import LoopThread
 from murmur.node.net.server import PeerServer
-from murmur.node.pipeline.stage_sync import OuterAt, StageSync, newest
+from murmur.node.pipeline.stage_sync import OuterAt, StageSync, newest, outer_name
 from murmur.node.pipeline.worker import StageWorker
 from murmur.optim.exchange import ExchangeError
 from murmur.protocol.identity import CertificateAuthority
@@ -222,3 +222,39 @@ def test_a_stage_that_trained_nothing_keeps_its_weights_bit_for_bit_through_sync
     assert same_weights(a, b)  # both at the new anchor (no training during the round)
     assert not all(torch.equal(x, y) for x, y in zip(after, b.worker.params, strict=True))  # b took a's training
     assert (a.sync.idle_rounds, a.sync.rounds) == (3, 2)
+
+
+def test_a_peer_alone_in_its_stage_holds_no_sync_state_until_a_mate_comes(two_mates):
+    """A stage of one peer has nobody to average with: no anchor, no momentum, nothing published
+    (they cost three copies of the stage). Its first round with a mate makes the anchor, and the
+    two then agree as any mates do."""
+    loop, (a, b), _ = two_mates
+    with_mates = a.sync.mates
+
+    async def just_me(stage: int) -> dict[str, str]:
+        return {a.node_id: a.server.address}
+
+    lone = a.sync
+    lone.mates = just_me
+    loop.run(_reset(lone, a.worker, alone=True))
+    assert not lone.holds_state and lone.published() is None
+    assert outer_name(0) not in a.server.states  # nothing for a joiner to fetch
+    a.train(1)
+    assert loop.run(lone.round(1), timeout=30) is False  # alone: skipped, still nothing held
+    assert not lone.holds_state and outer_name(0) not in a.server.states
+    # An eager peer found alone drops what it held at its first round.
+    loop.run(_reset(lone, a.worker))
+    assert lone.holds_state and outer_name(0) in a.server.states
+    assert loop.run(lone.round(2), timeout=30) is False
+    assert not lone.holds_state and lone.anchor == [] and outer_name(0) not in a.server.states
+    # A mate comes: the anchor is made at the round's start, the round runs, within a round more
+    # the two hold one outer state.
+    lone.mates = with_mates
+    assert sync_round(loop, [a, b], 3) == [True, True]
+    assert a.sync.holds_state and a.sync.published() is not None
+    sync_round(loop, [a, b], 4)
+    assert a.outer_hash() == b.outer_hash()
+
+
+async def _reset(sync: StageSync, worker, alone: bool = False) -> None:
+    sync.reset(worker, alone=alone)

@@ -205,6 +205,23 @@ class PeerServer(peer_pb2_grpc.PeerServicer):
             await context.abort(
                 grpc.StatusCode.NOT_FOUND, f"no published state {request.name!r} on {self.node_id}"
             )
+        # A state read from live tensors or a file (a stage peer's, node/pipeline/stage_state.py and
+        # replica.py) is opened for the call and read frame by frame off the loop; a plain one is
+        # its tensors.
+        if getattr(state, "open", None) is not None:
+            try:
+                reader = state.open()
+            except Exception as err:  # noqa: BLE001 - changed since, or gone: the caller asks again
+                await context.abort(grpc.StatusCode.UNAVAILABLE, str(err))
+            try:
+                await self._send_state(state, request, context, reader)
+            finally:
+                reader.close()
+            return
+        await self._send_state(state, request, context, None)
+
+    async def _send_state(self, state, request: peer_pb2.StateRequest, context: grpc.aio.ServicerContext,
+                          reader) -> None:
         infos = [
             peer_pb2.TensorInfo(name=n, dtype=dtype_name(t.dtype), shape=list(t.shape))
             for n, t in state.tensors
@@ -214,11 +231,21 @@ class PeerServer(peer_pb2_grpc.PeerServicer):
         )
         await context.write(peer_pb2.StateFrame(manifest=manifest))
         wanted = set(request.tensors)
+        chunk = self.settings.chunk_bytes
         for name, t in state.tensors:
             if name not in wanted:
                 continue
-            data = tensor_bytes(t)
-            for piece in split(data, self.settings.chunk_bytes):
+            if reader is None:
+                pieces = split(tensor_bytes(t), chunk)
+            else:  # one frame in memory at a time
+                pieces = [(s, min(s + chunk, t.numel() * t.element_size()))
+                          for s in range(0, max(1, t.numel() * t.element_size()), chunk)]
+            for piece in pieces:
+                if reader is not None:
+                    try:
+                        piece = await asyncio.to_thread(reader.read, name, *piece)
+                    except Exception as err:  # noqa: BLE001 - the weights changed and nobody kept a copy
+                        await context.abort(grpc.StatusCode.UNAVAILABLE, str(err))
                 part = peer_pb2.StateFrame(part={"name": name, "dtype": dtype_name(t.dtype), "data": piece})
                 await context.write(part)
             await asyncio.sleep(0)  # let other calls run between tensors

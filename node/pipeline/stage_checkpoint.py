@@ -8,10 +8,21 @@ and the folder fsynced, as the data-parallel node writes its own (node/daemon/ch
 which the pipeline layer may not import: node/ layers pipeline below daemon), so a SIGKILL at any
 instant leaves the old files or the new one, never a torn one. A stage's file is small next to the
 node's whole-model checkpoint, and the peer writes it in a thread of its own, off the compute.
-Kept: the newest ``KEEP`` versions, and the newest ``KEEP`` of those that are multiples of
+Kept: at most ``keep`` versions a stage (``pipeline.checkpoint_keep``, default 2): the newest
+``keep - keep // 2`` versions and the newest ``keep // 2`` of those that are multiples of
 ``SPARSE``. Every peer keeps the same multiples (the versions are the clock's), so peers that stop
-or die up to ``KEEP x SPARSE`` periods apart still share a complete set (without the sparse ones, a
-stop staggered by more than ``KEEP`` periods, peers stopped one after the other, left none).
+or die up to ``SPARSE x keep // 2`` periods apart still share a complete set (without the sparse
+ones, a stop staggered by more than a period, peers stopped one after the other, left none). The
+bound is what a volunteer's disk holds: a 2.06B model's 6 stages wrote 6.6 GB files every minute
+and, with 6 kept a stage, filled a 64 GB disk. On the disk at once: ``keep`` files a stage and the
+one being written; a write that fails (a full disk) removes its temporary file.
+
+**What is copied.** Nothing: `live` hands `write` the stage's own parameters and AdamW's own
+moments, and the peer calls it under the worker's lock (no step can change them halfway through).
+torch.save streams each tensor into the file (a GPU tensor through one CPU copy at a time), so a
+checkpoint costs no copy of the stage's weights and moments in memory; it used to cost three (a
+CPU copy of the weights and of both moments, taken before the write). The price is that the stage
+computes nothing while the file is written and fsynced.
 
 **Versions are instants of the clock.** Every peer of every stage checkpoints at the multiples of
 ``pipeline.checkpoint_every_s`` of Unix time, and version ``v`` is the one taken at
@@ -49,8 +60,8 @@ from murmur.protocol.wire import tensors_hash
 
 FORMAT = "murmur-stage-checkpoint-1"
 FOLDER = "stage-checkpoints"
-KEEP = 3  # newest versions kept per stage
-SPARSE = 10  # ... and the newest KEEP multiples of this
+KEEP = 2  # versions kept per stage unless pipeline.checkpoint_keep says otherwise
+SPARSE = 10  # half of them (rounded down) are the newest multiples of this
 FIX = "move it aside (or delete it): the stage is then taken from its peers, or an older version is used"
 _NAME = re.compile(r"^stage-(\d+)-of-(\d+)-v(\d+)\.pt$")
 
@@ -110,12 +121,18 @@ def take(module: StageModule, optimizer: torch.optim.Optimizer) -> tuple[dict[st
     return params, {"state": opt_state, "param_groups": opt["param_groups"]}
 
 
+def live(module: StageModule, optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict]:
+    """The stage's parameters and AdamW state themselves, for `write`, without a copy. Call both
+    under the worker's lock: the optimizer must not step until the file is written."""
+    return {n: p.detach() for n, p in module.named_stage_parameters()}, optimizer.state_dict()
+
+
 def write(
     state_dir: Path, *, run_id: str, stage: int, stages: int, version: int, model: Any, layers: list[int],
     params: dict[str, torch.Tensor], optimizer: dict | None, outer: dict[str, torch.Tensor] | None,
-    tokens_committed: int, optimizer_steps: int, run_config: dict | None,
+    tokens_committed: int, optimizer_steps: int, run_config: dict | None, keep: int = KEEP,
 ) -> CheckpointFile:
-    """Write one checkpoint atomically and drop this stage's versions beyond the newest ``KEEP``."""
+    """Write one checkpoint atomically and drop this stage's versions beyond the ``keep`` kept."""
     folder = Path(state_dir) / FOLDER
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / file_name(stage, stages, version)
@@ -126,21 +143,38 @@ def write(
         "tokens_committed": int(tokens_committed), "optimizer_steps": int(optimizer_steps), "config": run_config,
     }
     tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
-        torch.save(state, f)
-    integrity.seal(tmp)  # the checksum trailer (protocol/integrity.py), fsynced
-    tmp.replace(path)
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(state, f)
+        integrity.seal(tmp)  # the checksum trailer (protocol/integrity.py), fsynced
+        tmp.replace(path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a full disk: no half-written file left to fill it further
+        raise
     _fsync_dir(folder)
-    for old in dropped([c for c in listed(state_dir) if c.stage == stage]):
+    for old in dropped([c for c in listed(state_dir) if c.stage == stage], keep):
         old.path.unlink(missing_ok=True)
     return CheckpointFile(path, stage, stages, version)
 
 
-def dropped(files: list[CheckpointFile]) -> list[CheckpointFile]:
-    """Of one stage's files (oldest first), those no longer kept."""
+def dropped(files: list[CheckpointFile], keep: int = KEEP) -> list[CheckpointFile]:
+    """Of one stage's files (oldest first), those no longer kept: all but the newest
+    ``keep - keep // 2`` and the newest ``keep // 2`` multiples of ``SPARSE`` (fewer multiples
+    than that: the next newest instead), ``keep`` in all."""
+    newest_n, sparse_n = keep - keep // 2, keep // 2
     sparse = [c for c in files if c.version % SPARSE == 0]
-    keep = {c.version for c in files[-KEEP:]} | {c.version for c in sparse[-KEEP:]}
-    return [c for c in files if c.version not in keep]
+    kept = {c.version for c in files[-newest_n:]} if newest_n else set()
+    for c in reversed(sparse):
+        if sparse_n <= 0:
+            break
+        if c.version not in kept:
+            kept.add(c.version)
+            sparse_n -= 1
+    for c in reversed(files):  # too few multiples yet: the next newest fill the bound
+        if len(kept) >= keep:
+            break
+        kept.add(c.version)
+    return [c for c in files if c.version not in kept]
 
 
 def verify_folder(state_dir: Path) -> int:

@@ -31,6 +31,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import shutil
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -44,7 +46,7 @@ from murmur.node.net.addresses import advertised_address
 from murmur.node.net.faults import FaultInjector
 from murmur.node.net.server import PeerServer, PeerServerSettings, PublishedState
 from murmur.node.net.state_transfer import StateError, afetch
-from murmur.node.pipeline import stage_checkpoint, stage_state
+from murmur.node.pipeline import replica, stage_checkpoint, stage_state
 from murmur.node.pipeline.member import PipelineMember
 from murmur.node.pipeline.memory import peak_rss_mb
 from murmur.node.pipeline.service import StageService, StageServiceSettings
@@ -54,7 +56,6 @@ from murmur.protocol import coordinator_pb2 as pb
 from murmur.protocol import tls
 from murmur.protocol.identity import Identity
 from murmur.protocol.runconfig import OptimSection, SyncSection
-from murmur.protocol.wire import tensors_hash
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +87,7 @@ class StagePeerSettings:
     heard: Callable[[int], None] | None = None  # a ledger total a driver told (the schedule's progress)
     state_dir: Path | None = None  # where the stage's checkpoints go (None: no checkpoints)
     checkpoint_every_s: float = 0.0  # on the clock (0: only at a clean stop)
+    checkpoint_keep: int = stage_checkpoint.KEEP  # versions kept on disk per stage
     tokens_committed: Callable[[], int] | None = None  # the run's progress as the peer heard it last
     run_config: dict | None = None  # kept in each checkpoint (the export's tokenizer and provenance)
 
@@ -114,11 +116,14 @@ class StagePeer:
         self.fetched_from: list[str] = []
         self.moves = 0
         self._moving: asyncio.Task | None = None
-        self._replica: PublishedState | None = None
+        self._replica: replica.DiskState | None = None  # the next stage's weights, in a file
+        self._replica_dir: Path | None = None
+        self._replica_tmp = False  # a temporary folder of its own, removed at the stop
         self._replica_at = 0.0
         self._tasks: list[asyncio.Task] = []
         self._stopping = False
         self.sync: StageSync | None = None
+        self.publisher: stage_state.LivePublisher | None = None  # the stage's state as served now
         self.built_peak_rss_mb = 0.0
         self.checkpoints_written = 0
         self.last_checkpoint: stage_checkpoint.CheckpointFile | None = None
@@ -197,6 +202,8 @@ class StagePeer:
         if self.service is not None:
             await self.service.stop()
         await self.state_server.stop()
+        if self._replica_tmp and self._replica_dir is not None:
+            shutil.rmtree(self._replica_dir, ignore_errors=True)
 
     def report(self) -> pb.StageReport:
         rep = pb.StageReport(stage=self.stage, state_address=self.state_address, state_source=self.state_source,
@@ -293,23 +300,35 @@ class StagePeer:
             self.service.switch(worker)
         if old is not None:
             old.on_step = None
+            old.before_step = None
             if old.span.index != stage:
                 self.state_server.unpublish_state(stage_state.state_name(old.span.index))
         if self._replica is not None and self._replica.name == stage_state.state_name(stage):
+            self._replica.remove()
             self._replica = None  # it serves that stage now; the copy is its own state
         self.state_source = source
+        publisher = self.publisher = stage_state.LivePublisher(worker)
+
+        def first_state() -> stage_state.LiveState:
+            with worker.lock:  # it may serve calls already
+                return publisher.state()
+
+        self.state_server.publish_state(await asyncio.to_thread(first_state))
         self.serving = True
-        self._publish(worker)
         loop = asyncio.get_running_loop()
-        # In the compute thread with the worker's lock held, after a step or a sync round: the copy
-        # is taken there, where nothing can change the weights halfway through it (taken later on
-        # the event loop, the next step could), and the loop only publishes it.
-        worker.on_step = lambda: loop.call_soon_threadsafe(
-            self._publish_if_current, worker, stage_state.published(worker.module))
+        # In the compute thread with the worker's lock held, after a step or a sync round: the hash
+        # is taken there, where nothing can change the weights halfway through it, and the loop
+        # only publishes it. The state is the live weights (stage_state.LiveState), not a copy:
+        # before the next change, ``before_step`` copies it for the calls still reading it.
+        worker.before_step = publisher.before_change
+        worker.on_step = lambda: loop.call_soon_threadsafe(self._publish_if_current, worker, publisher.state())
         if self.sync is not None:
             if old is not None and old.span.index != stage:
                 self.state_server.unpublish_state(outer_name(old.span.index))
-            self.sync.reset(worker, outer)
+            # A peer that found no peer serving the stage holds no sync state until a mate comes
+            # (node/pipeline/stage_sync.py): an anchor and its published copies are three copies
+            # of the stage that a stage of one peer never uses.
+            self.sync.reset(worker, outer, alone=source != "peers")
 
     # -- checkpoints ------------------------------------------------------------------------------
 
@@ -361,35 +380,37 @@ class StagePeer:
         """Write the stage as checkpoint ``version`` and report it to the coordinator."""
         worker = self.worker
         s = self.settings
-
-        def take():
-            with worker.lock:
-                return (*stage_checkpoint.take(worker.module, worker.optimizer), worker.stats.optimizer_steps)
-
-        params, opt, steps = await asyncio.to_thread(take)
-        outer_state = self.sync.published() if self.sync is not None and self.sync.worker is worker else None
-        outer = dict(outer_state.tensors) if outer_state is not None else None
         span = worker.span
+        # The sync's outer state as last published: those tensors are copies no round changes
+        # (a round publishes new ones), so the file takes them as they are.
+        outer_state = self.state_server.states.get(outer_name(span.index)) if self.sync is not None else None
+        outer = dict(outer_state.tensors) if outer_state is not None else None
         layers = [sp.end_block - sp.first_block for sp in self.spans]
-        c = await asyncio.to_thread(
-            stage_checkpoint.write, s.state_dir, run_id=self.run_id, stage=span.index, stages=s.stages,
-            version=version, model=self.model, layers=layers, params=params, optimizer=opt, outer=outer,
-            tokens_committed=s.tokens_committed() if s.tokens_committed is not None else 0,
-            optimizer_steps=steps, run_config=s.run_config,
-        )
+        tokens = s.tokens_committed() if s.tokens_committed is not None else 0
+
+        def write() -> tuple[stage_checkpoint.CheckpointFile, int, str]:
+            # From the live weights and moments, under the lock: no copy of the stage in memory
+            # (stage_checkpoint.live); the stage computes nothing until the file is written.
+            with worker.lock:
+                params, opt = stage_checkpoint.live(worker.module, worker.optimizer)
+                steps = worker.stats.optimizer_steps
+                c = stage_checkpoint.write(
+                    s.state_dir, run_id=self.run_id, stage=span.index, stages=s.stages, version=version,
+                    model=self.model, layers=layers, params=params, optimizer=opt, outer=outer,
+                    tokens_committed=tokens, optimizer_steps=steps, run_config=s.run_config, keep=s.checkpoint_keep,
+                )
+                return c, steps, stage_checkpoint.params_hash(params)
+
+        c, steps, params_hash = await asyncio.to_thread(write)
         self.checkpoints_written += 1
         self.last_checkpoint = c
         self.on_event(event="checkpoint", stage=span.index, version=version, optimizer_steps=steps)
         if self.member is not None and s.pipelined:
             try:
-                await self.member.client.report_checkpoint(
-                    version, stage_state.state_name(span.index), stage_checkpoint.params_hash(params))
+                await self.member.client.report_checkpoint(version, stage_state.state_name(span.index), params_hash)
             except Exception as err:  # noqa: BLE001 - the file is written; the ledger hears of the next one
                 log.warning("checkpoint version %d not reported to the coordinator: %s", version, err)
         return c
-
-    def _publish(self, worker: StageWorker) -> None:
-        self.state_server.publish_state(stage_state.published(worker.module))
 
     def _publish_if_current(self, worker: StageWorker, state: PublishedState) -> None:
         if self.service is not None and self.service.worker is worker:
@@ -421,7 +442,13 @@ class StagePeer:
         name = stage_state.state_name(stage)
         tensors = None
         if self._replica is not None and self._replica.name == name:
-            tensors = dict(self._replica.tensors)
+            try:  # its own copy, from its file (node/pipeline/replica.py)
+                params = dict(module.named_stage_parameters())
+                replica.check_fits(self._replica, params)
+                await asyncio.to_thread(self._replica.load_into, params)
+                return "replica"
+            except (StateError, OSError) as err:
+                log.warning("stage %d: its own replica could not be loaded: %s", stage, err)
         else:
             for node_id, address in holders.items():  # one at a time: replicas may differ in age
                 try:
@@ -461,14 +488,24 @@ class StagePeer:
                 self._replica.state_hash.hex() == newest.report.state_hash:
             return
         # No expected hash: the peer steps on, so the one it reported a moment ago may be gone;
-        # what arrives is checked against the hash it serves now.
-        tensors, _ = await afetch(self.ident, {newest.node_id: newest.report.state_address}, name)
+        # what arrives is checked against the hash it serves now. It goes to a file as it arrives
+        # (node/pipeline/replica.py): the replica costs this peer no memory.
+        path = self._replica_folder() / f"replica-stage-{target}.bin"
+        state = await replica.fetch_to_disk(self.ident, newest.node_id, newest.report.state_address, name, path)
         if target == self.stage:  # moved meanwhile
             return
-        items = list(tensors.items())
-        self._replica = PublishedState(name, items, tensors_hash(items))
+        self._replica = state
         self._replica_at = time.time()
         self.state_server.publish_state(self._replica)
+
+    def _replica_folder(self) -> Path:
+        if self._replica_dir is None:
+            if self.settings.state_dir is not None:
+                self._replica_dir = Path(self.settings.state_dir) / "replica"
+            else:
+                self._replica_dir = Path(tempfile.mkdtemp(prefix="murmur-replica-"))
+                self._replica_tmp = True
+        return self._replica_dir
 
 
 def serving(view: pb.StageMap, stage: int) -> list[pb.StagePeerInfo]:

@@ -35,11 +35,13 @@ device (node/model/stages.py).
 
 It prints one JSON line ``{"event": "ready", "node_id", "address", "stage", ...}`` once it
 serves (with ``stage_param_mb``, ``start_rss_mb``, ``built_peak_rss_mb`` and ``peak_rss_mb``: what
-its stage holds, the process's resident memory before the model, at its peak once the stage was
-built, and at its peak so far), one
+its stage holds, the process's resident memory before the model (the interpreter, torch, grpc and
+what an optimizer's first use imports), at its peak once the stage was built, and at its peak so
+far), one
 ``{"event": "stage", ...}`` per move, and on SIGTERM or SIGINT it stops serving and prints
 ``{"event": "stopped", ...}`` with what it computed (forwards, backwards, samples, optimizer
-steps, refusals) and its peak resident memory.
+steps, refusals) and its peak resident memory (on a GPU also ``gpu_peak_mb`` and
+``gpu_reserved_peak_mb``: its tensors' peak on the device and torch's allocator's).
 """
 
 from __future__ import annotations
@@ -93,6 +95,16 @@ def emit(**record: object) -> None:
     SINK(record)
 
 
+def gpu_memory(device: str) -> dict:
+    """On a GPU stage: the peak of what its tensors took on the device, and of what torch's
+    allocator reserved there (what other processes on the card cannot use), in MiB."""
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return {}
+    return {"gpu_peak_mb": round(torch.cuda.max_memory_allocated(dev) / MIB, 1),
+            "gpu_reserved_peak_mb": round(torch.cuda.max_memory_reserved(dev) / MIB, 1)}
+
+
 def settings_of(args: argparse.Namespace, member: PipelineMember | None):
     """(model, StagePeerSettings, the run's schedule) from the run config when it is pipelined, else
     from the command line (a constant lr, no schedule)."""
@@ -111,6 +123,7 @@ def settings_of(args: argparse.Namespace, member: PipelineMember | None):
             device=str(device), autocast=autocast_of(run.train.dtype, device), max_message_bytes=cap,
             max_payload_bytes=payload, lr_now=schedule.lr, heard=schedule.heard,
             state_dir=Path(args.state_dir) if args.state_dir else None, checkpoint_every_s=pipe.checkpoint_every_s,
+            checkpoint_keep=pipe.checkpoint_keep,
             tokens_committed=lambda: schedule.tokens_committed, run_config=run.to_dict(),
         ), schedule
     if args.state_dir:
@@ -158,7 +171,11 @@ async def serve(args: argparse.Namespace, joined: Callable[[], PipelineMember] |
     """Serve until SIGTERM or SIGINT. ``joined``: the membership of a node that already joined
     (`murmur node run`, node/daemon/pipeline_role.py, which says Leave after) instead of joining
     with ``args.token``."""
-    start_rss = rss_mb()  # the interpreter, torch and grpc, before any of the model
+    # The optimizer's first use imports torch._dynamo (~140 MiB here), a fixed cost of any process
+    # that trains (murmur train's too), not of the stage: paid before the base is read, so that the
+    # base is the bare process and what the stage costs is measured above it.
+    torch.optim.AdamW([torch.zeros(1, requires_grad=True)])
+    start_rss = rss_mb()  # the interpreter, torch, grpc and the optimizer's imports, before any of the model
     if joined is not None:
         member = joined()
     else:
@@ -196,6 +213,7 @@ async def serve(args: argparse.Namespace, joined: Callable[[], PipelineMember] |
          start_rss_mb=round(start_rss, 1), built_peak_rss_mb=round(peer.built_peak_rss_mb, 1),
          peak_rss_mb=round(peak_rss_mb(), 1),
          checkpoint_version=peer.loaded_checkpoint.version if peer.loaded_checkpoint is not None else None,
+         **gpu_memory(peer.settings.device),
          process_cpu_seconds=round(time.process_time(), 3))  # every thread's, since the start (with "stopped")
     progress = asyncio.create_task(show_progress(peer, args.progress_every))
     await stop.wait()
@@ -219,7 +237,11 @@ async def serve(args: argparse.Namespace, joined: Callable[[], PipelineMember] |
          checkpoints_written=peer.checkpoints_written,
          checkpoint_version=peer.last_checkpoint.version if peer.last_checkpoint is not None else None,
          lr=worker.optimizer.param_groups[0]["lr"], run_step=schedule.step if schedule is not None else None,
+         sync_holds_state=peer.sync.holds_state if peer.sync else False,
+         state_copies=peer.publisher.copies if peer.publisher else 0,
+         state_copied_mb_max=round(peer.publisher.copied_bytes_max / MIB, 1) if peer.publisher else 0.0,
          state_hash=stage_state.state_hash(worker.module), peak_rss_mb=round(peak_rss_mb(), 1),
+         stage_param_mb=round(worker.module.parameter_bytes() / MIB, 3), **gpu_memory(peer.settings.device),
          process_cpu_seconds=round(time.process_time(), 3))
 
 

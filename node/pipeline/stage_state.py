@@ -2,7 +2,8 @@
 
 A stage peer publishes its stage's parameters (under the whole model's names) on its peer
 server (node/net/server.py) as ``stage/<s>``, once at start and again after every optimizer
-step. A peer that joins a stage, or moves to it, fetches that state from the stage's peers
+step: a hash and the live weights (`LiveState`), read tensor by tensor when a peer asks, not a
+copy. A peer that joins a stage, or moves to it, fetches that state from the stage's peers
 before it serves a call: node/net/state_transfer.py splits the tensors among the donors, fetches
 them in parallel and refuses anything that does not hash to what the donors announced. Only the
 parameters travel (the newcomer's AdamW starts fresh); see docs/pipeline.md.
@@ -10,6 +11,7 @@ parameters travel (the newcomer's AdamW starts fresh); see docs/pipeline.md.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping
 
 import torch
@@ -18,7 +20,7 @@ from murmur.node.model.stages import StageModule
 from murmur.node.net.server import PublishedState
 from murmur.node.net.state_transfer import StateError, StateFetchSettings, afetch
 from murmur.protocol.identity import Identity
-from murmur.protocol.wire import tensors_hash
+from murmur.protocol.wire import tensor_bytes, tensors_hash
 
 
 def state_name(stage: int) -> str:
@@ -33,6 +35,131 @@ def snapshot(module: StageModule) -> list[tuple[str, torch.Tensor]]:
 
 def state_hash(module: StageModule) -> str:
     return tensors_hash((n, p.detach().cpu()) for n, p in module.named_stage_parameters()).hex()
+
+
+class StateChanged(RuntimeError):
+    """The weights a published state names have changed since (an optimizer step, a sync round)."""
+
+
+class LiveState:
+    """The stage's parameters as `PeerServer` serves them (the ``PublishedState`` fields), read from
+    the live weights instead of a copy kept after every step.
+
+    A copy per step cost the stage's weights once more for good, and twice while the next step's
+    copy replaced it; the state is read seldom (a joiner, a mover, a replica's refresh). So each
+    call opens a `Reader` and reads the state one frame at a time (a slice of a tensor, under the
+    worker's lock, off the event loop); a change of the weights (`LivePublisher.before_change`, in
+    the compute thread, under the lock) first copies, for the calls still reading, the tensors they
+    have not sent yet (``pin``): a transfer never mixes two steps, and the copy exists only while a
+    step falls inside a transfer. A call that opens the state after the weights changed is refused
+    (`StateChanged`): its caller asks again, for the newer state the peer publishes after every
+    step."""
+
+    def __init__(self, worker, name: str, state_hash: bytes) -> None:
+        self.name, self.state_hash, self.members = name, state_hash, []
+        self._worker = worker
+        self.tensors = [(n, p.detach()) for n, p in worker.module.named_stage_parameters()]
+        self._live = dict(self.tensors)
+        self._guard = threading.Lock()
+        self._readers: list[Reader] = []
+        self._stale = False  # the live weights are not this state any more
+        self._pinned: dict[str, torch.Tensor] = {}  # what the readers still needed when they changed
+        self.pinned_bytes = 0
+
+    def open(self) -> Reader:
+        with self._guard:
+            if self._stale:
+                raise StateChanged(f"{self.name} changed since it was published; ask again")
+            reader = Reader(self)
+            self._readers.append(reader)
+            return reader
+
+    def _close(self, reader: Reader) -> None:
+        with self._guard:
+            self._readers.remove(reader)
+            if not self._readers:
+                self._pinned = {}  # the last call that needed the copies is done
+
+    def _read(self, reader: Reader, name: str, start: int, end: int) -> bytes:
+        with self._worker.lock, self._guard:
+            t = self._pinned.get(name)
+            if t is None:
+                if self._stale:
+                    raise StateChanged(f"{self.name} changed while it was read; ask again")
+                t = self._live[name]
+            reader.started(name)
+            return _byte_slice(t, start, end)
+
+    def pin(self) -> None:
+        """The weights are about to change (called with the worker's lock held): copy, for the
+        calls reading now, the tensors they have not sent yet; the state is stale from here on."""
+        with self._guard:
+            if self._stale:
+                return
+            self._stale = True
+            needed = {n for r in self._readers for n in r.remaining()}
+            self._pinned = {n: t.to("cpu", copy=True) for n, t in self.tensors if n in needed}
+            self.pinned_bytes = sum(t.numel() * t.element_size() for t in self._pinned.values())
+
+
+class Reader:
+    """One call's reading of a `LiveState`, in the state's order (`PeerServer.GetState`)."""
+
+    def __init__(self, state: LiveState) -> None:
+        self._state = state
+        self._names = [n for n, _ in state.tensors]
+        self._at = 0  # index of the tensor being sent: those before it are sent
+
+    def started(self, name: str) -> None:  # with the state's guard held
+        while self._at < len(self._names) and self._names[self._at] != name:
+            self._at += 1
+
+    def remaining(self) -> list[str]:  # with the state's guard held
+        return self._names[self._at:]
+
+    def read(self, name: str, start: int, end: int) -> bytes:
+        """Bytes [start, end) of tensor ``name`` as the state was published (blocking: call it in
+        a thread; tensors in the state's order)."""
+        return self._state._read(self, name, start, end)
+
+    def close(self) -> None:
+        self._state._close(self)
+
+
+def _byte_slice(t: torch.Tensor, start: int, end: int) -> bytes:
+    flat = t.detach().reshape(-1)
+    if flat.device.type != "cpu":  # the elements of the slice only, one frame at a time
+        size = flat.element_size()
+        first, last = start // size, -(-end // size)
+        chunk = flat[first:last].cpu()
+        return tensor_bytes(chunk)[start - first * size:end - first * size]
+    return flat.view(torch.uint8).numpy()[start:end].tobytes()
+
+
+class LivePublisher:
+    """A worker's `LiveState`s: a new one after every change of the weights (``state``), and the
+    hook that pins the older ones before the weights change (``before_change``)."""
+
+    def __init__(self, worker) -> None:
+        self.worker = worker
+        self._open: list[LiveState] = []
+        self.copies = 0  # steps that landed inside a transfer and copied what it still had to send
+        self.copied_bytes_max = 0
+
+    def state(self) -> LiveState:
+        """The state as the weights are now (with the worker's lock held, or before it serves)."""
+        st = LiveState(self.worker, state_name(self.worker.span.index), tensors_hash(
+            (n, p.detach()) for n, p in self.worker.module.named_stage_parameters()))
+        self._open.append(st)
+        return st
+
+    def before_change(self) -> None:
+        for st in self._open:
+            st.pin()
+            if st.pinned_bytes:
+                self.copies += 1
+                self.copied_bytes_max = max(self.copied_bytes_max, st.pinned_bytes)
+        self._open = []
 
 
 def published(module: StageModule) -> PublishedState:

@@ -21,7 +21,8 @@ round cannot wait for "the H-th step": rounds are on the clock. Round r of stage
    is trained weight, and it is stepped.)
 
 A round that fails (a stage-mate died, the view changed) changes nothing and the next one comes a
-period later; a peer alone in its stage skips rounds and moves its anchor to its weights. The
+period later. A peer alone in its stage holds no sync state at all (no anchor, no momentum, nothing
+published): it skips rounds, and its first round with a mate takes its weights as the anchor. The
 anchor, the outer momentum and the round the anchor is at (the last one completed here or adopted)
 are published as ``stage/<s>/outer`` after every change, so a peer that joins the stage loads them
 with the weights and its next round agrees with the others'.
@@ -164,19 +165,50 @@ class StageSync:
 
     # -- the stage it syncs --------------------------------------------------------------------------
 
-    def reset(self, worker: StageWorker, outer: dict[str, torch.Tensor] | None = None) -> None:
+    def reset(self, worker: StageWorker, outer: dict[str, torch.Tensor] | None = None, *, alone: bool = False) -> None:
         """Sync ``worker``'s stage from now on: the anchor and momentum loaded from the stage's
-        peers (``outer``: their ``stage/<s>/outer``), else the worker's weights and no momentum."""
+        peers (``outer``: their ``stage/<s>/outer``), else the worker's weights and no momentum;
+        ``alone`` (no peer served the stage when this one became it): no sync state until a mate
+        comes (`_drop_state`)."""
         self.worker = worker
         self._missed = None
         loaded = self._fits(worker, outer)
         if loaded is not None:
             self.anchor, momentum, self.last_round = loaded
+        elif alone:
+            self.last_round = -1
+            self._drop_state(worker)
+            return
         else:
             self.anchor = [p.detach().clone() for p in worker.params]
             momentum, self.last_round = None, -1
         self.outer = self._optimizer(momentum)
         self.samples_base = worker.stats.samples_total
+        self._publish()
+
+    @property
+    def holds_state(self) -> bool:
+        """Whether this peer holds an anchor (and a published outer state): only while it has mates."""
+        return bool(self.anchor)
+
+    def _drop_state(self, worker: StageWorker) -> None:
+        """Alone in its stage (or not yet in a round with mates): no anchor, no momentum, nothing
+        published. A lone peer's anchor would only follow its weights (it has nobody to average
+        with), yet it cost three copies of the stage: the anchor, and the anchor and a zero momentum
+        published for joiners. A joiner that finds no outer state starts from the weights it fetched,
+        which is what the anchor would have told it; the first round with a mate makes the anchor."""
+        self.anchor, self.outer, self._missed = [], None, None
+        self.samples_base = worker.stats.samples_total
+        self.server.unpublish_state(outer_name(worker.span.index))
+        self._at = OuterAt(self.last_round, b"")
+
+    async def _make_anchor(self, worker: StageWorker) -> None:
+        """The first round with a mate: the anchor is the weights now, no momentum yet (a mate's
+        state, if it differs, is adopted by `_catch_up` within a round)."""
+        snap, samples = await asyncio.to_thread(self._snapshot, worker)
+        self.anchor = snap
+        self.outer = self._optimizer(None)
+        self.samples_base = samples
         self._publish()
 
     @staticmethod
@@ -210,7 +242,7 @@ class StageSync:
         return opt
 
     def published(self) -> PublishedState | None:
-        if self.worker is None:
+        if self.worker is None or not self.anchor:
             return None
         names = [n for n, _ in self.worker.module.named_stage_parameters()]
         momentum = [self.outer.state.get(a, {}).get("momentum_buffer") for a in self.anchor] if self.outer else []
@@ -264,13 +296,15 @@ class StageSync:
         stage = worker.span.index
         mates = await self.mates(stage)
         if len(mates) < 2:
-            snap, samples = await asyncio.to_thread(self._snapshot, worker)
-            self.anchor = [t.clone() for t in snap]
-            self.outer = self._optimizer(None)
-            self.samples_base = samples
-            self._missed = None
-            self._publish()
+            if self.anchor or self.server.states.get(outer_name(stage)) is not None:
+                self._drop_state(worker)
+            else:
+                self.samples_base = worker.stats.samples_total
             return False
+        if not self.anchor:
+            await self._make_anchor(worker)
+            if self.worker is not worker:
+                return False
         await self._catch_up(worker, stage, mates, r)
         if self.worker is not worker or self.last_round >= r:
             return False  # moved meanwhile, or a mate's state has this round in it already
@@ -377,6 +411,8 @@ class StageSync:
         """Weights = ``anchor`` + what was trained since ``base`` (a round's snapshot, or the old
         anchor), then publish the weights the stage serves now."""
         with worker.lock, torch.no_grad():
+            if worker.before_step is not None:
+                worker.before_step()
             for p, a, b in zip(worker.params, anchor, base, strict=True):
                 p.copy_(a + (p - b))
             if worker.on_step is not None:

@@ -58,6 +58,12 @@ class StageWorker:
         self.target_samples = target_samples
         self.grad_clip = grad_clip  # per stage: a global norm would need every stage's gradients
         self.optimizer = make_inner_optimizer(module, optim_cfg)
+        if not any(p.is_cuda for p in module.parameters()):
+            # One tensor at a time on the CPU: foreach's temporaries (the square roots of the second
+            # moments, and more) held twice the stage's weights at every step's peak; the fused
+            # GPU AdamW has none. Same arithmetic, tensor by tensor.
+            for group in self.optimizer.param_groups:
+                group["foreach"] = False
         self.params = [p for _, p in module.named_stage_parameters()]
         self.grad_sums = [torch.zeros_like(p) for p in self.params]
         self.stats = WorkerStats()
@@ -67,6 +73,10 @@ class StageWorker:
         # Called after every optimizer step, in the compute thread, with the lock held: the
         # place to take a consistent copy of the weights (stage_state.published).
         self.on_step: Callable[[], None] | None = None
+        # Called before the weights change (a step here, a sync round's rebase), in the compute
+        # thread with the lock held: a state published from the live weights is copied there for
+        # the calls still reading it (node/pipeline/stage_state.py, LiveState).
+        self.before_step: Callable[[], None] | None = None
         # The lr of the next step (the run's schedule); None keeps the optimizer's own lr.
         self.lr_now: Callable[[], float] | None = None
 
@@ -86,7 +96,8 @@ class StageWorker:
     def evaluate(self, x: torch.Tensor, targets: torch.Tensor) -> float:
         """The last stage's mean loss of ``targets``, without gradients: nothing changes."""
         with self.lock, torch.no_grad():
-            return float(self.module(x, targets))
+            dev = self.module.device  # a GPU stage: the wire's tensors arrive on the CPU
+            return float(self.module(x.to(dev), targets.to(dev)))
 
     def backward(
         self,
@@ -103,24 +114,32 @@ class StageWorker:
             rows = x.shape[0]
             dev = self.module.device
             x, grad_outputs, targets = (None if t is None else t.to(dev) for t in (x, grad_outputs, targets))
-            inputs = x if self.span.is_first else x.detach().requires_grad_(True)
-            wrt = self.params if self.span.is_first else [inputs, *self.params]
-            with torch.enable_grad():
-                out = self.module(inputs, targets)
-                if last:
-                    loss = out.detach()
-                    grads = torch.autograd.grad(out * rows, wrt)
-                else:
-                    loss = None
-                    grads = torch.autograd.grad(out, wrt, grad_outputs)
-            grad_inputs = None if self.span.is_first else grads[0].cpu()
-            param_grads = grads if self.span.is_first else grads[1:]
+            # Each parameter's gradient is added into its sum as autograd produces it (the sums
+            # are the parameters' .grad for the call): all of them at once before the sum held a
+            # copy of the stage's weights more at every backward's peak.
+            for p, acc in zip(self.params, self.grad_sums, strict=True):
+                p.grad = acc
+            try:
+                loss, grad_inputs = self._differentiate(x, grad_outputs, targets, rows, sign=1.0)
+            finally:
+                for p in self.params:
+                    p.grad = None
             self.stats.backwards += 1
             kept = keep()
             stepped = False
+            if not kept:
+                # The caller gave up meanwhile (and retries elsewhere): take this microbatch out of
+                # the sums again, by differentiating it once more with the opposite sign. Rare (a
+                # hop past its deadline), and cheaper than holding every backward's gradients
+                # apart until keep() answers.
+                for p, acc in zip(self.params, self.grad_sums, strict=True):
+                    p.grad = acc
+                try:
+                    self._differentiate(x, grad_outputs, targets, rows, sign=-1.0)
+                finally:
+                    for p in self.params:
+                        p.grad = None
             if kept:
-                for acc, g in zip(self.grad_sums, param_grads, strict=True):
-                    acc.add_(g)
                 self.stats.samples_accumulated += rows
                 self.stats.samples_total += rows
                 stepped = self.stats.samples_accumulated >= self.target_samples
@@ -134,10 +153,29 @@ class StageWorker:
                 self.on_step()
             return BackwardResult(grad_inputs, _item(loss), kept=kept, stepped=stepped)
 
+    def _differentiate(self, x, grad_outputs, targets, rows: int, sign: float) -> tuple[torch.Tensor | None,
+                                                                                      torch.Tensor | None]:
+        """Recompute the forward with autograd on and add ``sign`` x the parameters' gradients into
+        their ``.grad`` (the sums); (the loss on the last stage, the inputs' gradient on the CPU)."""
+        inputs = x if self.span.is_first else x.detach().requires_grad_(True)
+        with torch.enable_grad():
+            out = self.module(inputs, targets)
+            if self.span.is_last:
+                loss = out.detach()
+                torch.autograd.backward(out * (rows * sign), inputs=self.params if self.span.is_first else
+                                        [inputs, *self.params])
+            else:
+                loss = None
+                torch.autograd.backward(out, grad_outputs if sign > 0 else -grad_outputs,
+                                        inputs=self.params if self.span.is_first else [inputs, *self.params])
+        return loss, None if self.span.is_first else inputs.grad.cpu()
+
     def _step(self) -> None:
         """Mean gradient over the samples accumulated, one optimizer step, a fresh accumulator
         (``on_step`` is the caller's to call, once the step's time is counted)."""
         n = self.stats.samples_accumulated
+        if self.before_step is not None:
+            self.before_step()
         if self.lr_now is not None:  # the run's schedule at its global progress (node/pipeline/schedule.py)
             set_lr(self.optimizer, self.lr_now())
         for p, acc in zip(self.params, self.grad_sums, strict=True):
@@ -146,7 +184,10 @@ class StageWorker:
             torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        self.grad_sums = [torch.zeros_like(p) for p in self.params]
+        # Zeroed in place: fresh zeros would hold a second copy of the gradients until the list
+        # is replaced (a stage's weights more at every step's peak).
+        for acc in self.grad_sums:
+            acc.zero_()
         self.stats.samples_accumulated = 0
         self.stats.optimizer_steps += 1
 

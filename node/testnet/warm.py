@@ -20,7 +20,11 @@ children skip them otherwise, and the DHT's shutdown is one). A traceback that e
 printed under a ``Process <name>:`` line (multiprocessing's), with exit status 1 as for a cold one.
 
 `MURMUR_WARM_START=0` turns it off (every process a cold `python -m murmur.cli`); a command with a
-prefix (``ip netns exec NS``: a node on another host) always starts cold.
+prefix (``ip netns exec NS``: a node on another host) always starts cold, and so does a command
+that may use a GPU (``--device`` other than ``cpu``): CUDA cannot be used in a child forked from a
+process in which anything touched it ("Cannot re-initialize CUDA in forked subprocess": every stage
+peer of ``murmur testnet up --stages 6 --device cuda`` died so on an H100), and a GPU process pays
+the imports once for minutes of work anyway. `popen` starts those with exec (`needs_gpu`).
 """
 
 from __future__ import annotations
@@ -176,12 +180,28 @@ class WarmProcess:
         self.send_signal(signal.SIGKILL)
 
 
+def needs_gpu(argv: list[str]) -> bool:
+    """Whether the command may put work on a GPU: a ``--device`` other than ``cpu`` (``cuda``,
+    ``cuda:N``, ``auto``)."""
+    for i, a in enumerate(argv):
+        value = a.partition("=")[2] if a.startswith("--device=") else (
+            argv[i + 1] if a == "--device" and i + 1 < len(argv) else None)
+        if value is not None and value.strip().lower() != "cpu":
+            return True
+    return False
+
+
 def popen(argv: list[str], *, env: dict[str, str], stdout: IO | int | None = None, stderr: IO | int | None = None,
-          cwd: str | Path | None = None, text: bool = False, module: str = "murmur.cli") -> WarmProcess:
+          cwd: str | Path | None = None, text: bool = False,
+          module: str = "murmur.cli") -> WarmProcess | subprocess.Popen:
     """Start ``python -m <module> <argv>`` (``murmur <argv>`` by default) forked from the fork
     server, in a session of its own (as ``Popen(..., start_new_session=True)``). ``stdout`` and
     ``stderr``: a file, ``subprocess.PIPE`` (read it from ``.stdout``/``.stderr``: bytes, or str
-    with ``text``) or None (the fork server's); ``stderr`` may also be ``subprocess.STDOUT``."""
+    with ``text``) or None (the fork server's); ``stderr`` may also be ``subprocess.STDOUT``. A
+    command that may use a GPU (`needs_gpu`) is not forked: it starts cold, with exec."""
+    if needs_gpu(argv):
+        return subprocess.Popen([sys.executable, "-m", module, *argv], stdout=stdout, stderr=stderr, env=env,
+                                cwd=cwd, text=text, start_new_session=True)
     with contextlib.ExitStack() as closing:
         def target(stream) -> tuple[_Fd | None, IO | None]:
             if stream == subprocess.PIPE:
