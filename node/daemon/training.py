@@ -630,6 +630,9 @@ class NodeTrainer:
         }
         if isinstance(self.sync, DeMo):
             state["demo_momentum"] = snapshot.take(list(self.sync.momentum), on_device=on_device)
+        codec = getattr(self.meter.inner, "codec", None)
+        if codec is not None:  # error feedback: what the codec has not sent yet is this node's alone
+            state["codec"] = snapshot.take(codec.state_dict(), on_device=on_device)
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -645,6 +648,9 @@ class NodeTrainer:
         if isinstance(self.sync, DeMo) and "demo_momentum" in state:
             for m, saved in zip(self.sync.momentum, state["demo_momentum"], strict=True):
                 m.copy_(saved.to(m.device))
+        codec = getattr(self.meter.inner, "codec", None)
+        if codec is not None and "codec" in state:
+            codec.load_state_dict({k: v.to("cpu") for k, v in state["codec"].items()})
         b = state.get("bytes") or {}
         self.sync.bytes.sent.update(b.get("sent", {}))
         self.sync.bytes.received.update(b.get("received", {}))
