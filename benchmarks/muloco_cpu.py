@@ -207,15 +207,17 @@ def main(argv: list[str] | None = None) -> int:
         names = {r["name"] for r in payload["rows"]}
         payload["curves"] = {n: c for n, c in old.get("curves", {}).items() if n in names}
         payload["resumed_from"] = old.get("command")
+        payload["resumed_warm_start"] = old.get("warm_start")
     out_dir = Path(args.results_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     init_path = Path(args.warm_dir) / f"warm-{args.device}-x{ROWS_LR:g}-{args.warm_start_steps}.pt"
+    resumed_warm = payload.pop("resumed_warm_start", None)
     if not init_path.is_file():  # one warm start per machine and length: rows of several calls share it
         payload["warm_start"] = quality.warm_start(cpu.REGIME, args.data, args.warm_start_steps,
                                                    torch.device(args.device), init_path, ROWS_LR)
-    else:
-        payload["warm_start"] = {"reused": str(init_path)}
+    else:  # an earlier call's: its record if --resume has it
+        payload["warm_start"] = resumed_warm or {"reused": str(init_path)}
     payload["init"] = {"path": str(init_path), "sha256": quality.sha256(init_path)}
     print(f"warm start: {json.dumps(payload['warm_start'])}", flush=True)
 

@@ -41,6 +41,7 @@ from murmur.node.model.data import BatchLoader, Dataset, Position
 from murmur.node.train.build import build_model_from_config
 from murmur.node.train.step import InnerStep, clip_grad_norm
 from murmur.optim.budget import SpeedMeter, member_steps
+from murmur.optim.codecs import Codec
 from murmur.optim.demo import DeMo
 from murmur.optim.diloco import StreamingDiLoCo
 from murmur.optim.exchange import Exchange, ExchangeError
@@ -630,10 +631,18 @@ class NodeTrainer:
         }
         if isinstance(self.sync, DeMo):
             state["demo_momentum"] = snapshot.take(list(self.sync.momentum), on_device=on_device)
-        codec = getattr(self.meter.inner, "codec", None)
+        codec = self.codec()
         if codec is not None:  # error feedback: what the codec has not sent yet is this node's alone
             state["codec"] = snapshot.take(codec.state_dict(), on_device=on_device)
         return state
+
+    def codec(self) -> Codec | None:
+        """The exchange's codec (its error-feedback residuals are this node's state), found through
+        the wrappers around the exchange (`WaitMeter`, the data plane's member tracker)."""
+        ex: Any = self.meter
+        while ex is not None and not isinstance(getattr(ex, "codec", None), Codec):
+            ex = getattr(ex, "inner", None)
+        return ex.codec if ex is not None else None
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("config") != self.cfg.to_dict():
@@ -648,7 +657,7 @@ class NodeTrainer:
         if isinstance(self.sync, DeMo) and "demo_momentum" in state:
             for m, saved in zip(self.sync.momentum, state["demo_momentum"], strict=True):
                 m.copy_(saved.to(m.device))
-        codec = getattr(self.meter.inner, "codec", None)
+        codec = self.codec()
         if codec is not None and "codec" in state:
             codec.load_state_dict({k: v.to("cpu") for k, v in state["codec"].items()})
         b = state.get("bytes") or {}
