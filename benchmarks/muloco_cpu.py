@@ -264,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
                 payload["rows"] = [r for r in payload["rows"] if r["name"] != row.name] + [row_out]
                 payload["curves"][row.name] = curve
                 save()
-                print(json.dumps({k: v for k, v in out.items() if k not in ("variants", "val_losses")}), flush=True)
+                print(json.dumps({k: v for k, v in row_out.items() if k not in ("variants", "val_losses")}), flush=True)
     save()
     print(json.dumps(payload["summary"], indent=1))
     return 0

@@ -3,8 +3,9 @@
 It runs in the daemon's training thread (node/daemon/training_thread.py; node/daemon/node.py owns
 the asyncio loop). The inner step is every engine's (node/train/step.py), with the node's extras:
 the data comes from the shard the coordinator leased, compute time is measured apart from time
-spent waiting for the exchange, and the whole state (model, AdamW, global copy, outer momentum,
-round counters) can be saved, restored, hashed and handed to a joiner.
+spent waiting for the exchange, and the whole state (model, inner optimizer, global copy, outer momentum,
+round counters; the codec's error-feedback residual in the checkpoint, which is this node's alone) can be
+saved, restored, hashed and handed to a joiner.
 
 One *window* is H inner steps (sync.inner_steps); a window ends with the run's sync point for
 DiLoCo (and for Streaming DiLoCo the last fragment of the window is launched; it lands tau steps
