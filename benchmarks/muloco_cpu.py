@@ -54,7 +54,7 @@ HS = (15, 30, 60)
 ROWS_LR = warm_lr_cpu.ROWS_LR  # AdamW's lr in every row but the swept ones: 2x optim.lr (DDP's best here)
 DP_SWEEP = (1.0, 2.0, 4.0)  # the DP rows' first bracket; extended while the winner is at an edge
 MAX_EXTEND = 3  # lr steps (x2 or /2) a DP sweep may add beyond its bracket
-MULOCO_SWEEP = (1.0, 2.0)  # MuLoCo's Muon lr, as multiples of optim.muon_lr (= optim.lr)
+MULOCO_SWEEP = (1.0, 2.0, 4.0)  # MuLoCo's Muon lr, as multiples of optim.muon_lr (= optim.lr)
 DILOCO = {"algorithm": "diloco", **quality.OUTER1_N05}
 
 
@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seeds", type=int, default=2)
     p.add_argument("--hs", default=",".join(str(h) for h in HS), help="the H values of the DiLoCo/MuLoCo rows")
     p.add_argument("--muloco-sweep", default=",".join(f"{m:g}" for m in MULOCO_SWEEP),
-                   help="MuLoCo's Muon lr, multiples of optim.muon_lr (default 1,2)")
+                   help="MuLoCo's Muon lr, multiples of optim.muon_lr (default 1,2,4)")
     p.add_argument("--rows", help="comma-separated subset of the rows (default all)")
     p.add_argument("--jobs", type=int, default=2, help="row variants run at once, each in its own process")
     p.add_argument("--threads", type=int, default=1, help="torch threads per process (default 1)")
