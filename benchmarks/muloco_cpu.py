@@ -54,15 +54,22 @@ HS = (15, 30, 60)
 ROWS_LR = warm_lr_cpu.ROWS_LR  # AdamW's lr in every row but the swept ones: 2x optim.lr (DDP's best here)
 DP_SWEEP = (1.0, 2.0, 4.0)  # the DP rows' first bracket; extended while the winner is at an edge
 MAX_EXTEND = 3  # lr steps (x2 or /2) a DP sweep may add beyond its bracket
-MULOCO_SWEEP = (1.0, 2.0, 4.0)  # MuLoCo's Muon lr, as multiples of optim.muon_lr (= optim.lr)
+# MuLoCo's Muon lr, as multiples of Muon DDP's winning lr when a --resume JSON has that row (run the
+# DP rows first), else of optim.lr. Muon's best lr is far from AdamW's: the CPU smoke run's Muon DDP
+# won at 16x optim.lr (60 steps).
+MULOCO_SWEEP = (0.5, 1.0, 2.0)
 DILOCO = {"algorithm": "diloco", **quality.OUTER1_N05}
 
 
-def build_rows(hs=HS, muloco_sweep=MULOCO_SWEEP) -> list[tuple[quality.Row, str | None]]:
-    """(row, the optim key its variants sweep, or None when the row is not swept for a bracket)."""
+def build_rows(
+    hs=HS, muloco_sweep=MULOCO_SWEEP, muloco_lr: float | None = None
+) -> list[tuple[quality.Row, str | None]]:
+    """(row, the optim key its variants sweep, or None when the row is not swept for a bracket).
+    ``muloco_lr``: the Muon lr MuLoCo's sweep multiplies (default optim.lr)."""
     base_lr = cpu.REGIME["base"]["optim"]["lr"]
     adamw_at = {"lr": base_lr * ROWS_LR}
     muon = {"inner": "muon", "lr": base_lr * ROWS_LR, "muon_lr": base_lr}
+    muloco = {**muon, "muon_lr": muloco_lr or base_lr}
     rows: list[tuple[quality.Row, str | None]] = [
         (quality.Row("adamw-ddp", {"algorithm": "ddp", "inner_steps": hs[0]},
                      variants=[{"optim.lr": m} for m in DP_SWEEP]), "optim.lr"),
@@ -76,7 +83,7 @@ def build_rows(hs=HS, muloco_sweep=MULOCO_SWEEP) -> list[tuple[quality.Row, str 
         for h in hs:
             rows.append((quality.Row(f"muloco-{codec}-ef-H{h}",
                                      {**DILOCO, "inner_steps": h, "codec": codec, "error_feedback": "on"},
-                                     optim=muon, variants=[{"optim.muon_lr": m} for m in muloco_sweep]), None))
+                                     optim=muloco, variants=[{"optim.muon_lr": m} for m in muloco_sweep]), None))
     return rows
 
 
@@ -158,7 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seeds", type=int, default=2)
     p.add_argument("--hs", default=",".join(str(h) for h in HS), help="the H values of the DiLoCo/MuLoCo rows")
     p.add_argument("--muloco-sweep", default=",".join(f"{m:g}" for m in MULOCO_SWEEP),
-                   help="MuLoCo's Muon lr, multiples of optim.muon_lr (default 1,2,4)")
+                   help="MuLoCo's Muon lr: multiples of Muon DDP's winning lr from --resume's JSON, else of "
+                        "optim.lr (default 0.5,1,2)")
     p.add_argument("--rows", help="comma-separated subset of the rows (default all)")
     p.add_argument("--jobs", type=int, default=2, help="row variants run at once, each in its own process")
     p.add_argument("--threads", type=int, default=1, help="torch threads per process (default 1)")
@@ -180,7 +188,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         print("error: --device cuda but no CUDA device is visible: use --device cpu", file=sys.stderr)
         return 2
-    rows = build_rows(hs, muloco_sweep)
+    old = json.loads(Path(args.resume).read_text()) if args.resume else {}
+    muon_dp = next((r for r in old.get("rows", []) if r["name"] == "muon-ddp"), None)
+    muloco_lr = muon_dp["muon_lr"] if muon_dp else None
+    rows = build_rows(hs, muloco_sweep, muloco_lr)
     if args.rows:
         names = args.rows.split(",")
         unknown = [n for n in names if n not in {r.name for r, _ in rows}]
@@ -188,6 +199,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: unknown rows {unknown}; known: {', '.join(r.name for r, _ in rows)}", file=sys.stderr)
             return 2
         rows = [(r, k) for r, k in rows if r.name in names]
+    if muloco_lr is None and any(r.optim.get("inner") == "muon" and r.sync["algorithm"] != "ddp" for r, _ in rows):
+        print("note: no Muon DDP row in a --resume JSON: MuLoCo's lr sweep multiplies optim.lr", flush=True)
     torch.set_num_threads(args.threads)
     regime = warm_lr_cpu.rows_regime(args.batch_rows)
     seeds = list(range(args.seeds))
@@ -196,12 +209,13 @@ def main(argv: list[str] | None = None) -> int:
                          f", {args.jobs} processes at once, {args.threads} threads each")
     payload["commit"] = args.commit or payload["commit"]
     payload["regime"].update(H=list(hs), seeds=seeds, dp_sweep=list(DP_SWEEP), muloco_sweep=list(muloco_sweep),
+                             muloco_sweep_of=(f"Muon DDP's winner, muon_lr {muloco_lr:g}" if muloco_lr else
+                                              f"optim.lr {cpu.REGIME['base']['optim']['lr']:g}"),
                              outer=quality.describe_outer(quality.config_from_dict(
                                  {"sync": {**DILOCO, "inner_steps": hs[0]}}).sync))
     payload.update(rows=[], curves={}, summary={})
     kept: dict[str, dict] = {}
     if args.resume:
-        old = json.loads(Path(args.resume).read_text())
         kept = {r["name"]: r for r in old.get("rows", [])}
         payload["rows"] = [r for r in old.get("rows", []) if r["name"] in {row.name for row, _ in rows}]
         names = {r["name"] for r in payload["rows"]}
