@@ -10,7 +10,8 @@ no lr jump: warm_lr_cpu.json). Rows:
   AdamW DDP (optim.lr) and Muon DDP (optim.muon_lr; AdamW at 2x for the embedding, head and norms);
 - DiLoCo-AdamW int4 as today (outer lr 1, Nesterov 0.5, no error feedback) at H 15, 30, 60;
 - MuLoCo (Muon inside, same outer step) with int4 and 2-bit deltas, both with error feedback, at
-  H 15, 30, 60, Muon's inner lr swept over --muloco-sweep.
+  H 15, 30, 60, Muon's inner lr swept over --muloco-sweep: multiples of Muon DDP's winning lr, read
+  from the --resume JSON of a call that ran the DP rows (so run those first).
 
 Every setting runs --seeds seeds (two by default). ``loss_gap_pct`` is against the best DP row (the
 lower of AdamW DDP and Muon DDP), and the summary names the row sending least within 3%, 2% and

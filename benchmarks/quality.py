@@ -142,17 +142,21 @@ def build_rows(regime: dict, smoke: bool) -> list[Row]:
     rows = [Row("ddp", {"algorithm": "ddp", "inner_steps": hs[0]}, variants=sweep),
             Row("single-worker", {"algorithm": "ddp", "inner_steps": hs[0]}, variants=sweep, workers=1)]
     # MuLoCo (issue 48): Muon DDP, the other data-parallel baseline, and Muon inside DiLoCo with an
-    # error-feedback int4 or 2-bit delta. Muon's lr and the AdamW part's (embedding, head, norms) move
-    # together: with optim.muon_adjust_lr = "match_rms_adamw" one multiple suits both.
+    # error-feedback int4 or 2-bit delta. Muon's lr (optim.muon_lr, from optim.lr) is swept; the AdamW
+    # part's (embedding, head, norms) stays at the first multiple of the short sweep. On the CPU proxy
+    # Muon DDP's best lr was far above AdamW's (benchmarks/muloco_cpu.py), so sweep it on its own.
     muon = {"inner": "muon", "muon_lr": regime["base"]["optim"]["lr"]}
+    adamw_at = regime["short_sweep"][0]
     rows.append(Row("muon-ddp", {"algorithm": "ddp", "inner_steps": hs[0]}, optim=muon,
-                    variants=[{"optim.lr": m, "optim.muon_lr": m} for m in regime["lr_sweep"]]))
+                    variants=[{"optim.lr": adamw_at, "optim.muon_lr": m}
+                              for m in regime.get("muon_sweep", regime["lr_sweep"])]))
     for h in hs:
         for codec in ("int4", "2bit"):
             rows.append(Row(f"muloco-{codec}-ef-H{h}",
                             {"algorithm": "diloco", "inner_steps": h, "codec": codec, "error_feedback": "on",
                              **OUTER1_N05}, optim=muon,
-                            variants=[{"optim.lr": m, "optim.muon_lr": m} for m in regime["short_sweep"]]))
+                            variants=[{"optim.lr": adamw_at, "optim.muon_lr": m}
+                                      for m in regime.get("muon_sweep", regime["short_sweep"])]))
     for h in hs:
         for codec in ("fp32", "int4"):
             rows.append(Row(f"avg-{codec}-H{h}", {"algorithm": "diloco", "inner_steps": h, "codec": codec, **AVG},
@@ -545,6 +549,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rows", help="comma-separated subset of the rows (default all)")
     p.add_argument("--sweep", help="lr multiples for DDP's and the rows' lr sweeps, comma-separated (default: the "
                                    "regime's, 0.5,1,2,4 for the main rows and 1,2 for the others): to fit a budget")
+    p.add_argument("--muon-sweep", help="Muon's lr multiples (optim.muon_lr) in the Muon rows, comma-separated "
+                                        "(default: the lr sweep for muon-ddp, the short sweep for the MuLoCo rows); "
+                                        "their AdamW part stays at the short sweep's first multiple")
     p.add_argument("--demo-sweep", help="DeMo's lr multiples, comma-separated (default 0.25,0.5)")
     p.add_argument("--outer-sweep", help="outer lrs of the outer-lr-sweep rows, comma-separated (default 0.4,0.7,1)")
     p.add_argument("--no-curve", action="store_true", help="skip the gap-vs-batch curve")
@@ -576,6 +583,8 @@ def main(argv: list[str] | None = None) -> int:
         regime["lr_sweep"] = regime["short_sweep"] = numbers(args.sweep)
     if args.demo_sweep:
         regime["demo_sweep"] = numbers(args.demo_sweep)
+    if args.muon_sweep:
+        regime["muon_sweep"] = numbers(args.muon_sweep)
     if args.curve_batches:
         regime["batch_tokens"] = numbers(args.curve_batches, int)
     if args.outer_sweep:
