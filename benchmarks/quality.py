@@ -141,6 +141,22 @@ def build_rows(regime: dict, smoke: bool) -> list[Row]:
     sweep, short, hs = lr_variants(regime["lr_sweep"]), lr_variants(regime["short_sweep"]), regime["hs"]
     rows = [Row("ddp", {"algorithm": "ddp", "inner_steps": hs[0]}, variants=sweep),
             Row("single-worker", {"algorithm": "ddp", "inner_steps": hs[0]}, variants=sweep, workers=1)]
+    # MuLoCo (issue 48): Muon DDP, the other data-parallel baseline, and Muon inside DiLoCo with an
+    # error-feedback int4 or 2-bit delta. Muon's lr (optim.muon_lr, from optim.lr) is swept; the AdamW
+    # part's (embedding, head, norms) stays at the first multiple of the short sweep. On the CPU proxy
+    # Muon DDP's best lr was far above AdamW's (benchmarks/muloco_cpu.py), so sweep it on its own.
+    muon = {"inner": "muon", "muon_lr": regime["base"]["optim"]["lr"]}
+    adamw_at = regime["short_sweep"][0]
+    rows.append(Row("muon-ddp", {"algorithm": "ddp", "inner_steps": hs[0]}, optim=muon,
+                    variants=[{"optim.lr": adamw_at, "optim.muon_lr": m}
+                              for m in regime.get("muon_sweep", regime["lr_sweep"])]))
+    for h in hs:
+        for codec in ("int4", "2bit"):
+            rows.append(Row(f"muloco-{codec}-ef-H{h}",
+                            {"algorithm": "diloco", "inner_steps": h, "codec": codec, "error_feedback": "on",
+                             **OUTER1_N05}, optim=muon,
+                            variants=[{"optim.lr": adamw_at, "optim.muon_lr": m}
+                                      for m in regime.get("muon_sweep", regime["short_sweep"])]))
     for h in hs:
         for codec in ("fp32", "int4"):
             rows.append(Row(f"avg-{codec}-H{h}", {"algorithm": "diloco", "inner_steps": h, "codec": codec, **AVG},
@@ -225,7 +241,8 @@ def row_config(regime: dict, row: Row, variant: dict, data: str, steps: int, see
     d["optim"].update(row.optim)
     for key, value in variant.items():
         section, name = key.split(".")
-        d[section][name] = d[section][name] * value if key == "optim.lr" else value
+        # lrs are swept as multiples of the row's own (Muon's too: optim.muon_lr)
+        d[section][name] = d[section][name] * value if key in ("optim.lr", "optim.muon_lr") else value
     return config_from_dict(d)
 
 
@@ -266,7 +283,8 @@ def run_row(regime, row, data, steps, seeds, device, dataset, init, log, batch=N
     r = results[0]
     seq = cfg.model.seq_len or regime["base"]["model"]["seq_len"]
     out = {
-        "name": row.name, "algo": cfg.sync.algorithm, "codec": r.codec, "H": cfg.sync.inner_steps, "workers": k,
+        "name": row.name, "algo": cfg.sync.algorithm, "algorithm": cfg.sync.algorithm, "inner": cfg.optim.inner,
+        "codec": r.codec, "error_feedback": cfg.sync.error_feedback, "H": cfg.sync.inner_steps, "workers": k,
         "per_worker_batch_tokens": cfg.train.batch_size * seq, "tokens": r.tokens,
         "inner_lr": inner_lr_for(cfg.optim.lr, cfg.sync, k),
         "outer": describe_outer(cfg.sync), "seeds": list(seeds), "val_losses": summary["val_losses"],
@@ -279,8 +297,11 @@ def run_row(regime, row, data, steps, seeds, device, dataset, init, log, batch=N
     return out, curve, best[0]
 
 
+DP_ROWS = ("ddp", "muon-ddp")  # the data-parallel baselines: gaps are taken against the better one
+
+
 def add_gaps(rows: list[dict]) -> None:
-    ddp = next((r for r in rows if r["name"] == "ddp"), None)
+    ddp = min((r for r in rows if r["name"] in DP_ROWS), key=lambda r: r["val_loss_mean"], default=None)
     for r in rows:
         if ddp:
             r["loss_gap_pct"] = round(100 * (r["val_loss_mean"] - ddp["val_loss_mean"]) / ddp["val_loss_mean"], 2)
@@ -302,7 +323,7 @@ def summarize(rows: list[dict]) -> dict:
 
     low = [r for r in rows if r["loss_gap_pct"] is not None and r["reduction_vs_ddp"] and r["algo"] != "ddp"]
     out = {}
-    for pct in (3, 5):
+    for pct in (2, 3, 5):
         out[f"best_within_{pct}pct"] = brief(best_within(low, pct))
     for floor in (250, 1000):
         out[f"smallest_gap_at_{floor}x"] = brief(smallest_gap_at(low, floor))
@@ -528,6 +549,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rows", help="comma-separated subset of the rows (default all)")
     p.add_argument("--sweep", help="lr multiples for DDP's and the rows' lr sweeps, comma-separated (default: the "
                                    "regime's, 0.5,1,2,4 for the main rows and 1,2 for the others): to fit a budget")
+    p.add_argument("--muon-sweep", help="Muon's lr multiples (optim.muon_lr) in the Muon rows, comma-separated "
+                                        "(default: the lr sweep for muon-ddp, the short sweep for the MuLoCo rows); "
+                                        "their AdamW part stays at the short sweep's first multiple")
     p.add_argument("--demo-sweep", help="DeMo's lr multiples, comma-separated (default 0.25,0.5)")
     p.add_argument("--outer-sweep", help="outer lrs of the outer-lr-sweep rows, comma-separated (default 0.4,0.7,1)")
     p.add_argument("--no-curve", action="store_true", help="skip the gap-vs-batch curve")
@@ -559,6 +583,8 @@ def main(argv: list[str] | None = None) -> int:
         regime["lr_sweep"] = regime["short_sweep"] = numbers(args.sweep)
     if args.demo_sweep:
         regime["demo_sweep"] = numbers(args.demo_sweep)
+    if args.muon_sweep:
+        regime["muon_sweep"] = numbers(args.muon_sweep)
     if args.curve_batches:
         regime["batch_tokens"] = numbers(args.curve_batches, int)
     if args.outer_sweep:

@@ -53,7 +53,8 @@ class Codec(abc.ABC):
         x = x.detach().float()
         if self.error_feedback:
             res = self.residuals.get(key)
-            if res is not None:
+            if res is not None:  # (a residual loaded from a checkpoint may sit on the CPU)
+                res = res.to(x.device)
                 x = x + res * self.ef_decay if self.ef_decay != 1.0 else x + res
         wire = self._encode(x, key)
         wire.shape, wire.dtype = tuple(x.shape), "float32"
@@ -139,6 +140,58 @@ class BlockIntCodec(Codec):
 
 
 # ---------------------------------------------------------------------------------------------
+# Two bits a value (error feedback): a sign bit and a "large" bit per value; per block of `block`
+# values two magnitudes, the means of |x| below and at-or-above the block's median |x| (a 1-D
+# two-level Lloyd step, as top-k's 2-bit values: never worse than sending zero). 2 bits a value
+# plus 32 bits a block (two bf16): 2.5 bits at block 64, 2.125 at 256. MuLoCo sends its outer
+# delta in 2 bits with error feedback; this is the dense codec for it.
+
+
+def two_level(vals: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of values -> (crumbs: sign * 2 + large, uint8 like ``vals``; levels [rows, 2]: the
+    small and large magnitude of each row, bf16)."""
+    mag = vals.abs()
+    big = mag >= mag.median(dim=1, keepdim=True).values
+    n_big = big.sum(1).clamp_min(1)
+    n_small = (~big).sum(1).clamp_min(1)
+    hi = (mag * big).sum(1) / n_big
+    lo = (mag * ~big).sum(1) / n_small
+    q = (vals >= 0).to(torch.uint8) * 2 + big.to(torch.uint8)
+    return q, torch.stack((lo, hi), dim=1).to(torch.bfloat16)
+
+
+def from_two_level(q: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:
+    """Inverse of `two_level` (``q`` long, [rows, n]; ``levels`` [rows, 2])."""
+    return levels.float().gather(1, q & 1) * ((q >> 1).float() * 2 - 1)
+
+
+class TwoBitCodec(Codec):
+    name = "2bit"
+    error_feedback = True
+
+    def __init__(self, block: int, **kw) -> None:
+        super().__init__(**kw)
+        self.block = block
+
+    def _encode(self, x: torch.Tensor, key: str) -> WireTensor:
+        n = x.numel()
+        b = _blocks(x, self.block)
+        if n % self.block:  # the last block's padding must not move its median: pad with its own values
+            last = n % self.block
+            tail = x.reshape(-1)[n - last:]
+            b[-1, last:] = tail.repeat(-(-self.block // last))[: self.block - last]
+        q, levels = two_level(b)
+        return WireTensor(self.name, (), "", {"values": pack_crumbs(q), "scales": levels}, {"block": self.block})
+
+    def _decode(self, wire: WireTensor) -> torch.Tensor:
+        levels, block, n = wire.parts["scales"], int(wire.meta["block"]), math.prod(wire.shape)
+        if levels.dim() != 2 or levels.shape[0] != -(-n // block):
+            raise CodecError(f"{self.name} payload has {levels.shape[0]} blocks' levels for {n} values")
+        q = unpack_crumbs(wire.parts["values"], levels.shape[0] * block).view(-1, block).long()
+        return from_two_level(q, levels).reshape(-1)[:n]
+
+
+# ---------------------------------------------------------------------------------------------
 # Chunked top-k (error feedback): the k largest |values| of every chunk, int16 positions.
 
 TOPK_CHUNK = 4096  # elements per chunk; positions within a chunk fit int16
@@ -197,17 +250,10 @@ class TopKCodec(Codec):
         if self.value_bits == 16:
             parts["values"] = vals.to(torch.float16)
         else:
-            # Sign bit + "large" bit; the two magnitudes are the means of |v| below and at-or-above
-            # the chunk's median |v| (a 1-D two-level Lloyd step): never worse than sending zero.
-            mag = vals.abs()
-            big = mag >= mag.median(dim=1, keepdim=True).values
-            n_big = big.sum(1).clamp_min(1)
-            n_small = (~big).sum(1).clamp_min(1)
-            hi = (mag * big).sum(1) / n_big
-            lo = (mag * ~big).sum(1) / n_small
-            q = (vals >= 0).to(torch.uint8) * 2 + big.to(torch.uint8)
+            # Sign bit + "large" bit, two magnitudes per chunk (`two_level`).
+            q, levels = two_level(vals)
             parts["values"] = pack_crumbs(q)
-            parts["scales"] = torch.stack((lo, hi), dim=1).to(torch.bfloat16)
+            parts["scales"] = levels
         return WireTensor(self.name, (), "", parts, {"chunk": chunk})
 
     def _decode(self, wire: WireTensor) -> torch.Tensor:
@@ -216,8 +262,7 @@ class TopKCodec(Codec):
             vals = wire.parts["values"].float()
         else:
             q = unpack_crumbs(wire.parts["values"], idx.numel()).view(idx.shape).long()
-            levels = wire.parts["scales"].float()  # [chunks, 2]: small, large magnitude
-            vals = levels.gather(1, q & 1) * ((q >> 1).float() * 2 - 1)
+            vals = from_two_level(q, wire.parts["scales"])  # [chunks, 2]: small, large magnitude
         return scatter_chunked(idx, vals, chunk, math.prod(wire.shape))
 
     def support(self, wire: WireTensor) -> torch.Tensor:
@@ -305,6 +350,7 @@ class PowerSGDCodec(Codec):
         if x.dim() < 2 or r == min(m.shape):  # low rank would not save anything
             return WireTensor(self.name, (), "", {"values": x.reshape(-1).clone()}, {"rank": 0})
         q = self.q_state.get(key)
+        q = q.to(m.device) if q is not None else None
         if q is None or q.shape != (m.shape[1], r):
             q = self._initial_q(key, m.shape[1], r, m.device)
         p = torch.linalg.qr(m @ q).Q
@@ -342,7 +388,9 @@ class PowerSGDCodec(Codec):
 # Registry
 
 
-CODECS = ("fp32", "fp16", "bf16", "int8", "int4", "topk", "topk2bit", "sign", "powersgd")
+CODECS = ("fp32", "fp16", "bf16", "int8", "int4", "2bit", "topk", "topk2bit", "sign", "powersgd")
+# sync.error_feedback: auto keeps the codec's own default.
+ERROR_FEEDBACK = {"auto": None, "on": True, "off": False}
 
 
 def make_codec(
@@ -371,9 +419,20 @@ def make_codec(
         return TopKCodec(topk_fraction, 16 if name == "topk" else 2, over_senders=sparse_average == "senders", **kw)
     if name == "sign":
         return SignCodec(block, **kw)
+    if name == "2bit":
+        return TwoBitCodec(block, **kw)
     if name == "powersgd":
         return PowerSGDCodec(powersgd_rank, **kw)
     raise CodecError(f"unknown codec {name!r}; known codecs: {', '.join(CODECS)}")
+
+
+def error_feedback_choice(value: str | bool | None) -> bool | None:
+    """sync.error_feedback (auto, on, off) as `make_codec` takes it (None: the codec's default)."""
+    if value is None or isinstance(value, bool):
+        return value
+    if value not in ERROR_FEEDBACK:
+        raise CodecError(f"error_feedback must be one of {', '.join(ERROR_FEEDBACK)}, got {value!r}")
+    return ERROR_FEEDBACK[value]
 
 
 def codec_from_config(sync) -> Codec:  # sync: protocol.runconfig.SyncSection
@@ -382,7 +441,7 @@ def codec_from_config(sync) -> Codec:  # sync: protocol.runconfig.SyncSection
         block=sync.codec_block,
         topk_fraction=sync.topk_fraction,
         powersgd_rank=sync.powersgd_rank,
-        error_feedback=getattr(sync, "error_feedback", None),
+        error_feedback=error_feedback_choice(getattr(sync, "error_feedback", "auto")),
         ef_decay=getattr(sync, "ef_decay", 1.0),
         sparse_average=getattr(sync, "sparse_average", "members"),
     )

@@ -29,7 +29,7 @@ ModelPreset = Literal["tiny", "small", "medium", "base", "large"]
 MODEL_PRESETS: tuple[str, ...] = typing.get_args(ModelPreset)
 
 # The update codecs of optim/codecs.py, by name (same reason, same kind of test).
-Codec = Literal["fp32", "fp16", "bf16", "int8", "int4", "topk", "topk2bit", "sign", "powersgd"]
+Codec = Literal["fp32", "fp16", "bf16", "int8", "int4", "2bit", "topk", "topk2bit", "sign", "powersgd"]
 CODECS: tuple[str, ...] = typing.get_args(Codec)
 
 # The activation codecs of node/pipeline/codec.py (which takes its list from here).
@@ -86,7 +86,12 @@ class DataSection(Section):
 
 
 class OptimSection(Section):
-    """The inner optimizer: AdamW with linear warm-up and cosine decay (docs/algorithms.md)."""
+    """The inner optimizer: AdamW, or Muon for the hidden matrices with AdamW for the rest (MuLoCo),
+    with linear warm-up and cosine decay (docs/algorithms.md)."""
+
+    # adamw: AdamW for every parameter. muon: Muon for the 2-D matrices of the blocks, AdamW (lr,
+    # weight_decay, betas below) for the embedding, the head, norms and biases (optim/muon.py).
+    inner: Literal["adamw", "muon"] = "adamw"
 
     lr: float = _bounded(4e-4, 10.0, "AdamW moves a weight by about lr a step", ge=0)
     min_lr_ratio: float = Field(0.1, ge=0, le=1)
@@ -96,6 +101,15 @@ class OptimSection(Section):
     eps: float = _bounded(1e-8, 1.0, "an eps of 1 drowns the second moment", gt=0)
     grad_clip: float = _bounded(1.0, 1e6, "a clip this high never acts: 0 turns it off", ge=0)  # 0: off
     warmup_steps: int = _bounded(100, MAX_STEPS, _STEPS_WHY, ge=0)
+    # Muon (optim.inner = "muon"): its peak lr, on the same warm-up and decay as lr. With
+    # muon_adjust_lr = "match_rms_adamw" an update's RMS matches AdamW's, so AdamW's lr and weight
+    # decay are the starting point; "original" (Keller Jordan's scaling) wants about 50x that lr.
+    muon_lr: float = _bounded(4e-4, 10.0, "Muon moves a weight by about 0.2 x lr a step (match_rms_adamw)", ge=0)
+    muon_weight_decay: float = _bounded(0.1, 10.0, "weights shrink by muon_lr x muon_weight_decay a step", ge=0)
+    muon_momentum: float = Field(0.95, ge=0, lt=1)
+    muon_nesterov: bool = True
+    muon_ns_steps: int = _bounded(5, 99, "torch's Muon refuses 100 Newton-Schulz steps; 5 is the usual", gt=0)
+    muon_adjust_lr: Literal["match_rms_adamw", "original"] = "match_rms_adamw"
 
 
 class TrainSection(Section):
@@ -153,6 +167,10 @@ class SyncSection(Section):
     codec_block: int = _bounded(64, 1 << 21, "a pipeline chunk holds at most 2M fp32 values", gt=0)
     topk_fraction: float = Field(0.0156, gt=0, le=1)
     powersgd_rank: int = _bounded(4, 1024, "a rank this high sends more than the matrix", gt=0)
+    # Error feedback (optim/codecs.py): what the codec lost is kept and added to the next round's
+    # update. auto: the codec's own default (on for 2bit, sign, top-k and PowerSGD; off for the
+    # casts, int8 and int4); on or off for any codec.
+    error_feedback: Literal["auto", "on", "off"] = "auto"
     ef_decay: float = Field(1.0, gt=0, le=1)  # error feedback: residual kept per round (SparseLoCo uses 0.95)
     # Top-k codecs: a coordinate's aggregate is the mean over all members (one not sent counts as
     # 0: disjoint top-k sets shrink the step by 1/K) or over the members that sent it (SparseLoCo's
@@ -289,6 +307,17 @@ class RunConfig(Section):
     train: TrainSection = Field(default_factory=TrainSection)
     sync: SyncSection = Field(default_factory=SyncSection)
     pipeline: PipelineSection | None = None  # absent: data parallel
+
+    @model_validator(mode="after")
+    def _muon_steps_itself(self) -> RunConfig:
+        if self.optim.inner == "muon" and self.sync.algorithm == "demo":
+            raise PydanticCustomError(
+                "cross_field",
+                "= \"muon\" cannot be used with sync.algorithm = \"demo\" (DeMo is the optimizer itself): "
+                "use optim.inner = \"adamw\" or another sync.algorithm",
+                {"config_key": "optim.inner"},
+            )
+        return self
 
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump()

@@ -259,3 +259,17 @@ def test_warm_lr_trains_the_warm_start_at_the_rows_lr(quality, byte_dataset, tmp
     assert warm[4.0]["warm_start"]["lr"] == pytest.approx(4 * base)
     assert warm[1.0]["init"]["sha256"] != warm[4.0]["init"]["sha256"]
     assert "--warm-lr 4.0" in warm[4.0]["command"]
+
+
+def test_muloco_rows_run_muon_with_error_feedback_and_gaps_are_to_the_better_dp_row(quality):
+    by = {r.name: r for r in quality.build_rows(quality.FULL_32K, smoke=False)}
+    for name in ("muon-ddp", "muloco-int4-ef-H50", "muloco-2bit-ef-H125"):
+        cfg = quality.row_config(quality.FULL_32K, by[name], by[name].variants[0], "d", 1000, 0)
+        assert cfg.optim.inner == "muon" and cfg.optim.lr == 2 * quality.FULL_32K["base"]["optim"]["lr"]
+        if name != "muon-ddp":
+            assert (cfg.sync.codec, cfg.sync.error_feedback) == (name.split("-")[1], "on")
+    assert sorted(v["optim.muon_lr"] for v in by["muon-ddp"].variants) == sorted(quality.FULL_32K["lr_sweep"])
+    rows = [_row("ddp", 3.0, 1.0), {**_row("muon-ddp", 2.9, 1.0), "algo": "ddp"},
+            _row("muloco-2bit-ef-H50", 2.958, 768.0)]
+    quality.add_gaps(rows)
+    assert [r["loss_gap_pct"] for r in rows] == [3.45, 0.0, 2.0]

@@ -8,7 +8,8 @@
                              across a clean leave; a join to another run sets the state aside
       config.toml            the run configuration the coordinator handed out
       checkpoint.pt          model, inner optimizer, sync state (global copy, outer momentum,
-                             round counters), data position: written atomically after a round
+                             round counters), the codec's error-feedback residual, data position:
+                             written atomically after a round
       commits.jsonl          progress commits not yet acknowledged by the coordinator (journal)
       rounds.jsonl           one JSON line per outer round: loss, hash of the global state, peers
       node.lock              held while a daemon runs on this folder

@@ -3,8 +3,9 @@
 It runs in the daemon's training thread (node/daemon/training_thread.py; node/daemon/node.py owns
 the asyncio loop). The inner step is every engine's (node/train/step.py), with the node's extras:
 the data comes from the shard the coordinator leased, compute time is measured apart from time
-spent waiting for the exchange, and the whole state (model, AdamW, global copy, outer momentum,
-round counters) can be saved, restored, hashed and handed to a joiner.
+spent waiting for the exchange, and the whole state (model, inner optimizer, global copy, outer momentum,
+round counters; the codec's error-feedback residual in the checkpoint, which is this node's alone) can be
+saved, restored, hashed and handed to a joiner.
 
 One *window* is H inner steps (sync.inner_steps); a window ends with the run's sync point for
 DiLoCo (and for Streaming DiLoCo the last fragment of the window is launched; it lands tau steps
@@ -41,6 +42,7 @@ from murmur.node.model.data import BatchLoader, Dataset, Position
 from murmur.node.train.build import build_model_from_config
 from murmur.node.train.step import InnerStep, clip_grad_norm
 from murmur.optim.budget import SpeedMeter, member_steps
+from murmur.optim.codecs import Codec
 from murmur.optim.demo import DeMo
 from murmur.optim.diloco import StreamingDiLoCo
 from murmur.optim.exchange import Exchange, ExchangeError
@@ -663,7 +665,18 @@ class NodeTrainer:
         }
         if isinstance(self.sync, DeMo):
             state["demo_momentum"] = snapshot.take(list(self.sync.momentum), on_device=on_device)
+        codec = self.codec()
+        if codec is not None:  # error feedback: what the codec has not sent yet is this node's alone
+            state["codec"] = snapshot.take(codec.state_dict(), on_device=on_device)
         return state
+
+    def codec(self) -> Codec | None:
+        """The exchange's codec (its error-feedback residuals are this node's state), found through
+        the wrappers around the exchange (`WaitMeter`, the data plane's member tracker)."""
+        ex: Any = self.meter
+        while ex is not None and not isinstance(getattr(ex, "codec", None), Codec):
+            ex = getattr(ex, "inner", None)
+        return ex.codec if ex is not None else None
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("config") != self.cfg.to_dict():
@@ -678,6 +691,9 @@ class NodeTrainer:
         if isinstance(self.sync, DeMo) and "demo_momentum" in state:
             for m, saved in zip(self.sync.momentum, state["demo_momentum"], strict=True):
                 m.copy_(saved.to(m.device))
+        codec = self.codec()
+        if codec is not None and "codec" in state:
+            codec.load_state_dict({k: v.to("cpu") for k, v in state["codec"].items()})
         b = state.get("bytes") or {}
         self.sync.bytes.sent.update(b.get("sent", {}))
         self.sync.bytes.received.update(b.get("received", {}))

@@ -193,6 +193,8 @@ class GrpcExchange(Exchange):
         # One flat fp32 copy of the update (plus the key's error feedback), made chunk by chunk in a
         # worker thread from now on: the chunks that go first are copied first (snapshot.py).
         residual = codec.residuals.get(key) if codec.error_feedback else None
+        if residual is not None and codec.ef_decay != 1.0:  # as Codec.encode does in the simulator
+            residual = residual * codec.ef_decay
         snap = Snapshot(tensors, residual, chunk, faults)
         snap.start()
         try:

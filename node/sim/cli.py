@@ -53,7 +53,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--workers", "-k", type=int, default=4, help="replicas (default 4)")
     p.add_argument("--algorithm", choices=("ddp", "diloco", "streaming", "demo"), help="sync.algorithm")
     p.add_argument("--inner-steps", "-H", type=int, help="sync.inner_steps (H)")
-    p.add_argument("--codec", help="sync.codec (fp32, fp16, bf16, int8, int4, topk, topk2bit, sign, powersgd)")
+    p.add_argument("--codec", help="sync.codec (fp32, fp16, bf16, int8, int4, 2bit, topk, topk2bit, sign, powersgd)")
     p.add_argument("--aggregator", help="sync.aggregator (mean, trimmed_mean, centered_clip)")
     p.add_argument("--steps", type=int, help="train.steps (inner steps per worker)")
     p.add_argument("--data", help="data.path")

@@ -15,7 +15,7 @@ from murmur.node.model.data import BatchLoader, Dataset, Position
 from murmur.node.sim.errors import SimError
 from murmur.node.train.build import build_model_from_config
 from murmur.optim.factory import check_sync_config, make_aggregator_for, make_codec_for
-from murmur.optim.inner import adamw_state_in_order
+from murmur.optim.inner import saved_inner_state
 from murmur.optim.inprocess import InProcessGroup
 from murmur.protocol.runconfig import RunConfig
 
@@ -52,14 +52,31 @@ def read_warm_start(path: str | Path) -> WarmStart:
     return WarmStart(weights, optimizer if isinstance(optimizer, dict) else None)
 
 
-def inner_state_for(init: WarmStart | None, params: list[torch.Tensor]) -> list[dict[str, torch.Tensor]] | None:
-    """The warm start's AdamW state per parameter (checked against ``params``), or None."""
+def load_inner_state(
+    opt: torch.optim.Optimizer, named: list[tuple[str, torch.Tensor]], init: WarmStart | None, k: int | None = None
+) -> None:
+    """The warm start's inner-optimizer state (if it has one) into ``opt``, a fresh optimizer over
+    the ``named`` tensors (``k``: the stacked engine's [K, ...] tensors, the state repeated for
+    each replica). A tensor under AdamW takes its saved AdamW moments; one under Muon its saved
+    Muon momentum or, from an AdamW checkpoint, AdamW's first moment, which is the same running
+    mean of the gradients (Muon's momentum 0.95 against beta1's 0.9)."""
     if init is None or init.optimizer is None:
-        return None
+        return
+    shapes = [(n, t.shape[1:] if k else t.shape) for n, t in named]
     try:
-        return adamw_state_in_order(init.optimizer, [p.shape for p in params])
+        saved = saved_inner_state(init.optimizer, shapes)
     except ValueError as err:
         raise SimError(f"the initial optimizer state does not fit the configured model: {err}") from None
+    name_of = {id(t): n for n, t in named}
+    for group in opt.param_groups:
+        for t in group["params"]:
+            st = saved.get(name_of[id(t)]) or {}
+            if group.get("kind") == "muon":
+                buf = st.get("momentum_buffer", st.get("exp_avg"))
+                if buf is not None:
+                    opt.state[t] = placed_adamw_state({"momentum_buffer": buf}, t, group, k)
+            elif "exp_avg" in st:  # each replica its own copy: AdamW updates its state in place
+                opt.state[t] = placed_adamw_state(st, t, group, k)
 
 
 def placed_adamw_state(

@@ -11,7 +11,9 @@ built on views of its slice of the stacked weights, and its own handle on the `I
 the outer steps, codecs, error feedback, aggregation and byte counts are the code a node runs.
 The sync hooks of the K replicas run on a small thread pool, because an exchange completes only
 once every member has submitted. AdamW is elementwise, so one AdamW over the stacked tensors is
-K independent AdamWs; gradient clipping is done per replica, by each replica's own norm.
+K independent AdamWs; Muon (optim.inner = "muon") orthogonalises each replica's [m, n] slice of a
+[K, m, n] matrix on its own (a batched Newton-Schulz, optim/muon.py), so it is K Muons too; gradient
+clipping is done per replica, by each replica's own norm.
 
 The step is node/train/step.py's `InnerStep`, the one every engine runs: the same lr schedule,
 autocast, hook order and clipping rule (clip to optim.grad_clip unless the sync replaces the
@@ -41,14 +43,13 @@ from murmur.node.sim.replicas import (
     BatchesFor,
     WarmStart,
     build_replica_model,
-    inner_state_for,
+    load_inner_state,
     make_group,
-    placed_adamw_state,
 )
 from murmur.node.sim.report import load_eval_weights
 from murmur.node.train.step import InnerStep
 from murmur.optim.factory import build_sync
-from murmur.optim.inner import adamw
+from murmur.optim.inner import inner_optimizer
 from murmur.optim.inprocess import InProcessGroup
 from murmur.optim.sync import SyncAlgorithm
 from murmur.protocol.runconfig import RunConfig
@@ -80,14 +81,9 @@ class StackedReplicas:
         self.stacked = {
             n: p.detach().unsqueeze(0).expand(k, *p.shape).clone().requires_grad_(True) for n, p in named
         }
-        matrices = [self.stacked[n] for n, p in named if p.dim() >= 2]
-        vectors = [self.stacked[n] for n, p in named if p.dim() < 2]
-        self.opt = adamw(matrices, vectors, cfg.optim)
-        saved = inner_state_for(init, [t[0] for t in matrices + vectors])  # one replica's shapes
-        group = self.opt.param_groups[0]
-        for t, st in zip(matrices + vectors, saved or [], strict=False):
-            if st:  # the one saved state, repeated for each of the K replicas
-                self.opt.state[t] = placed_adamw_state(st, t, group, k)
+        stacked_named = [(n, self.stacked[n]) for n in self.names]
+        self.opt = inner_optimizer(stacked_named, cfg.optim, stacked=True)
+        load_inner_state(self.opt, stacked_named, init, k)  # the one saved state, repeated for each replica
         self.group = make_group(cfg, peers)
         # Replica i's parameters: views of slice i, which the sync reads and writes in place.
         self.views = [[(n, self.stacked[n].detach()[i]) for n in self.names] for i in range(k)]

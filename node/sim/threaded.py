@@ -1,4 +1,4 @@
-"""The simulator's threads engine: each replica its own module, AdamW and sync, as separate nodes
+"""The simulator's threads engine: each replica its own module, inner optimizer and sync, as separate nodes
 would run them, stepped in a thread of its own (node/sim/run.py); the replicas meet only in the
 in-process group."""
 
@@ -13,10 +13,9 @@ from murmur.node.sim.replicas import (
     BatchesFor,
     WarmStart,
     build_replica_model,
-    inner_state_for,
+    load_inner_state,
     make_group,
     peer_names,
-    placed_adamw_state,
 )
 from murmur.node.train.step import InnerStep, clip_grad_norm
 from murmur.optim.factory import build_sync
@@ -64,12 +63,7 @@ def build_workers(
     for i, peer in enumerate(peers):
         model = build_replica_model(cfg, vocab_size, device, init and init.weights)
         opt = make_inner_optimizer(model, cfg.optim)
-        in_order = [p for g in opt.param_groups for p in g["params"]]
-        saved = inner_state_for(init, in_order)
-        if saved:
-            for p, st in zip(in_order, saved, strict=True):
-                if st:  # each replica its own copy: AdamW updates its state in place
-                    opt.state[p] = placed_adamw_state(st, p, opt.param_groups[0])
+        load_inner_state(opt, list(model.named_parameters()), init)
         sync = build_sync(
             cfg.sync, list(model.named_parameters()), group.exchange(peer), weight_decay=cfg.optim.weight_decay
         )

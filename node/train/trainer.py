@@ -1,10 +1,11 @@
 """Single-node training: `murmur train --config RUN.toml`.
 
-AdamW with linear warm-up and cosine decay, gradient clipping, bf16 autocast on a GPU, validation
-every N steps, checkpoints (model, optimizer, data position, RNG) with exact resume, and a
-progress line every `train.log_every` steps: only those steps wait for the device, and between them
-the next batch loads while the device runs the queued steps. The step itself is the one the
-simulator and the node run (node/train/step.py), on a model built as theirs are (node/train/build.py).
+The inner optimizer (AdamW, or Muon with AdamW: optim.inner) with warm-up and cosine decay, gradient
+clipping, bf16 autocast on a GPU, validation every N steps, checkpoints (model, optimizer, data
+position, RNG) with exact resume, and a progress line every `train.log_every` steps: only those
+steps wait for the device, and between them the next batch loads while the device runs the queued
+steps. The step itself is the one the simulator and the node run (node/train/step.py), on a model
+built as theirs are (node/train/build.py).
 """
 
 from __future__ import annotations
