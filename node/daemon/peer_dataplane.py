@@ -342,6 +342,21 @@ class PeerDataPlane:
         await asyncio.to_thread(self.dht.shutdown)
 
 
+async def _start_unless_cancelled(dht: MurmurDHT) -> None:
+    """``dht.start()`` on a thread. Cancelled (the node was told to stop while starting,
+    node/daemon/node.py), the start is called off: its thread stops the process it forked within
+    a poll, and nothing it started outlives the cancellation."""
+    starting = asyncio.ensure_future(asyncio.to_thread(dht.start))
+    try:
+        await asyncio.shield(starting)
+    except asyncio.CancelledError:
+        dht.abort_start()
+        with contextlib.suppress(Exception):
+            await starting
+        await asyncio.to_thread(dht.shutdown)  # a start that had already finished
+        raise
+
+
 async def _start_dht(
     ident: identity.Identity,
     info: JoinRecord,
@@ -370,7 +385,7 @@ async def _start_dht(
     asked_at = -DHT_REFRESH_S
     while True:
         try:
-            await asyncio.to_thread(dht.start)
+            await _start_unless_cancelled(dht)
             break
         except DHTError as err:
             # A bootstrap peer that is slow to answer (a loaded machine, a restarting peer)
