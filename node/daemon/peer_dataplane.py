@@ -34,6 +34,7 @@ from murmur.node.daemon.dataplane import MemberTracker
 from murmur.node.daemon.run_view import RunView
 from murmur.node.daemon.settings import NodeSettings
 from murmur.node.daemon.state_dir import JoinRecord
+from murmur.node.daemon.training import shared_state_hash
 from murmur.node.exchange.group import DHTGroup, RendezvousSettings, RoundGate
 from murmur.node.exchange.peer import ExchangePeer, PeerSpec, abuild_peer
 from murmur.node.exchange.settings import ExchangeSettings
@@ -301,7 +302,10 @@ class PeerDataPlane:
                 except DHTError:
                     return None
                 continue
-            self.log(f"fetched the state of round {newest} from {len(holders)} peer(s), hash {digest[:12]} verified")
+            # The state hash as every node's round log (rounds.jsonl) and round line record it: the
+            # transfer's own digest covers the outer momentum too, so it never matched those.
+            self.log(f"fetched the state of round {newest} from {len(holders)} peer(s), transfer verified: "
+                     f"state hash {shared_state_hash(list(tensors.items()))[:12]}")
             return tensors
 
     async def _served_now(self, holders: dict[str, str]) -> list[PeerRecord]:
