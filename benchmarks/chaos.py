@@ -45,6 +45,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -193,7 +194,7 @@ def _history(path: Path) -> dict:
     kept = {k: v for k, v in old.items() if k.startswith("rows_run_")}
     if old.get("rows"):
         name = f"rows_run_{str(old.get('date', ''))[:10].replace('-', '_')}_{str(old.get('commit', ''))[:7]}"
-        kept[name] = {"command": old.get("command"), "commit": old.get("commit"), "rows": old["rows"]}
+        kept[name] = {k: old[k] for k in ("command", "commit", "load", "note", "rows") if k in old}
     return kept
 
 
@@ -209,6 +210,7 @@ def main() -> int:
     from murmur.node.model.data import prepare
 
     started = time.time()
+    load_before = [round(x, 1) for x in os.getloadavg()]
     rows: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="murmur-chaos-data-") as tmp:
         data = Path(tmp) / "data"
@@ -241,6 +243,7 @@ def main() -> int:
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "command": " ".join(["python", "benchmarks/chaos.py", *sys.argv[1:]]),
         "commit": _commit(),
+        "load": {"before": load_before, "after": [round(x, 1) for x in os.getloadavg()]},  # 1, 5, 15 min
         "duration_s_per_row": args.duration,
         "wall_s": round(time.time() - started),
         "config": str(CONFIG.relative_to(REPO)),

@@ -117,7 +117,8 @@ SMOKE = {
 AVG = {"outer_lr": 1.0, "outer_momentum": 0.0, "nesterov": False}
 NESTEROV = {"outer_lr": 0.7, "outer_momentum": 0.9, "nesterov": True}
 OUTER1_N05 = {"outer_lr": 1.0, "outer_momentum": 0.5, "nesterov": True}
-# SparseLoCo (ALGORITHMS.md): top-64 of each 4096-chunk, 2-bit values, EF decay 0.95, outer lr 1.
+# SparseLoCo (its paper's setting; docs/algorithms.md, the topk2bit codec): top-64 of each 4096-chunk,
+# 2-bit values, EF decay 0.95, outer lr 1.
 SPARSELOCO = {"algorithm": "diloco", "codec": "topk2bit", "topk_fraction": 64 / 4096, "ef_decay": 0.95, **AVG}
 
 

@@ -134,6 +134,20 @@ def _commit() -> str:
     return done.stdout.strip() + (" (with uncommitted changes)" if dirty else "")
 
 
+def _history(path: Path) -> dict:
+    """The earlier runs a results file holds (``rows_run_*``, with their load), and its main rows as
+    one more, so a rerun adds to the record instead of replacing it (as benchmarks/chaos.py does)."""
+    try:
+        old = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    kept = {k: v for k, v in old.items() if k.startswith("rows_run_")}
+    if old.get("rows"):
+        name = f"rows_run_{str(old.get('date', ''))[:10].replace('-', '_')}_{str(old.get('commit', ''))[:7]}"
+        kept[name] = {key: old.get(key) for key in ("command", "commit", "date", "load", "note", "rows")}
+    return kept
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--restarts", type=int, default=5, help="node restarts per mode (coordinator: half)")
@@ -143,6 +157,7 @@ def main() -> int:
     from murmur.node.model.data import prepare
 
     started = time.time()
+    load_before = [round(x, 1) for x in os.getloadavg()]
     rows = []
     with tempfile.TemporaryDirectory(prefix="murmur-restart-data-") as tmp:
         data = Path(tmp) / "data"
@@ -159,7 +174,7 @@ def main() -> int:
     out = {
         "benchmark": "restart",
         "device": f"cpu ({platform.processor() or platform.machine()}), shared by other jobs",
-        "load": os.getloadavg(),
+        "load": {"before": load_before, "after": [round(x, 1) for x in os.getloadavg()]},  # 1, 5, 15 min
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "command": " ".join(["python", "benchmarks/restart.py", *sys.argv[1:]]),
         "commit": _commit(),
@@ -167,6 +182,7 @@ def main() -> int:
         "config": str(CONFIG.relative_to(REPO)),
         "rows": rows,
     }
+    out.update(_history(args.out))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=1) + "\n")
     print(f"wrote {args.out}")

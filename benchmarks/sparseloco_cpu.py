@@ -81,9 +81,10 @@ def run_one(regime: dict, row: quality.Row, data: str, steps: int, init_path: st
 
 
 def reference_2bit(vals: torch.Tensor) -> torch.Tensor:
-    """The paper's value quantizer as ALGORITHMS.md states it (written here from that description):
-    one tensor's selected values centred on their mean, 4 bins of 1.5 sigma (6 sigma over 4 bins),
-    each bin sent as the mean of the values that fell in it."""
+    """The SparseLoCo paper's 2-bit value quantizer, as the paper describes it (written here from
+    that description; docs/algorithms.md compares it with ours): one tensor's selected values centred
+    on their mean, 4 bins of 1.5 sigma (6 sigma over 4 bins), each bin sent as the mean of the values
+    that fell in it."""
     shift = vals.mean()
     c = vals - shift
     sigma = c.norm() / max(1, c.numel() - 1) ** 0.5

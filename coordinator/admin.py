@@ -13,7 +13,7 @@ import time
 import tomllib
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from murmur.errors import MurmurError
 
@@ -37,10 +37,26 @@ def _common() -> argparse.ArgumentParser:
     return p
 
 
+class _NounParser(argparse.ArgumentParser):
+    """A noun with verbs (`murmur admin nodes`): a missing or unknown verb is one line that lists the
+    verbs, not argparse's usage block (`nodes --output json` otherwise reads 'json' as the verb).
+    A noun without verbs (`status`) keeps argparse's errors."""
+
+    def error(self, message: str) -> NoReturn:
+        verbs = next((a.choices for a in self._actions if isinstance(a, argparse._SubParsersAction)), None)
+        if not verbs:
+            super().error(message)
+        names = list(verbs)
+        listed = ", ".join(names[:-1]) + f" or {names[-1]}" if len(names) > 1 else names[0]
+        example = "list" if "list" in names else names[0]
+        self.exit(2, f"error: `{self.prog}` needs a verb first: {listed} "
+                     f"(e.g. `{self.prog} {example} --output json`)\n")
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     common = _common()
     admin = subparsers.add_parser("admin", help="operate a coordinator: runs, tokens, nodes, status")
-    nouns = admin.add_subparsers(dest="noun", metavar="NOUN", required=True)
+    nouns = admin.add_subparsers(dest="noun", metavar="NOUN", required=True, parser_class=_NounParser)
 
     def leaf(parent: Any, name: str, fn: Callable[[Any, argparse.Namespace], Any], help_text: str) -> Any:
         p = parent.add_parser(name, help=help_text, parents=[common])
@@ -48,7 +64,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         return p
 
     def verbs(noun: str, help_text: str) -> Any:
-        return nouns.add_parser(noun, help=help_text).add_subparsers(dest="verb", metavar="VERB", required=True)
+        return nouns.add_parser(noun, help=help_text).add_subparsers(
+            dest="verb", metavar="VERB", required=True, parser_class=argparse.ArgumentParser
+        )
 
     runs = verbs("runs", "create and manage runs")
     p = leaf(runs, "create", _runs_create, "create a run from a run TOML and a dataset manifest")

@@ -221,9 +221,18 @@ class Membership:
             if t.round >= 0 and t.state_hash and t.peer_address and not is_client(t.peer_address)
         ]
         if not holders:
+            last = self.store.last_round(run_id)
+            if last is None:  # truly nothing yet: the run has not completed a round
+                raise NoStateYet(
+                    f"no live node of run {run_id} serves a state yet (nodes publish one after their first "
+                    "round); try again once the run has trained a round"
+                )
+            # The run trained rounds, but every node that held its state is gone: waiting for a
+            # round would not help, a node that serves it would.
             raise NoStateYet(
-                f"no live node of run {run_id} serves a state yet (nodes publish one after their first "
-                "round); try again once the run has trained a round"
+                f"run {run_id} trained to round {int(last['outer_step'])} but no live node serves its state "
+                "now: start a node of the run (it resumes from its state folder), or export a node's "
+                "state folder itself (murmur export STATE_DIR --out DIR)"
             )
         newest, digest = agreed_state((t.round, t.state_hash) for _, t in holders)
         try:

@@ -189,6 +189,9 @@ class StatusSource:
         rid = reply.run.run_id
         ttl = self.settings.heartbeat_ttl_s
         extras = {r["node_id"]: r for r in self.store.node_summaries(rid)}
+        # The state hash each live trainer's last heartbeat named: what its round line logs and its
+        # rounds.jsonl records, so an operator can see at a glance that the nodes agree.
+        hashes = {node_id: t.state_hash for node_id, t in self.membership.live_trainers(rid)}
         nodes = []
         for n in reply.nodes:
             e = extras.get(n.node_id)
@@ -203,6 +206,7 @@ class StatusSource:
                     # (a node that left or was banned is not expected to heartbeat).
                     "heartbeat_late": n.status in ("active", "lost") and age > ttl,
                     "round": int(e["round"]) if e else 0,
+                    "state_hash": hashes.get(n.node_id, ""),
                     "tokens_per_s": n.tokens_per_s,
                     "tokens_committed": n.tokens_committed,
                     "bytes_sent": n.bytes_sent,

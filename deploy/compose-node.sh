@@ -21,4 +21,14 @@ if [ -z "${MURMUR_COORDINATOR:-}" ]; then
     MURMUR_COORDINATOR=$(python3 -c 'import json; print(json.load(open("/join/listening.json"))["address"])')
     export MURMUR_COORDINATOR
 fi
+if [ -z "${MURMUR_NAME:-}" ]; then
+    # A name for `murmur admin` and the status page: the container's id as `docker ps` shows it,
+    # read from where the engine mounts the container's /etc/hostname (the hostname itself is the
+    # host's under host networking, as in the loopback tests). MURMUR_NAME overrides it.
+    id=$(sed -n 's|.*/containers/\([0-9a-f]\{12\}\)[0-9a-f]*/hostname .*|\1|p' /proc/self/mountinfo | head -1)
+    if [ -n "$id" ]; then
+        MURMUR_NAME="node-$id"
+        export MURMUR_NAME
+    fi
+fi
 exec murmur node run "$@"

@@ -18,6 +18,7 @@ import sys
 
 from murmur import __version__
 from murmur.errors import MurmurError
+from murmur.library_logs import quiet_library_logs
 
 EXIT_BROKEN_PIPE = 128 + signal.SIGPIPE  # what a shell reports for a tool that SIGPIPE ended
 
@@ -78,6 +79,8 @@ def _stop_while_starting(signum: int, frame: object) -> None:
 def main(argv: list[str] | None = None) -> int:
     as_program = argv is None  # not called from a test's process, whose signals are its own
     argv = list(sys.argv[1:] if argv is None else argv)
+    if as_program:  # before any sub-app imports grpc or hivemind, which read their settings then
+        quiet_library_logs()
     if as_program and _noun(argv) == "node":
         # A node SIGTERMed while it still imports torch and grpc (a testnet stopped right after a
         # chaos restart; node/daemon/cli.py imports them once its arguments hold up) has joined

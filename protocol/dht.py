@@ -21,9 +21,11 @@ from __future__ import annotations
 import asyncio
 import atexit
 import base64
+import contextlib
 import gc
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -171,6 +173,14 @@ class SignedRecordValidator(RecordValidatorBase):  # type: ignore[misc,valid-typ
 START_ATTEMPTS = 2
 
 
+READY_POLL_S = 0.1  # how often a start waiting for its process looks whether it was called off
+KILLED_JOIN_S = 5.0  # for the kernel to reap a SIGKILLed DHT process (immediate unless the machine stalls)
+
+
+class DHTStartAborted(DHTError):
+    """``abort_start`` called the start off (the node was told to stop while its DHT started)."""
+
+
 class _StartFailed(DHTError):
     def __init__(self, message: str, was_ready: bool) -> None:
         super().__init__(message)
@@ -228,6 +238,23 @@ def _fork_safely(start: Callable[[], object]) -> object:
         gc.unfreeze()
 
 
+def _kill_unready(dht: object) -> None:
+    """Stop a DHT process that is not ready yet, at once. hivemind's shutdown would wait for it to
+    be ready (it reads the shutdown request only then): a whole start, seconds on a loaded machine.
+    It is frozen first, so it forks nothing more, then killed; its p2pd, if it got that far, gets
+    a SIGTERM (it removes its socket), and a SIGKILL after the reaper's grace."""
+    pid = getattr(dht, "pid", None)
+    if pid is None:
+        return
+    with contextlib.suppress(OSError):
+        os.kill(pid, signal.SIGSTOP)
+    helpers = {p: st for p in dht_reaper.descendants(pid) if (st := dht_reaper.start_time(p)) is not None}
+    with contextlib.suppress(OSError):
+        os.kill(pid, signal.SIGKILL)
+    dht.join(timeout=KILLED_JOIN_S)  # type: ignore[attr-defined]
+    dht_reaper.kill_all(helpers)
+
+
 def _preload_child_imports() -> None:
     """hivemind imports a multiaddr codec's module the first time an address uses it: parse the
     kinds of addresses a DHT child reports (ip4, ip6, tcp, p2p) here, before it is forked."""
@@ -282,6 +309,7 @@ class MurmurDHT:
         self._owned: _Owned | None = None
         self._lock = threading.Lock()
         self._last_record: PeerRecord | None = None
+        self._abort = threading.Event()
 
     # lifecycle --------------------------------------------------------------------------------
 
@@ -298,6 +326,8 @@ class MurmurDHT:
             )
         errors = []
         for _ in range(START_ATTEMPTS):
+            if self._abort.is_set():
+                raise DHTStartAborted("the DHT's start was called off")
             try:
                 self._start_once()
                 return self
@@ -322,7 +352,7 @@ class MurmurDHT:
                 client_mode=s.client_mode,
                 **({"identity_path": s.identity_path} if s.identity_path else {}),
             ))
-            dht.wait_until_ready(timeout=s.start_timeout)
+            self._wait_ready(dht, s.start_timeout)
             was_ready = True
             # The addresses do not change while the process lives: ask once, with a deadline.
             found = dht.run_coroutine(
@@ -331,17 +361,44 @@ class MurmurDHT:
             addresses = [str(a) for a in found]
         except Exception as err:  # noqa: BLE001 - hivemind raises many types; the user needs one line
             alive = "dht" in locals() and dht.is_alive()
-            if "dht" in locals():
+            if "dht" in locals() and self._abort.is_set() and not was_ready:
+                _kill_unready(dht)
+            elif "dht" in locals():
                 dht.shutdown()
+            if self._abort.is_set():
+                raise DHTStartAborted("the DHT's start was called off") from None
             hint = " (check the bootstrap addresses)" if self.initial_peers else ""
             what = f"{type(err).__name__}: {err}" if str(err) else type(err).__name__
             state = "" if "dht" not in locals() else (" (its process was alive)" if alive else " (its process died)")
             raise _StartFailed(f"could not start the DHT{hint}: {what}{state}", was_ready) from None
+        if self._abort.is_set():  # called off while its addresses were asked for: stop it again
+            dht.shutdown()
+            raise DHTStartAborted("the DHT's start was called off")
         self._owned = _Owned(dht=dht, reaper=None, addresses=addresses)
         with _live_lock:
             _live.add(id(self))
         self._arm_reaper()
         atexit.register(self.shutdown)
+
+    def abort_start(self) -> None:
+        """Call off a ``start`` running in another thread: it stops the process it forked and
+        raises DHTStartAborted within READY_POLL_S of its wait for that process (a node told to
+        stop while its DHT starts exits within its grace, not after a whole start; issue 50)."""
+        self._abort.set()
+
+    def _wait_ready(self, dht: object, timeout: float) -> None:
+        """hivemind's wait for the forked process to be ready, in slices, so an ``abort_start``
+        is seen; its TimeoutError after ``timeout``."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                dht.wait_until_ready(timeout=max(0.0, min(READY_POLL_S, deadline - time.monotonic())))  # type: ignore[attr-defined]
+                return
+            except TimeoutError:
+                if self._abort.is_set():
+                    raise DHTStartAborted("the DHT's start was called off") from None
+                if time.monotonic() >= deadline:
+                    raise
 
     def _arm_reaper(self) -> None:
         owned = self._owned

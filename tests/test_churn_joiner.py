@@ -38,9 +38,12 @@ def test_a_joiner_blind_to_peer_records_fetches_the_state_and_never_trains_alone
         for node in net.nodes:
             wait_rounds(node, 3, timeout_s=240)
         joiner = net.add_node(extra=["--min-peers", "1", "--fault", BLIND])
-        m = wait_log(joiner, r"fetched the state of round (\d+)", timeout_s=240)
+        m = wait_log(joiner, r"fetched the state of round (\d+) .*: state hash ([0-9a-f]{12})", timeout_s=240)
         assert int(m.group(1)) >= 3
         wait_rounds(joiner, 3, timeout_s=240)
+        # The hash it printed is the one the holders' round logs record for that round (issue 51).
+        recorded = {r["hash"][:12] for n in net.nodes[:2] for r in trained(n) if r["round"] == int(m.group(1))}
+        assert recorded == {m.group(2)}, (m.group(0), recorded)
         for node in net.nodes:
             node.proc.send_signal(signal.SIGTERM)
         for node in net.nodes:

@@ -266,3 +266,43 @@ def test_a_restarted_bootstrap_peer_splits_the_dht_until_its_peers_dial_it_again
         for n in nodes.values():
             n.shutdown()
         x.shutdown()
+
+
+def test_a_start_called_off_stops_its_process_and_p2pd_at_once(ca):
+    """A node told to stop while its DHT starts (issue 50): `abort_start` ends the start within a
+    poll, with no DHT process or p2pd left, instead of after a whole start. The bootstrap peer here
+    accepts connections (the kernel's backlog) and never answers, so the start is still waiting
+    when it is called off, once its p2pd runs."""
+    import threading
+
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        peer = f"/ip4/127.0.0.1/tcp/{silent.getsockname()[1]}/p2p/QmNnooDu7bfjPFoTZYxMNLWUQJyrVwtbZg5gBMjTezGAJN"
+        dht = D.MurmurDHT("run", ca_cert_pem=ca.cert_pem, initial_peers=[peer],
+                          settings=D.DHTSettings(start_timeout=START_TIMEOUT))
+        outcome: list[BaseException | None] = []
+
+        def start() -> None:
+            try:
+                dht.start()
+                outcome.append(None)
+            except BaseException as err:  # noqa: BLE001 - the test reads it
+                outcome.append(err)
+
+        before = set(psutil.Process().children())
+        thread = threading.Thread(target=start)
+        thread.start()
+        deadline = time.monotonic() + START_TIMEOUT
+        while not p2pd_processes():
+            assert thread.is_alive(), outcome
+            assert time.monotonic() < deadline, "no p2pd started"
+            time.sleep(0.05)
+        called_off = time.monotonic()
+        dht.abort_start()
+        thread.join(START_TIMEOUT)
+        took = time.monotonic() - called_off
+    assert outcome and isinstance(outcome[0], D.DHTStartAborted), outcome
+    assert took < 5.0, took  # a poll, a kill and p2pd's own exit; hivemind's shutdown waits for a whole start
+    assert p2pd_processes() == [] and not dht.started
+    assert _living(list(set(psutil.Process().children()) - before)) == []

@@ -32,6 +32,17 @@ def test_eval_equals_the_runs_validation_for_checkpoint_and_export(byte_dataset,
         assert abs(got["loss"] - reported) <= 1e-4, (source.name, got["loss"], reported)
         assert math.isclose(got["perplexity"], math.exp(got["loss"]))
         assert got["tokens"] == 3 * 4 * 64 and got["tokens_per_s"] > 0
+        assert got["threads"] == 1  # on the CPU unless --threads says otherwise (node/export/threads.py)
+
+
+def test_eval_takes_one_thread_on_the_cpu_and_threads_sets_it(byte_dataset, tmp_path, capsys):
+    trained_tiny(byte_dataset, tmp_path / "run", 1, eval_batches=1, seq_len=32)
+    argv = ["eval", str(tmp_path / "run"), "--data", str(byte_dataset.root), "--device", "cpu", "--batches", "1"]
+    torch.set_num_threads(2)  # torch's default on 2 cores; the module fixture restores its own
+    assert main(argv) == 0
+    assert torch.get_num_threads() == 1 and capsys.readouterr().out.rstrip().endswith("on cpu, 1 thread")
+    assert main([*argv, "--threads", "2", "--output", "json"]) == 0
+    assert json.loads(capsys.readouterr().out)["threads"] == 2 == torch.get_num_threads()
 
 
 def test_eval_refuses_data_of_another_tokenizer(tmp_path, capsys):

@@ -4,6 +4,7 @@ one line and leaves nothing written."""
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import json
 import sys
@@ -118,6 +119,12 @@ def test_node_checkpoint_exports_the_global_state_with_its_hash(tmp_path):
     prov = json.loads((tmp_path / "out" / "provenance.json").read_text())
     assert prov["state_hash"] == node.global_hash() and prov["round"] == 1 and prov["run_id"] == "run-abc"
     assert prov["tokens_trained"] == result.tokens and prov["source_kind"] == "node checkpoint"
+    # Published: no file names the writer's folders (the data path was absolute, under tmp_path).
+    for f in (tmp_path / "out").iterdir():
+        assert str(tmp_path) not in f.read_bytes().decode("utf-8", "replace"), f.name
+    assert prov["source"] == ".../state/checkpoint.pt" and prov["run_config"]["data"]["path"] == dataset.root.name
+    manifest = hashlib.sha256((dataset.root / "manifest.json").read_bytes()).hexdigest()
+    assert prov["dataset"] == {"name": dataset.root.name, "manifest_sha256": manifest}
     back = load_source(tmp_path / "out")
     for name, p in node.global_tensors():
         assert torch.equal(back.weights[name.split("/", 1)[1]], p)  # param/ or global/ (fragments)

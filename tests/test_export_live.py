@@ -3,11 +3,12 @@ through a reader's pass the coordinator signs, with the hash the nodes announce.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 
 import pytest
-from _coordinator_helpers import start_coordinator, write_run_files
+from _coordinator_helpers import join, new_token, start_coordinator, write_run_files
 from _net_helpers import PYTHON, REPO, python_env
 from _node_helpers import UNTIL_STOPPED, hashes_by_round, make_testnet, small_dataset, wait_rounds
 
@@ -64,6 +65,19 @@ def test_a_live_export_is_refused_in_one_line_without_a_state_or_the_credential(
             err = done.stderr.strip()
             assert done.returncode == 1 and err.startswith("error: ") and "\n" not in err, err
             assert says in err and not out.exists(), err
+        # A run that trained a round whose holders are all gone: waiting for "a round" would not
+        # help, so the line says what would (issue 51: it said so of a run that had trained 100).
+        async def one_round_then_leave() -> None:
+            client, _ = await join(coord, new_token(coord))
+            async with client:
+                lease = (await client.acquire()).lease
+                await client.commit(lease.lease_id, lease.shard_id, 0, 100, outer_step=1, loss=3.0)
+
+        asyncio.run(one_round_then_leave())
+        done = _export("--coordinator", coord.address, "--admin-key", key, "--out", str(tmp_path / "out"))
+        err = done.stderr.strip()
+        assert done.returncode == 1 and "\n" not in err, err
+        assert "trained to round 1 but no live node serves its state now: start a node of the run" in err, err
     finally:
         coord.stop()
 

@@ -80,3 +80,18 @@ def test_a_prompt_longer_than_the_context_is_one_line(run, capsys):
     assert out == "" and err.strip() == (
         "error: the prompt is 33 tokens and the model's context is 32: shorten the prompt"
     )
+
+
+def test_generate_uses_one_thread_on_the_cpu_unless_told(run, capsys):
+    """torch's default threads are 20-200x slower on busy cores (benchmarks/generate_busy.py): the
+    default is one on the CPU whatever the process had; --threads N sets N, and a negative N is one line."""
+    folder, _ = run
+    torch.set_num_threads(2)  # what torch picks on a 2-core machine; the module fixture restores its own
+    argv = ["generate", str(folder), "--max-new-tokens", "4", "--device", "cpu"]
+    assert main(argv) == 0
+    assert torch.get_num_threads() == 1 and capsys.readouterr().err.rstrip().endswith(", cpu, 1 thread)")
+    assert main([*argv, "--threads", "2"]) == 0
+    assert torch.get_num_threads() == 2 and capsys.readouterr().err.rstrip().endswith(", cpu, 2 threads)")
+    assert main([*argv, "--threads", "-1"]) == 1
+    out, err = capsys.readouterr()
+    assert out == "" and err.strip() == "error: --threads must not be negative, not -1 (0: torch's default)"

@@ -2,7 +2,8 @@
 flags: `murmur coordinator serve --db PATH --listen ADDR`, a run and a token from `murmur admin`,
 and two `murmur node run --coordinator ADDR --token TOKEN --data DIR`. The nodes find each other
 through the coordinator's DHT (on by default) and train as one group: before it was, each started
-a DHT of its own, trained alone and had its rounds refused as a split."""
+a DHT of its own, trained alone and had its rounds refused as a split. Their logs hold murmur's lines
+only: no gRPC C-core, hivemind or libp2p lines."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from murmur.node.testnet.procs import run_murmur, start_murmur, stop_process, wa
 pytestmark = pytest.mark.integration
 
 START_TIMEOUT_S = 60.0
+STAMP = r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}[+-]\d\d:\d\d "  # murmur/logline.py's text lines
 TOGETHER_S = 120.0  # the issue asks for a minute on an idle machine; a loaded 2-core CI gets twice that
 
 
@@ -73,7 +75,12 @@ def test_a_run_started_as_the_readme_says_trains_as_one_group(tmp_path):
 
         wait_for(together, TOGETHER_S, what="two rounds the two nodes trained as one group")
         first = states[0].with_suffix(".log").read_text().splitlines()[0]
-        assert re.match(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}[+-]\d\d:\d\d joined run ", first), first
+        assert re.match(STAMP + "joined run ", first), first
+        # Only murmur's own lines at the default level: no gRPC C-core (fork_posix when hivemind forks
+        # its DHT child, chttp2 goaway), hivemind or libp2p lines (murmur/library_logs.py).
+        for name in ("coordinator.log", "node-0.log", "node-1.log"):
+            foreign = [line for line in (tmp_path / name).read_text().splitlines() if not re.match(STAMP, line)]
+            assert not foreign, (name, foreign[:5])
         # SIGTERM: each node leaves and says what it gave the run, as the ledger counts it.
         for p, state in zip(procs[1:], states, strict=True):
             assert stop_process(p) == 0

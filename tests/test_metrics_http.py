@@ -110,6 +110,7 @@ def test_api_status_agrees_with_the_ledger_and_the_admin_cli(coord, tmp_path):
     assert (row["round"], row["tokens_committed"], row["bytes_sent"]) == (4, 500, 5096)
     assert (row["restarts"], row["commits_refused"], row["updates_rejected"]) == (0, 1, 0)
     assert not row["heartbeat_late"]
+    assert row["state_hash"] == ""  # it never announced a state (a live trainer's last heartbeat names its hash)
     assert [(r["round"], r["loss"], r["val_loss"]) for r in page["rounds"]] == [(3, 2.5, None), (4, 2.25, 2.4)]
     assert [(s["shard_id"], s["committed"], s["holder"]) for s in page["shards"]] == [(0, 500, ""), (1, 0, "")]
     kinds = [e["kind"] for e in page["events"]]

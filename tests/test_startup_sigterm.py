@@ -120,3 +120,77 @@ def test_a_sigterm_at_any_moment_of_a_cold_start_exits_0_with_one_line(tmp_path,
     assert not failures, "\n\n".join(failures)
     # Stopped while starting, a node has joined nothing: no process of it is left behind either.
     assert not any(Path(f"/proc/{p.pid}").exists() for p in procs)
+
+
+# A warm node (its imports done, as a restart under the testnet or the chaos tool): the signal lands
+# in the join, the peer server's and the DHT's start, the model's build or the checkpoint's restore.
+# (a line of the node's log, seconds after it) or (None, seconds after the process started).
+WARM_MOMENTS = [
+    (None, 0.5),
+    ("joined run ", 0.0),
+    ("joined run ", 0.3),
+    (None, 1.0),
+    ("peer server on ", 0.0),
+    (None, 2.0),
+    (None, 3.0),
+    (r"node \w+: .* from round ", 0.0),
+    (None, 5.0),
+]
+
+
+def _stop_at_line(node, start: float, line: str | None, after: float) -> float:
+    """SIGTERM ``node`` ``after`` seconds past its log's first ``line`` (past its start without one);
+    the signal's time, or 0.0 where the node exited before."""
+    import re
+
+    deadline = time.monotonic() + WAIT_S
+    if line is not None:
+        while not re.search(line, node.log_path.read_text(errors="replace")):
+            if node.proc.poll() is not None or time.monotonic() > deadline:
+                return 0.0
+            time.sleep(0.01)  # a log line is the event; its file is polled
+        start = time.monotonic()
+    time.sleep(max(0.0, start + after - time.monotonic()))
+    if node.proc.poll() is not None:
+        return 0.0
+    node.proc.send_signal(signal.SIGTERM)
+    return time.monotonic()
+
+
+def test_a_sigterm_at_any_moment_of_a_warm_start_ends_the_node_within_its_grace(tmp_path, data):
+    """Issue 50: a SIGTERM between the join and the DHT's start did not stop the start; the node
+    started its DHT, built its model and exited 14.6-15.3 s after the signal (shutdown_grace_s is 10)."""
+    from murmur.node.daemon.settings import NodeSettings
+
+    grace = NodeSettings().shutdown_grace_s
+    net = make_testnet(tmp_path, data, overrides=["train.steps=100000"])
+    with net:
+        net.start_coordinator()
+        net.create_run(token_uses=len(WARM_MOMENTS))
+        nodes, starts = [], []
+        for _ in WARM_MOMENTS:
+            nodes.append(net.add_node())
+            starts.append(time.monotonic())
+        signalled, took = [0.0] * len(nodes), [0.0] * len(nodes)
+
+        def stop(i: int) -> None:
+            signalled[i] = _stop_at_line(nodes[i], starts[i], *WARM_MOMENTS[i])
+            if signalled[i]:
+                nodes[i].proc.wait(timeout=WAIT_S)
+                took[i] = time.monotonic() - signalled[i]
+
+        threads = [threading.Thread(target=stop, args=(i,)) for i in range(len(nodes))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        failures = []
+        for (line, after), node, sent, secs in zip(WARM_MOMENTS, nodes, signalled, took, strict=True):
+            moment = f"SIGTERM {after:g}s after {line or 'the start'}"
+            text = node.log_path.read_text(errors="replace")
+            if not sent:
+                failures.append(f"{moment}: the node exited before it ({node.proc.returncode}): {text[-1500:]}")
+            elif node.proc.returncode != 0 or "Traceback" in text or secs > grace:
+                failures.append(f"{moment}: exit {node.proc.returncode} {secs:.1f}s after it: {text[-1500:]}")
+        print("\n".join(f"{m}: {s:.2f}s" for m, s in zip(WARM_MOMENTS, took, strict=True)))
+    assert not failures, "\n\n".join(failures)

@@ -11,6 +11,7 @@ import html
 import html.parser
 import json
 import os
+import re
 import shutil
 import subprocess
 import urllib.request
@@ -20,6 +21,7 @@ import pytest
 from _node_helpers import UNTIL_STOPPED, log, make_testnet, small_dataset, wait_rounds
 
 from murmur.coordinator.runs import ddp_equivalent_bytes, shape_of
+from murmur.node.daemon.state_dir import read_rounds
 from murmur.node.testnet.procs import kill_group, wait_for
 
 pytestmark = pytest.mark.system
@@ -143,6 +145,11 @@ def test_status_page_shows_the_ledger_and_a_lost_node(tmp_path):
         # each row names its node as the testnet does (--name), and gives its share of the run's tokens
         assert sorted(row["name"] for row in page.rows.values()) == ["node-0", "node-1"], page.rows
         assert all(row["share"].endswith("%") for row in page.rows.values()), page.rows
+        # and the state hash of its last round, the first 12 characters its round line logs
+        assert all(re.fullmatch(r"[0-9a-f]{12}", row["hash"]) for row in page.rows.values()), page.rows
+        shown = {row["hash"] for row in page.rows.values()}  # published before its round's record is written
+        wait_for(lambda: shown <= {r["hash"][:12] for n in net.nodes for r in read_rounds(n.state_dir) if "hash" in r},
+                 60, what=f"the rounds of the hashes shown {shown} in the nodes' rounds.jsonl")
 
         victim = second
         victim_id = _node_id(victim)

@@ -159,6 +159,9 @@ class Node:
         info, ident, config_toml = await join(
             self.o.coordinator, self.o.token, self.state, self.s, self.log, name=self.o.name
         )
+        # From here on a SIGTERM ends the start at the next step, or cuts the data plane's start
+        # short: the node leaves within shutdown_grace_s of it (issue 50: it used to start its DHT
+        # and build its model first, and exited 15 s after the signal).
         cfg = parse_config(config_toml, "the run configuration")
         if cfg.pipeline is not None:  # never trained data parallel: a stage or a driver instead
             raise PipelinedRun(info.run_id, self.stop.is_set(), rejoining)
@@ -178,8 +181,13 @@ class Node:
             bound = await self.metrics_server.start(host or "127.0.0.1", int(port or 0))
             self.log(f"metrics on http://{host or '127.0.0.1'}:{bound}/metrics")
         self.session.in_rounds = not self.o.solo
+        if self.stop.is_set():
+            return False
         await self.session.starting()
-        self.dataplane = await self._open_dataplane(info, ident, cfg)
+        self.dataplane = await self.stop.unless_stopped(self._open_dataplane(info, ident, cfg))
+        if self.stop.is_set():
+            return False
+        assert self.dataplane is not None
         # Heartbeats from now on (not before: hivemind forks its DHT process, which must not happen
         # under live gRPC calls); their replies carry the run's live trainers, which the data
         # plane's rendezvous and a joiner's state fetch check the DHT against (run_view.py).
@@ -191,6 +199,8 @@ class Node:
             )
             self.log(f"{self.o.gpus} local ranks ({'NCCL' if device.type == 'cuda' else 'gloo'}): "
                      f"{cfg.train.batch_size} rows per rank per step")
+        if self.stop.is_set():
+            return False
         self.training = await TrainingThread.build(
             cfg=cfg,
             dataset=dataset,

@@ -34,6 +34,7 @@ from murmur.node.daemon.dataplane import MemberTracker
 from murmur.node.daemon.run_view import RunView
 from murmur.node.daemon.settings import NodeSettings
 from murmur.node.daemon.state_dir import JoinRecord
+from murmur.node.daemon.training import shared_state_hash
 from murmur.node.exchange.group import DHTGroup, RendezvousSettings, RoundGate
 from murmur.node.exchange.peer import ExchangePeer, PeerSpec, abuild_peer
 from murmur.node.exchange.settings import ExchangeSettings
@@ -301,7 +302,10 @@ class PeerDataPlane:
                 except DHTError:
                     return None
                 continue
-            self.log(f"fetched the state of round {newest} from {len(holders)} peer(s), hash {digest[:12]} verified")
+            # The state hash as every node's round log (rounds.jsonl) and round line record it: the
+            # transfer's own digest covers the outer momentum too, so it never matched those.
+            self.log(f"fetched the state of round {newest} from {len(holders)} peer(s), transfer verified: "
+                     f"state hash {shared_state_hash(list(tensors.items()))[:12]}")
             return tensors
 
     async def _served_now(self, holders: dict[str, str]) -> list[PeerRecord]:
@@ -342,6 +346,21 @@ class PeerDataPlane:
         await asyncio.to_thread(self.dht.shutdown)
 
 
+async def _start_unless_cancelled(dht: MurmurDHT) -> None:
+    """``dht.start()`` on a thread. Cancelled (the node was told to stop while starting,
+    node/daemon/node.py), the start is called off: its thread stops the process it forked within
+    a poll, and nothing it started outlives the cancellation."""
+    starting = asyncio.ensure_future(asyncio.to_thread(dht.start))
+    try:
+        await asyncio.shield(starting)
+    except asyncio.CancelledError:
+        dht.abort_start()
+        with contextlib.suppress(Exception):
+            await starting
+        await asyncio.to_thread(dht.shutdown)  # a start that had already finished
+        raise
+
+
 async def _start_dht(
     ident: identity.Identity,
     info: JoinRecord,
@@ -370,7 +389,7 @@ async def _start_dht(
     asked_at = -DHT_REFRESH_S
     while True:
         try:
-            await asyncio.to_thread(dht.start)
+            await _start_unless_cancelled(dht)
             break
         except DHTError as err:
             # A bootstrap peer that is slow to answer (a loaded machine, a restarting peer)

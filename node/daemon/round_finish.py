@@ -73,6 +73,7 @@ class RoundFinisher:
         self._waiting: deque[_Round] = deque()  # submitted, not yet taken by the hasher
         self._unsaved: deque[_Round] = deque()  # hashed and published, not yet taken by the saver
         self._hashing = False  # the hasher holds a round
+        self._in_hasher: _Round | None = None  # which one: not being saved either, so it can be superseded
         self._busy = False  # the saver holds a round (writing or handing over)
         self._closing = False
         self._failed: BaseException | None = None
@@ -101,7 +102,11 @@ class RoundFinisher:
             while len(self._waiting) + self._hashing + len(self._unsaved) >= MAX_WAITING and self._failed is None:
                 self._cv.wait()
             if checkpoint is not None:
-                for r in (*self._waiting, *self._unsaved):  # not being saved: this round's checkpoint covers it
+                # Every round not being saved yet: this round's checkpoint covers it. The hasher's
+                # too, whatever the hasher's pace (it only moves the checkpoint's tensors, through
+                # its own reference): which checkpoints are written must not depend on the load.
+                held = (self._in_hasher,) if self._in_hasher is not None else ()
+                for r in (*self._waiting, *held, *self._unsaved):
                     if r.checkpoint is not None:
                         r.checkpoint, r.superseded = None, True
                         self.superseded += 1
@@ -145,7 +150,7 @@ class RoundFinisher:
                     self._cv.notify_all()  # the saver ends once nothing more comes
                     return
                 r = self._waiting.popleft()
-                self._hashing = True
+                self._hashing, self._in_hasher = True, r
             try:
                 if self._failed is None:  # nothing after a failed write is published either
                     self._hash(r)
@@ -156,7 +161,7 @@ class RoundFinisher:
                 with self._cv:
                     if self._failed is None:
                         self._unsaved.append(r)
-                    self._hashing = False
+                    self._hashing, self._in_hasher = False, None
                     self._cv.notify_all()
 
     def _hash(self, r: _Round) -> None:

@@ -11,7 +11,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+T = TypeVar("T")
 
 
 class StopSignal:
@@ -48,6 +51,28 @@ class StopSignal:
         """Sleep, but wake at once when a stop is asked for."""
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._seen_by_loop.wait(), seconds)
+
+    async def stopped(self) -> None:
+        """Return once a stop is asked for (on the loop)."""
+        await self._seen_by_loop.wait()
+
+    async def unless_stopped(self, work: Awaitable[T]) -> T | None:
+        """``work``'s result, or None once a stop comes first: ``work`` is then cancelled and its
+        unwinding awaited, so what it started is closed again (a start-up step cut short). A step
+        that finished all the same hands over its result, for the caller to close."""
+        task = asyncio.ensure_future(work)
+        waiter = asyncio.ensure_future(self.stopped())
+        try:
+            await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            waiter.cancel()
+        if task.done() or not self.is_set():
+            return await task
+        task.cancel()
+        try:
+            return await task
+        except (asyncio.CancelledError, Exception):  # noqa: BLE001 - cut short on purpose: the stop says why
+            return None
 
     def wait(self, seconds: float) -> bool:
         """Sleep on a plain thread (the training thread), but wake at once when a stop is asked

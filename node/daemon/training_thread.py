@@ -587,5 +587,5 @@ class TrainingThread:
             f"round {record['round']:4d} | loss {record['loss']:.4f}{val}"
             f" | {record['tokens_per_s']:,.0f} tok/s"
             f" | sent {record['bytes_sent'] / 1e6:.2f} MB | {ratio} less than ddp | peers {record['peers']}{reach}"
-            f" | {'coordinator ok' if self.session.coordinator_up else 'coordinator DOWN'}"
+            f" | {'coordinator ok' if self.session.coordinator_up else 'coordinator DOWN'} | hash {record['hash'][:12]}"
         )

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import argparse
 
+from murmur.node.export.threads import add_threads_flag, check_threads
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
@@ -23,6 +25,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", choices=("auto", "fp32", "bf16"),
                    help="compute dtype (default: the run's train.dtype; auto is bf16 on a GPU, fp32 on the CPU)")
     p.add_argument("--output", choices=("text", "json"), default="text")
+    add_threads_flag(p)
     p.set_defaults(func=_run)
 
 
@@ -34,12 +37,15 @@ def _run(args: argparse.Namespace) -> int:
     for flag in ("batch_size", "batches"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
             raise MurmurError(f"--{flag.replace('_', '-')} must be at least 1")
+    check_threads(args.threads)
     from murmur.node.export.evaluate import evaluate_source, run_defaults
     from murmur.node.export.source import load_source
+    from murmur.node.export.threads import use_threads
     from murmur.node.model.data import Dataset
     from murmur.node.train.build import resolve_device
 
     device = resolve_device(args.device)
+    threads = use_threads(args.threads, device)
     source = load_source(args.source)  # an export's or a checkpoint's checksum is checked here
     source.check_finite()
     batch, batches, dtype = run_defaults(source)
@@ -49,8 +55,12 @@ def _run(args: argparse.Namespace) -> int:
     )
     if args.output == "json":
         print(json.dumps({"loss": r.loss, "perplexity": r.perplexity, "tokens": r.tokens, "seconds": r.seconds,
-                          "tokens_per_s": r.tokens_per_s, "device": str(device)}))
+                          "tokens_per_s": r.tokens_per_s, "device": str(device), "threads": threads}))
     else:
         print(f"val loss {r.loss:.4f} | perplexity {r.perplexity:.2f} | {r.tokens:,} tokens in {r.seconds:.2f}s "
-              f"({r.tokens_per_s:,.0f} tok/s) on {device}")
+              f"({r.tokens_per_s:,.0f} tok/s) on {device}, {_threads(threads)}")
     return 0
+
+
+def _threads(n: int) -> str:
+    return f"{n} thread" + ("" if n == 1 else "s")

@@ -7,6 +7,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from murmur.node.export.threads import add_threads_flag, check_threads
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
@@ -24,6 +26,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0, help="the same seed gives the same text (default 0)")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda")
     p.add_argument("--no-cache", action="store_true", help="recompute the whole context per token (slow; a check)")
+    add_threads_flag(p)
     p.set_defaults(func=_run)
 
 
@@ -34,13 +37,16 @@ def _run(args: argparse.Namespace) -> int:
 
     if args.max_new_tokens < 0:
         raise MurmurError("--max-new-tokens must not be negative")
+    check_threads(args.threads)
     from murmur.node.export.generate import Sampling, generate
     from murmur.node.export.source import load_source
+    from murmur.node.export.threads import use_threads
     from murmur.node.model.tokenizer import get_tokenizer
     from murmur.node.train.build import resolve_device
 
     sampling = Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     device = resolve_device(args.device)
+    threads = use_threads(args.threads, device)
     source = load_source(args.source)  # an export's or a checkpoint's checksum is checked here
     source.check_finite()
     tok = get_tokenizer(source.tokenizer)
@@ -67,7 +73,8 @@ def _run(args: argparse.Namespace) -> int:
     print()
     cache = "no cache" if args.no_cache else "KV cache"
     n = counted[0]
-    print(f"{n} tokens in {dt:.2f}s ({n / dt if dt > 0 else 0:,.1f} tok/s, {cache}, {device})", file=sys.stderr)
+    print(f"{n} tokens in {dt:.2f}s ({n / dt if dt > 0 else 0:,.1f} tok/s, {cache}, {device}, "
+          f"{threads} thread{'' if threads == 1 else 's'})", file=sys.stderr)
     return 0
 
 

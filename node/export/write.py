@@ -10,6 +10,10 @@
                                (a pipelined run's: round is the checkpoint version; each stage's hash),
                                and weights_sha256: model.safetensors' sha256, checked by every reader
 
+An export is published: nothing in it names a path of the machine that wrote it. The source is
+relative to the working folder (as a user types it), and the run's dataset is its folder's name and
+the sha256 of its manifest (which hashes every shard), not where it lay (``published_paths``).
+
 Everything is written into a hidden folder beside OUT and renamed into place at the end, so an
 interrupted or failed export leaves no half-written OUT (at worst the hidden folder, which the next
 export to OUT removes).
@@ -17,8 +21,10 @@ export to OUT removes).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import datetime
+import hashlib
 import json
 import os
 import shutil
@@ -95,7 +101,7 @@ def provenance(source: Source, dtype: torch.dtype, weights_sha256: str | None = 
         "murmur_version": __version__,
         "exported_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "source_kind": source.kind,
-        "source": p.get("source", str(source.path)),
+        "source": _published_source(source),
         "run_name": p.get("run_name"),
         "run_id": p.get("run_id"),
         "round": p.get("round"),
@@ -110,8 +116,47 @@ def provenance(source: Source, dtype: torch.dtype, weights_sha256: str | None = 
         **({"weights_sha256": weights_sha256} if weights_sha256 else {}),
         "tokenizer": source.tokenizer,
         "model": dataclasses.asdict(source.model),
-        "run_config": source.run_config,
+        **published_data(source.run_config),
     }
+
+
+def _published_source(source: Source) -> str:
+    """Where the weights came from: the files' paths as ``published_path`` gives them; a live run's
+    coordinator and an export's own record as they are."""
+    if source.kind.endswith("checkpoint"):
+        return published_path(source.path)
+    if source.kind == "pipeline stages":
+        return ", ".join(published_path(part) for part in str(source.path).split(", "))
+    return str(source.provenance.get("source", source.path))
+
+
+def published_path(path: Path | str) -> str:
+    """``path`` as an export may name it: relative to the working folder when under it, else only its
+    last two parts (``.../node-0/checkpoint.pt``); the machine's own folders stay out."""
+    p = Path(path)
+    if not p.is_absolute():
+        return str(p)
+    try:
+        return str(p.relative_to(Path.cwd()))
+    except ValueError:
+        return str(Path("...", *p.parts[-2:]))
+
+
+def published_data(run_config: dict | None) -> dict:
+    """The run config with its ``data.path`` as the dataset's folder name, and the dataset as its
+    name and its manifest's sha256 (None where the folder is not on this machine): a reader can tell
+    which data trained the model without learning where the writer keeps it."""
+    if not run_config or not isinstance(run_config.get("data"), dict) or "path" not in run_config["data"]:
+        return {"run_config": run_config}
+    cfg = copy.deepcopy(run_config)
+    where = Path(str(cfg["data"]["path"]))
+    try:
+        digest: str | None = hashlib.sha256((where / "manifest.json").read_bytes()).hexdigest()
+    except OSError:
+        digest = None
+    if where.is_absolute() or ".." in where.parts:
+        cfg["data"]["path"] = where.name
+    return {"dataset": {"name": where.name, "manifest_sha256": digest}, "run_config": cfg}
 
 
 def _write_json(path: Path, data: dict) -> None:

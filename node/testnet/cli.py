@@ -395,9 +395,11 @@ def _print_progress(stats: dict, chaos: bool) -> None:
     longest time with no round and, under chaos, each restart's time to its first round."""
     from murmur.node.testnet.chaos import percentile
 
-    sizes = ", ".join(f"{n} of {k}" for k, n in stats["rounds_by_group_size"].items()) or "none"
+    # "16 with 3 members", not "16 of 3", which read as 16 out of 3.
+    sizes = ", ".join(f"{n} with {k} member{'' if int(k) == 1 else 's'}"
+                      for k, n in stats["rounds_by_group_size"].items()) or "none"
     print(f"progress from the first round: {stats['tokens_per_min']:,} tokens committed per minute; "
-          f"{stats['rounds']} rounds (by members: {sizes}); longest time with no round {stats['max_stall_s']:.1f}s")
+          f"{stats['rounds']} rounds ({sizes}); longest time with no round {stats['max_stall_s']:.1f}s")
     if chaos:
         times = stats["restart_s"]
         p50, worst = percentile(times, 0.5), max(times, default=None)

@@ -43,6 +43,8 @@ from multiprocessing import reduction
 from pathlib import Path
 from typing import IO
 
+from murmur.library_logs import quiet_library_logs
+
 WARM_ENV = "MURMUR_WARM_START"
 # What the fork server imports before its first fork: the node's whole stack (the coordinator's is
 # a part of it) and an optimizer's first-use imports (node/testnet/warm_preload.py).
@@ -62,6 +64,9 @@ def _server() -> multiprocessing.context.ForkServerContext:
     global _context
     with _lock:
         if _context is None:
+            # The server imports grpc and hivemind for every child: their log settings must be in
+            # its environment before it starts (murmur/library_logs.py).
+            quiet_library_logs()
             ctx = multiprocessing.get_context("forkserver")
             ctx.set_forkserver_preload(PRELOAD)
             _context = ctx
