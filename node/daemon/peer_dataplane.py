@@ -160,6 +160,28 @@ class PeerDataPlane:
             self.log(f"the coordinator lists {len(apart)} trainer(s) this node's DHT does not show: "
                      f"dialed the bootstrap peers again ({answered} of {len(self.dht.initial_peers)} answered)")
 
+    def coordinator_back(self) -> None:
+        """The coordinator restarted (or is back after an outage): dial its DHT peer again now.
+        Its new DHT process knows only the nodes that bootstrapped from it since, and this node
+        dropped it from its routing table while it was down: a node started after the restart met
+        nobody but the coordinator and waited its whole peers_wait_s (60 s) for peers it could not
+        see (issue 50). Not on a timer: at the moment the coordinator answers again."""
+        if not self.dht.initial_peers or self._stop.is_set():
+            return
+        with contextlib.suppress(RuntimeError):  # no running loop: the node is closing
+            asyncio.get_running_loop().create_task(self._redial_coordinator())
+
+    async def _redial_coordinator(self) -> None:
+        self._rejoined_at = asyncio.get_running_loop().time()
+        try:
+            answered = await self.dht.areconnect(self.dht.initial_peers)
+        except Exception as err:  # noqa: BLE001 - the announce loop's own check tries again later
+            self.log(f"could not dial the DHT bootstrap peers again ({type(err).__name__}: {err})")
+            return
+        n = len(self.dht.initial_peers)
+        self.log(f"the coordinator is back: dialed its DHT peer again ({answered} of {n} answered)")
+        await self._announce()  # our record, through the healed routing table
+
     async def _announce_loop(self) -> None:
         period = self.s.dht_record_ttl_s / 3  # re-announce well before the record expires
         while not self._stop.is_set():
