@@ -138,8 +138,8 @@ class CoordinatorSession:
         self.kept: pb.KeptState = pb.KeptState(round=-1)
         self.waiting_for_operator = ""
         self.from_scratch = False  # the last lost-rounds grant said: go on from a fresh model
-        # When the coordinator's process started serving: a change is a restart. Called then (and
-        # when it is back after an outage): the node dials the coordinator's DHT peer again.
+        # When the coordinator's process started serving: a change is a restart. Called then: the
+        # node dials the coordinator's DHT peer again.
         self._coordinator_started_at = 0.0
         self.on_coordinator_back: Callable[[], None] | None = None
         self.tokens_per_s = 0.0  # what the heartbeats report; the training thread sets it after each round
@@ -201,8 +201,6 @@ class CoordinatorSession:
     def _mark(self, up: bool, err: CoordinatorError | None = None) -> None:
         if up and not self.coordinator_up:
             self.log("coordinator is back: replaying pending commits")
-            if self.on_coordinator_back is not None:
-                self.on_coordinator_back()
         elif not up and self.coordinator_up:
             self.log(f"coordinator unreachable ({err}); training goes on, commits wait in the journal")
         self.coordinator_up = up
@@ -258,8 +256,9 @@ class CoordinatorSession:
         self.waiting_for_operator = reply.waiting_for_operator
         started = reply.coordinator_started_at
         if started and self._coordinator_started_at and started != self._coordinator_started_at:
-            # A restart seen without an outage (it was quick): the DHT side needs it all the same.
-            if self.coordinator_up and self.on_coordinator_back is not None:
+            # It restarted (seen through an outage or not: a quick restart fails no call): its DHT
+            # is a new process that knows only who bootstrapped since.
+            if self.on_coordinator_back is not None:
                 self.on_coordinator_back()
         if started:
             self._coordinator_started_at = started
