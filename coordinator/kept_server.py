@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import grpc
 
-from murmur.protocol import peer_pb2, peer_pb2_grpc, tls
+from murmur.protocol import malformed, peer_pb2, peer_pb2_grpc, tls
 from murmur.protocol.identity import BanList, IdentityError
 from murmur.protocol.state_client import state_frames
 
@@ -22,6 +22,13 @@ from .membership import Membership
 class KeptStateServicer(peer_pb2_grpc.PeerServicer):
     def __init__(self, keeper: StateKeeper, membership: Membership) -> None:
         self.keeper, self.membership = keeper, membership
+
+    async def Hello(self, request: peer_pb2.HelloRequest, context: grpc.aio.ServicerContext):  # noqa: N802
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "the coordinator serves only GetState of its kept states")
+
+    async def Exchange(self, request_iterator, context: grpc.aio.ServicerContext):  # noqa: N802, ANN001
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "the coordinator takes part in no exchange")
+        yield peer_pb2.ExchangeReply()  # never reached: makes this a stream handler
 
     async def GetState(self, request: peer_pb2.StateRequest, context: grpc.aio.ServicerContext):  # noqa: N802
         try:
@@ -36,4 +43,5 @@ class KeptStateServicer(peer_pb2_grpc.PeerServicer):
 
 
 def register(server: grpc.aio.Server, keeper: StateKeeper, membership: Membership) -> None:
-    peer_pb2_grpc.add_PeerServicer_to_server(KeptStateServicer(keeper, membership), server)
+    # Through the guard: a request that does not parse is refused in one line, as on every server.
+    malformed.register(peer_pb2_grpc.add_PeerServicer_to_server, KeptStateServicer(keeper, membership), server)
