@@ -146,11 +146,13 @@ class TrainingThread:
         state = await self.dataplane.fetch_state(
             min_round=self.trainer.round + 1, timeout_s=self._fetch_budget(gone_after)
         )
-        kept = False  # the state came from the coordinator's kept copy
+        # The state came from the coordinator's kept copy (kept), or the kept copy was taken while
+        # the holders were waited for (kept_taken: not asked for again).
+        kept = kept_taken = False
         if state is None and self._kept_is_newest():
             # No live trainer serves the run's newest state, and the coordinator keeps it: no wait.
             state = await self._from_kept()
-            kept = state is not None
+            kept = kept_taken = state is not None
         if state is None and self._run_is_ahead(gone_after):
             self.log(
                 f"the run is at round {max(self.session.view.run_round(), self.session.view.newest)}, this node "
@@ -168,12 +170,12 @@ class TrainingThread:
             newest, mine = self.session.view.newest, self.trainer.round
             if state is not None or not self.session.in_rounds or newest <= mine or self.stop.is_set():
                 break
-            if self.session.kept.round > mine and not kept:
+            if self.session.kept.round > mine and not kept_taken:
                 # The holders did not come back: the newest state that exists may be the one the
                 # coordinator keeps. Take it, then claim the rounds past it (fewer are lost).
                 state = await self._from_kept()
                 if state is not None:
-                    kept = True
+                    kept_taken = True
                     await asyncio.to_thread(self.trainer.load_shared_tensors, state)
                     state, mine = None, self.trainer.round
                     self._log_kept()
