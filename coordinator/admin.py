@@ -82,6 +82,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     ):
         leaf(runs, verb, fn, text).add_argument("run", nargs="?", default="", metavar="RUN",
                                                help="run id (default: the only run)")
+    p = leaf(runs, "recover", _runs_recover,
+             "a run whose newest state exists nowhere waits for this: go on from the newest state that "
+             "exists, or from scratch")
+    p.add_argument("run", nargs="?", default="", metavar="RUN", help="run id (default: the only run)")
+    p.add_argument("--from", dest="start_from", required=True, choices=("newest", "scratch"),
+                   help="newest: the newest state any node or the coordinator holds; scratch: a fresh model")
 
     tokens = verbs("tokens", "join tokens")
     p = leaf(tokens, "create", _tokens_create, "make a join token (shown once)")
@@ -265,6 +271,12 @@ def _runs_state(state: str) -> Callable[[Any, argparse.Namespace], None]:
         _emit(args, info, lambda: f"run {info.run_id} is {info.state}")
 
     return fn
+
+
+def _runs_recover(client: Any, args: argparse.Namespace) -> None:
+    info = client.call("RecoverRun", _pb().RecoverRunRequest(run_id=args.run, start_from=args.start_from))
+    _emit(args, info, lambda: f"run {info.run_id} goes on from {args.start_from} "
+                              f"{'state that exists' if args.start_from == 'newest' else '(a fresh model)'}")
 
 
 # --- tokens -----------------------------------------------------------------------------------------
@@ -456,6 +468,9 @@ def _status(client: Any, args: argparse.Namespace) -> None:
                 *([f"STOPPED (no active node for over {st.stall_after_s:.0f}s): {st.stall_reason}"] if st.stopped
                   else [f"STALLED (no round for over {st.stall_after_s:.0f}s): {st.stall_reason}"] if st.stalled
                   else []),
+                *([f"WAITING FOR THE OPERATOR: {st.waiting_for_operator}"] if st.waiting_for_operator else []),
+                (f"kept state: round {st.kept.round}, {_ago(st.kept.kept_at)}" if st.HasField("kept")
+                 else "kept state: none"),
                 "",
                 _node_rows(st.nodes),
             ]

@@ -98,6 +98,13 @@ class Membership:
         # Trainers' incarnations, peer addresses and rounds (memory only: they heartbeat again
         # within a second of a restart), and the round groups commits are checked against.
         self.trainers = Trainers(settle_s=2 * settings.heartbeat_ttl_s, clock=clock)
+        # The run's newest round survives a restart through the ledger's rounds: a node that comes
+        # back to a run whose every holder is gone must know how far it got, not take round 0 as
+        # the run's (it would go on from its own state as the run's, silently).
+        for r in store.runs():
+            last = store.last_round(r["run_id"])
+            if last is not None:
+                self.trainers.newest[r["run_id"]] = int(last["outer_step"])
         # After a restart nobody could heartbeat while we were down: until this time (set by
         # ``hold`` when the coordinator serves again) no node is declared lost and no lease expires.
         self._hold_until = 0.0
@@ -235,12 +242,7 @@ class Membership:
                 "state folder itself (murmur export STATE_DIR --out DIR)"
             )
         newest, digest = agreed_state((t.round, t.state_hash) for _, t in holders)
-        try:
-            cert_pem = self.ca.sign_csr(
-                csr_pem, validity=READER_CERT_VALIDITY, ban_list=identity.BanList(self.store.banned())
-            )
-        except identity.IdentityError as err:
-            raise MembershipError(str(err)) from None
+        cert_pem = self.reader_certificate(csr_pem)
         with self.store.write():
             self.store.event(
                 "state_read", run_id=run_id, round=newest, state_hash=digest,
@@ -248,6 +250,14 @@ class Membership:
             )
         chosen = [(n, t) for n, t in holders if t.round == newest and t.state_hash == digest]
         return ReadGrant(cert_pem, newest, digest, chosen)
+
+    def reader_certificate(self, csr_pem: bytes) -> bytes:
+        """A reader's short-lived certificate (no member: peers and the coordinator serve it GetState)."""
+        try:
+            bans = identity.BanList(self.store.banned())
+            return self.ca.sign_csr(csr_pem, validity=READER_CERT_VALIDITY, ban_list=bans)
+        except identity.IdentityError as err:
+            raise MembershipError(str(err)) from None
 
     def live_trainers(self, run_id: str) -> list[tuple[str, Trainer]]:
         """The run's trainers with a heartbeat within the TTL, by node id."""

@@ -29,10 +29,12 @@ from murmur.logline import line_writer
 from murmur.protocol import coordinator_pb2_grpc as pb_grpc
 from murmur.protocol import malformed, tls
 
-from . import authority
+from . import authority, kept_server
 from .discovery import Discovery
+from .keeper import StateKeeper
 from .membership import Membership
 from .metrics import LedgerCollector
+from .recovery import Recovery
 from .runs import Runs
 from .service import CoordinatorService
 from .settings import CoordinatorSettings
@@ -116,6 +118,11 @@ class Coordinator:
             self.secrets.ca.cert_pem,
             self.stages,
         )
+        # The run's newest verified state, kept beside the ledger (coordinator/keeper.py), and the
+        # operator's say when no copy of it exists anywhere (coordinator/recovery.py).
+        self.keeper = StateKeeper(options.db, self.store, self.membership, self.stages, self.log, clock=clock)
+        self.service.keeper = self.keeper
+        self.service.recovery = Recovery(self.store, self.keeper.kept_round)
         collector = LedgerCollector(
             self.store, self.service.stats, self.membership.pending_count, self.membership.tokens_per_s,
             self.service.status.progress,
@@ -134,6 +141,7 @@ class Coordinator:
         self.server = grpc.aio.server(options=tls.server_options(s.max_message_bytes))
         # A request that does not parse is refused in one line (INVALID_ARGUMENT), on every method.
         malformed.register(pb_grpc.add_CoordinatorServicer_to_server, self.service, self.server)
+        kept_server.register(self.server, self.keeper, self.membership)  # GetState of kept states
         pair = [(self.secrets.tls_key_pem, self.secrets.ca.cert_pem)]
         public_creds = grpc.ssl_server_credentials(pair)
         node_creds = grpc.ssl_server_credentials(
@@ -156,6 +164,8 @@ class Coordinator:
         await self.server.start()
         advertise = opts.advertise_host or ("127.0.0.1" if host in ("0.0.0.0", "[::]", "::") else host)
         self.service.node_address = f"{advertise}:{node_port}"
+        self.keeper.node_address = self.service.node_address
+        self.service.started_at = self.clock()
         metrics_address = ""
         if opts.metrics_listen != "off":
             mhost, mport = split_address(
@@ -222,10 +232,14 @@ class Coordinator:
             with contextlib.suppress(NotImplementedError, RuntimeError):
                 loop.add_signal_handler(sig, self.request_stop)
         sweeper = asyncio.create_task(self.sweeper())
+        keeper = asyncio.create_task(self.keeper.run(self._stop))
         try:
             await self._stop.wait()
         finally:
             await self.close(sweeper)
+            with contextlib.suppress(asyncio.CancelledError):
+                keeper.cancel()
+                await keeper
 
     async def close(self, sweeper: asyncio.Task[None] | None = None) -> None:
         self._stop.set()

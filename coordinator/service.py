@@ -12,6 +12,7 @@ asyncio's own.
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import time
 from collections.abc import Awaitable, Callable
@@ -26,8 +27,10 @@ from murmur.protocol.reachability import dial_back
 from murmur.protocol.version import VERSION_METADATA_KEY, VersionMismatch, check_version
 
 from .gone import MAX_GONE_PER_REPORT, GoneReports
+from .keeper import StateKeeper, kept_name
 from .leases import Progress
-from .membership import Membership
+from .membership import Membership, NoStateYet
+from .recovery import Recovery
 from .runs import NotFound, RunError, Runs
 from .settings import ADMIN_METADATA_KEY, TLS_SERVER_NAME, CoordinatorSettings
 from .stage_board import StageBoard
@@ -81,6 +84,13 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self.stats = Stats()
         self.status = StatusSource(store, membership, runs, settings)
         self.gone = GoneReports(membership, settings.gone_dial_every_s)
+        # The run's kept states and the operator's recovery decisions (coordinator/keeper.py,
+        # coordinator/recovery.py); set by the server. started_at: heartbeat replies carry it,
+        # so nodes see a restart (and dial its DHT peer again) even through no failed call.
+        self.keeper: StateKeeper | None = None
+        self.recovery: Recovery | None = None
+        self.started_at = time.time()
+        self.status.annotate = self._durability_into
 
     # --- plumbing ------------------------------------------------------------------------------
 
@@ -176,6 +186,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             )
             if peer is not None:
                 self._view_into(reply, run_id, node_id)
+            self._durability_into(reply, run_id)
             if order is not None:
                 reply.stage_order.CopyFrom(order)
             version = self.membership.ban_version
@@ -186,6 +197,19 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             return reply
 
         return await self._run("Heartbeat", context, call)
+
+    def _durability_into(self, reply: pb.HeartbeatReply | pb.StatusReply, run_id: str = "") -> None:
+        """When this process started, the state it keeps of the run, and whether the run waits for
+        its operator (heartbeat replies, `admin status`, the page)."""
+        run_id = run_id or reply.run.run_id  # type: ignore[union-attr]
+        if isinstance(reply, pb.HeartbeatReply):
+            reply.coordinator_started_at = self.started_at
+        if self.keeper is not None:
+            kept = self.keeper.kept_info(run_id)
+            if kept is not None:
+                reply.kept.CopyFrom(kept)
+        if self.recovery is not None:
+            reply.waiting_for_operator = self.recovery.waiting(run_id)
 
     def _view_into(self, reply: pb.HeartbeatReply | pb.ReportGoneReply, run_id: str, node_id: str) -> None:
         """A trainer's view: the run's live trainers, for its round groups; none while this
@@ -271,8 +295,11 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             members = list(request.members)[:10_000]
             try:
                 if request.lost_rounds:
+                    scratch = False
+                    if self.recovery is not None:  # the newest state that exists, or the operator's call
+                        scratch = self.recovery.judge(run_id, request.round, max(0, request.from_round), node_id)
                     self.membership.claim_lost_rounds(run_id, request.round, node_id)
-                    return pb.ClaimRoundReply(decided=True)
+                    return pb.ClaimRoundReply(decided=True, from_scratch=scratch)
                 decided = self.membership.claim_round(
                     run_id, request.round, request.key[:200], members, run_round=max(0, request.run_round)
                 )
@@ -316,6 +343,13 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         return await self._run("ReportCheckpoint", context, call)
 
     async def Leave(self, request: pb.LeaveRequest, context: grpc.aio.ServicerContext) -> pb.LeaveReply:
+        if self.keeper is not None:
+            # A leaver that holds a state newer than the kept one: pull it first, while its peer
+            # server still serves it (bounded by keep.leave_pull_s). The call refuses strangers below.
+            with contextlib.suppress(MurmurError):
+                node_id, run_id = self._node(context)
+                await self.keeper.pull_at_leave(run_id, node_id)
+
         def call() -> pb.LeaveReply:
             node_id, run_id = self._node(context)
             released = self.membership.leave(node_id, request.reason)
@@ -567,7 +601,16 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         def call() -> pb.ReadStateGrant:
             run_id = self._default_run(request.run_id)
             info = self._run_info(run_id)  # an unknown run is refused by name
-            grant = self.membership.grant_read(run_id, bytes(request.csr_pem)[:16384])
+            csr = bytes(request.csr_pem)[:16384]
+            if self.stage_board.pipeline(run_id) is not None:
+                return self._read_stages(run_id, info, csr)
+            try:
+                grant = self.membership.grant_read(run_id, csr)
+            except NoStateYet:
+                kept = self._read_kept(run_id, info, csr)
+                if kept is None:
+                    raise
+                return kept
             return pb.ReadStateGrant(
                 run_id=run_id,
                 certificate_pem=grant.cert_pem,
@@ -584,6 +627,70 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             )
 
         return await self._admin_call("ReadState", context, call)
+
+    def _read_kept(self, run_id: str, info: pb.RunInfo, csr: bytes) -> pb.ReadStateGrant | None:
+        """A reader's pass to the coordinator's kept state, when no live node serves one."""
+        k = self.keeper.kept(run_id) if self.keeper is not None else None
+        if k is None or not self.node_address:
+            return None
+        cert = self.membership.reader_certificate(csr)
+        grant = pb.ReadStateGrant(run_id=run_id, certificate_pem=cert, ca_certificate_pem=self.membership.ca.cert_pem,
+                                  config_toml=info.config_toml, round=k.round,
+                                  tokens_committed=info.tokens_committed, kept=True)
+        me = pb.LiveMember(node_id=TLS_SERVER_NAME, peer_address=self.node_address, round=k.round)
+        if k.kind == "global":
+            grant.state_hash = k.states[0].state_hash.hex()
+            me.state_hash = grant.state_hash
+            grant.holders.append(me)  # GetState of kept_name(run, "state/<round>") at the coordinator
+        else:
+            for stage, st in zip(k.stages or [], k.states, strict=True):
+                grant.stages.append(pb.StageState(stage=stage, name=kept_name(run_id, st.name),
+                                                  state_hash=st.state_hash.hex(), holders=[me]))
+        self._state_read_event(run_id, grant, cert)
+        return grant
+
+    def _read_stages(self, run_id: str, info: pb.RunInfo, csr: bytes) -> pb.ReadStateGrant:
+        """A pipelined run: each stage's live peers that publish its state; else the kept set."""
+        smap = self.stage_board.stage_map(run_id)
+        stages = []
+        for s in range(smap.stages):
+            serving = [p for p in smap.peers if p.report.stage == s and p.report.state_hash
+                       and p.report.state_address and self.membership.is_live(p.node_id)]
+            if not serving:
+                break
+            stages.append(pb.StageState(stage=s, name=f"stage/{s}", state_hash=serving[0].report.state_hash, holders=[
+                pb.LiveMember(node_id=p.node_id, peer_address=p.report.state_address, state_hash=p.report.state_hash,
+                              round=p.report.optimizer_steps) for p in serving]))
+        if len(stages) == smap.stages and stages:
+            cert = self.membership.reader_certificate(csr)
+            grant = pb.ReadStateGrant(run_id=run_id, certificate_pem=cert,
+                                      ca_certificate_pem=self.membership.ca.cert_pem,
+                                      config_toml=info.config_toml, tokens_committed=info.tokens_committed,
+                                      round=min(h.round for st in stages for h in st.holders), stages=stages)
+            self._state_read_event(run_id, grant, cert)
+            return grant
+        kept = self._read_kept(run_id, info, csr)
+        if kept is None:
+            raise NoStateYet(f"no live peer of run {run_id} serves stage {len(stages)}'s state, and the coordinator "
+                             "keeps none yet; try again once every stage is served")
+        return kept
+
+    def _state_read_event(self, run_id: str, grant: pb.ReadStateGrant, cert: bytes) -> None:
+        from murmur.protocol.identity import node_id_of_certificate
+
+        with self.store.write():
+            self.store.event("state_read", run_id=run_id, round=grant.round, state_hash=grant.state_hash,
+                             kept=grant.kept, stages=len(grant.stages), reader=node_id_of_certificate(cert))
+
+    async def RecoverRun(self, request: pb.RecoverRunRequest, context: grpc.aio.ServicerContext) -> pb.RunInfo:
+        def call() -> pb.RunInfo:
+            run_id = self._default_run(request.run_id)
+            self._run_info(run_id)  # an unknown run is refused by name
+            assert self.recovery is not None
+            self.recovery.recover(run_id, request.start_from)
+            return self._run_info(run_id)
+
+        return await self._admin_call("RecoverRun", context, call)
 
 
 class _Unauthenticated(MurmurError):

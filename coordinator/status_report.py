@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from typing import Any
 
 from murmur.protocol import coordinator_pb2 as pb
@@ -34,6 +35,7 @@ class StatusSource:
 
     def __init__(self, store: Store, membership: Membership, runs: Runs, settings: CoordinatorSettings) -> None:
         self.store, self.membership, self.runs, self.settings = store, membership, runs, settings
+        self.annotate: Callable[[pb.StatusReply], None] | None = None  # set by the service
 
     def default_run(self, run_id: str) -> str:
         if run_id:
@@ -118,6 +120,8 @@ class StatusSource:
             nodes_by_status=self.store.nodes_by_status(run_id),
         )
         self._progress(reply, [r["joined_at"] for r in active], now, self._last_seen(rows))
+        if self.annotate is not None:  # the kept state and a wait for the operator (coordinator/service.py)
+            self.annotate(reply)
         return reply
 
     def _last_seen(self, rows: list[Any]) -> float:

@@ -287,6 +287,12 @@ class Store:
             (name, by),
         )
 
+    def set_counter(self, name: str, value: int) -> None:
+        self.db.execute(
+            "INSERT INTO counters(name, value) VALUES (?, ?) ON CONFLICT(name) DO UPDATE SET value = excluded.value",
+            (name, value),
+        )
+
     def counter(self, name: str) -> int:
         row = self._one("SELECT value FROM counters WHERE name = ?", (name,))
         return int(row["value"]) if row else 0

@@ -238,11 +238,15 @@ class MemberClient:
         reply = await self._call("ClaimRound", request)
         return bool(reply.decided)
 
-    async def claim_lost_rounds(self, round_id: int) -> None:
-        """May this node go on from its own state numbered as ``round_id``, the holders of the
-        run's rounds past its state being gone? Returns when granted; a refusal (another live node
-        was granted that number) is a CoordinatorError with code ABORTED and the reason."""
-        await self._call("ClaimRound", pb.ClaimRoundRequest(round=round_id, lost_rounds=True))
+    async def claim_lost_rounds(self, round_id: int, from_round: int = 0) -> pb.ClaimRoundReply:
+        """May this node go on from its own state (of round ``from_round``) numbered as
+        ``round_id``, the holders of the run's rounds past its state being gone? Returns the grant
+        (``from_scratch``: the operator said to go on from a fresh model); a refusal (another live
+        node was granted that number, the coordinator keeps a newer state, or the run waits for its
+        operator) is a CoordinatorError with code ABORTED and the reason."""
+        return await self._call(
+            "ClaimRound", pb.ClaimRoundRequest(round=round_id, lost_rounds=True, from_round=max(0, from_round))
+        )
 
     async def report_gone(self, peers: list[tuple[str, str]] | tuple[tuple[str, str], ...]) -> pb.ReportGoneReply:
         """Report (node id, peer address) of peers whose address refused a connect: the coordinator

@@ -169,7 +169,7 @@ class LiveMember(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., peer_address: _Optional[str] = ..., round: _Optional[int] = ..., state_hash: _Optional[str] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
-    __slots__ = ("run_state", "leases_renewed", "heartbeat_interval_s", "lease_ttl_s", "ban_list", "ban_list_changed", "members", "run_round", "stage_order", "view_whole")
+    __slots__ = ("run_state", "leases_renewed", "heartbeat_interval_s", "lease_ttl_s", "ban_list", "ban_list_changed", "members", "run_round", "stage_order", "view_whole", "coordinator_started_at", "kept", "waiting_for_operator")
     RUN_STATE_FIELD_NUMBER: _ClassVar[int]
     LEASES_RENEWED_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
@@ -180,6 +180,9 @@ class HeartbeatReply(_message.Message):
     RUN_ROUND_FIELD_NUMBER: _ClassVar[int]
     STAGE_ORDER_FIELD_NUMBER: _ClassVar[int]
     VIEW_WHOLE_FIELD_NUMBER: _ClassVar[int]
+    COORDINATOR_STARTED_AT_FIELD_NUMBER: _ClassVar[int]
+    KEPT_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FOR_OPERATOR_FIELD_NUMBER: _ClassVar[int]
     run_state: str
     leases_renewed: int
     heartbeat_interval_s: float
@@ -190,7 +193,24 @@ class HeartbeatReply(_message.Message):
     run_round: int
     stage_order: StageOrder
     view_whole: bool
-    def __init__(self, run_state: _Optional[str] = ..., leases_renewed: _Optional[int] = ..., heartbeat_interval_s: _Optional[float] = ..., lease_ttl_s: _Optional[float] = ..., ban_list: _Optional[_Union[BanList, _Mapping]] = ..., ban_list_changed: _Optional[bool] = ..., members: _Optional[_Iterable[_Union[LiveMember, _Mapping]]] = ..., run_round: _Optional[int] = ..., stage_order: _Optional[_Union[StageOrder, _Mapping]] = ..., view_whole: _Optional[bool] = ...) -> None: ...
+    coordinator_started_at: float
+    kept: KeptState
+    waiting_for_operator: str
+    def __init__(self, run_state: _Optional[str] = ..., leases_renewed: _Optional[int] = ..., heartbeat_interval_s: _Optional[float] = ..., lease_ttl_s: _Optional[float] = ..., ban_list: _Optional[_Union[BanList, _Mapping]] = ..., ban_list_changed: _Optional[bool] = ..., members: _Optional[_Iterable[_Union[LiveMember, _Mapping]]] = ..., run_round: _Optional[int] = ..., stage_order: _Optional[_Union[StageOrder, _Mapping]] = ..., view_whole: _Optional[bool] = ..., coordinator_started_at: _Optional[float] = ..., kept: _Optional[_Union[KeptState, _Mapping]] = ..., waiting_for_operator: _Optional[str] = ...) -> None: ...
+
+class KeptState(_message.Message):
+    __slots__ = ("round", "state_hash", "address", "server_name", "kept_at")
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    STATE_HASH_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    SERVER_NAME_FIELD_NUMBER: _ClassVar[int]
+    KEPT_AT_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    state_hash: str
+    address: str
+    server_name: str
+    kept_at: float
+    def __init__(self, round: _Optional[int] = ..., state_hash: _Optional[str] = ..., address: _Optional[str] = ..., server_name: _Optional[str] = ..., kept_at: _Optional[float] = ...) -> None: ...
 
 class AcquireLeaseRequest(_message.Message):
     __slots__ = ("exhausted",)
@@ -357,24 +377,28 @@ class ReportRejectionsReply(_message.Message):
     def __init__(self, recorded: _Optional[int] = ...) -> None: ...
 
 class ClaimRoundRequest(_message.Message):
-    __slots__ = ("round", "key", "members", "run_round", "lost_rounds")
+    __slots__ = ("round", "key", "members", "run_round", "lost_rounds", "from_round")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     KEY_FIELD_NUMBER: _ClassVar[int]
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
     RUN_ROUND_FIELD_NUMBER: _ClassVar[int]
     LOST_ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    FROM_ROUND_FIELD_NUMBER: _ClassVar[int]
     round: int
     key: str
     members: _containers.RepeatedScalarFieldContainer[str]
     run_round: int
     lost_rounds: bool
-    def __init__(self, round: _Optional[int] = ..., key: _Optional[str] = ..., members: _Optional[_Iterable[str]] = ..., run_round: _Optional[int] = ..., lost_rounds: _Optional[bool] = ...) -> None: ...
+    from_round: int
+    def __init__(self, round: _Optional[int] = ..., key: _Optional[str] = ..., members: _Optional[_Iterable[str]] = ..., run_round: _Optional[int] = ..., lost_rounds: _Optional[bool] = ..., from_round: _Optional[int] = ...) -> None: ...
 
 class ClaimRoundReply(_message.Message):
-    __slots__ = ("decided",)
+    __slots__ = ("decided", "from_scratch")
     DECIDED_FIELD_NUMBER: _ClassVar[int]
+    FROM_SCRATCH_FIELD_NUMBER: _ClassVar[int]
     decided: bool
-    def __init__(self, decided: _Optional[bool] = ...) -> None: ...
+    from_scratch: bool
+    def __init__(self, decided: _Optional[bool] = ..., from_scratch: _Optional[bool] = ...) -> None: ...
 
 class GonePeer(_message.Message):
     __slots__ = ("node_id", "peer_address")
@@ -671,7 +695,7 @@ class ReadStateRequest(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., csr_pem: _Optional[bytes] = ...) -> None: ...
 
 class ReadStateGrant(_message.Message):
-    __slots__ = ("run_id", "certificate_pem", "ca_certificate_pem", "config_toml", "round", "state_hash", "holders", "tokens_committed")
+    __slots__ = ("run_id", "certificate_pem", "ca_certificate_pem", "config_toml", "round", "state_hash", "holders", "tokens_committed", "stages", "kept")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     CERTIFICATE_PEM_FIELD_NUMBER: _ClassVar[int]
     CA_CERTIFICATE_PEM_FIELD_NUMBER: _ClassVar[int]
@@ -680,6 +704,8 @@ class ReadStateGrant(_message.Message):
     STATE_HASH_FIELD_NUMBER: _ClassVar[int]
     HOLDERS_FIELD_NUMBER: _ClassVar[int]
     TOKENS_COMMITTED_FIELD_NUMBER: _ClassVar[int]
+    STAGES_FIELD_NUMBER: _ClassVar[int]
+    KEPT_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     certificate_pem: bytes
     ca_certificate_pem: bytes
@@ -688,10 +714,32 @@ class ReadStateGrant(_message.Message):
     state_hash: str
     holders: _containers.RepeatedCompositeFieldContainer[LiveMember]
     tokens_committed: int
-    def __init__(self, run_id: _Optional[str] = ..., certificate_pem: _Optional[bytes] = ..., ca_certificate_pem: _Optional[bytes] = ..., config_toml: _Optional[str] = ..., round: _Optional[int] = ..., state_hash: _Optional[str] = ..., holders: _Optional[_Iterable[_Union[LiveMember, _Mapping]]] = ..., tokens_committed: _Optional[int] = ...) -> None: ...
+    stages: _containers.RepeatedCompositeFieldContainer[StageState]
+    kept: bool
+    def __init__(self, run_id: _Optional[str] = ..., certificate_pem: _Optional[bytes] = ..., ca_certificate_pem: _Optional[bytes] = ..., config_toml: _Optional[str] = ..., round: _Optional[int] = ..., state_hash: _Optional[str] = ..., holders: _Optional[_Iterable[_Union[LiveMember, _Mapping]]] = ..., tokens_committed: _Optional[int] = ..., stages: _Optional[_Iterable[_Union[StageState, _Mapping]]] = ..., kept: _Optional[bool] = ...) -> None: ...
+
+class StageState(_message.Message):
+    __slots__ = ("stage", "name", "state_hash", "holders")
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    STATE_HASH_FIELD_NUMBER: _ClassVar[int]
+    HOLDERS_FIELD_NUMBER: _ClassVar[int]
+    stage: int
+    name: str
+    state_hash: str
+    holders: _containers.RepeatedCompositeFieldContainer[LiveMember]
+    def __init__(self, stage: _Optional[int] = ..., name: _Optional[str] = ..., state_hash: _Optional[str] = ..., holders: _Optional[_Iterable[_Union[LiveMember, _Mapping]]] = ...) -> None: ...
+
+class RecoverRunRequest(_message.Message):
+    __slots__ = ("run_id", "start_from")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    START_FROM_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    start_from: str
+    def __init__(self, run_id: _Optional[str] = ..., start_from: _Optional[str] = ...) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("run", "nodes", "last_loss", "tokens_per_s", "bytes_sent", "rounds", "nodes_by_status", "last_round_at", "last_round_age_s", "stall_after_s", "stalled", "stall_reason", "stopped")
+    __slots__ = ("run", "nodes", "last_loss", "tokens_per_s", "bytes_sent", "rounds", "nodes_by_status", "last_round_at", "last_round_age_s", "stall_after_s", "stalled", "stall_reason", "stopped", "kept", "waiting_for_operator")
     class NodesByStatusEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -712,6 +760,8 @@ class StatusReply(_message.Message):
     STALLED_FIELD_NUMBER: _ClassVar[int]
     STALL_REASON_FIELD_NUMBER: _ClassVar[int]
     STOPPED_FIELD_NUMBER: _ClassVar[int]
+    KEPT_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FOR_OPERATOR_FIELD_NUMBER: _ClassVar[int]
     run: RunInfo
     nodes: _containers.RepeatedCompositeFieldContainer[NodeInfo]
     last_loss: float
@@ -725,7 +775,9 @@ class StatusReply(_message.Message):
     stalled: bool
     stall_reason: str
     stopped: bool
-    def __init__(self, run: _Optional[_Union[RunInfo, _Mapping]] = ..., nodes: _Optional[_Iterable[_Union[NodeInfo, _Mapping]]] = ..., last_loss: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., bytes_sent: _Optional[int] = ..., rounds: _Optional[int] = ..., nodes_by_status: _Optional[_Mapping[str, int]] = ..., last_round_at: _Optional[float] = ..., last_round_age_s: _Optional[float] = ..., stall_after_s: _Optional[float] = ..., stalled: _Optional[bool] = ..., stall_reason: _Optional[str] = ..., stopped: _Optional[bool] = ...) -> None: ...
+    kept: KeptState
+    waiting_for_operator: str
+    def __init__(self, run: _Optional[_Union[RunInfo, _Mapping]] = ..., nodes: _Optional[_Iterable[_Union[NodeInfo, _Mapping]]] = ..., last_loss: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., bytes_sent: _Optional[int] = ..., rounds: _Optional[int] = ..., nodes_by_status: _Optional[_Mapping[str, int]] = ..., last_round_at: _Optional[float] = ..., last_round_age_s: _Optional[float] = ..., stall_after_s: _Optional[float] = ..., stalled: _Optional[bool] = ..., stall_reason: _Optional[str] = ..., stopped: _Optional[bool] = ..., kept: _Optional[_Union[KeptState, _Mapping]] = ..., waiting_for_operator: _Optional[str] = ...) -> None: ...
 
 class GetStagesRequest(_message.Message):
     __slots__ = ("run_id",)

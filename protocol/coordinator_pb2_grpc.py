@@ -184,6 +184,11 @@ class CoordinatorStub:
                 request_serializer=murmur_dot_protocol_dot_coordinator__pb2.ReadStateRequest.SerializeToString,
                 response_deserializer=murmur_dot_protocol_dot_coordinator__pb2.ReadStateGrant.FromString,
                 _registered_method=True)
+        self.RecoverRun = channel.unary_unary(
+                '/murmur.v1.Coordinator/RecoverRun',
+                request_serializer=murmur_dot_protocol_dot_coordinator__pb2.RecoverRunRequest.SerializeToString,
+                response_deserializer=murmur_dot_protocol_dot_coordinator__pb2.RunInfo.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -395,6 +400,14 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RecoverRun(self, request, context):
+        """The operator's decision for a run whose newest state exists nowhere (it waits for it: the
+        status says so): go on from the newest state that exists, or from scratch.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -547,6 +560,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.ReadState,
                     request_deserializer=murmur_dot_protocol_dot_coordinator__pb2.ReadStateRequest.FromString,
                     response_serializer=murmur_dot_protocol_dot_coordinator__pb2.ReadStateGrant.SerializeToString,
+            ),
+            'RecoverRun': grpc.unary_unary_rpc_method_handler(
+                    servicer.RecoverRun,
+                    request_deserializer=murmur_dot_protocol_dot_coordinator__pb2.RecoverRunRequest.FromString,
+                    response_serializer=murmur_dot_protocol_dot_coordinator__pb2.RunInfo.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1359,6 +1377,33 @@ class Coordinator:
             '/murmur.v1.Coordinator/ReadState',
             murmur_dot_protocol_dot_coordinator__pb2.ReadStateRequest.SerializeToString,
             murmur_dot_protocol_dot_coordinator__pb2.ReadStateGrant.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RecoverRun(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/murmur.v1.Coordinator/RecoverRun',
+            murmur_dot_protocol_dot_coordinator__pb2.RecoverRunRequest.SerializeToString,
+            murmur_dot_protocol_dot_coordinator__pb2.RunInfo.FromString,
             options,
             channel_credentials,
             insecure,

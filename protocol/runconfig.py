@@ -298,6 +298,21 @@ class PipelineSection(Section):
         return self
 
 
+class KeepSection(Section):
+    """What the coordinator keeps of the run's model (coordinator/keeper.py): the newest verified
+    state, pulled from the nodes that hold it, beside its ledger, so that a run whose nodes have
+    all gone goes on from it (docs/failure-model.md)."""
+
+    # Pull the run's newest state at most this often (seconds; 0: keep nothing). Each pull moves
+    # one copy of the global state (pipelined: of every stage) to the coordinator.
+    every_s: float = _bounded(60.0, MAX_SECONDS, _SECONDS_WHY, ge=0)
+    # Versions kept on the coordinator's disk (the oldest go first).
+    versions: int = _bounded(2, 1000, "a thousand copies of the model", gt=0)
+    # When the last holder of a state newer than the kept one leaves (SIGTERM), the coordinator
+    # pulls it before it answers the leave, for at most this long (0: not at leaves).
+    leave_pull_s: float = _bounded(5.0, 600.0, "a node's shutdown grace is seconds", ge=0)
+
+
 class RunConfig(Section):
     name: str = "murmur-run"
     seed: int = _bounded(0, 2**63 - 1, "a seed is a signed 64-bit integer", ge=-(2**63))
@@ -307,6 +322,7 @@ class RunConfig(Section):
     train: TrainSection = Field(default_factory=TrainSection)
     sync: SyncSection = Field(default_factory=SyncSection)
     pipeline: PipelineSection | None = None  # absent: data parallel
+    keep: KeepSection = Field(default_factory=KeepSection)
 
     @model_validator(mode="after")
     def _muon_steps_itself(self) -> RunConfig:

@@ -133,7 +133,8 @@ def test_a_round_granted_to_a_group_that_died_before_saying_so_is_numbered_past(
         # Checkpoints are written beside the training thread (node/daemon/round_finish.py): held at
         # R's, A and B may have completed and been granted a round or two more before the kill.
         numbered = int(went_on.group(2))
-        assert int(went_on.group(1)) == behind and numbered >= held, went_on.group(0)
+        # (From its checkpoint's round, or from the coordinator's kept state if that is newer.)
+        assert int(went_on.group(1)) >= behind and numbered >= held, went_on.group(0)
         net.start_node(a)
         train_on_together(net, a, c, past=numbered)
         assert not [r for n in (a, b, c) for r in trained(n) if held <= int(r["round"]) <= numbered], "R was recorded"

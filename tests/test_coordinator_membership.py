@@ -341,12 +341,12 @@ def test_two_nodes_back_behind_the_run_at_once_cannot_both_number_their_state_as
         try:
             for client in (a, b):
                 await client.heartbeat(peer=pb.HeartbeatRequest(incarnation="first", round=4, starting=True))
-            await a.claim_lost_rounds(9)
+            await a.claim_lost_rounds(9, 4)  # each goes on from its own round-4 checkpoint
             with pytest.raises(CoordinatorError, match=f"{a_id} goes on from its own state as round 9") as err:
-                await b.claim_lost_rounds(9)
+                await b.claim_lost_rounds(9, 4)
             assert err.value.code == grpc.StatusCode.ABORTED
             await a.heartbeat(peer=pb.HeartbeatRequest(incarnation="second", round=4, starting=True))
-            await b.claim_lost_rounds(9)
+            await b.claim_lost_rounds(9, 4)
         finally:
             for cl in (a, b):
                 await cl.close()

@@ -271,6 +271,7 @@ class Node:
         )
         if self.session is not None:
             plane.on_publish = self.session.published  # heartbeats report round, hash, address
+            self.session.on_coordinator_back = plane.coordinator_back  # the DHT heals after its restart
         return plane
 
     async def _shutdown(self) -> None:

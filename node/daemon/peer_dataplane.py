@@ -57,6 +57,9 @@ TRAINER = "trainer"
 
 STATE_POLL_S = 0.5  # how often a joiner looks for peers' records
 DHT_RETRY_S = 1.0  # pause between DHT start attempts
+# After a coordinator restart: the first redial of its DHT peer, doubling up to DHT_REFRESH_S.
+REDIAL_FIRST_S = 0.25
+REDIAL_TRIES = 12
 DHT_REFRESH_S = 5.0  # while the DHT cannot start, ask the coordinator for its bootstrap peers this often
 DHT_GOODBYE_TIMEOUT_S = 5.0  # the "gone" record; past this, peers learn of the exit from the TTL
 
@@ -160,6 +163,38 @@ class PeerDataPlane:
             self._apart_logged = apart
             self.log(f"the coordinator lists {len(apart)} trainer(s) this node's DHT does not show: "
                      f"dialed the bootstrap peers again ({answered} of {len(self.dht.initial_peers)} answered)")
+
+    def coordinator_back(self) -> None:
+        """The coordinator restarted (or is back after an outage): dial its DHT peer again now.
+        Its new DHT process knows only the nodes that bootstrapped from it since, and this node
+        dropped it from its routing table while it was down: a node started after the restart met
+        nobody but the coordinator and waited its whole peers_wait_s (60 s) for peers it could not
+        see (issue 50). Not on a timer: at the moment the coordinator answers again."""
+        if not self.dht.initial_peers or self._stop.is_set():
+            return
+        with contextlib.suppress(RuntimeError):  # no running loop: the node is closing
+            asyncio.get_running_loop().create_task(self._redial_coordinator())
+
+    async def _redial_coordinator(self) -> None:
+        """Dial the bootstrap peers until one answers: right after its restart the coordinator's
+        DHT refused the first dials (p2pd still held the connection to its previous process: "0 of
+        1 answered" at the first heartbeat, then the late node waited 60 s). Backs off to
+        DHT_REFRESH_S, for REDIAL_TRIES tries at most."""
+        n, answered, delay = len(self.dht.initial_peers), 0, REDIAL_FIRST_S
+        for _ in range(REDIAL_TRIES):
+            self._rejoined_at = asyncio.get_running_loop().time()
+            try:
+                answered = await self.dht.areconnect(self.dht.initial_peers)
+            except Exception as err:  # noqa: BLE001 - tried again below, and by the announce loop's check
+                self.log(f"could not dial the DHT bootstrap peers again ({type(err).__name__}: {err})")
+            if answered or self._stop.is_set():
+                break
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stop.wait(), delay)
+            delay = min(2 * delay, DHT_REFRESH_S)
+        self.log(f"the coordinator is back: dialed its DHT peer again ({answered} of {n} answered)")
+        if answered:
+            await self._announce()  # our record, through the healed routing table
 
     async def _announce_loop(self) -> None:
         period = self.s.dht_record_ttl_s / 3  # re-announce well before the record expires

@@ -136,6 +136,15 @@ class CoordinatorSession:
         # ``acquire`` asks for another shard beside them (the training thread fills it).
         self.exhausted: set[str] = set()
         self.coordinator_up = True
+        # What the coordinator keeps of the run (pb.KeptState, round -1: nothing) and whether the
+        # run waits for its operator, from the latest heartbeat reply (coordinator/keeper.py).
+        self.kept: pb.KeptState = pb.KeptState(round=-1)
+        self.waiting_for_operator = ""
+        self.from_scratch = False  # the last lost-rounds grant said: go on from a fresh model
+        # When the coordinator's process started serving: a change is a restart. Called then: the
+        # node dials the coordinator's DHT peer again.
+        self._coordinator_started_at = 0.0
+        self.on_coordinator_back: Callable[[], None] | None = None
         self.tokens_per_s = 0.0  # what the heartbeats report; the training thread sets it after each round
         # The run round the window under way completes (the training thread sets it before each
         # window): claims name it, and a grant makes it the run's newest round at the coordinator.
@@ -225,6 +234,7 @@ class CoordinatorSession:
                 reply = await self.client.heartbeat(self.tokens_per_s, "training", peer=peer)
                 if reply.view_whole:  # not yet right after a coordinator restart: it means nothing then
                     self.view.update(reply.members, reply.run_round)
+                self._durability(reply)
                 self.viewed.set()
                 self._mark(True)
                 if self.pending:
@@ -245,6 +255,21 @@ class CoordinatorSession:
                 await asyncio.sleep(due - time.monotonic())  # stop.sleep no longer waits once the stop is asked for
             else:
                 await self.stop.sleep(due - time.monotonic())
+
+    def _durability(self, reply: pb.HeartbeatReply) -> None:
+        """The kept state, a wait for the operator, and a coordinator restart, from a reply."""
+        self.kept = reply.kept if reply.HasField("kept") and reply.kept.address else pb.KeptState(round=-1)
+        if reply.waiting_for_operator != self.waiting_for_operator and reply.waiting_for_operator:
+            self.log(f"the run waits for its operator: {reply.waiting_for_operator}")
+        self.waiting_for_operator = reply.waiting_for_operator
+        started = reply.coordinator_started_at
+        if started and self._coordinator_started_at and started != self._coordinator_started_at:
+            # It restarted (seen through an outage or not: a quick restart fails no call): its DHT
+            # is a new process that knows only who bootstrapped since.
+            if self.on_coordinator_back is not None:
+                self.on_coordinator_back()
+        if started:
+            self._coordinator_started_at = started
 
     # -- peers seen dead ---------------------------------------------------------------------------
 
@@ -299,15 +324,19 @@ class CoordinatorSession:
             else:
                 self.log(f"the coordinator could not judge round {round_id}'s group ({err}); the quorum decides")
 
-    async def claim_lost_rounds(self, round_id: int) -> bool:
-        """May this node go on from its own state numbered as ``round_id`` (the holders of the
-        rounds past its state are gone)? False when the coordinator granted that number to another
-        live node: take that node's state instead. Through an outage the node decides alone (the
-        gap failure-model.md names)."""
+    async def claim_lost_rounds(self, round_id: int, from_round: int = 0) -> bool:
+        """May this node go on from its own state (of round ``from_round``) numbered as
+        ``round_id`` (the holders of the rounds past its state are gone)? False when the
+        coordinator granted that number to another live node (take that node's state instead),
+        keeps a newer state (restore from it), or the run waits for its operator
+        (coordinator/recovery.py). Through an outage the node decides alone (the gap
+        failure-model.md names). ``from_scratch`` says whether the grant is from a fresh model."""
+        self.from_scratch = False
         if not self.coordinator_up:
             return True
         try:
-            await self.client.claim_lost_rounds(round_id)
+            reply = await self.client.claim_lost_rounds(round_id, from_round)
+            self.from_scratch = reply.from_scratch
         except CoordinatorError as err:
             if err.code == grpc.StatusCode.ABORTED:
                 self.log(f"not numbering this node's state as round {round_id}: {err}")
@@ -527,6 +556,14 @@ class CoordinatorSession:
         if not leave:
             self.log(f"kept the membership in {self.state.root}: a restart rejoins as {self.info.node_id}")
         elif not self.pending:
+            if self.in_rounds and self.peer_address:
+                # The coordinator pulls the state a leaver holds before answering its leave, if it is
+                # newer than the one it keeps (coordinator/keeper.py): tell it the newest round first
+                # (the last round under way may have completed after the last heartbeat).
+                with contextlib.suppress(TimeoutError, CoordinatorError):
+                    peer = pb.HeartbeatRequest(incarnation=self.incarnation, peer_address=self.peer_address,
+                                               round=self.round, state_hash=self.state_hash)
+                    await asyncio.wait_for(self.client.heartbeat(self.tokens_per_s, "leaving", peer=peer), left())
             try:
                 reply = await asyncio.wait_for(self.client.leave(self.stop.reason[:200]), left())
                 self.state.forget_join()  # a left node joins afresh next time

@@ -39,14 +39,19 @@ def read_live(target: Any, run_id: str = "", *, timeout_s: float = 600.0) -> Sou
         with AdminClient(target) as client:
             grant = client.call("ReadState", pb.ReadStateRequest(run_id=run_id, csr_pem=make_csr(key)))
         reader = Identity(key=key, cert_pem=grant.certificate_pem, ca_cert_pem=grant.ca_certificate_pem)
+        if grant.stages:  # a pipelined run: each stage's state, from its peers or the kept set
+            try:
+                return _stages_source(target, grant, reader, timeout_s)
+            except (StateError, TimeoutError) as err:
+                errors.append(f"the stages' states: {err or 'timed out'}")
+                continue
         holders = {m.node_id: m.peer_address for m in grant.holders}
         want = bytes.fromhex(grant.state_hash)
+        # The coordinator's kept copy, when no live node serves the run (coordinator/keeper.py).
+        name = f"kept/{grant.run_id}/{state_name(grant.round)}" if grant.kept else state_name(grant.round)
         try:
             tensors, _ = asyncio.run(
-                asyncio.wait_for(
-                    afetch(reader, holders, state_name(grant.round), want, settings=StateFetchSettings()),
-                    timeout_s,
-                )
+                asyncio.wait_for(afetch(reader, holders, name, want, settings=StateFetchSettings()), timeout_s)
             )
             break
         except (StateError, TimeoutError) as err:
@@ -73,6 +78,7 @@ def read_live(target: Any, run_id: str = "", *, timeout_s: float = 600.0) -> Sou
         "tokens_trained": int(grant.tokens_committed),
         "tokens_note": "the run's committed tokens when the coordinator granted the read",
         "holders": sorted(holders),
+        "kept": bool(grant.kept),  # from the coordinator's kept copy: no live node served the run
     }
     return Source(
         path=f"run {grant.run_id} via {target.address}",
@@ -82,4 +88,54 @@ def read_live(target: Any, run_id: str = "", *, timeout_s: float = 600.0) -> Sou
         tokenizer=cfg.data.tokenizer,
         run_config=cfg.to_dict(),
         provenance=provenance,
+    )
+
+
+def _stages_source(target: Any, grant: Any, reader: Any, timeout_s: float) -> Source:
+    """A pipelined run's model from each stage's state (docs/export.md): a live stage peer's
+    published state (it changes after every optimizer step, so it is checked against the hash it
+    is served under, and a read that straddles a step is read again), or the coordinator's kept
+    set (checked against the hashes it kept)."""
+    import asyncio
+
+    from murmur.node.export.stage_set import model_order
+    from murmur.node.net.state_transfer import afetch
+    from murmur.node.pipeline.config import model_from_run
+    from murmur.protocol.runconfig import parse_config
+    from murmur.protocol.wire import tensors_hash
+
+    async def fetch_all() -> tuple[dict, list[dict]]:
+        weights, rows = {}, []
+        for st in grant.stages:
+            holders = {m.node_id: m.peer_address for m in st.holders}
+            want = bytes.fromhex(st.state_hash) if grant.kept else None
+            tensors, _ = await afetch(reader, holders, st.name, want)
+            weights.update(tensors)
+            rows.append({"stage": st.stage, "state_hash": tensors_hash(tensors.items()).hex(),
+                         "holders": sorted(holders)})
+        return weights, rows
+
+    weights, rows = asyncio.run(asyncio.wait_for(fetch_all(), timeout_s))
+    cfg = parse_config(grant.config_toml, f"run {grant.run_id}")
+    model, _ = model_from_run(cfg)
+    order = model_order(model)
+    missing = [n for n in order if n not in weights]
+    if missing:
+        raise SourceError(f"run {grant.run_id}'s stages do not hold {missing[:3]}: another layer split?")
+    weights = {n: weights[n] for n in order}
+    provenance = {
+        "source": f"coordinator {target.address}",
+        "run_name": cfg.name,
+        "run_id": grant.run_id,
+        "round": int(grant.round),
+        "inner_steps": None,
+        "state_hash": tensors_hash(weights.items()).hex(),
+        "stages": rows,
+        "tokens_trained": int(grant.tokens_committed),
+        "tokens_note": "the run's committed tokens when the coordinator granted the read",
+        "kept": bool(grant.kept),
+    }
+    return Source(
+        path=f"run {grant.run_id} via {target.address}", kind="live pipeline", model=model, weights=weights,
+        tokenizer=cfg.data.tokenizer, run_config=cfg.to_dict(), provenance=provenance,
     )

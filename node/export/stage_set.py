@@ -85,7 +85,7 @@ def load_stage_set(paths: list[Path]) -> Source:
         raise SourceError(f"version {version}'s stages come from different runs ({sorted(run_ids)})")
     mcfg = ModelConfig(**model)
     tokenizer = ((config or {}).get("data") or {}).get("tokenizer", "byte")
-    order = _model_order(mcfg)
+    order = model_order(mcfg)
     missing = [n for n in order if n not in weights]
     if missing:
         raise SourceError(f"the stages of version {version} do not hold {missing[:3]}: another layer split?")
@@ -113,7 +113,7 @@ def _pick(candidates: list[stage_checkpoint.CheckpointFile]) -> tuple[dict, list
     return next(st for _, st in states if st["state_hash"] == best), holders
 
 
-def _model_order(cfg: ModelConfig) -> list[str]:
+def model_order(cfg: ModelConfig) -> list[str]:
     """Parameter names of the whole model, in its own order (what `Transformer.state_dict` lists)."""
     import torch
 

@@ -110,6 +110,7 @@ def provenance(source: Source, dtype: torch.dtype, weights_sha256: str | None = 
         **({"shared_state_hash": p["shared_state_hash"], "holders": p.get("holders", [])}
            if "shared_state_hash" in p else {}),
         **({"stages": p["stages"]} if "stages" in p else {}),  # a pipelined run's: each stage's hash and holders
+        **({"kept": p["kept"]} if "kept" in p else {}),  # a live read: from the coordinator's kept copy
         "tokens_trained": p.get("tokens_trained"),
         "tokens_note": p.get("tokens_note"),
         "dtype": _DTYPE_NAMES[dtype],

@@ -1,0 +1,262 @@
+"""The coordinator keeps the run's newest verified state, so the run's model outlives its volunteers.
+
+Data parallel: the global state the live trainers agree on (the newest round, the hash most of
+them announce: protocol/state_vote.py), pulled over the peer protocol's GetState as a joiner
+pulls it, as raw bytes (the coordinator holds no torch: protocol/state_client.py) and checked
+against that hash. Pipelined: every stage's published state (``stage/<s>``) from a live peer
+serving it, each checked against the hash it is served under; a version is kept only when every
+stage came. Either is written beside the ledger (coordinator/kept_state.py), ``keep.versions``
+versions at most.
+
+The cost is bounded: a pull at most every ``keep.every_s`` per run, and only when the run moved
+past the kept round; one more when the last holder of a state newer than the kept one leaves
+(``keep.leave_pull_s``, before its leave is answered: its peer server is still up then).
+
+A node that joins a run no live trainer serves restores from the kept state: the coordinator
+serves it with the same GetState at its node address (coordinator/kept_server.py), named
+``kept/<run id>/<state name>``, and heartbeat replies say which round it holds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from murmur.protocol import coordinator_pb2 as pb
+from murmur.protocol import identity
+from murmur.protocol.reachability import is_client
+from murmur.protocol.runconfig import ConfigError, KeepSection, parse_config
+from murmur.protocol.state_client import RawState, RawStateError, fetch_raw
+from murmur.protocol.state_vote import agreed_state
+
+from . import kept_state
+from .kept_state import KeptVersion
+from .membership import Membership
+from .settings import TLS_SERVER_NAME
+from .stage_board import StageBoard
+from .store import Store
+
+KEPT_PREFIX = "kept/"
+LOOK_EVERY_S = 1.0  # how often the keeper looks whether a run is due (a pull is due every keep.every_s)
+
+
+def kept_name(run_id: str, name: str) -> str:
+    """The GetState name the coordinator serves a kept state under."""
+    return f"{KEPT_PREFIX}{run_id}/{name}"
+
+
+@dataclass(slots=True)
+class KeepStats:
+    pulls: int = 0
+    failures: int = 0
+    bytes_pulled: int = 0
+    seconds: float = 0.0  # spent pulling and writing, in all
+    last_error: str = ""
+    by_run: dict[str, float] = field(default_factory=dict)  # run -> when its last pull ended
+
+
+class StateKeeper:
+    def __init__(
+        self,
+        db: Path,
+        store: Store,
+        membership: Membership,
+        stages: StageBoard,
+        log: Callable[[str], None],
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.db, self.store, self.membership, self.stages = db, store, membership, stages
+        self.log, self.clock = log, clock
+        key = identity.generate_key()
+        # A reader's certificate of the run's CA: peers serve GetState to any unbanned one.
+        cert = membership.ca.sign_csr(identity.make_csr(key))
+        self.identity = identity.Identity(key=key, cert_pem=cert, ca_cert_pem=membership.ca.cert_pem)
+        self.node_address = ""  # set by the server once bound: where nodes fetch kept states
+        self.stats = KeepStats()
+        self._kept: dict[str, KeptVersion | None] = {}
+        self._settings: dict[str, KeepSection] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
+
+    # --- what is kept ----------------------------------------------------------------------------
+
+    def settings_of(self, run_id: str) -> KeepSection:
+        if run_id not in self._settings:
+            run = self.store.run(run_id)
+            try:
+                self._settings[run_id] = parse_config(run["config_toml"], run_id).keep if run else KeepSection()
+            except ConfigError:
+                self._settings[run_id] = KeepSection(every_s=0.0)
+        return self._settings[run_id]
+
+    def kept(self, run_id: str) -> KeptVersion | None:
+        """The newest kept version of the run (read from disk, checked, at the first ask)."""
+        if run_id not in self._kept:
+            self._kept[run_id] = kept_state.newest(self.db, run_id, log=self.log)
+        return self._kept[run_id]
+
+    def kept_round(self, run_id: str) -> int:
+        k = self.kept(run_id)
+        return k.round if k is not None else -1
+
+    def kept_info(self, run_id: str) -> pb.KeptState | None:
+        k = self.kept(run_id)
+        if k is None or not self.node_address:
+            return None
+        digest = k.states[0].state_hash.hex() if k.kind == "global" and k.states else ""
+        return pb.KeptState(round=k.round, state_hash=digest, address=self.node_address,
+                            server_name=TLS_SERVER_NAME, kept_at=k.kept_at)
+
+    def served(self, name: str) -> RawState | None:
+        """A kept state by its GetState name (``kept/<run>/<name>``, ``.../state/newest`` included)."""
+        if not name.startswith(KEPT_PREFIX):
+            return None
+        run_id, _, inner = name[len(KEPT_PREFIX):].partition("/")
+        k = self.kept(run_id) if run_id else None
+        if k is None:
+            return None
+        if inner == "state/newest" and k.kind == "global":
+            return k.states[0]
+        return k.state(inner)
+
+    # --- pulling ---------------------------------------------------------------------------------
+
+    async def run(self, stopped: asyncio.Event) -> None:
+        """Pull each active run's newest state when it is due, until ``stopped``."""
+        for run_id in list(self.membership.run_states):  # read (and check) what is kept, off the loop
+            if run_id not in self._kept:
+                self._kept[run_id] = await asyncio.to_thread(kept_state.newest, self.db, run_id, self.log)
+        while not stopped.is_set():
+            try:
+                await asyncio.wait_for(stopped.wait(), LOOK_EVERY_S)
+                return
+            except TimeoutError:
+                pass
+            for run_id, state in list(self.membership.run_states.items()):
+                every = self.settings_of(run_id).every_s
+                if state != "active" or every <= 0:
+                    continue
+                if self.clock() - self.stats.by_run.get(run_id, 0.0) < every:
+                    continue
+                try:
+                    await self.pull(run_id, "interval")
+                except Exception as err:  # noqa: BLE001 - the keeper must not stop the coordinator
+                    self.log(f"warning: keeping run {run_id}'s state failed: {err!r}")
+
+    async def pull_at_leave(self, run_id: str, node_id: str) -> None:
+        """A node is leaving: if it holds a state newer than the kept one, pull it first (bounded)."""
+        keep = self.settings_of(run_id)
+        if keep.every_s <= 0 or keep.leave_pull_s <= 0:
+            return
+        if self.stages.pipeline(run_id) is not None:
+            if any(p.node_id == node_id for p in self.stages.stage_map(run_id).peers):
+                await self._bounded(self.pull(run_id, "leave"), keep.leave_pull_s, run_id)
+            return
+        t = dict(self.membership.live_trainers(run_id)).get(node_id)
+        if t is None or t.round <= self.kept_round(run_id) or not t.state_hash:
+            return
+        await self._bounded(self.pull(run_id, "leave", only=node_id), keep.leave_pull_s, run_id)
+
+    async def _bounded(self, coro, seconds: float, run_id: str) -> None:
+        try:
+            await asyncio.wait_for(coro, seconds)
+        except TimeoutError:
+            self.log(f"keeping run {run_id}'s state at a leave took more than {seconds:g}s; left it")
+
+    async def pull(self, run_id: str, reason: str, only: str | None = None) -> KeptVersion | None:
+        """Pull and keep the run's newest state if it is newer than the kept one; the new version, or None."""
+        lock = self._locks.setdefault(run_id, asyncio.Lock())
+        async with lock:
+            started = self.clock()
+            try:
+                if self.stages.pipeline(run_id) is not None:
+                    version = await self._pull_stages(run_id)
+                else:
+                    version = await self._pull_global(run_id, only)
+            except (RawStateError, OSError) as err:
+                self.stats.failures += 1
+                self.stats.last_error = str(err)[:300]
+                self.stats.by_run[run_id] = self.clock()  # tried: the next try is an interval later
+                self.log(f"could not keep run {run_id}'s state ({reason}): {err}")
+                return None
+            if version is None:  # nothing newer than the kept round: looked at again in a second
+                return None
+            self.stats.by_run[run_id] = self.clock()
+            keep = self.settings_of(run_id)
+            path = await asyncio.to_thread(kept_state.write, self.db, version, keep.versions)
+            seconds = self.clock() - started
+            self._kept[run_id] = version
+            self.stats.pulls += 1
+            self.stats.bytes_pulled += version.nbytes
+            self.stats.seconds += seconds
+            with self.store.write():
+                self.store.event(
+                    "state_kept", run_id=run_id, round=version.round, reason=reason, bytes=version.nbytes,
+                    seconds=round(seconds, 3), file=path.name,
+                    state_hash=version.states[0].state_hash.hex() if version.kind == "global" else "",
+                )
+            return version
+
+    async def _pull_global(self, run_id: str, only: str | None) -> KeptVersion | None:
+        holders = [
+            (n, t) for n, t in self.membership.live_trainers(run_id)
+            if t.round > 0 and t.state_hash and t.peer_address and not is_client(t.peer_address)
+        ]
+        if not holders:
+            return None
+        newest, digest = agreed_state((t.round, t.state_hash) for _, t in holders)
+        if newest <= self.kept_round(run_id):
+            return None
+        chosen = {n: t.peer_address for n, t in holders if t.round == newest and t.state_hash == digest}
+        if only is not None:
+            chosen = {n: a for n, a in chosen.items() if n == only} or chosen
+        state = await fetch_raw(self.identity, chosen, f"state/{newest}", bytes.fromhex(digest))
+        return KeptVersion(run_id=run_id, round=newest, states=[state], kept_at=self.clock())
+
+    async def _pull_stages(self, run_id: str) -> KeptVersion | None:
+        """Every stage's published state from a live peer serving it; None unless every stage came."""
+        smap = self.stages.stage_map(run_id)
+        if smap.stages <= 0:
+            return None
+        by_stage = []
+        for s in range(smap.stages):
+            serving = [p for p in smap.peers if p.report.stage == s and p.report.state_hash and p.report.state_address
+                       and self.membership.is_live(p.node_id)]
+            if not serving:
+                return None
+            by_stage.append(serving)
+        # The version: the optimizer steps every stage has made (a stage peer steps with the
+        # drivers' global batches); nothing to pull unless the pipeline moved past the kept one.
+        version = min(int(p.report.optimizer_steps) for serving in by_stage for p in serving)
+        if version <= self.kept_round(run_id):
+            return None
+        states = [await self._stage_state(serving, s) for s, serving in enumerate(by_stage)]
+        return KeptVersion(run_id=run_id, round=version, states=states, kind="stages",
+                           stages=list(range(smap.stages)), kept_at=self.clock())
+
+    async def _stage_state(self, serving: list[pb.StagePeerInfo], stage: int) -> RawState:
+        """Stage ``stage``'s state from the first peer that serves it whole: its published state
+        changes after every optimizer step, so each peer's is checked against the hash it serves
+        it under (read twice: the manifest, then the parts, which must carry the same hash)."""
+        errors = []
+        for p in serving:
+            holder = {p.node_id: p.report.state_address}
+            try:
+                return await fetch_stage(self.identity, holder, f"stage/{stage}")
+            except RawStateError as err:
+                errors.append(str(err))
+        raise RawStateError(f"no peer of stage {stage} served its state: {'; '.join(errors)}")
+
+
+async def fetch_stage(ident: identity.Identity, holder: dict[str, str], name: str, attempts: int = 5) -> RawState:
+    """A stage's published state, under the hash its holder serves now (it moves on after every
+    optimizer step: a read that straddles one is read again)."""
+    last: Exception | None = None
+    for _ in range(attempts):
+        try:
+            return await fetch_raw(ident, holder, name, None)
+        except RawStateError as err:
+            last = err
+    raise RawStateError(str(last))

@@ -1,0 +1,190 @@
+"""The run's model outlives its volunteers (issue 50): the coordinator keeps the run's newest
+verified state and a joiner restores from it; a run whose newest state exists nowhere waits for its
+operator instead of silently starting over. Real coordinator and node processes, real signals."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+
+import pytest
+from _net_helpers import PYTHON, REPO, python_env
+from _node_helpers import (
+    FAST_COORDINATOR,
+    FAST_NODE,
+    UNTIL_STOPPED,
+    hashes_by_round,
+    log,
+    make_testnet,
+    small_dataset,
+    trained,
+    wait_log,
+    wait_rounds,
+)
+
+from murmur.node.testnet.procs import wait_for
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
+CLI_TIMEOUT_S = 240
+# Every round evaluated (eval_every = inner_steps), so the kept round's val loss is on record.
+RUN = [*UNTIL_STOPPED, "train.eval_every=5"]
+
+
+def _murmur(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([PYTHON, "-m", "murmur.cli", *args], capture_output=True, text=True,
+                          env=python_env(), cwd=REPO, timeout=CLI_TIMEOUT_S)
+
+
+def _events(net, kind: str) -> list[dict]:
+    return net.admin("events", "--run", net.run_id, "--kind", kind, "--limit", "1000")["events"]
+
+
+def _detail(event: dict) -> dict:
+    d = event.get("detail", {})
+    return json.loads(d) if isinstance(d, str) else d
+
+
+def test_a_joiner_restores_the_kept_state_after_every_node_is_gone(tmp_path):
+    """Two nodes train; one is SIGKILLed, the other SIGTERMed (the coordinator pulls its newer
+    state before answering its leave). The coordinator's kept state exports and evaluates to the
+    val loss the run recorded for that round; a node with a fresh folder restores it (same hash)
+    and goes on from the run's round, without waiting for the gone holders."""
+    data = small_dataset(tmp_path / "data")
+    net = make_testnet(tmp_path / "net", data, overrides=[*RUN, "keep.every_s=2"], node_args=FAST_NODE)
+    net.coordinator_args = list(FAST_COORDINATOR)
+    with net:
+        net.start_coordinator()
+        net.create_run(token_uses=8)
+        a, b = [net.add_node(extra=["--min-peers", "2"]) for _ in range(2)]
+        for node in (a, b):
+            wait_rounds(node, 3)
+        wait_for(lambda: bool(_events(net, "state_kept")), 60, what="a state_kept event")
+        net.kill_node(a)
+        assert net.stop_node(b) == 0, log(b)[-2000:]
+        recorded = hashes_by_round([a, b])
+        newest = max(recorded)
+        kept = max(_events(net, "state_kept"), key=lambda e: _detail(e)["round"])
+        assert _detail(kept)["round"] == newest, (kept, newest)
+        files = sorted((net.db.parent / "coordinator.db.kept" / net.run_id).glob("round-*.state"))
+        assert 1 <= len(files) <= 2, files  # keep.versions = 2
+
+        # No live node: `murmur export --coordinator` reads the kept state, and eval scores it as
+        # the run recorded that round.
+        out = tmp_path / "export"
+        done = _murmur("export", "--coordinator", str(net.info["address"]), "--admin-key",
+                       str(net.info["admin_key_file"]), "--out", str(out))
+        assert done.returncode == 0, done.stderr[-2000:]
+        prov = json.loads((out / "provenance.json").read_text())
+        assert prov["kept"] is True and prov["round"] == newest, prov
+        assert prov["shared_state_hash"] == _detail(kept)["state_hash"], (prov, kept)  # what the trainers announced
+        assert set(recorded[newest].values()) == {prov["state_hash"]}, (prov, recorded[newest])
+        val = [r["val_loss"] for r in trained(b) + trained(a) if r["round"] == newest and r.get("val_loss")]
+        scored = _murmur("eval", str(out), "--data", str(data), "--output", "json")
+        assert scored.returncode == 0, scored.stderr[-2000:]
+        assert val and abs(json.loads(scored.stdout)["loss"] - val[0]) < 1e-4, (scored.stdout, val)
+
+        # A node with a fresh folder restores the kept state at once and trains the next round.
+        c = net.add_node()
+        m = wait_log(c, r"restored the run's state of round (\d+) from the coordinator's kept copy \(hash (\w+)")
+        assert int(m[1]) == newest, m[0]
+        assert _detail(kept)["state_hash"].startswith(m[2]), (m[2], kept)
+        wait_rounds(c, 1)
+        assert trained(c)[0]["round"] == newest + 1, trained(c)[0]
+        assert "they are lost" not in log(c) and "waiting for that state" not in log(c), log(c)[-3000:]
+        assert net.stop_node(c) == 0
+
+
+def test_a_run_whose_state_exists_nowhere_waits_for_the_operator(tmp_path):
+    """Nothing kept (keep.every_s = 0) and the only node's folder gone: a node with a fresh folder
+    does not start the run over from random weights. The run says so (a state_lost event, `admin
+    status`) and waits; `murmur admin runs recover --from scratch` lets it go on, as the run's round."""
+    data = small_dataset(tmp_path / "data")
+    net = make_testnet(tmp_path / "net", data, overrides=[*RUN, "keep.every_s=0"],
+                       node_args=[*FAST_NODE, "--state-fetch-timeout", "3"])
+    net.coordinator_args = list(FAST_COORDINATOR)
+    with net:
+        net.start_coordinator()
+        net.create_run(token_uses=8)
+        a = net.add_node()
+        wait_rounds(a, 3)
+        assert net.stop_node(a) == 0, log(a)[-2000:]
+        newest = max(r["round"] for r in trained(a))
+        b = net.add_node()  # a fresh folder: no state at all
+        wait_for(lambda: bool(_events(net, "state_lost")), 180, what="a state_lost event")
+        status = net.admin("status", "--run", net.run_id)
+        # The run's newest round: the last one granted (a window under way at the stop may have
+        # been granted and not recorded by the node).
+        lost = re.search(r"newest state \(round (\d+)\) exists nowhere", status["waiting_for_operator"])
+        assert lost and int(lost[1]) >= newest > 0, status
+        assert "admin runs recover" in status["waiting_for_operator"], status
+        newest = int(lost[1])
+        wait_log(b, r"the run waits for its operator")
+        # It keeps waiting (claims refused), training nothing.
+        wait_for(lambda: log(b).count("not numbering this node's state") >= 2, 120, what="a second refusal")
+        assert not trained(b), trained(b)
+        decided = net.admin("runs", "recover", net.run_id, "--from", "scratch")
+        assert decided["run_id"] == net.run_id
+        wait_log(b, rf"going on from this node's round 0 as round {newest} \(the operator's call: from scratch\)")
+        wait_rounds(b, 1)
+        assert trained(b)[0]["round"] == newest + 1
+        assert net.admin("status", "--run", net.run_id)["waiting_for_operator"] == ""
+        kinds = [e["kind"] for e in net.admin("events", "--run", net.run_id, "--limit", "1000")["events"]]
+        assert "recover" in kinds
+        # Refused in one line: a run that is not waiting.
+        done = _murmur("admin", "runs", "recover", net.run_id, "--from", "newest", "--coordinator",
+                       str(net.info["address"]), "--admin-key", str(net.info["admin_key_file"]))
+        err = done.stderr.strip()
+        assert done.returncode == 1 and "is not waiting" in err and "\n" not in err, err
+        assert net.stop_node(b) == 0
+
+
+def test_after_a_coordinator_restart_a_node_restarted_with_min_peers_meets_them_within_seconds(tmp_path):
+    """Coordinator SIGKILL and restart: the survivors dial its DHT peer again as soon as it
+    answers, so a node restarted afterwards with --min-peers 3 meets both within 15 s of opening
+    its data plane (it waited the whole 60 s peers_wait_s before) and trains with them."""
+    data = small_dataset(tmp_path / "data")
+    net = make_testnet(tmp_path / "net", data, overrides=RUN, node_args=FAST_NODE)
+    net.coordinator_args = list(FAST_COORDINATOR)
+    with net:
+        net.start_coordinator()
+        net.create_run(token_uses=8)
+        nodes = [net.add_node(extra=["--min-peers", "3"]) for _ in range(3)]
+        for node in nodes:
+            wait_rounds(node, 2)
+        marks = [len(log(n)) for n in nodes]
+        address = str(net.info["address"])
+        net.kill_coordinator()
+        net.stop_coordinator()
+        net.start_coordinator(address)
+        for node, mark in zip(nodes[:2], marks, strict=False):
+            wait_log(node, r"dialed its DHT peer again \([1-9]\d* of", since=mark, timeout_s=120)
+        late = nodes[2]
+        net.kill_node(late)
+        since = len(log(late))
+        net.start_node(late, ["--min-peers", "3"])
+        m = wait_log(late, r"(\d+) peer\(s\) announced \(waited for 3\)", since=since, timeout_s=180)
+        assert int(m[1]) >= 3, m[0]
+        mark = len(trained(late))
+        wait_rounds(late, mark + 1, timeout_s=180)
+        text = log(late)[since:]
+        waited = _seconds_between(text, r"data plane|DHT started|peer server", r"peer\(s\) announced \(waited for 3\)")
+        assert waited is not None and waited < 15.0, (waited, text[-3000:])
+        members = trained(late)[-1].get("members") or []
+        assert len(members) >= 2 or "members" not in trained(late)[-1], trained(late)[-1]
+
+
+def _seconds_between(text: str, first: str, then: str) -> float | None:
+    """Seconds between the first line matching ``first`` and the first later line matching
+    ``then``, from the log lines' time stamps (HH:MM:SS.mmm or HH:MM:SS)."""
+    start = None
+    for line in text.splitlines():
+        stamp = re.search(r"(\d\d):(\d\d):(\d\d(?:\.\d+)?)", line)
+        if stamp is None:
+            continue
+        t = int(stamp[1]) * 3600 + int(stamp[2]) * 60 + float(stamp[3])
+        if start is None and re.search(first, line):
+            start = t
+        elif start is not None and re.search(then, line):
+            return t - start
+    return None
