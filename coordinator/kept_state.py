@@ -27,12 +27,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from murmur.errors import MurmurError
+from murmur.protocol.integrity import TRAILER_BYTES, TRAILER_MAGIC, HashingWriter, trailer
 from murmur.protocol.state_client import RawState, RawTensor, expected_bytes, raw_hash
 
 MAGIC = b"murmur-kept-state-1\n"
-# protocol/integrity.py's trailer: payload | TRAILER_MAGIC | sha256(payload)
-TRAILER_MAGIC = b"murmur-sha256-1\n"
-TRAILER_BYTES = len(TRAILER_MAGIC) + 32
 MAX_HEADER_BYTES = 64 << 20
 SUFFIX = ".state"
 
@@ -94,16 +92,14 @@ def write(db: Path, version: KeptVersion, keep: int) -> Path:
     head = json.dumps(header).encode()
     final = where / file_name(version.round)
     tmp = where / f".{final.name}.{os.getpid()}.tmp"
-    h = hashlib.sha256()
     with open(tmp, "wb") as f:
+        out = HashingWriter(f)  # protocol/integrity.py's trailer, as on every file murmur reads back
         for piece in (MAGIC, struct.pack("<Q", len(head)), head):
-            f.write(piece)
-            h.update(piece)
+            out.write(piece)
         for s in version.states:
             for t in s.tensors:
-                f.write(t.data)
-                h.update(t.data)
-        f.write(TRAILER_MAGIC + h.digest())
+                out.write(t.data)
+        out.finish()
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, final)
@@ -140,7 +136,7 @@ def read(path: Path) -> KeptVersion:
     body, trail = data[:-TRAILER_BYTES], data[-TRAILER_BYTES:]
     if not trail.startswith(TRAILER_MAGIC):
         raise KeptStateError(f"kept state {path} is truncated (its checksum trailer is missing): {fix}")
-    if hashlib.sha256(body).digest() != trail[len(TRAILER_MAGIC):]:
+    if trailer(hashlib.sha256(body).digest()) != trail:
         raise KeptStateError(f"kept state {path} is corrupt (its sha256 does not match): {fix}")
     (n,) = struct.unpack_from("<Q", body, len(MAGIC))
     start = len(MAGIC) + 8
