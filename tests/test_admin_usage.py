@@ -22,7 +22,7 @@ def test_a_noun_without_its_verb_lists_the_verbs(capsys):
     assert _usage_error(capsys, ["admin", "nodes"]) == f"error: `murmur admin nodes` needs a verb first: {verbs}"
     # The options before a verb: argparse would read 'json' as the verb and only say it is an invalid choice.
     assert _usage_error(capsys, ["admin", "nodes", "--output", "json"]).endswith(verbs)
-    assert "create, list, show, pause, resume or finish" in _usage_error(capsys, ["admin", "runs"])
+    assert "create, list, show, pause, resume, finish or recover" in _usage_error(capsys, ["admin", "runs"])
     with pytest.raises(SystemExit) as stop:  # the verbs themselves parse as before
         main(["admin", "nodes", "list", "--help"])
     assert stop.value.code == 0 and "--status" in capsys.readouterr().out
