@@ -34,6 +34,10 @@ from murmur.protocol.identity import BannedError
 from murmur.protocol.runconfig import PipelineSection
 from murmur.protocol.wire import WireError
 
+# Microbatches a driver keeps in flight unless told otherwise. Each stage peer holds a forward
+# that belongs to its next optimizer step until this step is taken (node/pipeline/step_gate.py), so
+# more in flight costs no quality, only waiting: the figures are in docs/pipeline.md.
+DEFAULT_CONCURRENCY = 4
 MAX_RETRY_PAUSE_S = 30.0  # the longest pause before a failed microbatch runs again
 RETRY_POLL_S = 0.1  # how often a pausing lane looks for a peer that entered a stage
 
@@ -163,7 +167,8 @@ class Driver:
         h = x
         for stage in range(s_last):
             async def fwd(peer, timeout, inp=h):
-                return await self.client.forward(peer, name, inp, reply_codec=codec, timeout=timeout, dim=self.dim)
+                return await self.client.forward(peer, name, inp, reply_codec=codec, timeout=timeout, dim=self.dim,
+                                                 evaluation=True)
             _, (h, _), _ = await self._hop(stage, "forward", rows, fwd)
 
         async def score(peer, timeout):

@@ -4,7 +4,7 @@
         [--state-dir DIR]
     python -m murmur.node.pipeline.driver_process --identity DIR --run RUN --peers peers.json \
         --stages 2 [model args] --data DATASET --shard 0 --microbatches 40 \
-        [--microbatch-size 4] [--concurrency 2] [--codec bf16] [--commit-log FILE]
+        [--microbatch-size 4] [--concurrency 4] [--codec bf16] [--commit-log FILE]
 
 With ``--state-dir`` the driver keeps its key, certificate and join record in that folder
 (node/net/member_folder.py, as `murmur node run` does): restarted with it, it rejoins as the same
@@ -60,7 +60,13 @@ from murmur.node.pipeline.config import (
     model_from_run,
     refuse_model_args,
 )
-from murmur.node.pipeline.driver import Driver, MicrobatchFailed, MicrobatchResult, run_in_order
+from murmur.node.pipeline.driver import (
+    DEFAULT_CONCURRENCY,
+    Driver,
+    MicrobatchFailed,
+    MicrobatchResult,
+    run_in_order,
+)
 from murmur.node.pipeline.member import REFUSALS, PipelineMember
 from murmur.node.pipeline.router import Router
 from murmur.node.pipeline.schedule import RunSchedule
@@ -402,7 +408,8 @@ def main(argv: list[str] | None = None, joined: Callable[[], PipelineMember] | N
                     help="at most this many (required without --coordinator; with it the run's schedule decides)")
     ap.add_argument("--start", type=int, default=0, help="first microbatch index (resume)")
     ap.add_argument("--microbatch-size", type=int, default=4)
-    ap.add_argument("--concurrency", type=int, default=2, help="microbatches in flight")
+    ap.add_argument("--concurrency", type=int, default=DEFAULT_CONCURRENCY,
+                    help=f"microbatches in flight (default {DEFAULT_CONCURRENCY}: docs/pipeline.md)")
     ap.add_argument("--codec", default="bf16", help="activation codec: fp32, bf16, int8")
     ap.add_argument("--hop-timeout-s", type=float, default=30.0)
     ap.add_argument("--min-hop-timeout-s", type=float, default=2.0)
