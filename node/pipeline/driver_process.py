@@ -353,6 +353,18 @@ async def follow_schedule(args, member, schedule, driver, dataset, cfg, model_cf
             return buf[:-1].view(r, seq_len), buf[1:].view(r, seq_len)
 
         async def on_commit(lo: int, hi: int, lease=lease, plan=plan, first=first) -> None:
+            # A range that takes the run past an evaluation point is committed in two: up to the
+            # microbatch that crosses it (with the validation loss), then the rest. So the figures
+            # land at the evaluation points (run steps 10, 20, ...) however many microbatches one
+            # commit holds: with several in flight, completions out of order make ranges longer.
+            while lo < hi:
+                before, start = schedule.tokens_committed, plan[lo - first][0]
+                cut = next((j + 1 for j in range(lo, hi)
+                            if schedule.evaluation_due(before, before + plan[j - first][2] - start)), hi)
+                await commit_range(lo, cut, lease, plan, first)
+                lo = cut
+
+        async def commit_range(lo: int, hi: int, lease, plan, first) -> None:
             start, end = plan[lo - first][0], plan[hi - 1 - first][2]
             loss = sum(losses.pop(i) for i in range(lo, hi)) / (hi - lo)  # popped: a long run's memory stays flat
             before = schedule.tokens_committed
