@@ -148,3 +148,29 @@ def test_a_lost_forward_is_forgotten_after_a_few_round_trips_not_the_hop_timeout
         assert gate.expired == 1
 
     asyncio.run(run())
+
+
+def test_a_training_forwards_deadline_allows_for_the_rest_of_the_trip():
+    """The driver's side: a forward that a stage holds at its step boundary waits for one
+    microbatch's trip down and back, so its deadline adds that trip to the forward's own, measured
+    per hop, and never passes hop_timeout_s."""
+    from murmur.node.pipeline.client import StageEndpoint
+    from murmur.node.pipeline.router import Router
+    from murmur.protocol.runconfig import PipelineSection
+
+    cfg = PipelineSection(stages=3, hop_timeout_s=30.0, min_hop_timeout_s=0.5)
+    router = Router(cfg)
+    peers = [StageEndpoint(f"p{s}", f"127.0.0.1:{s + 1}", s) for s in range(3)]
+    for s, p in enumerate(peers):
+        router.set_peers(s, [p])
+    assert router.forward_deadline(peers[0]) == 30.0  # nothing measured yet: the hop timeout
+    for _ in range(50):  # steady latencies: rttvar decays towards 0
+        for p in peers:
+            router.succeeded(p, "forward", 4, 0.1)
+            router.succeeded(p, "backward", 4, 0.2)
+    own = router.deadline(peers[0], "forward")
+    # stage 1's forward, then the backwards of stages 2, 1 and 0, each with the slack of 2
+    assert router.forward_deadline(peers[0]) == pytest.approx(own + 2 * (0.1 + 3 * 0.2), rel=0.05)
+    assert router.forward_deadline(peers[1]) == pytest.approx(router.deadline(peers[1], "forward") + 2 * 0.4, rel=0.05)
+    router.succeeded(peers[2], "backward", 4, 100.0)  # a very slow last stage: capped
+    assert router.forward_deadline(peers[0]) == 30.0

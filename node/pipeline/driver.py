@@ -78,7 +78,7 @@ class Driver:
 
     async def _hop(
         self, stage: int, kind: str, samples: int, call: Callable[[StageEndpoint, float], Awaitable],
-        prefer: StageEndpoint | None = None,
+        prefer: StageEndpoint | None = None, evaluation: bool = False,
     ):
         tried: list[str] = []
         errors: list[str] = []
@@ -87,7 +87,9 @@ class Driver:
             if peer is None:
                 break
             tried.append(peer.node_id)
-            deadline = self.router.deadline(peer, kind)
+            # a training forward may wait at the stage's step boundary: its deadline allows for that
+            deadline = (self.router.forward_deadline(peer) if kind == "forward" and stage < self.cfg.stages - 1
+                        and not evaluation else self.router.deadline(peer, kind))
             t0 = time.monotonic()
             try:
                 result = await call(peer, deadline)
@@ -169,7 +171,7 @@ class Driver:
             async def fwd(peer, timeout, inp=h):
                 return await self.client.forward(peer, name, inp, reply_codec=codec, timeout=timeout, dim=self.dim,
                                                  evaluation=True)
-            _, (h, _), _ = await self._hop(stage, "forward", rows, fwd)
+            _, (h, _), _ = await self._hop(stage, "forward", rows, fwd, evaluation=True)
 
         async def score(peer, timeout):
             return await self.client.evaluate(peer, name, h, y, activation_codec=codec, timeout=timeout)
