@@ -139,7 +139,11 @@ SHIPPED = Shape(TINY.model, stages=2, batch_size=8, microbatch=4)
 # run's batch and the stage takes the run's steps (each peer sees half the microbatches); the
 # within-stage sync averages them as shipped.
 SHIPPED_2 = Shape(TINY.model, stages=2, batch_size=8, microbatch=4, pipeline=("pipeline.target_samples=4",))
-SHIPPED_KEYS = ("sync_every_s", "replica_every_s", "checkpoint_every_s")
+SHIPPED_KEYS = ("sync_every_s", "replica_every_s", "checkpoint_every_s", "outer_lr", "outer_momentum")
+# The same with the within-stage sync as plain averaging (outer lr 1, no momentum) instead of the
+# run's DiLoCo outer step (testnet-tiny's outer lr 0.7 with Nesterov momentum 0.9).
+SHIPPED_2_AVG = Shape(TINY.model, stages=2, batch_size=8, microbatch=4,
+                      pipeline=("pipeline.target_samples=4", "sync.outer_lr=1.0", "sync.outer_momentum=0.0"))
 CAP = 0.75  # peer_cap_mb, x full_state_mb (the memory row's peers peak near 0.52 x: see docs/pipeline.md)
 
 
@@ -400,6 +404,8 @@ ROWS = {
              {"peers_per_stage": 1, "mtbf_s": 0.0, "kill_all": False}),
     "loss_2peers": ("like for like, 2 peers a stage, default concurrency", SHIPPED_2, CAP,
                     {"peers_per_stage": 2, "mtbf_s": 0.0, "kill_all": False}),
+    "loss_2peers_avg": ("2 peers a stage, the within-stage sync as plain averaging", SHIPPED_2_AVG, CAP,
+                        {"peers_per_stage": 2, "mtbf_s": 0.0, "kill_all": False}),
     "loss_2peers_t8": ("2 peers a stage, each stepping at the run's whole batch", SHIPPED, CAP,
                        {"peers_per_stage": 2, "mtbf_s": 0.0, "kill_all": False}),
     "loss_c1": ("like for like, 1 peer a stage, 1 microbatch in flight", SHIPPED, CAP,
