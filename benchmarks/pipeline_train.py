@@ -7,8 +7,9 @@ stage checkpoints.
     nice .venv/bin/python benchmarks/pipeline_train.py --rows loss,loss_2peers,loss_c1   # the loss rows only
 
 ``--rows`` picks rows by key (comma-separated): ``loss`` (one peer a stage, the driver's default
-microbatches in flight), ``loss_2peers`` (two peers a stage), ``loss_c1`` (one microbatch in
-flight), ``loss_2peers_t8`` (two peers a stage, each stepping at the run's whole batch), ``kills``
+microbatches in flight), ``loss_2peers`` (two peers a stage), ``loss_2peers_diloco`` and
+``loss_2peers_t8`` (two peers a stage with DiLoCo's outer step in the within-stage sync, at half
+and at the whole batch a peer), ``loss_c1`` (one microbatch in flight), ``kills``
 (MTBF 30 s), ``resume`` (all killed at once), ``memory``. The results file gets the rows run; rows
 of the file's earlier run whose key was not run are kept, each with the run that measured it
 (``measured_by``), so rerunning some rows keeps the others. Each row is a real coordinator, stage
@@ -22,8 +23,10 @@ peers and drivers as processes on loopback, training for a number of run steps o
   activations), 2 stages, one driver at ``concurrency`` microbatches in flight (the top-level
   ``default_concurrency`` is the driver's default, node/pipeline/driver.py). With two peers a
   stage ``pipeline.target_samples`` (per peer) is half the run's batch, so the stage takes the
-  run's steps. ``stage_state_mb``: the largest stage's weights, gradients and AdamW moments (16
-  bytes a parameter); ``base_rss_mb``: a stage peer's resident memory before any of the model;
+  run's steps, and the within-stage sync averages the mates as the pipelined configs ship it
+  (``sync.outer_lr`` 1, ``sync.outer_momentum`` 0). ``stage_state_mb``: the largest stage's
+  weights, gradients and AdamW moments (16 bytes a parameter); ``base_rss_mb``: a stage peer's
+  resident memory before any of the model;
   ``peer_peak_rss_mb_max``: the largest stage peer's peak (VmHWM, as it reports at its clean
   stop; ``peer_peak_rss_mb_outside_max``: the same read from /proc by this script while the
   peers ran); ``single_peak_rss_mb``: `murmur train`'s VmHWM, read from /proc.
@@ -136,14 +139,20 @@ MEMORY = Shape({"dim": 1024, "n_layers": 16, "n_heads": 8, "n_kv_heads": 8, "hid
 # activations): only the shape and the schedule are the benchmark's.
 SHIPPED = Shape(TINY.model, stages=2, batch_size=8, microbatch=4)
 # Two peers a stage: pipeline.target_samples is per peer, so each peer of a stage steps at half the
-# run's batch and the stage takes the run's steps (each peer sees half the microbatches); the
-# within-stage sync averages them as shipped.
-SHIPPED_2 = Shape(TINY.model, stages=2, batch_size=8, microbatch=4, pipeline=("pipeline.target_samples=4",))
-SHIPPED_KEYS = ("sync_every_s", "replica_every_s", "checkpoint_every_s", "outer_lr", "outer_momentum")
-# The same with the within-stage sync as plain averaging (outer lr 1, no momentum) instead of the
-# run's DiLoCo outer step (testnet-tiny's outer lr 0.7 with Nesterov momentum 0.9).
-SHIPPED_2_AVG = Shape(TINY.model, stages=2, batch_size=8, microbatch=4,
-                      pipeline=("pipeline.target_samples=4", "sync.outer_lr=1.0", "sync.outer_momentum=0.0"))
+# run's batch and the stage takes the run's steps (each peer sees half the microbatches). The
+# within-stage sync as configs/pipeline-cpu.toml and pipeline-gpu.toml ship it: plain averaging of
+# the mates (sync.outer_lr 1, no outer momentum).
+PLAIN_AVERAGE = ("sync.outer_lr=1.0", "sync.outer_momentum=0.0")
+SHIPPED_2 = Shape(TINY.model, stages=2, batch_size=8, microbatch=4,
+                  pipeline=("pipeline.target_samples=4", *PLAIN_AVERAGE))
+# The same with the sync's outer step a data-parallel DiLoCo run uses (testnet-tiny's outer lr 0.7,
+# Nesterov momentum 0.9: what the pipelined configs shipped before), at half and at the whole batch.
+DILOCO = ("sync.outer_lr=0.7", "sync.outer_momentum=0.9")
+SHIPPED_2_DILOCO = Shape(TINY.model, stages=2, batch_size=8, microbatch=4,
+                         pipeline=("pipeline.target_samples=4", *DILOCO))
+SHIPPED_2_DILOCO_T8 = Shape(TINY.model, stages=2, batch_size=8, microbatch=4, pipeline=DILOCO)
+# overrides that make a row's pipeline settings other than the shipped ones
+NOT_SHIPPED = ("sync_every_s", "replica_every_s", "checkpoint_every_s", *DILOCO)
 CAP = 0.75  # peer_cap_mb, x full_state_mb (the memory row's peers peak near 0.52 x: see docs/pipeline.md)
 
 
@@ -404,10 +413,10 @@ ROWS = {
              {"peers_per_stage": 1, "mtbf_s": 0.0, "kill_all": False}),
     "loss_2peers": ("like for like, 2 peers a stage, default concurrency", SHIPPED_2, CAP,
                     {"peers_per_stage": 2, "mtbf_s": 0.0, "kill_all": False}),
-    "loss_2peers_avg": ("2 peers a stage, the within-stage sync as plain averaging", SHIPPED_2_AVG, CAP,
-                        {"peers_per_stage": 2, "mtbf_s": 0.0, "kill_all": False}),
-    "loss_2peers_t8": ("2 peers a stage, each stepping at the run's whole batch", SHIPPED, CAP,
-                       {"peers_per_stage": 2, "mtbf_s": 0.0, "kill_all": False}),
+    "loss_2peers_diloco": ("2 peers a stage, the sync's outer step DiLoCo's (0.7, Nesterov 0.9)", SHIPPED_2_DILOCO,
+                           CAP, {"peers_per_stage": 2, "mtbf_s": 0.0, "kill_all": False}),
+    "loss_2peers_t8": ("2 peers a stage, each stepping at the run's whole batch, DiLoCo's outer step",
+                       SHIPPED_2_DILOCO_T8, CAP, {"peers_per_stage": 2, "mtbf_s": 0.0, "kill_all": False}),
     "loss_c1": ("like for like, 1 peer a stage, 1 microbatch in flight", SHIPPED, CAP,
                 {"peers_per_stage": 1, "mtbf_s": 0.0, "kill_all": False, "concurrency": 1}),
     "kills": ("kills at MTBF 30 s", TINY, CAP, {"peers_per_stage": 2, "mtbf_s": 30.0, "kill_all": False}),
@@ -415,7 +424,6 @@ ROWS = {
     "memory": (f"memory: {MEMORY_STAGES} stages of one peer, a model whose state dwarfs a process", MEMORY, CAP,
                {"peers_per_stage": 1, "mtbf_s": 0.0, "kill_all": False, "drivers": 2}),
 }
-LOSS_ROWS = ("loss", "loss_2peers", "loss_c1")
 
 
 def carried(results: Path, picked: list[str]) -> list[dict]:
@@ -482,7 +490,7 @@ def main() -> int:
             "key": key, "row": name, "stages": row["stages"], "peers_per_stage": row["peers_per_stage"],
             "concurrency": kw.get("concurrency") or DEFAULT_CONCURRENCY, "tie_embeddings": False,
             "settings": "benchmark's: " + " ".join(shape.pipeline)
-            if any(k in o for o in shape.pipeline for k in SHIPPED_KEYS) else "shipped",
+            if any(k in o for o in shape.pipeline for k in NOT_SHIPPED) else "shipped",
             "target_samples": next((int(o.split("=")[1]) for o in shape.pipeline[::-1] if "target_samples" in o),
                                    shape.batch_size),
             "activation_codec": next((o.split("=")[1] for o in shape.pipeline if "activation_codec" in o), "bf16"),
