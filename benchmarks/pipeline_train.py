@@ -1,18 +1,38 @@
-"""Pipelined training end to end, on this machine's CPU: memory per peer against the whole model's
-training state, val loss against `murmur train` at equal samples, stage peers SIGKILLed at an MTBF,
-and a run whose every process is SIGKILLed at once and restarted from the stage checkpoints.
+"""Pipelined training end to end, on this machine's CPU: val loss against `murmur train` of the same
+model at equal samples, memory per peer against the whole model's training state, stage peers
+SIGKILLed at an MTBF, and a run whose every process is SIGKILLed at once and restarted from the
+stage checkpoints.
 
-    python3 benchmarks/pipeline_train.py                 # every row -> benchmarks/results/pipeline_train.json
-    python3 benchmarks/pipeline_train.py --rows memory --results /tmp/memory.json   # one row alone
+    nice .venv/bin/python benchmarks/pipeline_train.py     # every row -> benchmarks/results/pipeline_train.json
+    nice .venv/bin/python benchmarks/pipeline_train.py --rows loss,loss_2peers,loss_c1   # the loss rows only
 
-``--rows`` picks rows by key (comma-separated): ``loss`` (no kills), ``kills`` (MTBF 30 s),
-``resume`` (all killed at once), ``memory``; the results file holds the rows run, so run one row
-alone into another file to keep the committed one. Each row is a real coordinator, stage peers and
-drivers as processes on loopback (fp32 activations), training for a number of run steps of
+``--rows`` picks rows by key (comma-separated): ``loss`` (one peer a stage, the driver's default
+microbatches in flight), ``loss_2peers`` (two peers a stage), ``loss_2peers_diloco`` and
+``loss_2peers_t8`` (two peers a stage with DiLoCo's outer step in the within-stage sync, at half
+and at the whole batch a peer), ``loss_c1`` (one microbatch in flight), ``kills``
+(MTBF 30 s), ``resume`` (all killed at once), ``memory``. The results file gets the rows run; rows
+of the file's earlier run whose key was not run are kept, each with the run that measured it
+(``measured_by``), so rerunning some rows keeps the others. Each row is a real coordinator, stage
+peers and drivers as processes on loopback, training for a number of run steps of
 ``train.batch_size`` sequences (the same samples, in the ledger's shard order), then:
 
-- ``loss``, ``kills``, ``resume``: a small Llama-style model (1.9M parameters), 2 stages, one
-  driver, ``--steps`` run steps of 8 sequences of 64 tokens.
+- the loss rows (``loss*``): the like-for-like comparison. Both sides train the same untied model
+  (``model.tie_embeddings = false``; ``tie_embeddings`` in each row), with the same lr schedule,
+  batch, samples and eval batches; the pipeline with its settings as shipped (``settings``:
+  within-stage sync every 30 s, replicas every 10 s, checkpoints every 60 s and at the stop, bf16
+  activations), 2 stages, one driver at ``concurrency`` microbatches in flight (the top-level
+  ``default_concurrency`` is the driver's default, node/pipeline/driver.py). With two peers a
+  stage ``pipeline.target_samples`` (per peer) is half the run's batch, so the stage takes the
+  run's steps, and the within-stage sync averages the mates as the pipelined configs ship it
+  (``sync.outer_lr`` 1, ``sync.outer_momentum`` 0). ``stage_state_mb``: the largest stage's
+  weights, gradients and AdamW moments (16 bytes a parameter); ``base_rss_mb``: a stage peer's
+  resident memory before any of the model;
+  ``peer_peak_rss_mb_max``: the largest stage peer's peak (VmHWM, as it reports at its clean
+  stop; ``peer_peak_rss_mb_outside_max``: the same read from /proc by this script while the
+  peers ran); ``single_peak_rss_mb``: `murmur train`'s VmHWM, read from /proc.
+- every row but ``memory``: a small Llama-style model (1.9M parameters), 2 stages, one driver,
+  ``--steps`` run steps of 8 sequences of 64 tokens (``kills`` and ``resume``: fp32 activations
+  and short checkpoint, replica and sync periods).
 - ``memory``: a model whose training state dwarfs a process's fixed costs (168M parameters: dim
   1024, 16 blocks, hidden 2048; full_state_mb 2.6 GB), 8 stages of one peer each (2 blocks a
   peer), 2 drivers, ``--memory-steps`` run steps of 4 sequences of 32 tokens (microbatches of 2),
@@ -74,7 +94,9 @@ import torch
 from murmur.node.export.source import load_source
 from murmur.node.export.stage_set import load_sources
 from murmur.node.model.data import Dataset, eval_batches, prepare
+from murmur.node.model.stages import split_layers
 from murmur.node.pipeline import stage_checkpoint
+from murmur.node.pipeline.driver import DEFAULT_CONCURRENCY
 from murmur.node.testnet.procs import Testnet, wait_for
 from murmur.protocol.runconfig import load_config
 
@@ -102,7 +124,7 @@ class Shape:
 TINY = Shape({"dim": 192, "n_layers": 4, "n_heads": 4, "n_kv_heads": 4, "hidden_dim": 512, "seq_len": 64},
              stages=2, batch_size=8, microbatch=4,
              pipeline=("pipeline.checkpoint_every_s=2.0", "pipeline.sync_every_s=5.0", "pipeline.replica_every_s=2.0",
-                       "pipeline.hop_timeout_s=30.0"))
+                       "pipeline.hop_timeout_s=30.0", "pipeline.activation_codec=fp32"))
 # The memory row: a model whose training state (16 bytes a parameter) dwarfs what a process pays
 # before any model (~250 MB: the interpreter, torch, grpc), cut in MEMORY_STAGES stages of one peer
 # each; short sequences and microbatches so that a few steps fit minutes of this CPU.
@@ -111,20 +133,68 @@ MEMORY = Shape({"dim": 1024, "n_layers": 16, "n_heads": 8, "n_kv_heads": 8, "hid
                stages=MEMORY_STAGES, batch_size=4, microbatch=2,
                pipeline=("pipeline.checkpoint_every_s=30.0", "pipeline.sync_every_s=0.0",
                          "pipeline.replica_every_s=10.0", "pipeline.hop_timeout_s=300.0",
-                         "pipeline.min_hop_timeout_s=60.0"))
+                         "pipeline.min_hop_timeout_s=60.0", "pipeline.activation_codec=fp32"))
+# The like-for-like loss rows: TINY's model and cut with the pipeline's settings as shipped (the
+# within-stage sync every 30 s, replicas every 10 s, checkpoints every 60 s and at the stop, bf16
+# activations): only the shape and the schedule are the benchmark's.
+SHIPPED = Shape(TINY.model, stages=2, batch_size=8, microbatch=4)
+# Two peers a stage: pipeline.target_samples is per peer, so each peer of a stage steps at half the
+# run's batch and the stage takes the run's steps (each peer sees half the microbatches). The
+# within-stage sync as configs/pipeline-cpu.toml and pipeline-gpu.toml ship it: plain averaging of
+# the mates (sync.outer_lr 1, no outer momentum).
+PLAIN_AVERAGE = ("sync.outer_lr=1.0", "sync.outer_momentum=0.0")
+SHIPPED_2 = Shape(TINY.model, stages=2, batch_size=8, microbatch=4,
+                  pipeline=("pipeline.target_samples=4", *PLAIN_AVERAGE))
+# The same with the sync's outer step a data-parallel DiLoCo run uses (testnet-tiny's outer lr 0.7,
+# Nesterov momentum 0.9: what the pipelined configs shipped before), at half and at the whole batch.
+DILOCO = ("sync.outer_lr=0.7", "sync.outer_momentum=0.9")
+SHIPPED_2_DILOCO = Shape(TINY.model, stages=2, batch_size=8, microbatch=4,
+                         pipeline=("pipeline.target_samples=4", *DILOCO))
+SHIPPED_2_DILOCO_T8 = Shape(TINY.model, stages=2, batch_size=8, microbatch=4, pipeline=DILOCO)
+# overrides that make a row's pipeline settings other than the shipped ones
+NOT_SHIPPED = ("sync_every_s", "replica_every_s", "checkpoint_every_s", *DILOCO)
 CAP = 0.75  # peer_cap_mb, x full_state_mb (the memory row's peers peak near 0.52 x: see docs/pipeline.md)
 
 
 def overrides(shape: Shape, steps: int, data: Path) -> list[str]:
-    return [f'data.path="{data}"', *(f"model.{k}={v}" for k, v in shape.model.items()), f"train.steps={steps}",
-            f"train.batch_size={shape.batch_size}", "train.eval_every=100000", "train.eval_batches=4",
-            "optim.lr=3e-3", "optim.warmup_steps=10", f"pipeline.stages={shape.stages}",
+    # Untied embeddings on both sides (model.tie_embeddings): the pipeline's model is untied, and
+    # `murmur train` trains exactly that model. The activation codec is the shipped one (bf16).
+    return [f'data.path="{data}"', *(f"model.{k}={v}" for k, v in shape.model.items()), "model.tie_embeddings=false",
+            f"train.steps={steps}", f"train.batch_size={shape.batch_size}", "train.eval_every=100000",
+            "train.eval_batches=4", "optim.lr=3e-3", "optim.warmup_steps=10", f"pipeline.stages={shape.stages}",
             f"pipeline.microbatch_size={shape.microbatch}", f"pipeline.target_samples={shape.batch_size}",
-            "pipeline.activation_codec=fp32", "pipeline.rebalance_every_s=600.0", *shape.pipeline]
+            "pipeline.rebalance_every_s=600.0", *shape.pipeline]
+
+
+def vm_hwm_mb(pid: int) -> float | None:
+    """A process's peak resident memory so far (VmHWM), read from /proc from outside; None once gone."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+def watch_peak(proc: subprocess.Popen, into: list[float], every_s: float = 0.1) -> threading.Thread:
+    """Poll ``proc``'s VmHWM until it exits, keeping the largest in ``into[0]`` (VmHWM only grows,
+    so the last reading is the peak up to ``every_s`` before the exit)."""
+    def poll() -> None:
+        while proc.poll() is None:
+            mb = vm_hwm_mb(proc.pid)
+            if mb is not None:
+                into[0] = max(into[0], mb)
+            time.sleep(every_s)
+
+    t = threading.Thread(target=poll, daemon=True)
+    t.start()
+    return t
 
 
 class Proc:
-    """A process whose JSON lines on stdout are collected by a thread."""
+    """A process whose JSON lines on stdout are collected by a thread, and whose peak resident
+    memory another thread reads from /proc."""
 
     def __init__(self, module: str, args: list[str], log: Path) -> None:
         env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
@@ -133,7 +203,9 @@ class Proc:
                                      stderr=self.err, env=env, text=True, start_new_session=True, cwd=REPO)
         self.records: list[dict] = []
         self.ready = threading.Event()
+        self.peak = [0.0]  # VmHWM in MB, read from outside
         threading.Thread(target=self._read, daemon=True).start()
+        watch_peak(self.proc, self.peak)
 
     def _read(self) -> None:
         for line in self.proc.stdout:
@@ -168,11 +240,14 @@ def start_peer(join: tuple[str, str], state: Path) -> Proc:
                 state.with_suffix(".log"))
 
 
-def start_driver(join: tuple[str, str], data: Path, root: Path, name: str, state: Path) -> Proc:
-    """A driver with its state folder: restarted with it, it is the same node (its lease is its own)."""
+def start_driver(join: tuple[str, str], data: Path, root: Path, name: str, state: Path,
+                 concurrency: int | None = None) -> Proc:
+    """A driver with its state folder: restarted with it, it is the same node (its lease is its own).
+    ``concurrency`` None: the driver's default microbatches in flight."""
+    extra = [] if concurrency is None else ["--concurrency", str(concurrency)]
     return Proc("murmur.node.pipeline.driver_process",
                 ["--coordinator", join[0], "--token", join[1], "--data", str(data), "--state-dir", str(state),
-                 "--commit-log", str(root / f"{name}.commits")], root / f"{name}.log")
+                 "--commit-log", str(root / f"{name}.commits"), *extra], root / f"{name}.log")
 
 
 def ledger_tokens(db: Path) -> int:
@@ -198,7 +273,7 @@ def newer_checkpoint(state_dir: Path, since: float) -> bool:
 
 
 def run_row(root: Path, data: Path, steps: int, *, shape: Shape = TINY, peers_per_stage: int, mtbf_s: float,
-            kill_all: bool, seed: int, drivers: int = 1) -> dict:
+            kill_all: bool, seed: int, drivers: int = 1, concurrency: int | None = None) -> dict:
     root.mkdir(parents=True, exist_ok=True)
     cfg = load_config(REPO / "configs" / "testnet-tiny.toml", overrides(shape, steps, data))
     (root / "run.toml").write_text(cfg.to_toml())
@@ -221,7 +296,8 @@ def run_row(root: Path, data: Path, steps: int, *, shape: Shape = TINY, peers_pe
             peers.append(start_peer(join, s))
             peers[-1].wait_ready()
         every_peer += peers
-        active = [start_driver(join, data, root, f"driver-{i}", root / f"driver-state-{i}") for i in range(drivers)]
+        active = [start_driver(join, data, root, f"driver-{i}", root / f"driver-state-{i}", concurrency)
+                  for i in range(drivers)]
         next_kill = time.time() + rng.expovariate(1 / mtbf_s) if mtbf_s > 0 else math.inf
         killed_all = False
         while any(d.proc.poll() is None for d in active):
@@ -243,8 +319,8 @@ def run_row(root: Path, data: Path, steps: int, *, shape: Shape = TINY, peers_pe
                 for p in peers:
                     restarts_from_ckpt.append(p.wait_ready()["state_source"] == "checkpoint")
                 every_peer += peers
-                active = [start_driver(join, data, root, f"driver-{len(finished) + i}", root / f"driver-state-{i}")
-                          for i in range(drivers)]
+                active = [start_driver(join, data, root, f"driver-{len(finished) + i}", root / f"driver-state-{i}",
+                                       concurrency) for i in range(drivers)]
             if time.time() >= next_kill:
                 i = rng.randrange(n)
                 peers[i].kill()
@@ -274,7 +350,8 @@ def run_row(root: Path, data: Path, steps: int, *, shape: Shape = TINY, peers_pe
     # its stopped line (VmHWM at the end: the peak of its whole life, checkpoint at the stop included).
     detail = [{"stage": r["stage"], "start_rss_mb": r["start_rss_mb"], "built_peak_rss_mb": r["built_peak_rss_mb"],
                "ready_peak_rss_mb": r["peak_rss_mb"], "stop_peak_rss_mb": s["peak_rss_mb"],
-               "stage_param_mb": r["stage_param_mb"], "optimizer_steps": s["optimizer_steps"]}
+               "stage_param_mb": r["stage_param_mb"], "optimizer_steps": s["optimizer_steps"],
+               "outside_peak_rss_mb": round(p.peak[0], 1)}
               for p in peers for r, s in [(p.of("ready")[-1], p.of("stopped")[-1])]]
     source = load_sources(states)
     return {
@@ -286,6 +363,8 @@ def run_row(root: Path, data: Path, steps: int, *, shape: Shape = TINY, peers_pe
         "peer_base_rss_mb": round(max(r["start_rss_mb"] for p in every_peer for r in p.of("ready")), 1),
         "peer_peak_rss_mb_max": max(d["stop_peak_rss_mb"] for d in detail),
         "peer_peak_rss_mb": [d["stop_peak_rss_mb"] for d in detail],
+        # the same peaks read from /proc by this process while the peers ran (up to 0.1 s before the exit)
+        "peer_peak_rss_mb_outside_max": round(max(p.peak[0] for p in every_peer), 1),
         "peer_peak_over_base_mb_max": round(max(d["stop_peak_rss_mb"] - d["start_rss_mb"] for d in detail), 1),
         "mtbf_s": mtbf_s or None, "kills": kills, "longest_stall_s": round(stall, 2),
         "microbatches_lost": max(0, (schedule_tokens - tokens) // (shape.microbatch * shape.seq_len)),
@@ -294,27 +373,75 @@ def run_row(root: Path, data: Path, steps: int, *, shape: Shape = TINY, peers_pe
     }
 
 
-def single(root: Path, data: Path, steps: int, shape: Shape) -> Path:
-    # the same run without its [pipeline] section: `murmur train` trains the whole model in one process
+def single(root: Path, data: Path, steps: int, shape: Shape) -> tuple[Path, float]:
+    """`murmur train` of the same run without its [pipeline] section (the same untied model, lr
+    schedule, batch and data) in one process: its output folder and its peak RSS, read from /proc."""
     cfg = load_config(REPO / "configs" / "testnet-tiny.toml",
                       [o for o in overrides(shape, steps, data) if not o.startswith("pipeline.")])
-    name = f"single-{shape.stages}"
+    name = f"single-{shape.model['n_layers']}x{shape.model['dim']}-{steps}"
     (root / f"{name}.toml").write_text(cfg.to_toml())
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
     out = root / f"{name}-run"
-    subprocess.run([sys.executable, "-m", "murmur.cli", "train", "--config", str(root / f"{name}.toml"), "--device",
-                    "cpu", "--out", str(out)], check=True, env=env, cwd=REPO, stdout=subprocess.DEVNULL)
-    return out
+    proc = subprocess.Popen([sys.executable, "-m", "murmur.cli", "train", "--config", str(root / f"{name}.toml"),
+                             "--device", "cpu", "--out", str(out)], env=env, cwd=REPO, stdout=subprocess.DEVNULL)
+    peak = [0.0]
+    watch_peak(proc, peak)
+    if proc.wait() != 0:
+        raise RuntimeError(f"murmur train failed (rc {proc.returncode})")
+    return out, round(peak[0], 1)
 
 
-# name: (shape, cap x full_state_mb, run_row's keywords); --rows picks them by their key
+def stage_state_mb(weights: dict[str, torch.Tensor], n_layers: int, stages: int) -> float:
+    """The largest stage's training state: its weights, gradients and AdamW's two moments (fp32,
+    16 bytes a parameter), with the embedding on stage 0 and the final norm and head on the last."""
+    spans = split_layers(n_layers, stages)
+    per = [0] * stages
+    for name, t in weights.items():
+        if name.startswith("blocks."):
+            block = int(name.split(".")[1])
+            stage = next(sp.index for sp in spans if block in sp.blocks)
+        else:
+            stage = 0 if name.startswith("embed") else stages - 1
+        per[stage] += t.numel()
+    return round(max(per) * 16 / 2**20, 2)
+
+
+# key: (name, shape, cap x full_state_mb, run_row's keywords); --rows picks them by their key.
+# concurrency None: the driver's default (DEFAULT_CONCURRENCY), as a volunteer's driver runs.
 ROWS = {
-    "loss": ("no kills", TINY, CAP, {"peers_per_stage": 1, "mtbf_s": 0.0, "kill_all": False}),
+    "loss": ("like for like, 1 peer a stage, default concurrency", SHIPPED, CAP,
+             {"peers_per_stage": 1, "mtbf_s": 0.0, "kill_all": False}),
+    "loss_2peers": ("like for like, 2 peers a stage, default concurrency", SHIPPED_2, CAP,
+                    {"peers_per_stage": 2, "mtbf_s": 0.0, "kill_all": False}),
+    "loss_2peers_diloco": ("2 peers a stage, the sync's outer step DiLoCo's (0.7, Nesterov 0.9)", SHIPPED_2_DILOCO,
+                           CAP, {"peers_per_stage": 2, "mtbf_s": 0.0, "kill_all": False}),
+    "loss_2peers_t8": ("2 peers a stage, each stepping at the run's whole batch, DiLoCo's outer step",
+                       SHIPPED_2_DILOCO_T8, CAP, {"peers_per_stage": 2, "mtbf_s": 0.0, "kill_all": False}),
+    "loss_c1": ("like for like, 1 peer a stage, 1 microbatch in flight", SHIPPED, CAP,
+                {"peers_per_stage": 1, "mtbf_s": 0.0, "kill_all": False, "concurrency": 1}),
     "kills": ("kills at MTBF 30 s", TINY, CAP, {"peers_per_stage": 2, "mtbf_s": 30.0, "kill_all": False}),
     "resume": ("all killed at once, resumed", TINY, CAP, {"peers_per_stage": 1, "mtbf_s": 0.0, "kill_all": True}),
     "memory": (f"memory: {MEMORY_STAGES} stages of one peer, a model whose state dwarfs a process", MEMORY, CAP,
                {"peers_per_stage": 1, "mtbf_s": 0.0, "kill_all": False, "drivers": 2}),
 }
+
+
+def carried(results: Path, picked: list[str]) -> list[dict]:
+    """The rows of ``results`` (an earlier run) whose key this run did not run, each marked with the
+    run that measured it: `--rows loss` leaves the memory row, which takes far longer, as it was.
+    Rows from before the like-for-like loss rows carry no key; of those only the memory row, whose
+    figures do not depend on the loss rows' settings, is kept."""
+    if not results.exists():
+        return []
+    old = json.loads(results.read_text())
+    keep = []
+    for r in old.get("rows", []):
+        key = r.get("key") or ("memory" if str(r.get("row", "")).startswith("memory") else None)
+        if key is None or key in picked:
+            continue
+        keep.append({**r, "key": key, "measured_by": r.get("measured_by") or {
+            k: old.get(k) for k in ("date", "commit", "command", "load_avg_at_start", "load_avg_at_end")}})
+    return keep
 
 
 def main() -> int:
@@ -340,37 +467,51 @@ def main() -> int:
     prepare(data, tokenizer="byte", shard_tokens=1 << 14)
     load0 = os.getloadavg()
     t0 = time.time()
-    singles: dict[int, float] = {}  # id(shape): its `murmur train` val loss
+    singles: dict[tuple, tuple[float, float]] = {}  # its `murmur train` val loss and peak RSS
     rows = []
     for key in picked:
         name, shape, cap, kw = ROWS[key]
         steps = args.memory_steps if shape is MEMORY else args.steps
         batches = eval_batches(Dataset.open(data), 4, shape.seq_len, 8)
-        if id(shape) not in singles:
-            singles[id(shape)] = val_of(load_source(single(work, data, steps, shape)), batches)
-        single_val = singles[id(shape)]
+        one = (tuple(shape.model.items()), shape.batch_size, steps)  # what `murmur train` trains (no pipeline.*)
+        if one not in singles:
+            out, single_peak = single(work, data, steps, shape)
+            singles[one] = (val_of(load_source(out), batches), single_peak)
+        single_val, single_peak = singles[one]
+        load_row = os.getloadavg()
         row = run_row(work / key, data, steps, shape=shape, seed=len(rows), **kw)
         source = row.pop("_source")
         params = sum(t.numel() for t in source.weights.values())
         full = params * 16 / 2**20
         val = val_of(source, batches)
+        state_mb = stage_state_mb(source.weights, shape.model["n_layers"], shape.stages)
         del source
         rows.append({
-            "row": name, "stages": row["stages"], "peers_per_stage": row["peers_per_stage"], "params_total": params,
-            "full_state_mb": round(full, 2), "peer_cap_mb": round(cap * full, 2),
-            "peer_peak_rss_mb_max": row["peer_peak_rss_mb_max"],
-            "under_cap": row["peer_peak_rss_mb_max"] <= cap * full < full,
-            "peer_peak_of_full": round(row["peer_peak_rss_mb_max"] / full, 3),
-            **{k: row[k] for k in ("peer_peak_rss_mb", "peer_base_rss_mb", "peer_peak_over_base_mb_max")},
+            "key": key, "row": name, "stages": row["stages"], "peers_per_stage": row["peers_per_stage"],
+            "concurrency": kw.get("concurrency") or DEFAULT_CONCURRENCY, "tie_embeddings": False,
+            "settings": "benchmark's: " + " ".join(shape.pipeline)
+            if any(k in o for o in shape.pipeline for k in NOT_SHIPPED) else "shipped",
+            "target_samples": next((int(o.split("=")[1]) for o in shape.pipeline[::-1] if "target_samples" in o),
+                                   shape.batch_size),
+            "activation_codec": next((o.split("=")[1] for o in shape.pipeline if "activation_codec" in o), "bf16"),
+            "params_total": params, "stage_state_mb": state_mb, "base_rss_mb": row["peer_base_rss_mb"],
+            "peer_peak_rss_mb_max": row["peer_peak_rss_mb_max"], "single_peak_rss_mb": single_peak,
             "samples": row["samples"], "val_loss_pipeline": round(val, 4), "val_loss_single": round(single_val, 4),
             # only at equal samples: two drivers may overshoot the schedule (samples_committed)
             "equal_samples": row["samples_committed"] == row["samples"],
             "loss_gap_pct": round(100 * (val - single_val) / single_val, 2)
             if row["samples_committed"] == row["samples"] else None,
+            "full_state_mb": round(full, 2), "peer_cap_mb": round(cap * full, 2),
+            "under_cap": row["peer_peak_rss_mb_max"] <= cap * full < full,
+            "peer_peak_of_full": round(row["peer_peak_rss_mb_max"] / full, 3),
+            **{k: row[k] for k in ("peer_peak_rss_mb", "peer_peak_rss_mb_outside_max", "peer_base_rss_mb",
+                                   "peer_peak_over_base_mb_max")},
             **{k: row[k] for k in ("mtbf_s", "kills", "longest_stall_s", "microbatches_lost",
                                    "resumed_from_checkpoint", "drivers", "microbatches_done", "samples_committed",
                                    "loss_first", "loss_last", "tokens_ledger", "driver_exit", "driver_reason", "wall_s",
                                    "peer_rss_detail")},
+            "load_avg_at_row_start": [round(x, 2) for x in load_row],
+            "load_avg_at_row_end": [round(x, 2) for x in os.getloadavg()],
             "model": shape.model,
         })
         print(json.dumps(rows[-1]), flush=True)
@@ -382,10 +523,13 @@ def main() -> int:
         + " ".join(sys.argv[1:]), "commit": commit, "tree_dirty": dirty,
         "load_avg_at_start": [round(x, 2) for x in load0], "load_avg_at_end": [round(x, 2) for x in os.getloadavg()],
         "wall_s": round(time.time() - t0, 1),
+        # the driver's microbatches in flight unless told otherwise (node/pipeline/driver.py)
+        "default_concurrency": DEFAULT_CONCURRENCY,
+        "loss_gap_targets_pct": {"1 peer a stage": 2.0, "2 peers a stage": 3.0},
         "memory_cap": "measured, not enforced: each stage peer's VmHWM (its whole process, the interpreter, torch "
                       "and grpc included) at its clean stop, against peer_cap_mb = "
-                      f"{CAP} x full_state_mb",
-        "rows": rows,
+                      f"{CAP} x full_state_mb; single_peak_rss_mb: `murmur train`'s VmHWM read from /proc",
+        "rows": rows + carried(Path(args.results), picked),
     }
     Path(args.results).write_text(json.dumps(out, indent=1) + "\n")
     print(f"wrote {args.results}")

@@ -172,7 +172,7 @@ def shape_of(config_toml: str) -> dict[str, int]:
         m = cfg.model
         shape = model_config(
             m.preset, dim=m.dim, n_layers=m.n_layers, n_heads=m.n_heads, n_kv_heads=m.n_kv_heads,
-            hidden_dim=m.hidden_dim, vocab_size=m.vocab_size, seq_len=m.seq_len,
+            hidden_dim=m.hidden_dim, vocab_size=m.vocab_size, seq_len=m.seq_len, tie_embeddings=cfg.embeddings_tied(),
         )
     except (MurmurError, ValueError):
         return {"n_params": 0, "tokens_per_step": 0}

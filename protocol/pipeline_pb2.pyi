@@ -33,7 +33,7 @@ class PayloadChunk(_message.Message):
     def __init__(self, tensor: _Optional[str] = ..., part: _Optional[str] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class ForwardRequest(_message.Message):
-    __slots__ = ("protocol_version", "run_id", "stage", "microbatch", "inputs", "reply_codec", "targets")
+    __slots__ = ("protocol_version", "run_id", "stage", "microbatch", "inputs", "reply_codec", "targets", "evaluation")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
@@ -41,6 +41,7 @@ class ForwardRequest(_message.Message):
     INPUTS_FIELD_NUMBER: _ClassVar[int]
     REPLY_CODEC_FIELD_NUMBER: _ClassVar[int]
     TARGETS_FIELD_NUMBER: _ClassVar[int]
+    EVALUATION_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     run_id: str
     stage: int
@@ -48,7 +49,8 @@ class ForwardRequest(_message.Message):
     inputs: _tensor_pb2.WireTensor
     reply_codec: str
     targets: _tensor_pb2.WireTensor
-    def __init__(self, protocol_version: _Optional[int] = ..., run_id: _Optional[str] = ..., stage: _Optional[int] = ..., microbatch: _Optional[str] = ..., inputs: _Optional[_Union[_tensor_pb2.WireTensor, _Mapping]] = ..., reply_codec: _Optional[str] = ..., targets: _Optional[_Union[_tensor_pb2.WireTensor, _Mapping]] = ...) -> None: ...
+    evaluation: bool
+    def __init__(self, protocol_version: _Optional[int] = ..., run_id: _Optional[str] = ..., stage: _Optional[int] = ..., microbatch: _Optional[str] = ..., inputs: _Optional[_Union[_tensor_pb2.WireTensor, _Mapping]] = ..., reply_codec: _Optional[str] = ..., targets: _Optional[_Union[_tensor_pb2.WireTensor, _Mapping]] = ..., evaluation: _Optional[bool] = ...) -> None: ...
 
 class ForwardReply(_message.Message):
     __slots__ = ("outputs", "compute_s", "loss")

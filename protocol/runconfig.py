@@ -78,6 +78,11 @@ class ModelSection(Section):
     hidden_dim: int | None = _bounded(None, 1 << 18, "4x the widest dim", gt=0)
     seq_len: int | None = _bounded(None, 1 << 20, "a million tokens of context", gt=0)
     vocab_size: int | None = _bounded(None, 1 << 21, "the largest tokenizers have about 256k tokens", gt=0)
+    # One matrix for the embedding and the output head (true) or two (false). Left out: tied,
+    # except in a run pipelined over several stages, which unties them (stage 0 holds the
+    # embedding, the last stage the head: docs/pipeline.md "Tied embeddings"). Set it to false
+    # in a data-parallel run or `murmur train` to train exactly a pipeline's model.
+    tie_embeddings: bool | None = None
 
 
 class DataSection(Section):
@@ -334,6 +339,23 @@ class RunConfig(Section):
                 {"config_key": "optim.inner"},
             )
         return self
+
+    @model_validator(mode="after")
+    def _untied_across_stages(self) -> RunConfig:
+        if self.model.tie_embeddings and self.pipeline is not None and self.pipeline.stages > 1:
+            raise PydanticCustomError(
+                "cross_field",
+                "must be false (or left out) when pipeline.stages = {stages} > 1: the embedding lives on "
+                "stage 0 and the head on the last stage, got true",
+                {"config_key": "model.tie_embeddings", "stages": self.pipeline.stages},
+            )
+        return self
+
+    def embeddings_tied(self) -> bool:
+        """``model.tie_embeddings``, or its default: tied unless pipelined over several stages."""
+        if self.model.tie_embeddings is not None:
+            return self.model.tie_embeddings
+        return self.pipeline is None or self.pipeline.stages == 1
 
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump()

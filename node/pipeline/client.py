@@ -71,12 +71,14 @@ class StageClient:
 
     async def forward(
         self, peer: StageEndpoint, microbatch: str, inputs: torch.Tensor, *, reply_codec: str, timeout: float,
-        dim: int,
+        dim: int, evaluation: bool = False,
     ) -> tuple[torch.Tensor, int]:
-        """The stage's outputs (fp32) and the bytes that crossed the wire."""
+        """The stage's outputs (fp32) and the bytes that crossed the wire. ``evaluation``: no
+        backward follows (the stage neither holds nor counts it at its step boundary)."""
         request = pipeline_pb2.ForwardRequest(
             protocol_version=PROTOCOL_VERSION, run_id=self.run_id, stage=peer.stage, microbatch=microbatch,
             inputs=codec.encode(inputs, _codec_for(inputs, reply_codec)), reply_codec=reply_codec,
+            evaluation=evaluation,
         )
         shape = (*inputs.shape[:2], dim)
         if self._stream(request, _activation_bytes(shape, reply_codec)):

@@ -41,8 +41,8 @@ def model_from_run(run: RunConfig) -> tuple[ModelConfig, PipelineSection]:
     # The vocabulary follows the run's tokenizer as the data-parallel model's does (stage peers
     # hold no data to read it from).
     vocab = ByteTokenizer.vocab_size if run.data.tokenizer == "byte" else GPT2Tokenizer.vocab_size
-    cfg = resolve_model_config(run, vocab)
-    return dataclasses.replace(cfg, tie_embeddings=cfg.tie_embeddings and run.pipeline.stages == 1), run.pipeline
+    # Tied or not as the run config says (RunConfig refuses tied embeddings across several stages).
+    return resolve_model_config(run, vocab), run.pipeline
 
 
 def add_model_args(ap: argparse.ArgumentParser) -> None:

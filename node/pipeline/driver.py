@@ -34,6 +34,10 @@ from murmur.protocol.identity import BannedError
 from murmur.protocol.runconfig import PipelineSection
 from murmur.protocol.wire import WireError
 
+# Microbatches a driver keeps in flight unless told otherwise. Each stage peer holds a forward
+# that belongs to its next optimizer step until this step is taken (node/pipeline/step_gate.py), so
+# more in flight costs no quality, only waiting: the figures are in docs/pipeline.md.
+DEFAULT_CONCURRENCY = 4
 MAX_RETRY_PAUSE_S = 30.0  # the longest pause before a failed microbatch runs again
 RETRY_POLL_S = 0.1  # how often a pausing lane looks for a peer that entered a stage
 
@@ -74,7 +78,7 @@ class Driver:
 
     async def _hop(
         self, stage: int, kind: str, samples: int, call: Callable[[StageEndpoint, float], Awaitable],
-        prefer: StageEndpoint | None = None,
+        prefer: StageEndpoint | None = None, evaluation: bool = False,
     ):
         tried: list[str] = []
         errors: list[str] = []
@@ -83,7 +87,9 @@ class Driver:
             if peer is None:
                 break
             tried.append(peer.node_id)
-            deadline = self.router.deadline(peer, kind)
+            # a training forward may wait at the stage's step boundary: its deadline allows for that
+            deadline = (self.router.forward_deadline(peer) if kind == "forward" and stage < self.cfg.stages - 1
+                        and not evaluation else self.router.deadline(peer, kind))
             t0 = time.monotonic()
             try:
                 result = await call(peer, deadline)
@@ -163,8 +169,9 @@ class Driver:
         h = x
         for stage in range(s_last):
             async def fwd(peer, timeout, inp=h):
-                return await self.client.forward(peer, name, inp, reply_codec=codec, timeout=timeout, dim=self.dim)
-            _, (h, _), _ = await self._hop(stage, "forward", rows, fwd)
+                return await self.client.forward(peer, name, inp, reply_codec=codec, timeout=timeout, dim=self.dim,
+                                                 evaluation=True)
+            _, (h, _), _ = await self._hop(stage, "forward", rows, fwd, evaluation=True)
 
         async def score(peer, timeout):
             return await self.client.evaluate(peer, name, h, y, activation_codec=codec, timeout=timeout)

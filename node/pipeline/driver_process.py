@@ -4,7 +4,7 @@
         [--state-dir DIR]
     python -m murmur.node.pipeline.driver_process --identity DIR --run RUN --peers peers.json \
         --stages 2 [model args] --data DATASET --shard 0 --microbatches 40 \
-        [--microbatch-size 4] [--concurrency 2] [--codec bf16] [--commit-log FILE]
+        [--microbatch-size 4] [--concurrency 4] [--codec bf16] [--commit-log FILE]
 
 With ``--state-dir`` the driver keeps its key, certificate and join record in that folder
 (node/net/member_folder.py, as `murmur node run` does): restarted with it, it rejoins as the same
@@ -60,7 +60,13 @@ from murmur.node.pipeline.config import (
     model_from_run,
     refuse_model_args,
 )
-from murmur.node.pipeline.driver import Driver, MicrobatchFailed, MicrobatchResult, run_in_order
+from murmur.node.pipeline.driver import (
+    DEFAULT_CONCURRENCY,
+    Driver,
+    MicrobatchFailed,
+    MicrobatchResult,
+    run_in_order,
+)
 from murmur.node.pipeline.member import REFUSALS, PipelineMember
 from murmur.node.pipeline.router import Router
 from murmur.node.pipeline.schedule import RunSchedule
@@ -349,6 +355,18 @@ async def follow_schedule(args, member, schedule, driver, dataset, cfg, model_cf
             return buf[:-1].view(r, seq_len), buf[1:].view(r, seq_len)
 
         async def on_commit(lo: int, hi: int, lease=lease, plan=plan, first=first) -> None:
+            # A range that takes the run past an evaluation point is committed in two: up to the
+            # microbatch that crosses it (with the validation loss), then the rest. So the figures
+            # land at the evaluation points (run steps 10, 20, ...) however many microbatches one
+            # commit holds: with several in flight, completions out of order make ranges longer.
+            while lo < hi:
+                before, start = schedule.tokens_committed, plan[lo - first][0]
+                cut = next((j + 1 for j in range(lo, hi)
+                            if schedule.evaluation_due(before, before + plan[j - first][2] - start)), hi)
+                await commit_range(lo, cut, lease, plan, first)
+                lo = cut
+
+        async def commit_range(lo: int, hi: int, lease, plan, first) -> None:
             start, end = plan[lo - first][0], plan[hi - 1 - first][2]
             loss = sum(losses.pop(i) for i in range(lo, hi)) / (hi - lo)  # popped: a long run's memory stays flat
             before = schedule.tokens_committed
@@ -404,7 +422,8 @@ def main(argv: list[str] | None = None, joined: Callable[[], PipelineMember] | N
                     help="at most this many (required without --coordinator; with it the run's schedule decides)")
     ap.add_argument("--start", type=int, default=0, help="first microbatch index (resume)")
     ap.add_argument("--microbatch-size", type=int, default=4)
-    ap.add_argument("--concurrency", type=int, default=2, help="microbatches in flight")
+    ap.add_argument("--concurrency", type=int, default=DEFAULT_CONCURRENCY,
+                    help=f"microbatches in flight (default {DEFAULT_CONCURRENCY}: docs/pipeline.md)")
     ap.add_argument("--codec", default="bf16", help="activation codec: fp32, bf16, int8")
     ap.add_argument("--hop-timeout-s", type=float, default=30.0)
     ap.add_argument("--min-hop-timeout-s", type=float, default=2.0)

@@ -121,6 +121,25 @@ class Router:
         estimate = DEADLINE_SLACK * (st.srtt[kind] + 4 * st.rttvar[kind])
         return min(self.cfg.hop_timeout_s, max(self.cfg.min_hop_timeout_s, estimate))
 
+    def forward_deadline(self, peer: StageEndpoint) -> float:
+        """A training forward's deadline. A stage peer holds a forward that belongs to its next
+        optimizer step until the backwards of this step come back (node/pipeline/step_gate.py):
+        at most the rest of one microbatch's trip, from this stage down and back. So the deadline
+        is the forward's own plus that trip as measured (each hop at its slowest peer, with the
+        slack of `deadline`), within ``hop_timeout_s``: a held forward is not taken for a dead peer."""
+        own = self.deadline(peer, "forward")
+        trip = 0.0
+        last = self.cfg.stages - 1
+        hops = [(t, "forward") for t in range(peer.stage + 1, last)]
+        hops += [(t, "backward") for t in range(peer.stage, last + 1)]
+        for t, kind in hops:
+            measured = [st.srtt[kind] + 4 * st.rttvar[kind]
+                        for st in self.stages.get(t, {}).values() if kind in st.srtt]
+            if not measured:
+                return self.cfg.hop_timeout_s
+            trip += DEADLINE_SLACK * max(measured)
+        return min(self.cfg.hop_timeout_s, own + trip)
+
     # -- outcomes --------------------------------------------------------------------------------
 
     def succeeded(self, peer: StageEndpoint, kind: str, samples: int, seconds: float) -> None:

@@ -39,6 +39,7 @@ import torch
 from murmur.node.net.faults import FaultInjector
 from murmur.node.net.server import start_mtls_server
 from murmur.node.pipeline import chunks, codec
+from murmur.node.pipeline.step_gate import StepGate
 from murmur.node.pipeline.worker import StageWorker
 from murmur.protocol import pipeline_pb2, pipeline_pb2_grpc, tls
 from murmur.protocol.identity import BanList, BannedError, Identity, IdentityError
@@ -64,6 +65,9 @@ class StageServiceSettings:
     max_message_bytes: int = tls.DEFAULT_MAX_MESSAGE_BYTES  # one gRPC message; bigger payloads stream
     max_payload_bytes: int = 1 << 30  # the most one streamed request may carry (node/pipeline/chunks.py)
     stop_grace: float = 1.0
+    # A forward whose backward has not come this long after it was admitted is no longer awaited
+    # at the step boundary (node/pipeline/step_gate.py); the run's pipeline.hop_timeout_s.
+    step_expire_s: float = 30.0
 
 
 class StageService(pipeline_pb2_grpc.StageServicer):
@@ -93,6 +97,11 @@ class StageService(pipeline_pb2_grpc.StageServicer):
         # One thread computes, calls queue for it (the worker computes one at a time anyway): a
         # thread of the shared pool per waiting call only adds threads that contend for the GIL.
         self._compute_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="stage-compute")
+        self.gate = self._gate_of(worker)
+
+    def _gate_of(self, worker: StageWorker) -> StepGate:
+        return StepGate(lambda: worker.stats.samples_accumulated, worker.target_samples,
+                        expire_s=self.settings.step_expire_s)
 
     @property
     def span(self):
@@ -102,6 +111,8 @@ class StageService(pipeline_pb2_grpc.StageServicer):
         """Serve another stage from the next call on (a call computing now finishes on the old
         worker: its caller asked for that stage). The throughput estimate starts over."""
         self.worker = worker
+        old, self.gate = self.gate, self._gate_of(worker)  # the new stage's steps; the old one's held forwards expire
+        self.gate.held, self.gate.expired = old.held, old.expired  # counts over the peer's life
         self._ema_raw, self._ema_n, self.samples_per_s = 0.0, 0, 0.0
 
     async def start(self) -> str:
@@ -254,7 +265,7 @@ class StageService(pipeline_pb2_grpc.StageServicer):
             reply_codec, x, targets = self._forward_args(request)
         except Refused as err:
             await self._refuse(context, peer_id, err)
-        return await self._forward(x, reply_codec, targets)
+        return await self._forward(x, reply_codec, targets, request)
 
     async def ForwardStream(self, frames, context):  # noqa: N802
         peer_id = ""
@@ -264,7 +275,7 @@ class StageService(pipeline_pb2_grpc.StageServicer):
             reply_codec, x, targets = self._forward_args(request)
         except Refused as err:
             await self._refuse(context, peer_id, err)
-        await self._send(context, await self._forward(x, reply_codec, targets), "forward_reply")
+        await self._send(context, await self._forward(x, reply_codec, targets, request), "forward_reply")
 
     def _forward_header(self, request) -> dict[str, tuple[int, ...]]:
         """The checks a Forward's header passes before its tensors are read; their expected shapes.
@@ -290,14 +301,25 @@ class StageService(pipeline_pb2_grpc.StageServicer):
         return reply_codec, x, targets
 
     async def _forward(
-        self, x: torch.Tensor, reply_codec: str, targets: torch.Tensor | None = None
+        self, x: torch.Tensor, reply_codec: str, targets: torch.Tensor | None, request
     ) -> pipeline_pb2.ForwardReply:
         t0 = time.perf_counter()
         worker = self.worker  # the stage the call was checked against, even if the peer moves meanwhile
         if targets is not None:
             loss = await self._compute(lambda: worker.evaluate(x, targets), x.shape[0])
             return pipeline_pb2.ForwardReply(loss=loss, compute_s=time.perf_counter() - t0)
-        out = await self._compute(lambda: worker.forward(x), x.shape[0])
+        if request.evaluation:  # no backward follows: not part of a step
+            out = await self._compute(lambda: worker.forward(x), x.shape[0])
+        else:
+            # A training forward waits here (not in the compute queue) while it belongs to the
+            # next optimizer step, so its backward recomputes on the weights it ran on.
+            gate = self.gate
+            await gate.admit(request.microbatch, x.shape[0])
+            try:
+                out = await self._compute(lambda: worker.forward(x), x.shape[0])
+            except BaseException:  # failed, or the caller gave up: its backward will not come here
+                gate.done(request.microbatch)
+                raise
         return pipeline_pb2.ForwardReply(
             outputs=codec.encode(out, reply_codec), compute_s=time.perf_counter() - t0
         )
@@ -363,6 +385,8 @@ class StageService(pipeline_pb2_grpc.StageServicer):
         except asyncio.CancelledError:
             gone.set()
             raise
+        finally:
+            self.gate.done(microbatch)  # its forward is no longer awaited at the step boundary
         if res.loss is not None and not math.isfinite(res.loss):
             log.warning("microbatch %s gave a non-finite loss", microbatch)
         reply = pipeline_pb2.BackwardReply(

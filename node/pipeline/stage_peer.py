@@ -83,6 +83,9 @@ class StagePeerSettings:
     autocast: str | None = None  # "bf16": bf16 autocast over fp32 master weights (node/pipeline/config.py)
     max_message_bytes: int = tls.DEFAULT_MAX_MESSAGE_BYTES  # one gRPC message; bigger payloads stream
     max_payload_bytes: int = 1 << 30  # the most one streamed payload may carry
+    # a forward whose backward has not come this long is no longer awaited at the step boundary
+    # (node/pipeline/step_gate.py): the run's pipeline.hop_timeout_s
+    step_expire_s: float = 30.0
     lr_now: Callable[[], float] | None = None  # the run's schedule (node/pipeline/schedule.py); None: optim.lr
     heard: Callable[[int], None] | None = None  # a ledger total a driver told (the schedule's progress)
     state_dir: Path | None = None  # where the stage's checkpoints go (None: no checkpoints)
@@ -294,7 +297,8 @@ class StagePeer:
                                             host=self.settings.host, port=self.settings.port,
                                             max_rows=self.settings.max_rows,
                                             max_message_bytes=self.settings.max_message_bytes,
-                                            max_payload_bytes=self.settings.max_payload_bytes))
+                                            max_payload_bytes=self.settings.max_payload_bytes,
+                                            step_expire_s=self.settings.step_expire_s))
             await self.service.start()
         else:
             self.service.switch(worker)

@@ -121,7 +121,7 @@ def settings_of(args: argparse.Namespace, member: PipelineMember | None):
             host=args.host, port=args.port, state_port=args.state_port, advertise_host=args.advertise_host,
             max_rows=args.max_rows, pipelined=True, sync=run.sync, sync_every_s=pipe.sync_every_s,
             device=str(device), autocast=autocast_of(run.train.dtype, device), max_message_bytes=cap,
-            max_payload_bytes=payload, lr_now=schedule.lr, heard=schedule.heard,
+            max_payload_bytes=payload, step_expire_s=pipe.hop_timeout_s, lr_now=schedule.lr, heard=schedule.heard,
             state_dir=Path(args.state_dir) if args.state_dir else None, checkpoint_every_s=pipe.checkpoint_every_s,
             checkpoint_keep=pipe.checkpoint_keep,
             tokens_committed=lambda: schedule.tokens_committed, run_config=run.to_dict(),
@@ -235,6 +235,9 @@ async def serve(args: argparse.Namespace, joined: Callable[[], PipelineMember] |
          sync_last_error=peer.sync.last_error if peer.sync else "",
          sync_idle_rounds=peer.sync.idle_rounds if peer.sync else 0,
          checkpoints_written=peer.checkpoints_written,
+         # forwards held at the step boundary for the next optimizer step, and those forgotten there
+         # because their backward never came (node/pipeline/step_gate.py)
+         step_holds=service.gate.held, step_expired=service.gate.expired,
          checkpoint_version=peer.last_checkpoint.version if peer.last_checkpoint is not None else None,
          lr=worker.optimizer.param_groups[0]["lr"], run_step=schedule.step if schedule is not None else None,
          sync_holds_state=peer.sync.holds_state if peer.sync else False,

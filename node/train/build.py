@@ -50,13 +50,15 @@ def open_run_dataset(cfg: RunConfig) -> Dataset:
 
 
 def resolve_model_config(cfg: RunConfig, vocab_size: int) -> ModelConfig:
-    """The preset with the run's overrides; the vocabulary follows the dataset (padded to 64)."""
+    """The preset with the run's overrides; the vocabulary follows the dataset (padded to 64). The
+    embeddings are tied as ``model.tie_embeddings`` says (by default untied only in a run pipelined
+    over several stages), so `murmur train`, the sim, nodes and stage peers build one model."""
     m = cfg.model
     vocab = m.vocab_size or (vocab_size if vocab_size <= 256 else 64 * math.ceil(vocab_size / 64))
     try:
         return model_config(
             m.preset, dim=m.dim, n_layers=m.n_layers, n_heads=m.n_heads, n_kv_heads=m.n_kv_heads,
-            hidden_dim=m.hidden_dim, seq_len=m.seq_len, vocab_size=vocab,
+            hidden_dim=m.hidden_dim, seq_len=m.seq_len, vocab_size=vocab, tie_embeddings=cfg.embeddings_tied(),
         )
     except ValueError as err:
         raise MurmurError(f"[model] {err}") from None
