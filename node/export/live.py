@@ -9,11 +9,14 @@ checked against the hash) and never touches the run: the reader holds no lease a
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from murmur.node.export.source import Source, SourceError
 
 READ_ATTEMPTS = 5
+RETRY_BASE_S = 1.0  # the back-off after a failed fetch: 1, 2, 4, 5 s (12 s in all, past a heartbeat TTL)
+RETRY_MAX_S = 5.0
 
 
 def read_live(target: Any, run_id: str = "", *, timeout_s: float = 600.0) -> Source:
@@ -56,6 +59,11 @@ def read_live(target: Any, run_id: str = "", *, timeout_s: float = 600.0) -> Sou
             break
         except (StateError, TimeoutError) as err:
             errors.append(f"round {grant.round} from {len(holders)} holder(s): {err or 'timed out'}")
+            # A holder that died a moment ago is live to the coordinator until its heartbeat TTL
+            # passes; asking again at once would name it again. Back off, so the next grant names
+            # the holders still alive, or the coordinator's kept copy once none is.
+            if len(errors) < READ_ATTEMPTS:
+                time.sleep(min(RETRY_BASE_S * 2 ** (len(errors) - 1), RETRY_MAX_S))
     else:
         raise SourceError(f"could not fetch run {grant.run_id}'s newest state: {'; '.join(errors)}")
     cfg = parse_config(grant.config_toml, f"run {grant.run_id}")
