@@ -145,10 +145,11 @@ def test_status_page_shows_the_ledger_and_a_lost_node(tmp_path):
         # each row names its node as the testnet does (--name), and gives its share of the run's tokens
         assert sorted(row["name"] for row in page.rows.values()) == ["node-0", "node-1"], page.rows
         assert all(row["share"].endswith("%") for row in page.rows.values()), page.rows
-        # and the state hash of its last round, the first 12 characters its round line logs
+        # and the hash of its last round's shared state, as it announces it and its rounds.jsonl records it
         assert all(re.fullmatch(r"[0-9a-f]{12}", row["hash"]) for row in page.rows.values()), page.rows
         shown = {row["hash"] for row in page.rows.values()}  # published before its round's record is written
-        wait_for(lambda: shown <= {r["hash"][:12] for n in net.nodes for r in read_rounds(n.state_dir) if "hash" in r},
+        wait_for(lambda: shown <= {r["shared_hash"][:12] for n in net.nodes for r in read_rounds(n.state_dir)
+                                   if "shared_hash" in r},
                  60, what=f"the rounds of the hashes shown {shown} in the nodes' rounds.jsonl")
 
         victim = second

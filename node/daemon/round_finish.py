@@ -171,6 +171,10 @@ class RoundFinisher:
             self._host.to_host([r.shared, r.checkpoint], r.taken)
         r.record["hash"] = shared_state_hash(r.shared)
         r.digest = tensors_hash(r.shared)
+        # The whole shared state's hash (with the outer momentum and counters): what the node
+        # announces in its heartbeats and peer record, what a joiner's fetch is checked against and
+        # what the status page shows; "hash" above is the model's alone, as an export records it.
+        r.record["shared_hash"] = r.digest.hex()
         if self._publish is not None:
             self._publish(int(r.record["round"]), r.shared, r.digest)
 
