@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from murmur.errors import MurmurError
-from murmur.protocol.integrity import TRAILER_BYTES, TRAILER_MAGIC, HashingWriter, trailer
+from murmur.protocol.integrity import TRAILER_BYTES, TRAILER_MAGIC, HashingWriter, fsync_dir, trailer
 from murmur.protocol.state_client import RawState, RawTensor, expected_bytes, raw_hash
 
 MAGIC = b"murmur-kept-state-1\n"
@@ -103,7 +103,7 @@ def write(db: Path, version: KeptVersion, keep: int) -> Path:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, final)
-    _fsync_dir(where)
+    fsync_dir(where)
     prune(db, version.run_id, keep)
     return final
 
@@ -175,10 +175,3 @@ def newest(db: Path, run_id: str, log=None) -> KeptVersion | None:
                 log(f"warning: {why}")
     return None
 
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -139,3 +139,12 @@ def payload_size(path: Path | str) -> int:
     """The file's size without its trailer (its whole size when it has none)."""
     size = os.path.getsize(path)
     return size - TRAILER_BYTES if has_trailer(path) else size
+
+
+def fsync_dir(folder: Path | str) -> None:
+    """Make a rename inside ``folder`` durable (the atomic replace every checked file is written by)."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -45,7 +45,6 @@ or an export needs.
 from __future__ import annotations
 
 import dataclasses
-import os
 import re
 import time
 from dataclasses import dataclass
@@ -151,7 +150,7 @@ def write(
     except BaseException:
         tmp.unlink(missing_ok=True)  # a full disk: no half-written file left to fill it further
         raise
-    _fsync_dir(folder)
+    integrity.fsync_dir(folder)
     for old in dropped([c for c in listed(state_dir) if c.stage == stage], keep):
         old.path.unlink(missing_ok=True)
     return CheckpointFile(path, stage, stages, version)
@@ -198,10 +197,3 @@ def read(path: Path) -> dict[str, Any]:
         raise ValueError(f"{path} is not a murmur stage checkpoint (format {FORMAT!r})")
     return state
 
-
-def _fsync_dir(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
