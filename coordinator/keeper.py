@@ -10,11 +10,20 @@ versions at most.
 
 The cost is bounded: a pull at most every ``keep.every_s`` per run, and only when the run moved
 past the kept round; one more when the last holder of a state newer than the kept one leaves
-(``keep.leave_pull_s``, before its leave is answered: its peer server is still up then).
+(``keep.leave_pull_s``, before its leave is answered: its peer server is still up then); and one
+when a node's lease ends (its shard finished, or released: a run's last shards end so), at most
+once every ``keep.lease_pull_every_s``, off the call that ended it.
+
+A pipelined run's version is its step as the ledger has it (the drivers commit every microbatch
+with the run step it lands at, node/pipeline/schedule.py), not a stage peer's own count of
+optimizer steps: that starts at 0 in every new process, so after the stage peers restarted, the
+run would not have been kept again until they had counted past the old number.
 
 A node that joins a run no live trainer serves restores from the kept state: the coordinator
 serves it with the same GetState at its node address (coordinator/kept_server.py), named
-``kept/<run id>/<state name>``, and heartbeat replies say which round it holds.
+``kept/<run id>/<state name>``, and heartbeat replies say which round it holds; a stage peer that
+no live stage-mate serves restores its stage from the kept set, which GetStages names
+(node/pipeline/kept_stage.py).
 """
 
 from __future__ import annotations
@@ -79,6 +88,9 @@ class StateKeeper:
         self._kept: dict[str, KeptVersion | None] = {}
         self._settings: dict[str, KeepSection] = {}
         self._locks: dict[str, asyncio.Lock] = {}
+        self._lease_pulls: set[asyncio.Task] = set()  # pulls at a lease's end, under way
+        self._lease_pull_at: dict[str, float] = {}  # run -> when its last pull at a lease's end began
+        self._lease_due: set[str] = set()  # runs with a pull at a lease's end waiting for its turn
 
     # --- what is kept ----------------------------------------------------------------------------
 
@@ -106,8 +118,13 @@ class StateKeeper:
         if k is None or not self.node_address:
             return None
         digest = k.states[0].state_hash.hex() if k.kind == "global" and k.states else ""
-        return pb.KeptState(round=k.round, state_hash=digest, address=self.node_address,
+        info = pb.KeptState(round=k.round, state_hash=digest, address=self.node_address,
                             server_name=TLS_SERVER_NAME, kept_at=k.kept_at)
+        if k.kind == "stages":
+            info.stages.extend(
+                pb.StageState(stage=stage, name=kept_name(run_id, st.name), state_hash=st.state_hash.hex())
+                for stage, st in zip(k.stages or [], k.states, strict=True))
+        return info
 
     def served(self, name: str) -> RawState | None:
         """A kept state by its GetState name (``kept/<run>/<name>``, ``.../state/newest`` included)."""
@@ -158,6 +175,43 @@ class StateKeeper:
         if t is None or t.round <= self.kept_round(run_id) or not t.state_hash:
             return
         await self._bounded(self.pull(run_id, "leave", only=node_id), keep.leave_pull_s, run_id)
+
+    def lease_ended(self, run_id: str) -> None:
+        """A node's lease of the run ended (its shard finished, or it released it): pull the run's
+        newest state if it is newer than the kept one, off the caller's call, but not within
+        ``keep.lease_pull_every_s`` of the run's previous pull (a run of many small shards ends a
+        lease every few seconds): then the pull waits until that much has passed, and one pending
+        pull stands for every lease that ends meanwhile. Dropped instead, the pull of a run's last
+        lease (its newest state) was lost whenever the run's end came right after a pull."""
+        keep = self.settings_of(run_id)
+        if keep.every_s <= 0 or keep.lease_pull_every_s <= 0 or run_id in self._lease_due:
+            return
+        last = max(self.stats.by_run.get(run_id, 0.0), self._lease_pull_at.get(run_id, 0.0))
+        wait = max(0.0, last + keep.lease_pull_every_s - self.clock())
+        self._lease_due.add(run_id)
+        task = asyncio.get_running_loop().create_task(self._pull_at_lease_end(run_id, wait))
+        self._lease_pulls.add(task)
+        task.add_done_callback(self._lease_pulls.discard)
+
+    async def _pull_at_lease_end(self, run_id: str, wait: float) -> None:
+        try:
+            await asyncio.sleep(wait)
+        finally:
+            self._lease_due.discard(run_id)  # a lease that ends from here on asks for another pull
+        self._lease_pull_at[run_id] = self.clock()
+        await self._pull_logged(run_id, "lease_end")
+
+    async def _pull_logged(self, run_id: str, reason: str) -> None:
+        try:
+            await self.pull(run_id, reason)
+        except Exception as err:  # noqa: BLE001 - the keeper must not stop the coordinator
+            self.log(f"warning: keeping run {run_id}'s state ({reason}) failed: {err!r}")
+
+    async def aclose(self) -> None:
+        """Cancel the pulls at lease ends still under way (the coordinator stops)."""
+        for task in list(self._lease_pulls):
+            task.cancel()
+        await asyncio.gather(*self._lease_pulls, return_exceptions=True)
 
     async def _bounded(self, coro, seconds: float, run_id: str) -> None:
         try:
@@ -227,14 +281,19 @@ class StateKeeper:
             if not serving:
                 return None
             by_stage.append(serving)
-        # The version: the optimizer steps every stage has made (a stage peer steps with the
-        # drivers' global batches); nothing to pull unless the pipeline moved past the kept one.
-        version = min(int(p.report.optimizer_steps) for serving in by_stage for p in serving)
-        if version <= self.kept_round(run_id):
+        # The version: the run's step as the ledger has it (the module's docstring says why not
+        # the peers' optimizer steps); nothing to pull unless the pipeline moved past the kept one.
+        version = self.run_step(run_id)
+        if version <= 0 or version <= self.kept_round(run_id):
             return None
         states = [await self._stage_state(serving, s) for s, serving in enumerate(by_stage)]
         return KeptVersion(run_id=run_id, round=version, states=states, kind="stages",
                            stages=list(range(smap.stages)), kept_at=self.clock())
+
+    def run_step(self, run_id: str) -> int:
+        """A pipelined run's step: the newest one its drivers committed (the ledger's rounds)."""
+        last = self.store.last_round(run_id)
+        return int(last["outer_step"]) if last is not None else 0
 
     async def _stage_state(self, serving: list[pb.StagePeerInfo], stage: int) -> RawState:
         """Stage ``stage``'s state from the first peer that serves it whole: its published state

@@ -247,6 +247,7 @@ class Coordinator:
             await self.server.stop(self.settings.grpc_grace_s)
         if sweeper is not None:
             await sweeper
+        await self.keeper.aclose()  # a pull at a lease's end writes to the ledger: done before it closes
         await self.metrics.stop()
         if self.dht is not None:
             with contextlib.suppress(Exception):

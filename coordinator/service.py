@@ -268,6 +268,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 Progress(request.outer_step, request.loss, request.bytes_sent, request.seconds,
                          request.val_loss if request.HasField("val_loss") else None),
             )
+            if result.shard_done and self.keeper is not None:
+                self.keeper.lease_ended(run_id)  # the lease ended with its shard: keep the newest state
             return pb.CommitReply(
                 duplicate=result.duplicate,
                 committed_offset=result.committed_offset,
@@ -298,6 +300,10 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                     scratch = False
                     if self.recovery is not None:  # the newest state that exists, or the operator's call
                         scratch = self.recovery.judge(run_id, request.round, max(0, request.from_round), node_id)
+                    if self.stage_board.pipeline(run_id) is not None:
+                        # A stage peer whose stage exists nowhere (node/pipeline/kept_stage.py): the
+                        # judgement is all; it is no trainer and numbers no round of its own.
+                        return pb.ClaimRoundReply(decided=True, from_scratch=scratch)
                     self.membership.claim_lost_rounds(run_id, request.round, node_id)
                     return pb.ClaimRoundReply(decided=True, from_scratch=scratch)
                 decided = self.membership.claim_round(
@@ -317,8 +323,11 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self, request: pb.ReleaseLeaseRequest, context: grpc.aio.ServicerContext
     ) -> pb.ReleaseLeaseReply:
         def call() -> pb.ReleaseLeaseReply:
-            node_id, _ = self._node(context)
-            return pb.ReleaseLeaseReply(committed_offset=self.leases.release(node_id, request.lease_id))
+            node_id, run_id = self._node(context)
+            reply = pb.ReleaseLeaseReply(committed_offset=self.leases.release(node_id, request.lease_id))
+            if self.keeper is not None:
+                self.keeper.lease_ended(run_id)  # released (a driver at its schedule's end, a node leaving)
+            return reply
 
         return await self._run("ReleaseLease", context, call)
 
@@ -425,7 +434,11 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
     async def GetStages(self, request: pb.GetStagesRequest, context: grpc.aio.ServicerContext) -> pb.StageMap:
         def call() -> pb.StageMap:
             _, run_id = self._node(context)
-            return self.stage_board.stage_map(run_id)
+            smap = self.stage_board.stage_map(run_id)
+            kept = self.keeper.kept_info(run_id) if self.keeper is not None and smap.stages else None
+            if kept is not None and kept.stages:  # what a stage peer no live stage-mate serves restores
+                smap.kept.CopyFrom(kept)
+            return smap
 
         return await self._run("GetStages", context, call)
 

@@ -199,18 +199,20 @@ class HeartbeatReply(_message.Message):
     def __init__(self, run_state: _Optional[str] = ..., leases_renewed: _Optional[int] = ..., heartbeat_interval_s: _Optional[float] = ..., lease_ttl_s: _Optional[float] = ..., ban_list: _Optional[_Union[BanList, _Mapping]] = ..., ban_list_changed: _Optional[bool] = ..., members: _Optional[_Iterable[_Union[LiveMember, _Mapping]]] = ..., run_round: _Optional[int] = ..., stage_order: _Optional[_Union[StageOrder, _Mapping]] = ..., view_whole: _Optional[bool] = ..., coordinator_started_at: _Optional[float] = ..., kept: _Optional[_Union[KeptState, _Mapping]] = ..., waiting_for_operator: _Optional[str] = ...) -> None: ...
 
 class KeptState(_message.Message):
-    __slots__ = ("round", "state_hash", "address", "server_name", "kept_at")
+    __slots__ = ("round", "state_hash", "address", "server_name", "kept_at", "stages")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     STATE_HASH_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     SERVER_NAME_FIELD_NUMBER: _ClassVar[int]
     KEPT_AT_FIELD_NUMBER: _ClassVar[int]
+    STAGES_FIELD_NUMBER: _ClassVar[int]
     round: int
     state_hash: str
     address: str
     server_name: str
     kept_at: float
-    def __init__(self, round: _Optional[int] = ..., state_hash: _Optional[str] = ..., address: _Optional[str] = ..., server_name: _Optional[str] = ..., kept_at: _Optional[float] = ...) -> None: ...
+    stages: _containers.RepeatedCompositeFieldContainer[StageState]
+    def __init__(self, round: _Optional[int] = ..., state_hash: _Optional[str] = ..., address: _Optional[str] = ..., server_name: _Optional[str] = ..., kept_at: _Optional[float] = ..., stages: _Optional[_Iterable[_Union[StageState, _Mapping]]] = ...) -> None: ...
 
 class AcquireLeaseRequest(_message.Message):
     __slots__ = ("exhausted",)
@@ -820,7 +822,7 @@ class StageSummary(_message.Message):
     def __init__(self, stage: _Optional[int] = ..., first_block: _Optional[int] = ..., end_block: _Optional[int] = ..., peers: _Optional[int] = ..., samples_per_s: _Optional[float] = ..., queue: _Optional[int] = ..., last_move: _Optional[str] = ..., last_move_at: _Optional[float] = ...) -> None: ...
 
 class StageMap(_message.Message):
-    __slots__ = ("run_id", "stages", "peers", "summary", "pending_move", "rebalance_every_s", "tokens_committed")
+    __slots__ = ("run_id", "stages", "peers", "summary", "pending_move", "rebalance_every_s", "tokens_committed", "kept")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     STAGES_FIELD_NUMBER: _ClassVar[int]
     PEERS_FIELD_NUMBER: _ClassVar[int]
@@ -828,6 +830,7 @@ class StageMap(_message.Message):
     PENDING_MOVE_FIELD_NUMBER: _ClassVar[int]
     REBALANCE_EVERY_S_FIELD_NUMBER: _ClassVar[int]
     TOKENS_COMMITTED_FIELD_NUMBER: _ClassVar[int]
+    KEPT_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     stages: int
     peers: _containers.RepeatedCompositeFieldContainer[StagePeerInfo]
@@ -835,4 +838,5 @@ class StageMap(_message.Message):
     pending_move: str
     rebalance_every_s: float
     tokens_committed: int
-    def __init__(self, run_id: _Optional[str] = ..., stages: _Optional[int] = ..., peers: _Optional[_Iterable[_Union[StagePeerInfo, _Mapping]]] = ..., summary: _Optional[_Iterable[_Union[StageSummary, _Mapping]]] = ..., pending_move: _Optional[str] = ..., rebalance_every_s: _Optional[float] = ..., tokens_committed: _Optional[int] = ...) -> None: ...
+    kept: KeptState
+    def __init__(self, run_id: _Optional[str] = ..., stages: _Optional[int] = ..., peers: _Optional[_Iterable[_Union[StagePeerInfo, _Mapping]]] = ..., summary: _Optional[_Iterable[_Union[StageSummary, _Mapping]]] = ..., pending_move: _Optional[str] = ..., rebalance_every_s: _Optional[float] = ..., tokens_committed: _Optional[int] = ..., kept: _Optional[_Union[KeptState, _Mapping]] = ...) -> None: ...

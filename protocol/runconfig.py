@@ -316,6 +316,10 @@ class KeepSection(Section):
     # When the last holder of a state newer than the kept one leaves (SIGTERM), the coordinator
     # pulls it before it answers the leave, for at most this long (0: not at leaves).
     leave_pull_s: float = _bounded(5.0, 600.0, "a node's shutdown grace is seconds", ge=0)
+    # When a node's lease ends (its shard finished, or released), the coordinator pulls the run's
+    # newest state if it is newer than the kept one, but not within this many seconds of its
+    # previous pull (0: not at lease ends).
+    lease_pull_every_s: float = _bounded(10.0, MAX_SECONDS, _SECONDS_WHY, ge=0)
 
 
 class RunConfig(Section):

@@ -6,8 +6,11 @@ its stage's parameters (node/pipeline/stage_state.py). In a pipelined run it hea
 
 - **Becoming a stage** (at start, or ordered to move): the peer builds the stage from the seed
   and loads its state, in this order of preference: from the peers serving it now (hash-verified,
-  in parallel); else from a replica (its own, or one a peer of the previous stage publishes);
-  else it keeps the seed's weights and says so (``state_source = "seed"``, a warning in the log).
+  in parallel); else from its own checkpoint unless the coordinator's kept set is newer; else from
+  a replica (its own, or one a peer of the previous stage publishes); else from the coordinator's
+  kept set (node/pipeline/kept_stage.py, ``state_source = "kept"``); else it keeps the seed's
+  weights and says so (``state_source = "seed"``, a warning in the log), which under a run that
+  trained needs the operator's word (the run waits for it, as a data-parallel run does).
   A peer that moves keeps serving its old stage while it loads; then the service switches to the
   new stage between two calls, and the next heartbeat goes out at once.
 - **Checkpoints** (with a state folder, ``state_dir``): at every multiple of
@@ -46,7 +49,7 @@ from murmur.node.net.addresses import advertised_address
 from murmur.node.net.faults import FaultInjector
 from murmur.node.net.server import PeerServer, PeerServerSettings, PublishedState
 from murmur.node.net.state_transfer import StateError, afetch
-from murmur.node.pipeline import replica, stage_checkpoint, stage_state
+from murmur.node.pipeline import kept_stage, replica, stage_checkpoint, stage_state
 from murmur.node.pipeline.member import PipelineMember
 from murmur.node.pipeline.memory import peak_rss_mb
 from murmur.node.pipeline.service import StageService, StageServiceSettings
@@ -92,6 +95,7 @@ class StagePeerSettings:
     checkpoint_every_s: float = 0.0  # on the clock (0: only at a clean stop)
     checkpoint_keep: int = stage_checkpoint.KEEP  # versions kept on disk per stage
     tokens_committed: Callable[[], int] | None = None  # the run's progress as the peer heard it last
+    step_at: Callable[[int], int] | None = None  # the run's step at a ledger total (node/pipeline/schedule.py)
     run_config: dict | None = None  # kept in each checkpoint (the export's tokenizer and provenance)
 
 
@@ -131,6 +135,7 @@ class StagePeer:
         self.checkpoints_written = 0
         self.last_checkpoint: stage_checkpoint.CheckpointFile | None = None
         self.loaded_checkpoint: stage_checkpoint.CheckpointFile | None = None  # the one a start loaded
+        self._view: pb.StageMap | None = None  # the coordinator's, as `_sources` read it last (its kept set)
 
     @property
     def stage(self) -> int:
@@ -272,13 +277,21 @@ class StagePeer:
         except StateError as err:
             log.warning("stage %d: could not fetch the state from its peers: %s", stage, err)
         optimizer_state = None
+        kept = kept_stage.offered(self._view, stage) if source == "seed" else None
         if source == "seed":
             loaded = self._from_checkpoint(module, stage)
             if loaded is not None:
                 source, optimizer_state, ckpt_outer = "checkpoint", loaded["optimizer"], loaded.get("outer")
                 outer = ckpt_outer if outer is None else outer
+                if kept is not None and kept_stage.behind(loaded, kept[0], self.settings.step_at) and \
+                        await self._from_kept(module, kept):
+                    source, optimizer_state, outer = "kept", None, None  # the newer state: the run's
         if source == "seed":
             source = await self._from_replica(module, stage, holders)
+        if source == "seed" and kept is not None and await self._from_kept(module, kept):
+            source = "kept"
+        if source == "seed":
+            source = await self._seed_allowed(module, stage)
         if source == "seed" and self.stage >= 0:  # a move (a first start from the seed is a new run's)
             log.warning("stage %d has no live peer and no replica: it starts from the seed's weights", stage)
         worker = StageWorker(module, self.settings.optim, target_samples=self.settings.target_samples,
@@ -333,6 +346,37 @@ class StagePeer:
             # (node/pipeline/stage_sync.py): an anchor and its published copies are three copies
             # of the stage that a stage of one peer never uses.
             self.sync.reset(worker, outer, alone=source != "peers")
+
+    # -- the coordinator's kept set ----------------------------------------------------------------
+
+    async def _from_kept(self, module, kept: tuple[pb.KeptState, pb.StageState]) -> bool:
+        try:
+            await kept_stage.restore(module, self.ident, *kept)
+        except StateError as err:
+            log.warning("stage %d: the coordinator's kept set could not be restored: %s", kept[1].stage, err)
+            return False
+        return True
+
+    async def _seed_allowed(self, module, stage: int) -> str:
+        """No copy of the stage anywhere: the seed's weights, where the run trained, only on the
+        coordinator's word (node/pipeline/kept_stage.py); what it found meanwhile otherwise."""
+        s = self.settings
+        if self.member is None or not s.pipelined or s.step_at is None or self._view is None:
+            return "seed"
+        step = s.step_at(self._view.tokens_committed)
+        if step <= 0:
+            return "seed"  # a new run: the seed's weights are its state
+
+        async def look() -> str:
+            donors, _ = await self._sources(stage)
+            if donors:
+                with contextlib.suppress(StateError):
+                    self.fetched_from = await stage_state.fetch_into(module, self.ident, donors)
+                    return "peers"
+            kept = kept_stage.offered(self._view, stage)
+            return "kept" if kept is not None and await self._from_kept(module, kept) else "seed"
+
+        return await kept_stage.seed_allowed(self.member.client, stage, step, wait=self.stage < 0, look=look)
 
     # -- checkpoints ------------------------------------------------------------------------------
 
@@ -436,6 +480,7 @@ class StagePeer:
         except Exception as err:  # noqa: BLE001 - the coordinator may be away; load from the seed
             log.warning("could not ask the coordinator for stage %d's peers: %s", stage, err)
             return {}, {}
+        self._view = view
         me = self.ident.node_id
         donors = {p.node_id: p.report.state_address for p in serving(view, stage) if p.node_id != me}
         holders = {p.node_id: p.report.state_address for p in view.peers

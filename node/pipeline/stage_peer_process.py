@@ -124,7 +124,7 @@ def settings_of(args: argparse.Namespace, member: PipelineMember | None):
             max_payload_bytes=payload, step_expire_s=pipe.hop_timeout_s, lr_now=schedule.lr, heard=schedule.heard,
             state_dir=Path(args.state_dir) if args.state_dir else None, checkpoint_every_s=pipe.checkpoint_every_s,
             checkpoint_keep=pipe.checkpoint_keep,
-            tokens_committed=lambda: schedule.tokens_committed, run_config=run.to_dict(),
+            tokens_committed=lambda: schedule.tokens_committed, step_at=schedule.step_at, run_config=run.to_dict(),
         ), schedule
     if args.state_dir:
         raise SystemExit("error: --state-dir needs a pipelined run (--coordinator, a run config with [pipeline])")
