@@ -139,6 +139,41 @@ def test_a_run_whose_state_exists_nowhere_waits_for_the_operator(tmp_path):
         assert net.stop_node(b) == 0
 
 
+LEASE_PULL_EVERY_S = 5.0  # longer than a shard of the tiny run lasts (3-4 s here): the bound is what spaces the pulls
+
+
+def test_the_keeper_pulls_when_a_lease_ends_but_never_more_often_than_its_bound(tmp_path):
+    """keep.every_s = 600: past its first pull the clock keeps nothing. A lone node's 8K-token
+    shards end every few rounds, and each end asks for a pull of the run's newest state; one
+    comes at most every keep.lease_pull_every_s (a pull due sooner waits for its turn; a shard lasts 3-4 s), each of a
+    newer round than the one before."""
+    data = small_dataset(tmp_path / "data")
+    net = make_testnet(tmp_path / "net", data, node_args=FAST_NODE, overrides=[
+        *RUN, "keep.every_s=600", f"keep.lease_pull_every_s={LEASE_PULL_EVERY_S}"])
+    net.coordinator_args = list(FAST_COORDINATOR)
+    with net:
+        net.start_coordinator()
+        net.create_run(token_uses=2)
+        a = net.add_node()
+
+        def at_lease_ends():
+            return len([e for e in _events(net, "state_kept") if _detail(e)["reason"] == "lease_end"]) >= 3
+
+        wait_for(at_lease_ends, 240, what="three pulls at a lease's end")
+        kept = _events(net, "state_kept")
+        shards_done = _events(net, "shard_done")
+        assert net.stop_node(a) == 0, log(a)[-2000:]
+    rounds = [_detail(e)["round"] for e in kept]
+    assert rounds == sorted(set(rounds)), rounds  # every pull kept a newer round
+    assert _detail(kept[0])["reason"] == "interval", kept[0]
+    for e in kept[1:]:  # each after a shard's end
+        assert any(d["at"] <= e["at"] for d in shards_done), (e, shards_done)
+    for before, e in zip(kept, kept[1:], strict=False):
+        started = e["at"] - _detail(e)["seconds"]
+        # Not within the bound of the pull before (its end, give or take the ledger write)
+        assert started >= before["at"] + LEASE_PULL_EVERY_S - 0.5, (before, e)
+
+
 def test_after_a_coordinator_restart_a_node_restarted_with_min_peers_meets_them_within_seconds(tmp_path):
     """Coordinator SIGKILL and restart: the survivors dial its DHT peer again as soon as it
     answers, so a node restarted afterwards with --min-peers 3 meets both within 15 s of opening

@@ -10,10 +10,12 @@ import asyncio
 
 import pytest
 from _pipeline_helpers import (
+    PeerProc,
     coordinator,
     finish,
     records,
     start_driver,
+    start_logged,
     start_run_peer,
     stop_all,
     wait_until,
@@ -107,3 +109,42 @@ def test_new_stage_peers_restore_the_kept_stages_after_every_stage_peer_left(tmp
             stop_all(new)
     assert abs(after - val) < 1e-4, (after, val)  # the driver's last validation loss
     assert after < fresh - 0.1, (after, fresh)  # not a fresh model's
+
+
+def test_a_stage_that_exists_nowhere_waits_for_the_operator(tmp_path, small_shards):
+    """Nothing kept (keep.every_s = 0), no replica, no checkpoint, every stage peer gone after the
+    run trained: a new stage peer does not serve its stage from the seed's weights. The run waits
+    (a state_lost event, `admin status`) until `murmur admin runs recover --from scratch`."""
+    overrides = [*KEEP, "keep.every_s=0"]
+    with coordinator(tmp_path, small_shards, joins=4, overrides=overrides, coordinator_args=FAST_COORDINATOR) as (
+            net, join):
+        peers, new = [], []
+        try:
+            peers = [start_run_peer(tmp_path / f"peer{i}", join) for i in range(2)]
+            driver = start_driver(None, tmp_path, small_shards, "driver", join=join)
+            out = finish(driver)
+            assert driver.returncode == 0, out[-3000:]
+            stop_all(peers)
+            wait_until("the stage peers gone from the view",
+                       lambda: not net.admin("stages", "--run", net.run_id)["peers"], timeout_s=60)
+            log = tmp_path / "new.log"
+            with open(log, "ab") as err:  # the child holds its own descriptor
+                proc = start_logged("murmur.node.pipeline.stage_peer_process",
+                                    ["--coordinator", join[0], "--token", join[1]], tmp_path / "new", stderr=err)
+            new = [PeerProc(proc, {})]
+            wait_until("a state_lost event", lambda: net.admin("events", "--run", net.run_id, "--kind",
+                                                               "state_lost")["events"], timeout_s=120)
+            status = net.admin("status", "--run", net.run_id)
+            assert f"newest state (round {STEPS}) exists nowhere" in status["waiting_for_operator"], status
+            wait_until("the peer's line", lambda: "the run waits for its operator" in log.read_text(), timeout_s=60)
+            assert not proc.records() and proc.poll() is None, log.read_text()[-2000:]  # not serving, not gone
+            net.admin("runs", "recover", net.run_id, "--from", "scratch")
+            (ready,) = wait_until("the peer serving", lambda: [r for r in proc.records() if r.get("event") == "ready"],
+                                  timeout_s=120)
+            new[0].ready = ready
+            assert ready["state_source"] == "seed", ready
+            assert f"going on from the seed's weights at run step {STEPS} (the operator's call: from scratch)" \
+                in log.read_text(), log.read_text()[-2000:]
+        finally:
+            stop_all(peers)
+            stop_all(new)
