@@ -18,13 +18,8 @@ ops_per_s_runs, relative (to none), writes}.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import os
-import platform
-import shlex
-import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -33,9 +28,11 @@ from pathlib import Path
 
 import torch
 
-from murmur.node.daemon import checkpoint_file
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _checkpoint_bench import ROOT, checkpoint_state, head, interleaved, median, write  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
+from murmur.node.daemon import checkpoint_file  # noqa: E402
+
 RESULTS = ROOT / "benchmarks" / "results" / "checkpoint_gil.json"
 
 
@@ -86,41 +83,24 @@ def main() -> None:
     ap.add_argument("--results", type=Path, default=RESULTS)
     args = ap.parse_args()
     torch.set_num_threads(1)
-    n = max(1, args.mb // 64)
-    state = {"model": {f"t{i}": torch.randn(16 * 1024 * 1024) for i in range(n)}, "round": 1}
-    runs: dict[str, list[float]] = {k: [] for k in WRITERS}
-    writes: dict[str, int] = dict.fromkeys(WRITERS, 0)
+    state, mib = checkpoint_state(args.mb)
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "checkpoint.pt"
-        for _ in range(args.repeats):  # interleaved, so a drift of the machine hits every writer
-            for name, writer in WRITERS.items():
-                rate, w = measure(writer, state, path, args.seconds)
-                runs[name].append(rate)
-                writes[name] += w
-                print(f"{name:16s} {rate:12,.0f} ops/s ({w} writes)", flush=True)
-    base = statistics.median(runs["none"])
+        cases = {name: (lambda w=writer: measure(w, state, path, args.seconds)) for name, writer in WRITERS.items()}
+        runs = interleaved(cases, args.repeats, show=lambda name, got: print(
+            f"{name:16s} {got[0]:12,.0f} ops/s ({got[1]} writes)", flush=True))
+    base = median([rate for rate, _ in runs["none"]])
     rows = [
         {
             "writer": name,
-            "ops_per_s": round(statistics.median(r)),
-            "ops_per_s_runs": [round(x) for x in r],
-            "relative": round(statistics.median(r) / base, 3),
-            "writes": writes[name],
+            "ops_per_s": round(median([rate for rate, _ in r])),
+            "ops_per_s_runs": [round(rate) for rate, _ in r],
+            "relative": round(median([rate for rate, _ in r]) / base, 3),
+            "writes": sum(w for _, w in r),
         }
         for name, r in runs.items()
     ]
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
-    result = {
-        "benchmark": "checkpoint_gil",
-        "device": f"cpu: {platform.processor() or platform.machine()}, {os.cpu_count()} cores",
-        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "command": ".venv/bin/python " + shlex.join(["benchmarks/checkpoint_gil.py", *sys.argv[1:]]),
-        "commit": commit or None,
-        "checkpoint_mib": n * 64,
-        "rows": rows,
-    }
-    args.results.parent.mkdir(parents=True, exist_ok=True)
-    args.results.write_text(json.dumps(result, indent=1) + "\n")
+    write(args.results, {**head("checkpoint_gil", "benchmarks/checkpoint_gil.py"), "checkpoint_mib": mib, "rows": rows})
     print(json.dumps(rows, indent=1))
 
 

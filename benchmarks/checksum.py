@@ -21,24 +21,21 @@ On the GPU box: `source benchmarks/gpu_env.sh && python3 benchmarks/checksum.py 
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import hashlib
 import json
 import os
-import platform
-import shlex
-import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
-from murmur.node.daemon import checkpoint_file
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _checkpoint_bench import ROOT, checkpoint_state, head, interleaved, median, timed, write  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
+from murmur.node.daemon import checkpoint_file  # noqa: E402
+
 RESULTS = ROOT / "benchmarks" / "results" / "checksum.json"
 
 
@@ -64,12 +61,6 @@ def save_plain(state: dict, path: Path) -> None:
         os.fsync(f.fileno())
 
 
-def timed(fn) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
-
-
 PEAK = """
 import resource, sys
 from pathlib import Path
@@ -89,43 +80,31 @@ def main() -> None:
     ap.add_argument("--results", type=Path, default=RESULTS)
     args = ap.parse_args()
     torch.set_num_threads(1)
-    n = max(1, args.mb // 64)
-    state = {"model": {f"t{i}": torch.randn(16 * 1024 * 1024) for i in range(n)}, "round": 1}
-    mib = n * 64
+    state, mib = checkpoint_state(args.mb)
     blob = memoryview(torch.cat([t for t in state["model"].values()]).view(torch.uint8).numpy())
-    runs: dict[str, list[float]] = {k: [] for k in ("sha256_memory", "save_checksummed", "save_plain",
-                                                   "verify_streaming")}
-    load = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "checkpoint.pt"
         plain = Path(tmp) / "plain.pt"
-        for _ in range(args.repeats):
-            runs["sha256_memory"].append(timed(lambda: hashlib.sha256(blob).digest()))
-            runs["save_checksummed"].append(timed(lambda: checkpoint_file.save(state, path)))
-            runs["save_plain"].append(timed(lambda: save_plain(state, plain)))
-            runs["verify_streaming"].append(timed(lambda: checkpoint_file.verify(path)))
-            print({k: round(v[-1], 3) for k, v in runs.items()}, flush=True)
+        runs = interleaved({
+            "sha256_memory": lambda: timed(lambda: hashlib.sha256(blob).digest()),
+            "save_checksummed": lambda: timed(lambda: checkpoint_file.save(state, path)),
+            "save_plain": lambda: timed(lambda: save_plain(state, plain)),
+            "verify_streaming": lambda: timed(lambda: checkpoint_file.verify(path)),
+        }, args.repeats, show=lambda name, s: print(f"{name:18s} {s:.3f} s", flush=True))
         peak = float(subprocess.run([sys.executable, "-c", PEAK, str(path)], capture_output=True, text=True,
                                     check=True).stdout.strip())
     rows = [
-        {"what": name, "mib": mib, "seconds": round(statistics.median(r), 4), "seconds_runs": [round(x, 4) for x in r],
-         "mib_per_s": round(mib / statistics.median(r), 1)}
+        {"what": name, "mib": mib, "seconds": round(median(r), 4), "seconds_runs": [round(x, 4) for x in r],
+         "mib_per_s": round(mib / median(r), 1)}
         for name, r in runs.items()
     ]
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
     result = {
-        "benchmark": "checksum",
-        "device": f"cpu: {platform.processor() or platform.machine()}, {os.cpu_count()} cores",
-        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "load": round(load, 2),
-        "command": "nice .venv/bin/python " + shlex.join(["benchmarks/checksum.py", *sys.argv[1:]]),
-        "commit": commit or None,
+        **head("checksum", "benchmarks/checksum.py", prefix="nice .venv/bin/python"),
         "checkpoint_mib": mib,
         "verify_peak_rss_mib": round(peak, 1),
         "rows": rows,
     }
-    args.results.parent.mkdir(parents=True, exist_ok=True)
-    args.results.write_text(json.dumps(result, indent=1) + "\n")
+    write(args.results, result)
     print(json.dumps(result, indent=1))
 
 
