@@ -11,11 +11,14 @@ the durability scenarios end (issue 50; coordinator/keeper.py, docs/failure-mode
    ledger (coordinator/kept_state.py: atomic, checksummed, ``keep.versions`` kept). Rows: bytes a
    pull, seconds a pull (fetch, write), disk kept, and the bytes an hour at ``keep.every_s`` (the
    keeper pulls at most once an interval, and only when the run moved on: an upper bound).
-2. ``scenarios`` (tiny testnet config, real processes): two nodes train and stop (one SIGKILL,
-   one SIGTERM) and a node with a fresh folder joins: seconds from its start to the restored
-   kept state and to its first round; the same with nothing kept: the run waits for the operator,
-   then goes on after `admin runs recover`; a coordinator SIGKILL and restart, then a node
-   restarted with --min-peers 3: seconds until it met its peers.
+2. ``scenarios`` (tiny testnet config, real processes, the steps of their tests:
+   tests/_durable_scenarios.py): two nodes train and stop (one SIGKILL, one SIGTERM) and a node
+   with a fresh folder joins: seconds from its start to the restored kept state and to its first
+   round; the same with nothing kept: the run waits for the operator, then goes on after `admin
+   runs recover`; a coordinator SIGKILL and restart, then a node restarted with --min-peers 3:
+   seconds until it met its peers; a pipelined run (2 stages) whose stage peers all stopped, and
+   two stage peers with fresh folders: seconds from each one's start to its stage restored from
+   the coordinator's kept set, and to serving.
 
 The machine is shared: the JSON states the load.
 """
@@ -28,7 +31,6 @@ import datetime as dt
 import json
 import os
 import platform
-import re
 import subprocess
 import sys
 import tempfile
@@ -104,116 +106,71 @@ async def _keep_cost(preset: str, pulls: int) -> dict:
     }
 
 
-def _stamp(line: str) -> float:
-    return dt.datetime.fromisoformat(line[:29]).timestamp()
-
-
-def _first(log: str, pattern: str, since: int = 0) -> float | None:
-    for ln in log[since:].splitlines():
-        if ln[:4].isdigit() and re.search(pattern, ln):
-            return _stamp(ln)
-    return None
-
-
 def _scenarios(data: Path) -> list[dict]:
+    """The durability scenarios, step for step as their tests run them (tests/_durable_scenarios.py)."""
     sys.path.insert(0, str(REPO / "tests"))
-    from _node_helpers import (
-        FAST_COORDINATOR,
-        FAST_NODE,
-        UNTIL_STOPPED,
-        log,
-        make_testnet,
-        trained,
-        wait_log,
-        wait_rounds,
-    )
-
-    from murmur.node.testnet.procs import wait_for
+    import _durable_scenarios as sc
+    from _node_helpers import trained
 
     rows = []
-    run = [*UNTIL_STOPPED, "train.eval_every=5"]
     with tempfile.TemporaryDirectory(prefix="murmur-durability-") as tmp:
         # 1. every node gone, the coordinator keeps the state: a fresh joiner restores it
-        net = make_testnet(Path(tmp) / "kept", data, overrides=[*run, "keep.every_s=2"], node_args=FAST_NODE)
-        net.coordinator_args = list(FAST_COORDINATOR)
+        net = sc.kept_net(Path(tmp) / "kept", data)
         with net:
-            net.start_coordinator()
-            net.create_run(token_uses=8)
-            a, b = [net.add_node(extra=["--min-peers", "2"]) for _ in range(2)]
-            for n in (a, b):
-                wait_rounds(n, 3)
-            net.kill_node(a)
-            net.stop_node(b)
-            newest = max(int(r["round"]) for r in trained(a) + trained(b))
-            started = time.time()
-            c = net.add_node()
-            m = wait_log(c, r"restored the run's state of round (\d+) from the coordinator's kept copy")
-            wait_rounds(c, 1)
-            text = log(c)
+            _, newest = sc.train_then_all_gone(net)
+            got = sc.join_and_restore(net)
+            first = int(trained(got.node)[0]["round"])
             rows.append({
                 "scenario": "every node gone (SIGKILL + SIGTERM), state kept; a fresh folder joins",
-                "run_round": newest, "restored_round": int(m[1]),
-                "restore_s": round(_first(text, r"kept copy") - started, 2),
-                "first_round_s": round(min(float(r["time"]) for r in trained(c)) - started, 2),
-                "first_round": int(trained(c)[0]["round"]),
+                "run_round": newest, "restored_round": got.round, "restore_s": got.restore_s,
+                "first_round_s": got.first_round_s, "first_round": first,
                 "outcome": "restored the kept state (hash verified) and trained the run's next round"
-                if int(m[1]) == newest and int(trained(c)[0]["round"]) == newest + 1 else "other",
+                if got.round == newest and first == newest + 1 else "other",
             })
-            net.stop_node(c)
+            net.stop_node(got.node)
         # 2. nothing kept: the run waits for the operator
-        net = make_testnet(Path(tmp) / "lost", data, overrides=[*run, "keep.every_s=0"],
-                           node_args=[*FAST_NODE, "--state-fetch-timeout", "3"])
-        net.coordinator_args = list(FAST_COORDINATOR)
+        net = sc.lost_net(Path(tmp) / "lost", data)
         with net:
-            net.start_coordinator()
-            net.create_run(token_uses=8)
-            a = net.add_node()
-            wait_rounds(a, 3)
-            net.stop_node(a)
-            started = time.time()
-            b = net.add_node()
-            wait_for(lambda: bool(net.admin("status", "--run", net.run_id)["waiting_for_operator"]), 180,
-                     what="the wait")
-            waiting_s = time.time() - started
+            b, _, waiting_s = sc.train_alone_then_lost(net)
             trained_before = len(trained(b))
-            net.admin("runs", "recover", net.run_id, "--from", "scratch")
-            decided = time.time()
-            wait_rounds(b, 1)
+            after = sc.recover(net, b, "scratch")
             rows.append({
                 "scenario": "every node gone, nothing kept (keep.every_s = 0); a fresh folder joins",
-                "waiting_after_s": round(waiting_s, 2), "rounds_trained_while_waiting": trained_before,
-                "after_recover_first_round_s": round(min(float(r["time"]) for r in trained(b)) - decided, 2),
+                "waiting_after_s": waiting_s, "rounds_trained_while_waiting": trained_before,
+                "after_recover_first_round_s": after,
                 "outcome": "waited for the operator (state_lost), then went on as the run's round after recover"
                 if trained_before == 0 else "other",
             })
             net.stop_node(b)
         # 3. coordinator SIGKILL and restart, then a node restarted with --min-peers 3
-        net = make_testnet(Path(tmp) / "dht", data, overrides=run, node_args=FAST_NODE)
-        net.coordinator_args = list(FAST_COORDINATOR)
+        net = sc.dht_net(Path(tmp) / "dht", data)
         with net:
-            net.start_coordinator()
-            net.create_run(token_uses=8)
-            nodes = [net.add_node(extra=["--min-peers", "3"]) for _ in range(3)]
-            for n in nodes:
-                wait_rounds(n, 2)
-            marks = [len(log(n)) for n in nodes]
-            address = str(net.info["address"])
-            net.kill_coordinator()
-            net.stop_coordinator()
-            net.start_coordinator(address)
-            for n, mark in zip(nodes[:2], marks, strict=False):
-                wait_log(n, r"dialed its DHT peer again \([1-9]", since=mark, timeout_s=120)
-            late = nodes[2]
-            net.kill_node(late)
-            since = len(log(late))
-            net.start_node(late, ["--min-peers", "3"])
-            m = wait_log(late, r"(\d+) peer\(s\) announced \(waited for 3\)", since=since, timeout_s=180)
-            text = log(late)
-            met_s = _first(text, r"peer\(s\) announced", since) - _first(text, r"peer server on", since)
+            _, _, met, met_s = sc.restart_coordinator_then_a_node(net)
             rows.append({
                 "scenario": "coordinator SIGKILL + restart, then a node restarted with --min-peers 3",
-                "peers_met": int(m[1]), "met_peers_after_dataplane_s": round(met_s, 2),
-                "outcome": "met its peers within seconds" if met_s < 15 and int(m[1]) >= 3 else "waited",
+                "peers_met": met, "met_peers_after_dataplane_s": met_s,
+                "outcome": "met its peers within seconds" if met_s is not None and met_s < 15 and met >= 3
+                else "waited",
+            })
+        # 4. pipelined: every stage peer gone, the coordinator keeps the stages; new peers restore them
+        root = Path(tmp) / "pipeline"
+        root.mkdir()
+        with sc.pipeline_net(root, data) as (net, join):
+            peers, new = [], []
+            try:
+                sc.pipeline_trained_then_gone(net, join, root, data, peers)
+                final = {p.stopped["stage"]: p.stopped["state_hash"] for p in peers}
+                new = [sc.join_stage_peer(root, join, f"new{i}") for i in range(2)]
+            finally:
+                sc.stop_all(peers)
+                sc.stop_all([n.peer for n in new])
+            same = all(n.peer.ready["state_source"] == "kept" and n.peer.ready["state_hash"] ==
+                       final[n.peer.ready["stage"]] for n in new)
+            rows.append({
+                "scenario": "pipelined (2 stages): every stage peer gone, stages kept; fresh stage peers join",
+                "run_step": sc.STEPS, "restore_s": [n.restore_s for n in new], "ready_s": [n.ready_s for n in new],
+                "outcome": "each restored its stage from the kept set (the stopped peers' hashes) and served"
+                if same else "other",
             })
     return rows
 

@@ -9,11 +9,23 @@ import re
 import subprocess
 
 import pytest
+from _durable_scenarios import (
+    RUN,
+    detail,
+    events,
+    join_and_restore,
+    kept_net,
+    lost_net,
+    recover,
+    restart_coordinator_then_a_node,
+    train_alone_then_lost,
+    train_then_all_gone,
+)
+from _durable_scenarios import dht_net as make_dht_net
 from _net_helpers import PYTHON, REPO, python_env
 from _node_helpers import (
     FAST_COORDINATOR,
     FAST_NODE,
-    UNTIL_STOPPED,
     hashes_by_round,
     log,
     make_testnet,
@@ -27,22 +39,11 @@ from murmur.node.testnet.procs import wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 CLI_TIMEOUT_S = 240
-# Every round evaluated (eval_every = inner_steps), so the kept round's val loss is on record.
-RUN = [*UNTIL_STOPPED, "train.eval_every=5"]
 
 
 def _murmur(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([PYTHON, "-m", "murmur.cli", *args], capture_output=True, text=True,
                           env=python_env(), cwd=REPO, timeout=CLI_TIMEOUT_S)
-
-
-def _events(net, kind: str) -> list[dict]:
-    return net.admin("events", "--run", net.run_id, "--kind", kind, "--limit", "1000")["events"]
-
-
-def _detail(event: dict) -> dict:
-    d = event.get("detail", {})
-    return json.loads(d) if isinstance(d, str) else d
 
 
 def test_a_joiner_restores_the_kept_state_after_every_node_is_gone(tmp_path):
@@ -51,21 +52,12 @@ def test_a_joiner_restores_the_kept_state_after_every_node_is_gone(tmp_path):
     val loss the run recorded for that round; a node with a fresh folder restores it (same hash)
     and goes on from the run's round, without waiting for the gone holders."""
     data = small_dataset(tmp_path / "data")
-    net = make_testnet(tmp_path / "net", data, overrides=[*RUN, "keep.every_s=2"], node_args=FAST_NODE)
-    net.coordinator_args = list(FAST_COORDINATOR)
+    net = kept_net(tmp_path / "net", data)
     with net:
-        net.start_coordinator()
-        net.create_run(token_uses=8)
-        a, b = [net.add_node(extra=["--min-peers", "2"]) for _ in range(2)]
-        for node in (a, b):
-            wait_rounds(node, 3)
-        wait_for(lambda: bool(_events(net, "state_kept")), 60, what="a state_kept event")
-        net.kill_node(a)
-        assert net.stop_node(b) == 0, log(b)[-2000:]
+        (a, b), newest = train_then_all_gone(net)
         recorded = hashes_by_round([a, b])
-        newest = max(recorded)
-        kept = max(_events(net, "state_kept"), key=lambda e: _detail(e)["round"])
-        assert _detail(kept)["round"] == newest, (kept, newest)
+        kept = max(events(net, "state_kept"), key=lambda e: detail(e)["round"])
+        assert detail(kept)["round"] == newest, (kept, newest)
         files = sorted((net.db.parent / "coordinator.db.kept" / net.run_id).glob("round-*.state"))
         assert 1 <= len(files) <= 2, files  # keep.versions = 2
 
@@ -77,7 +69,7 @@ def test_a_joiner_restores_the_kept_state_after_every_node_is_gone(tmp_path):
         assert done.returncode == 0, done.stderr[-2000:]
         prov = json.loads((out / "provenance.json").read_text())
         assert prov["kept"] is True and prov["round"] == newest, prov
-        assert prov["shared_state_hash"] == _detail(kept)["state_hash"], (prov, kept)  # what the trainers announced
+        assert prov["shared_state_hash"] == detail(kept)["state_hash"], (prov, kept)  # what the trainers announced
         assert set(recorded[newest].values()) == {prov["state_hash"]}, (prov, recorded[newest])
         val = [r["val_loss"] for r in trained(b) + trained(a) if r["round"] == newest and r.get("val_loss")]
         scored = _murmur("eval", str(out), "--data", str(data), "--output", "json")
@@ -85,11 +77,10 @@ def test_a_joiner_restores_the_kept_state_after_every_node_is_gone(tmp_path):
         assert val and abs(json.loads(scored.stdout)["loss"] - val[0]) < 1e-4, (scored.stdout, val)
 
         # A node with a fresh folder restores the kept state at once and trains the next round.
-        c = net.add_node()
-        m = wait_log(c, r"restored the run's state of round (\d+) from the coordinator's kept copy \(hash (\w+)")
-        assert int(m[1]) == newest, m[0]
-        assert _detail(kept)["state_hash"].startswith(m[2]), (m[2], kept)
-        wait_rounds(c, 1)
+        got = join_and_restore(net)
+        c = got.node
+        assert got.round == newest, got
+        assert detail(kept)["state_hash"].startswith(got.hash_prefix), (got, kept)
         assert trained(c)[0]["round"] == newest + 1, trained(c)[0]
         assert "they are lost" not in log(c) and "waiting for that state" not in log(c), log(c)[-3000:]
         assert net.stop_node(c) == 0
@@ -100,18 +91,9 @@ def test_a_run_whose_state_exists_nowhere_waits_for_the_operator(tmp_path):
     does not start the run over from random weights. The run says so (a state_lost event, `admin
     status`) and waits; `murmur admin runs recover --from scratch` lets it go on, as the run's round."""
     data = small_dataset(tmp_path / "data")
-    net = make_testnet(tmp_path / "net", data, overrides=[*RUN, "keep.every_s=0"],
-                       node_args=[*FAST_NODE, "--state-fetch-timeout", "3"])
-    net.coordinator_args = list(FAST_COORDINATOR)
+    net = lost_net(tmp_path / "net", data)
     with net:
-        net.start_coordinator()
-        net.create_run(token_uses=8)
-        a = net.add_node()
-        wait_rounds(a, 3)
-        assert net.stop_node(a) == 0, log(a)[-2000:]
-        newest = max(r["round"] for r in trained(a))
-        b = net.add_node()  # a fresh folder: no state at all
-        wait_for(lambda: bool(_events(net, "state_lost")), 180, what="a state_lost event")
+        b, newest, _ = train_alone_then_lost(net)
         status = net.admin("status", "--run", net.run_id)
         # The run's newest round: the last one granted (a window under way at the stop may have
         # been granted and not recorded by the node).
@@ -123,10 +105,8 @@ def test_a_run_whose_state_exists_nowhere_waits_for_the_operator(tmp_path):
         # It keeps waiting (claims refused), training nothing.
         wait_for(lambda: log(b).count("not numbering this node's state") >= 2, 120, what="a second refusal")
         assert not trained(b), trained(b)
-        decided = net.admin("runs", "recover", net.run_id, "--from", "scratch")
-        assert decided["run_id"] == net.run_id
+        recover(net, b, "scratch")
         wait_log(b, rf"going on from this node's round 0 as round {newest} \(the operator's call: from scratch\)")
-        wait_rounds(b, 1)
         assert trained(b)[0]["round"] == newest + 1
         assert net.admin("status", "--run", net.run_id)["waiting_for_operator"] == ""
         kinds = [e["kind"] for e in net.admin("events", "--run", net.run_id, "--limit", "1000")["events"]]
@@ -157,19 +137,19 @@ def test_the_keeper_pulls_when_a_lease_ends_but_never_more_often_than_its_bound(
         a = net.add_node()
 
         def at_lease_ends():
-            return len([e for e in _events(net, "state_kept") if _detail(e)["reason"] == "lease_end"]) >= 3
+            return len([e for e in events(net, "state_kept") if detail(e)["reason"] == "lease_end"]) >= 3
 
         wait_for(at_lease_ends, 240, what="three pulls at a lease's end")
-        kept = _events(net, "state_kept")
-        shards_done = _events(net, "shard_done")
+        kept = events(net, "state_kept")
+        shards_done = events(net, "shard_done")
         assert net.stop_node(a) == 0, log(a)[-2000:]
-    rounds = [_detail(e)["round"] for e in kept]
+    rounds = [detail(e)["round"] for e in kept]
     assert rounds == sorted(set(rounds)), rounds  # every pull kept a newer round
-    assert _detail(kept[0])["reason"] == "interval", kept[0]
+    assert detail(kept[0])["reason"] == "interval", kept[0]
     for e in kept[1:]:  # each after a shard's end
         assert any(d["at"] <= e["at"] for d in shards_done), (e, shards_done)
     for before, e in zip(kept, kept[1:], strict=False):
-        started = e["at"] - _detail(e)["seconds"]
+        started = e["at"] - detail(e)["seconds"]
         # Not within the bound of the pull before (its end, give or take the ledger write)
         assert started >= before["at"] + LEASE_PULL_EVERY_S - 0.5, (before, e)
 
@@ -179,47 +159,12 @@ def test_after_a_coordinator_restart_a_node_restarted_with_min_peers_meets_them_
     answers, so a node restarted afterwards with --min-peers 3 meets both within 15 s of opening
     its data plane (it waited the whole 60 s peers_wait_s before) and trains with them."""
     data = small_dataset(tmp_path / "data")
-    net = make_testnet(tmp_path / "net", data, overrides=RUN, node_args=FAST_NODE)
-    net.coordinator_args = list(FAST_COORDINATOR)
+    net = make_dht_net(tmp_path / "net", data)
     with net:
-        net.start_coordinator()
-        net.create_run(token_uses=8)
-        nodes = [net.add_node(extra=["--min-peers", "3"]) for _ in range(3)]
-        for node in nodes:
-            wait_rounds(node, 2)
-        marks = [len(log(n)) for n in nodes]
-        address = str(net.info["address"])
-        net.kill_coordinator()
-        net.stop_coordinator()
-        net.start_coordinator(address)
-        for node, mark in zip(nodes[:2], marks, strict=False):
-            wait_log(node, r"dialed its DHT peer again \([1-9]\d* of", since=mark, timeout_s=120)
-        late = nodes[2]
-        net.kill_node(late)
-        since = len(log(late))
-        net.start_node(late, ["--min-peers", "3"])
-        m = wait_log(late, r"(\d+) peer\(s\) announced \(waited for 3\)", since=since, timeout_s=180)
-        assert int(m[1]) >= 3, m[0]
+        late, since, met, waited = restart_coordinator_then_a_node(net)
+        assert met >= 3, met
         mark = len(trained(late))
         wait_rounds(late, mark + 1, timeout_s=180)
-        text = log(late)[since:]
-        waited = _seconds_between(text, r"data plane|DHT started|peer server", r"peer\(s\) announced \(waited for 3\)")
-        assert waited is not None and waited < 15.0, (waited, text[-3000:])
+        assert waited is not None and waited < 15.0, (waited, log(late)[since:][-3000:])
         members = trained(late)[-1].get("members") or []
         assert len(members) >= 2 or "members" not in trained(late)[-1], trained(late)[-1]
-
-
-def _seconds_between(text: str, first: str, then: str) -> float | None:
-    """Seconds between the first line matching ``first`` and the first later line matching
-    ``then``, from the log lines' time stamps (HH:MM:SS.mmm or HH:MM:SS)."""
-    start = None
-    for line in text.splitlines():
-        stamp = re.search(r"(\d\d):(\d\d):(\d\d(?:\.\d+)?)", line)
-        if stamp is None:
-            continue
-        t = int(stamp[1]) * 3600 + int(stamp[2]) * 60 + float(stamp[3])
-        if start is None and re.search(first, line):
-            start = t
-        elif start is not None and re.search(then, line):
-            return t - start
-    return None

@@ -7,21 +7,18 @@ stage peer and driver processes on loopback, real signals."""
 from __future__ import annotations
 
 import asyncio
+import re
 
 import pytest
-from _pipeline_helpers import (
-    PeerProc,
-    coordinator,
-    finish,
-    records,
-    start_driver,
-    start_logged,
-    start_run_peer,
-    stop_all,
-    wait_until,
-    watcher_identity,
+from _durable_scenarios import (
+    KEPT_STAGE,
+    PIPELINE_KEEP,
+    STEPS,
+    join_stage_peer,
+    pipeline_net,
+    pipeline_trained_then_gone,
 )
-from test_pipeline_run import FAST_COORDINATOR
+from _pipeline_helpers import PeerProc, start_logged, stop_all, wait_until, watcher_identity
 
 from murmur.coordinator import kept_state
 from murmur.node.model.data import Dataset, eval_batches
@@ -31,16 +28,6 @@ from murmur.node.pipeline.router import Router, StageEndpoint
 from murmur.protocol.runconfig import PipelineSection
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
-STEPS = 16
-KEEP = [
-    "pipeline.stages=2", "pipeline.rebalance_every_s=600.0", "pipeline.replica_every_s=0",
-    "pipeline.target_samples=8", "pipeline.microbatch_size=4", "pipeline.hop_timeout_s=20.0",
-    "pipeline.sync_every_s=0", "pipeline.activation_codec=\"fp32\"", "train.batch_size=4", "train.eval_batches=2",
-    "optim.warmup_steps=2", f"train.steps={STEPS}", f"train.eval_every={STEPS}",
-    # One pull on the clock (the first, once every stage is served); the newest is kept when the
-    # driver releases its lease at the schedule's end.
-    "keep.every_s=600", "keep.lease_pull_every_s=0.2",
-]
 
 
 def val_through(join, run_id: str, peers, batches) -> float:
@@ -66,27 +53,13 @@ def val_through(join, run_id: str, peers, batches) -> float:
 
 def test_new_stage_peers_restore_the_kept_stages_after_every_stage_peer_left(tmp_path, small_shards):
     batches = eval_batches(Dataset.open(small_shards), 4, 64, 2)  # the driver's validation set
-    with coordinator(tmp_path, small_shards, joins=8, overrides=KEEP, coordinator_args=FAST_COORDINATOR) as (net, join):
-        peers, new = [], []
+    with pipeline_net(tmp_path, small_shards) as (net, join):
+        peers, new, fresh = [], [], []
         try:
-            peers = [start_run_peer(tmp_path / f"peer{i}", join) for i in range(2)]
-            fresh = val_through(join, net.run_id, peers, batches)
-            driver = start_driver(None, tmp_path, small_shards, "driver", join=join)
-            out = finish(driver)
-            assert driver.returncode == 0, out[-3000:]
-            (val,) = [v["val_loss"] for v in records(out, "val") if v["step"] == STEPS]
-
-            def kept_at_the_end():
-                events = net.admin("events", "--run", net.run_id, "--kind", "state_kept", "--limit", "100")["events"]
-                return [e for e in events if e["detail"]["round"] == STEPS]
-
-            (kept_event,) = wait_until("the stages kept at the schedule's end", kept_at_the_end, timeout_s=60)
+            val, (kept_event,) = pipeline_trained_then_gone(
+                net, join, tmp_path, small_shards, peers,
+                between=lambda serving: fresh.append(val_through(join, net.run_id, serving, batches)))
             assert kept_event["detail"]["reason"] == "lease_end", kept_event  # the lease's end, not the clock
-            stop_all(peers)  # every stage peer stops
-            assert all(p.stopped for p in peers), [p.lines[-3:] for p in peers]
-            # ... and is gone from the coordinator's view (lost after the heartbeat TTL)
-            wait_until("the stage peers gone from the view",
-                       lambda: not net.admin("stages", "--run", net.run_id)["peers"], timeout_s=60)
             final = {p.stopped["stage"]: p.stopped["state_hash"] for p in peers}
             kept = kept_state.newest(net.db, net.run_id)
             assert kept is not None and kept.kind == "stages" and kept.round == STEPS, kept
@@ -94,39 +67,31 @@ def test_new_stage_peers_restore_the_kept_stages_after_every_stage_peer_left(tmp
             assert kept_hashes == final, (kept_hashes, final)
 
             # New stage peers with fresh folders: nobody serves the stages, no replica, no checkpoint.
-            new = [start_run_peer(tmp_path / f"new{i}", join) for i in range(2)]
+            new = [join_stage_peer(tmp_path, join, f"new{i}").peer for i in range(2)]
             assert sorted(p.ready["stage"] for p in new) == [0, 1]
             assert [p.ready["state_source"] for p in new] == ["kept", "kept"], [p.ready for p in new]
             assert {p.ready["stage"]: p.ready["state_hash"] for p in new} == kept_hashes
             for i, p in enumerate(new):
                 text = (tmp_path / f"new{i}.log").read_text()
-                line = f"stage {p.ready['stage']}: restored from the coordinator's kept set of run step {STEPS} " \
-                       f"(hash {kept_hashes[p.ready['stage']][:16]})"
-                assert line in text, text[-2000:]
+                m = re.search(KEPT_STAGE, text)
+                assert m and (int(m[1]), int(m[2])) == (p.ready["stage"], STEPS), text[-2000:]
+                assert kept_hashes[p.ready["stage"]].startswith(m[3]), (m[0], kept_hashes)
             after = val_through(join, net.run_id, new, batches)
         finally:
             stop_all(peers)
             stop_all(new)
     assert abs(after - val) < 1e-4, (after, val)  # the driver's last validation loss
-    assert after < fresh - 0.1, (after, fresh)  # not a fresh model's
+    assert after < fresh[0] - 0.1, (after, fresh)  # not a fresh model's
 
 
 def test_a_stage_that_exists_nowhere_waits_for_the_operator(tmp_path, small_shards):
     """Nothing kept (keep.every_s = 0), no replica, no checkpoint, every stage peer gone after the
     run trained: a new stage peer does not serve its stage from the seed's weights. The run waits
     (a state_lost event, `admin status`) until `murmur admin runs recover --from scratch`."""
-    overrides = [*KEEP, "keep.every_s=0"]
-    with coordinator(tmp_path, small_shards, joins=4, overrides=overrides, coordinator_args=FAST_COORDINATOR) as (
-            net, join):
+    with pipeline_net(tmp_path, small_shards, overrides=[*PIPELINE_KEEP, "keep.every_s=0"], joins=4) as (net, join):
         peers, new = [], []
         try:
-            peers = [start_run_peer(tmp_path / f"peer{i}", join) for i in range(2)]
-            driver = start_driver(None, tmp_path, small_shards, "driver", join=join)
-            out = finish(driver)
-            assert driver.returncode == 0, out[-3000:]
-            stop_all(peers)
-            wait_until("the stage peers gone from the view",
-                       lambda: not net.admin("stages", "--run", net.run_id)["peers"], timeout_s=60)
+            pipeline_trained_then_gone(net, join, tmp_path, small_shards, peers, kept=False)
             log = tmp_path / "new.log"
             with open(log, "ab") as err:  # the child holds its own descriptor
                 proc = start_logged("murmur.node.pipeline.stage_peer_process",
