@@ -148,7 +148,7 @@ def _scenarios(data: Path) -> list[dict]:
             _, _, met, met_s = sc.restart_coordinator_then_a_node(net)
             rows.append({
                 "scenario": "coordinator SIGKILL + restart, then a node restarted with --min-peers 3",
-                "peers_met": met, "met_peers_after_dataplane_s": met_s,
+                "peers_met": met, "met_peers_after_dataplane_s": round(met_s, 2) if met_s is not None else None,
                 "outcome": "met its peers within seconds" if met_s is not None and met_s < 15 and met >= 3
                 else "waited",
             })
