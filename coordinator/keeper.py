@@ -57,6 +57,12 @@ def kept_name(run_id: str, name: str) -> str:
     return f"{KEPT_PREFIX}{run_id}/{name}"
 
 
+def stage_states(run_id: str, k: KeptVersion) -> list[pb.StageState]:
+    """A kept stage set as GetStages names it: each stage's GetState name and its hash."""
+    return [pb.StageState(stage=stage, name=kept_name(run_id, st.name), state_hash=st.state_hash.hex())
+            for stage, st in zip(k.stages or [], k.states, strict=True)]
+
+
 @dataclass(slots=True)
 class KeepStats:
     pulls: int = 0
@@ -121,9 +127,7 @@ class StateKeeper:
         info = pb.KeptState(round=k.round, state_hash=digest, address=self.node_address,
                             server_name=TLS_SERVER_NAME, kept_at=k.kept_at)
         if k.kind == "stages":
-            info.stages.extend(
-                pb.StageState(stage=stage, name=kept_name(run_id, st.name), state_hash=st.state_hash.hex())
-                for stage, st in zip(k.stages or [], k.states, strict=True))
+            info.stages.extend(stage_states(run_id, k))
         return info
 
     def served(self, name: str) -> RawState | None:

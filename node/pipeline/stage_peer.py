@@ -286,6 +286,7 @@ class StagePeer:
                 if kept is not None and kept_stage.behind(loaded, kept[0], self.settings.step_at) and \
                         await self._from_kept(module, kept):
                     source, optimizer_state, outer = "kept", None, None  # the newer state: the run's
+                    self.loaded_checkpoint = None
         if source == "seed":
             source = await self._from_replica(module, stage, holders)
         if source == "seed" and kept is not None and await self._from_kept(module, kept):
