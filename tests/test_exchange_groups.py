@@ -1,0 +1,107 @@
+"""Bounded groups (node/exchange/groups.py) and the hierarchical all-reduce that makes one result of
+them (node/exchange/hierarchy.py): the formation as a pure function, and 24 real exchange peers
+(TLS servers on loopback, one process, one loop) in groups of 8 ending with one result."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from _net_helpers import no_lost_task_exceptions, peer_group  # noqa: F401 - a fixture
+
+from murmur.node.exchange.groups import GroupFormationError, form_groups, holders, split
+from murmur.node.exchange.hierarchy import GroupedExchange
+from murmur.optim.exchange import ExchangeError
+from murmur.protocol.wire import tensors_hash
+
+TIMEOUT = 120  # seconds a test waits for a round: 24 peers on a busy 2-core machine
+
+NODES = [f"n{i:03d}" for i in range(100)]
+
+
+def test_formation_is_the_same_for_the_same_round_and_live_set_wherever_it_is_computed():
+    a = form_groups("run", 7, "update", NODES[:40], 8)
+    b = form_groups("run", 7, "update", list(reversed(NODES[:40])), 8)  # another peer's order
+    assert a == b
+    assert len(a.groups) == 5 and sorted(n for g in a.groups for n in g) == NODES[:40]
+    assert {len(g) for g in a.groups} == {8}
+    assert len({a.group_key(g) for g in range(5)}) == 5 and a.column_key(0) == "update/c0of5"
+
+
+def test_formation_changes_when_the_live_set_or_the_round_changes():
+    base = form_groups("run", 7, "update", NODES[:40], 8)
+    assert form_groups("run", 7, "update", NODES[:39], 8) != base  # one trainer gone
+    assert form_groups("run", 7, "update", NODES[:41], 8) != base  # one came
+    assert form_groups("run", 8, "update", NODES[:40], 8) != base  # the next round mixes the groups
+    assert form_groups("other", 7, "update", NODES[:40], 8) != base
+
+
+def test_groups_are_balanced_and_a_small_run_is_one_group_under_its_own_key():
+    f = form_groups("run", 1, "update", NODES[:41], 8)
+    assert len(f.groups) == 6 and {len(g) for g in f.groups} == {6, 7} and f.columns == 6
+    small = form_groups("run", 1, "update", NODES[:16], 16)
+    assert small.single and small.groups == (tuple(NODES[:16]),) and small.group_key(0) == "update"
+    with pytest.raises(GroupFormationError, match="at least 2"):
+        form_groups("run", 1, "update", NODES, 1)
+
+
+def test_every_column_has_a_holder_in_every_group_even_after_losses_and_splits():
+    assert holders(["b", "a", "c"], 5) == {0: "a", 1: "b", 2: "c", 3: "a", 4: "b"}
+    halves = split(NODES[:7], "update/g0of3")
+    assert [k for k, _ in halves] == ["update/g0of3h0", "update/g0of3h1"]
+    assert sorted(n for _, m in halves for n in m) == NODES[:7]
+
+
+def grouped(peers, group_size: int) -> list[GroupedExchange]:
+    ids = [p.node_id for p in peers]
+    return [GroupedExchange(p.exchange, run_id="test-run", live=lambda: ids, group_size=group_size) for p in peers]
+
+
+def test_24_peers_in_groups_of_8_end_the_round_with_one_result_the_mean_of_all_inputs():
+    n, numel = 24, 3000
+    with peer_group(n, codec="int8") as (_, peers, _):
+        exchanges = grouped(peers, 8)
+        g = torch.Generator().manual_seed(5)
+        xs = [torch.randn(numel, generator=g) for _ in range(n)]
+        futs = [e.all_reduce([x], round_id=1, key="update") for e, x in zip(exchanges, xs, strict=True)]
+        results = [f.result(timeout=TIMEOUT) for f in futs]
+        assert len(exchanges[0].last.groups) == 3
+        hashes = {tensors_hash([("0", r.tensors[0])]) for r in results}
+        assert len(hashes) == 1, "every peer of the run holds the same result"
+        mean = torch.stack(xs).mean(0)
+        scale = max(x.abs().max().item() for x in xs)
+        # int8 is applied five times on the way (inputs, group result, column input, column
+        # result, gathered column), each within 1/127 of a block's absmax.
+        assert (results[0].tensors[0] - mean).abs().max().item() <= 5 * 2 / 127 * scale
+        # Connections: a peer's calls touched its group (8) and its column (3), not 24 peers.
+        assert all(r.dropped == {} for r in results)
+        # Bytes: against one butterfly of all 24 (the same peers, the same update, round 2).
+        flat = [p.exchange.all_reduce([x], round_id=2, key="flat") for p, x in zip(peers, xs, strict=True)]
+        flat_bytes = sum(f.result(timeout=TIMEOUT).bytes_sent for f in flat) / n
+        grouped_bytes = sum(r.bytes_sent for r in results) / n
+        print(f"bytes a peer: grouped {grouped_bytes:.0f}, one butterfly {flat_bytes:.0f}")
+        assert grouped_bytes <= 1.6 * flat_bytes
+
+
+def test_trainers_the_live_set_names_but_that_never_come_cost_their_groups_only_within_the_deadlines():
+    """8 live trainers in 2 groups of 4, 4 of them gone before the round (their addresses never
+    answer): a peer either completes (its group met, or a half of it did) or fails with one line,
+    and none waits past the deadlines of its three phases."""
+    deadline = 3.0
+    with peer_group(4, codec="int8", round_deadline=deadline) as (_, peers, _):
+        ids = [p.node_id for p in peers] + ["nGONE1", "nGONE2", "nGONE3", "nGONE4"]
+        exchanges = [GroupedExchange(p.exchange, run_id="test-run", live=lambda: ids, group_size=4) for p in peers]
+        t0 = time.monotonic()
+        futs = [e.all_reduce([torch.ones(256)], round_id=1, key="update") for e in exchanges]
+        outcomes = []
+        for f in futs:
+            try:
+                outcomes.append(f.result(timeout=TIMEOUT))
+            except ExchangeError as err:
+                outcomes.append(err)
+        assert time.monotonic() - t0 < 4 * deadline + 5  # A (and its fallback), B, C: each bounded
+        errors = [str(o) for o in outcomes if isinstance(o, ExchangeError)]
+        assert all("round 1" in e and "\n" not in e for e in errors), errors
+        done = [o for o in outcomes if not isinstance(o, ExchangeError)]
+        assert len({tensors_hash([("0", r.tensors[0])]) for r in done}) <= 1
