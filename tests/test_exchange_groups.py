@@ -105,3 +105,18 @@ def test_trainers_the_live_set_names_but_that_never_come_cost_their_groups_only_
         assert all("round 1" in e and "\n" not in e for e in errors), errors
         done = [o for o in outcomes if not isinstance(o, ExchangeError)]
         assert len({tensors_hash([("0", r.tensors[0])]) for r in done}) <= 1
+
+
+def test_the_simulation_plays_the_real_formation_at_1000_peers_with_kills():
+    from murmur.node.exchange.simulate import simulate_rounds
+
+    row = simulate_rounds(1000, 16, 1 << 16, "int4", kills_per_round=1, rounds=10, seed=3)
+    assert row == simulate_rounds(1000, 16, 1 << 16, "int4", kills_per_round=1, rounds=10, seed=3)
+    assert row["groups"] == 63 and row["rounds_complete"] == 10
+    assert row["peers_completed"] >= 0.95  # one kill a round costs one group of 16 at most
+    assert row["connections_per_peer"] <= 16 - 1 + 63 - 1 < row["connections_per_peer_butterfly"]
+    assert row["bytes_per_peer"] <= 1.6 * row["bytes_per_peer_butterfly"]
+    small = simulate_rounds(8, 16, 1 << 16, "int4", rounds=2)
+    assert small["bytes_per_peer"] == small["bytes_per_peer_butterfly"] and small["groups"] == 1
+    none = simulate_rounds(64, 16, 1 << 16, "int4", kills_per_round=0, rounds=3)
+    assert none["rounds_complete"] == 3 and none["peers_completed"] == 1.0 and none["groups_failed"] == 0
