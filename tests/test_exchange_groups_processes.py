@@ -17,8 +17,10 @@ from _net_helpers import PYTHON, REPO, p2pd_processes, python_env
 from murmur.node.testnet.exchange_peer_process import update_for
 from murmur.protocol.identity import CertificateAuthority
 
-pytestmark = pytest.mark.integration
-PROCESS_TIMEOUT = 280  # child start-up (torch, hivemind) on a busy 2-core machine dominates
+# Seven processes (six peers, the bootstrap DHT) start torch and hivemind: minutes on a busy
+# 2-core machine, which dominate the test.
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
+PROCESS_TIMEOUT = 500
 NUMEL = 50000
 ROUND_DEADLINE = 60.0
 
@@ -69,6 +71,7 @@ def test_a_peer_sigkilled_mid_round_costs_its_group_its_input_only(tmp_path):
     assert len({r["hash"] for r in rounds}) == 1, "every survivor holds the same result"
     # The dead peer's group: its survivors name each other (the dead one's input made it only if
     # it was whole at every owner before the kill); the other group: all three, untouched.
+    assert all(len(r["members"]) <= 3 for r in rounds), "groups of 3, not one round of 6"
     groups = {tuple(r["members"]) for r in rounds}
     assert len(groups) == 2 and sorted(len(g) for g in groups) in ([2, 3], [3, 3]), groups
     included = sorted({m for g in groups for m in g})

@@ -74,11 +74,12 @@ def _play_round(f: Formation, numel: int, rate: float, victims: dict[str, str], 
         dead_later = [n for n in group if victims.get(n) in ("B", "C")]
         alive = [n for n in group if n not in dead_a]
         # A: one butterfly among the group, 2(g-1)/g of the update each (its own share as owner).
+        # With a death in it, the failed attempt's bytes (the part sent before it failed: uniform)
+        # and then the retry among the alive.
+        first = rng.random() if dead_a else 1.0
         for n in group:
-            sent[n] = sent.get(n, 0.0) + a_full * 2 * (g - 1) / g * (0.5 if n in dead_a else 1.0)
-        if dead_a:  # the failed attempt's bytes, half on average, then the retry among the alive
-            for n in alive:
-                sent[n] += a_full * (g - 1) / g * rng.random()
+            sent[n] = sent.get(n, 0.0) + a_full * 2 * (g - 1) / g * first
+        if dead_a:
             k = len(alive)
             if k <= g * QUORUM:
                 splits += 1

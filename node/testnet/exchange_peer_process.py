@@ -45,11 +45,17 @@ def update_for(node_id: str, round_id: int, numel: int) -> torch.Tensor:
     return torch.randn(numel, generator=torch.Generator().manual_seed(seed))
 
 
-def wait_for_records(dht: MurmurDHT, peers: int, deadline_s: float) -> None:
+def wait_for_records(dht: MurmurDHT, record: PeerRecord, peers: int, deadline_s: float, ttl: float) -> None:
     """Until ``peers`` records are in the DHT (or the deadline): the groups of the first round are
-    formed from them, and a peer that saw fewer would form other groups than the rest."""
-    end = time.monotonic() + deadline_s
+    formed from them, and a peer that saw fewer would form other groups than the rest. Our record
+    is announced again every half TTL meanwhile: the first peers up must not expire while the
+    last ones start."""
+    end = announced = time.monotonic()
+    end += deadline_s
     while len(dht.peers()) < peers and time.monotonic() < end:
+        if time.monotonic() - announced > ttl / 2:
+            dht.announce(record)
+            announced = time.monotonic()
         time.sleep(0.1)
 
 
@@ -117,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         exchange = GroupedExchange(peer.exchange, run_id=args.run, live=lambda: live, group_size=group_size)
         emit(event="ready", node_id=identity.node_id, address=address)
         if args.peers > group_size:
-            wait_for_records(dht, args.peers, args.rendezvous_deadline)
+            wait_for_records(dht, record, args.peers, args.rendezvous_deadline, args.record_ttl)
         for r in range(1, args.rounds + 1):
             t0 = time.monotonic()
             dht.announce(record)  # re-announce every round: the record lives record_ttl seconds
