@@ -12,8 +12,10 @@ from _net_helpers import no_lost_task_exceptions, peer_group  # noqa: F401 - a f
 
 from murmur.node.exchange.groups import GroupFormationError, form_groups, holders, split
 from murmur.node.exchange.hierarchy import GroupedExchange
+from murmur.node.exchange.settings import chunk_ranges
 from murmur.optim.exchange import ExchangeError
-from murmur.protocol.wire import tensors_hash
+from murmur.protocol import peer_pb2
+from murmur.protocol.wire import tensors_hash, wire_to_proto
 
 TIMEOUT = 120  # seconds a test waits for a round: 24 peers on a busy 2-core machine
 
@@ -76,12 +78,18 @@ def test_24_peers_in_groups_of_8_end_the_round_with_one_result_the_mean_of_all_i
         assert (results[0].tensors[0] - mean).abs().max().item() <= 5 * 2 / 127 * scale
         # Connections: a peer's calls touched its group (8) and its column (3), not 24 peers.
         assert all(r.dropped == {} for r in results)
-        # Bytes: against one butterfly of all 24 (the same peers, the same update, round 2).
-        flat = [p.exchange.all_reduce([x], round_id=2, key="flat") for p, x in zip(peers, xs, strict=True)]
-        flat_bytes = sum(f.result(timeout=TIMEOUT).bytes_sent for f in flat) / n
+        # Bytes: against one butterfly of all 24, 2(N-1)/N of the update's chunk frames (what the
+        # exchange counts; one such round of 24 measured exactly this, but it is the round that
+        # fails on a loaded machine, which is why groups exist).
+        codec = peers[0].exchange.codec
+        frames = sum(
+            peer_pb2.Payload(tensors=[wire_to_proto(codec.encode_stateless(torch.zeros(b - a)))]).ByteSize()
+            for a, b in chunk_ranges(numel, 64)
+        )
+        butterfly = 2 * (n - 1) / n * frames
         grouped_bytes = sum(r.bytes_sent for r in results) / n
-        print(f"bytes a peer: grouped {grouped_bytes:.0f}, one butterfly {flat_bytes:.0f}")
-        assert grouped_bytes <= 1.6 * flat_bytes
+        print(f"bytes a peer: grouped {grouped_bytes:.0f}, one butterfly {butterfly:.0f}")
+        assert grouped_bytes <= 1.6 * butterfly  # docs/protocol.md, "Groups": about 1.5x, the design's limit
 
 
 def test_trainers_the_live_set_names_but_that_never_come_cost_their_groups_only_within_the_deadlines():
