@@ -5,7 +5,7 @@ formation and failure rules over a simulated transport; the codec's own bytes).
     nice .venv/bin/python benchmarks/groups_sim.py [--numel 1048576] [--rounds 20]
 
 Writes benchmarks/results/groups_sim.json with the device, date, load, command, commit and rows
-(the row keys of benchmarks/results/scale.json's rows, plus the butterfly's figures beside them).
+(the row keys of the scale benchmark, plus the butterfly's figures beside them).
 """
 
 from __future__ import annotations
