@@ -28,7 +28,10 @@ def test_formation_is_the_same_for_the_same_round_and_live_set_wherever_it_is_co
     assert a == b
     assert len(a.groups) == 5 and sorted(n for g in a.groups for n in g) == NODES[:40]
     assert {len(g) for g in a.groups} == {8}
-    assert len({a.group_key(g) for g in range(5)}) == 5 and a.column_key(0) == "update/c0of5"
+    assert len({a.group_key(g) for g in range(5)}) == 5 and a.column_key(0) == f"update/c0of5{a.tag}"
+    # Another view of the live set (one trainer apart): other keys, so the two never mix.
+    other = form_groups("run", 7, "update", NODES[1:41], 8)
+    assert other.tag != a.tag and not {other.group_key(g) for g in range(5)} & {a.group_key(g) for g in range(5)}
 
 
 def test_formation_changes_when_the_live_set_or_the_round_changes():

@@ -42,6 +42,10 @@ class Formation:
 
     key: str
     groups: tuple[tuple[str, ...], ...]
+    # A digest of the live set the groups were formed from, in every key of the round: peers
+    # whose views differ (a join or a death seen a heartbeat apart) meet apart, never mixing two
+    # formations' groups or columns under one key, and fail or retry that round instead.
+    tag: str = ""
 
     @property
     def single(self) -> bool:
@@ -60,10 +64,10 @@ class Formation:
         raise GroupFormationError(f"{node_id} is not one of this round's {sum(map(len, self.groups))} live trainers")
 
     def group_key(self, g: int) -> str:
-        return self.key if self.single else f"{self.key}/g{g}of{len(self.groups)}"
+        return self.key if self.single else f"{self.key}/g{g}of{len(self.groups)}{self.tag}"
 
     def column_key(self, c: int) -> str:
-        return f"{self.key}/c{c}of{len(self.groups)}"
+        return f"{self.key}/c{c}of{len(self.groups)}{self.tag}"
 
     def gather_key(self, g: int) -> str:
         return f"{self.group_key(g)}/gather"
@@ -85,7 +89,8 @@ def form_groups(run_id: str, round_id: int, key: str, live: Iterable[str], group
         return Formation(key, (tuple(nodes),))
     m = math.ceil(len(nodes) / group_size)
     dealt = sorted(nodes, key=lambda n: _order(run_id, round_id, n))
-    return Formation(key, tuple(tuple(sorted(dealt[g::m])) for g in range(m)))
+    tag = "." + hashlib.sha256("\x00".join(nodes).encode()).hexdigest()[:8]
+    return Formation(key, tuple(tuple(sorted(dealt[g::m])) for g in range(m)), tag)
 
 
 def split(members: Sequence[str], key: str) -> list[tuple[str, tuple[str, ...]]]:

@@ -100,7 +100,13 @@ class GroupedExchange(Exchange):
         self.group_size = group_size
         self.scoped = ScopedGroup(inner.rounds.group)
         inner.rounds.group = self.scoped
+        # The run's arbiter (the coordinator's ClaimRound) judges the round, not its phases: a
+        # group is a minority of the run by design, and its claim would be refused as a split.
+        # The phase calls go ungated; the assembled result is claimed for the whole round.
+        self.gate = inner.rounds.catchup.gate
+        inner.rounds.catchup.gate = _PhaseGate(self.gate, self.scoped) if self.gate is not None else None
         self.last: Formation | None = None  # the last round's formation (observability, tests)
+        self.on_formation: Callable[[int, Formation], None] | None = None  # each grouped round's
 
     @property
     def peer_id(self) -> str:
@@ -123,6 +129,8 @@ class GroupedExchange(Exchange):
         me, codec = self.peer_id, self.inner.codec
         formation = form_groups(self.run_id, round_id, key, {*self.live(), me}, self.group_size)
         self.last = formation
+        if self.on_formation is not None and not formation.single:
+            self.on_formation(round_id, formation)
         if formation.single or not codec.dense:  # sparse codecs gather from everyone: not grouped
             return await self.inner.areduce(tensors, round_id=round_id, key=key, weight=weight)
         self.scoped.forget(round_id - 2)
@@ -166,7 +174,10 @@ class GroupedExchange(Exchange):
         dropped = {**a.dropped, **{k: v for r in cols for k, v in r.dropped.items()}, **gathered.dropped}
         sent = a.bytes_sent + sum(r.bytes_sent for r in cols) + gathered.bytes_sent
         received = a.bytes_received + sum(r.bytes_received for r in cols) + gathered.bytes_received
-        return ReduceResult(result, survivors, dropped, sent, received, codec.name)
+        members = round_members(formation, formation.group_of(me), survivors)
+        if self.gate is not None:  # ExchangeError if the run refuses it: nothing is applied
+            await self.gate.claim(round_id, key, members)
+        return ReduceResult(result, members, dropped, sent, received, codec.name)
 
     async def _group_phase(
         self, tensors: list[torch.Tensor], round_id: int, key: str, formation: Formation, weight: float
@@ -215,6 +226,28 @@ class GroupedExchange(Exchange):
             return await self.inner.areduce([values.clone()], round_id=round_id, key=key, weight=float(weight))
         finally:
             self.inner.codec.residuals.pop(key, None)  # the group's mean carries no error feedback of ours
+
+
+def round_members(formation: Formation, g: int, survivors: Sequence[str]) -> list[str]:
+    """The whole round's members as one peer of group ``g`` knows them: its own group's survivors
+    (phase A told it exactly) and every other group as formed (their drops are theirs: this
+    peer holds their means, weighted by their survivors, not their member lists). What the round
+    is claimed for and committed with: a group alone is a minority of the run by design."""
+    others = (m for h, grp in enumerate(formation.groups) if h != g for m in grp)
+    return sorted({*survivors, *others})
+
+
+class _PhaseGate:
+    """The wrapped exchange's gate during grouped rounds: a phase call (a scoped key) completes
+    without a claim, the round's own claim comes once its result is assembled; any other call (a
+    round of one group, a gather) is claimed as before."""
+
+    def __init__(self, gate, scoped: ScopedGroup) -> None:
+        self.gate, self.scoped = gate, scoped
+
+    async def claim(self, round_id: int, key: str, members: list[str]) -> None:
+        if self.scoped.scope_size(round_id, key) is None:
+            await self.gate.claim(round_id, key, members)
 
 
 # Phase A failures that a smaller group may get past: the key's rendezvous failed (lost, overloaded
