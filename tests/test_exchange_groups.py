@@ -11,7 +11,7 @@ import torch
 from _net_helpers import no_lost_task_exceptions, peer_group  # noqa: F401 - a fixture
 
 from murmur.node.exchange.groups import GroupFormationError, form_groups, holders, split
-from murmur.node.exchange.hierarchy import GroupedExchange
+from murmur.node.exchange.hierarchy import GroupedExchange, round_members
 from murmur.node.exchange.settings import chunk_ranges
 from murmur.optim.exchange import ExchangeError
 from murmur.protocol import peer_pb2
@@ -58,6 +58,16 @@ def test_every_column_has_a_holder_in_every_group_even_after_losses_and_splits()
     assert sorted(n for _, m in halves for n in m) == NODES[:7]
 
 
+def test_a_round_is_claimed_for_its_own_group_survivors_and_the_groups_it_met():
+    f = form_groups("run", 3, "update", NODES[:9], 3)
+    g = f.group_of(NODES[0])
+    mine = [m for m in f.groups[g] if m != f.groups[g][-1]]  # one of ours dropped in phase A
+    others = [h for h in range(3) if h != g]
+    assert round_members(f, g, mine) == sorted({*mine, *f.groups[others[0]], *f.groups[others[1]]})
+    # A group whose holder never came to our column calls: not in the round we claim.
+    assert round_members(f, g, mine, met={g, others[0]}) == sorted({*mine, *f.groups[others[0]]})
+
+
 def grouped(peers, group_size: int) -> list[GroupedExchange]:
     ids = [p.node_id for p in peers]
     return [GroupedExchange(p.exchange, run_id="test-run", live=lambda: ids, group_size=group_size) for p in peers]
@@ -81,6 +91,8 @@ def test_24_peers_in_groups_of_8_end_the_round_with_one_result_the_mean_of_all_i
         assert (results[0].tensors[0] - mean).abs().max().item() <= 5 * 2 / 127 * scale
         # Connections: a peer's calls touched its group (8) and its column (3), not 24 peers.
         assert all(r.dropped == {} for r in results)
+        # Each result names the whole round (what a node claims and commits with), not its group.
+        assert all(r.members == sorted(p.node_id for p in peers) for r in results)
         # Bytes: against one butterfly of all 24, 2(N-1)/N of the update's chunk frames (what the
         # exchange counts; one such round of 24 measured exactly this, but it is the round that
         # fails on a loaded machine, which is why groups exist).

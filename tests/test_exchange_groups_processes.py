@@ -71,11 +71,15 @@ def test_a_peer_sigkilled_mid_round_costs_its_group_its_input_only(tmp_path):
     assert len({r["hash"] for r in rounds}) == 1, "every survivor holds the same result"
     # The dead peer's group: its survivors name each other (the dead one's input made it only if
     # it was whole at every owner before the kill); the other group: all three, untouched.
-    assert all(len(r["members"]) <= 3 for r in rounds), "groups of 3, not one round of 6"
-    groups = {tuple(r["members"]) for r in rounds}
+    assert all(len(r["group"]) <= 3 for r in rounds), "groups of 3, not one round of 6"
+    groups = {tuple(r["group"]) for r in rounds}
     assert len(groups) == 2 and sorted(len(g) for g in groups) in ([2, 3], [3, 3]), groups
     included = sorted({m for g in groups for m in g})
     assert set(included) >= set(ids[:dead])
+    # The round's members, what each survivor claims and commits with: its own group's survivors
+    # and the other group as formed (the dead one's, as formed, to the other group).
+    assert all(set(included) <= set(r["members"]) <= set(ids) and set(r["group"]) <= set(r["members"])
+               for r in rounds), rounds
     mean = torch.stack([update_for(node, 1, NUMEL) for node in included]).mean(0)
     got = torch.load(tmp_path / "results" / f"{ids[0]}-1.pt")
     scale = max(update_for(node, 1, NUMEL).abs().max().item() for node in included)

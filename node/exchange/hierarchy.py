@@ -27,6 +27,10 @@ members dead, a holder that died after A) fails that group's round only: its pee
 ExchangeError and re-sync as after any failed round; the other groups complete. A group whose
 phase A cannot meet (the rendezvous failed, no quorum) falls back to halves of itself
 (``groups.split``) once, under keys of their own, before giving up.
+
+The run's arbiter (a node's ``RoundGate``: the coordinator's ClaimRound) is asked once a round,
+for the assembled result and the whole round's members (``round_members``), never for a phase:
+each group is a minority of the run, and its claim would be refused as a split.
 """
 
 from __future__ import annotations
@@ -106,6 +110,7 @@ class GroupedExchange(Exchange):
         self.gate = inner.rounds.catchup.gate
         inner.rounds.catchup.gate = _PhaseGate(self.gate, self.scoped) if self.gate is not None else None
         self.last: Formation | None = None  # the last round's formation (observability, tests)
+        self.last_group: list[str] = []  # the last grouped round's group survivors (phase A's members)
         self.on_formation: Callable[[int, Formation], None] | None = None  # each grouped round's
 
     @property
@@ -136,6 +141,7 @@ class GroupedExchange(Exchange):
         self.scoped.forget(round_id - 2)
         a, gkey = await self._group_phase(tensors, round_id, key, formation, weight)
         survivors = sorted(a.members)
+        self.last_group = survivors
         mean = torch.cat([t.reshape(-1) for t in a.tensors])
         s = formation.columns
         ranges = spans(mean.numel(), s, alignment(self.inner.settings.span_align, codec))
@@ -174,7 +180,11 @@ class GroupedExchange(Exchange):
         dropped = {**a.dropped, **{k: v for r in cols for k, v in r.dropped.items()}, **gathered.dropped}
         sent = a.bytes_sent + sum(r.bytes_sent for r in cols) + gathered.bytes_sent
         received = a.bytes_received + sum(r.bytes_received for r in cols) + gathered.bytes_received
-        members = round_members(formation, formation.group_of(me), survivors)
+        # The groups whose means made it in: those whose holders met ours in the column calls
+        # (a peer that carried no column knows only the formation).
+        called = [r for c, r in zip(mine, cols, strict=True) if ranges[c][1] > ranges[c][0]]
+        met = {formation.group_of(h) for r in called for h in r.members} if called else None
+        members = round_members(formation, formation.group_of(me), survivors, met)
         if self.gate is not None:  # ExchangeError if the run refuses it: nothing is applied
             await self.gate.claim(round_id, key, members)
         return ReduceResult(result, members, dropped, sent, received, codec.name)
@@ -228,12 +238,15 @@ class GroupedExchange(Exchange):
             self.inner.codec.residuals.pop(key, None)  # the group's mean carries no error feedback of ours
 
 
-def round_members(formation: Formation, g: int, survivors: Sequence[str]) -> list[str]:
+def round_members(
+    formation: Formation, g: int, survivors: Sequence[str], met: Collection[int] | None = None
+) -> list[str]:
     """The whole round's members as one peer of group ``g`` knows them: its own group's survivors
-    (phase A told it exactly) and every other group as formed (their drops are theirs: this
-    peer holds their means, weighted by their survivors, not their member lists). What the round
-    is claimed for and committed with: a group alone is a minority of the run by design."""
-    others = (m for h, grp in enumerate(formation.groups) if h != g for m in grp)
+    (phase A told it exactly) and the other groups (those in ``met`` when given: the groups its
+    column calls met) as formed: their drops are theirs, this peer holds their means, weighted by
+    their survivors, not their member lists. What the round is claimed for and committed with: a
+    group alone is a minority of the run by design."""
+    others = (m for h, grp in enumerate(formation.groups) if h != g and (met is None or h in met) for m in grp)
     return sorted({*survivors, *others})
 
 

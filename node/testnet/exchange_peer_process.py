@@ -6,7 +6,8 @@
 
 It joins the run's DHT, starts its TLS peer server, announces itself, and for each round meets
 the others at the DHT rendezvous and all-reduces a deterministic update (seeded by node id and
-round), printing one JSON line per round: the members, who was dropped and why, whether the
+round), printing one JSON line per round: the members (a grouped round's: the whole round's,
+``group``: its own group's survivors), who was dropped and why, whether the
 result was fetched from peers (caught up), and the result's hash. Faults (node/net/faults.py)
 make it misbehave on purpose. It exits cleanly on SIGTERM/SIGINT, leaving no p2pd behind.
 
@@ -142,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
                 round=r,
                 ok=True,
                 members=res.members,
+                group=exchange.last_group if exchange.last is not None and not exchange.last.single else res.members,
                 dropped=res.dropped,
                 fetched=(r, "update") in peer.exchange.caught_up,
                 hash=tensors_hash([("0", res.tensors[0])]).hex(),
