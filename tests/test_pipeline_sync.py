@@ -293,6 +293,8 @@ def test_plain_averaging_holds_nothing_between_rounds_and_leaves_the_mates_at_th
     assert all(torch.allclose(x, w, atol=1e-6) for x, w in zip(a.worker.params, want, strict=True))
     for m in (a, b):
         assert not m.sync.holds_state and outer_name(0) not in m.server.states and m.sync.published() is None
+        # the round's result (the exchange serves it to a late mate) goes once the round's deadline passed
+        assert [n for n in m.server.states if n.startswith("result/")] == [f"result/1/{KEY}"]
         assert m.sync.peak_round_bytes == 3 * sum(p.numel() * 4 for p in m.worker.params)  # snapshot, copy, result
     after = [p.detach().clone() for p in a.worker.params]
     assert sync_round(loop, [a, b], 2) == [True, True]  # nobody trained: bit for bit
@@ -308,6 +310,12 @@ def test_plain_averaging_holds_nothing_between_rounds_and_leaves_the_mates_at_th
     assert isinstance(got[0], ExchangeError) and got[1] is True, got
     assert sync_round(loop, [a, b], 4) == [True, True]
     assert same_weights(a, b) and a.sync.last_round == b.sync.last_round == 4
+    # Round 3's result, published by the mate that completed it, went with round 4: results of
+    # failed or skipped rounds in between used to stay (one copy of the stage each).
+    for m in (a, b):
+        assert [n for n in m.server.states if n.startswith("result/")] == [f"result/4/{KEY}"]
+    loop.run(asyncio.sleep(0.75 * EVERY_S + 0.2))  # past round 4's deadline: nothing kept
+    assert not [n for m in (a, b) for n in m.server.states if n.startswith("result/")]
 
 
 def test_an_outer_step_with_an_anchor_publishes_it_without_a_copy(two_mates):

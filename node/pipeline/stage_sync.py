@@ -363,6 +363,24 @@ class StageSync:
             return await self._step_round(worker, r, key)
         finally:
             self._group.fixed.pop(key, None)
+            # The exchange's results of this key: older ones go now, this round's once its mates
+            # are past its deadline (they catch up from it until then).
+            self._drop_results(key, r)
+            asyncio.get_running_loop().call_later(self.deadline_s, self._drop_results, key, r + 1)
+
+    def _drop_results(self, key: str, before: int) -> None:
+        """Unpublish the exchange's results of ``key`` from rounds before ``before``.
+
+        The exchange serves each round's result (1 W) to the mates catching up and forgets the one
+        ``keep_results`` rounds back; with rounds that failed or were skipped in between, the older
+        ones stayed, up to the peer server's eight published states: stages of two peers of
+        benchmarks/peer_memory.py, their rounds failing under load, peaked at 3.2-4.8 x their
+        training state (1.4-1.6 for a peer alone)."""
+        for name in list(self.server.states):
+            head, _, rest = name.partition("/")
+            r, _, k = rest.partition("/")
+            if head == "result" and k == key and r.lstrip("-").isdigit() and int(r) < before:
+                self.server.unpublish_state(name)
 
     async def _step_round(self, worker: StageWorker, r: int, key: str) -> bool:
         """The exchange of the pseudo-gradients and the outer step; False if the peer moved to
