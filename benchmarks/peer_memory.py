@@ -13,6 +13,7 @@ while this script reads its VmHWM from /proc/<pid>/status.
 
     nice .venv/bin/python benchmarks/peer_memory.py            # the issue's 84.4M model, 4 stages
     nice .venv/bin/python benchmarks/peer_memory.py --settings off --results /tmp/off.json
+    nice .venv/bin/python benchmarks/peer_memory.py --peers-per-stage 2   # stage-mates that sync
 
 Writes benchmarks/results/peer_memory.json: device, date, load, command, commit, and one row per
 run with ``stage_state_mb`` (the largest stage's weights + gradients + AdamW's two moments, fp32),
@@ -122,7 +123,7 @@ def run_pipeline(work: Path, data: Path, args) -> dict:
     try:
         net.start_coordinator()
         join = [str(net.info["address"]), net.create_run(100)]
-        for i in range(args.stages):  # one at a time: each joins the emptiest stage
+        for i in range(args.stages * args.peers_per_stage):  # one at a time: each joins the emptiest stage
             peers.append(Proc("murmur.node.pipeline.stage_peer_process",
                               ["--coordinator", join[0], "--token", join[1], "--state-dir", str(work / f"peer-{i}"),
                                "--progress-every", "0"], work / f"peer-{i}.log"))
@@ -151,7 +152,13 @@ def run_pipeline(work: Path, data: Path, args) -> dict:
                        round((s["peak_rss_mb"] - r["start_rss_mb"]) / state_mb, 3),
                        "optimizer_steps": s["optimizer_steps"], "checkpoints_written": s["checkpoints_written"],
                        "sync_rounds": s["sync_rounds"], "state_copies": s.get("state_copies"),
-                       "state_copied_mb_max": s.get("state_copied_mb_max")})
+                       "state_copied_mb_max": s.get("state_copied_mb_max"),
+                       "sync_idle_rounds": s.get("sync_idle_rounds"), "sync_failed": s.get("sync_failed"),
+                       "sync_holds_state": s.get("sync_holds_state"),
+                       "sync_round_peak_mb": s.get("sync_round_peak_mb"),
+                       "final_sync_members": s.get("final_sync_members"),
+                       "final_sync_completed": s.get("final_sync_completed"),
+                       "final_sync_seconds": s.get("final_sync_seconds"), "state_hash": s.get("state_hash")})
     mbs = driver.of("microbatch") if driver else []
     losses = [r["loss"] for r in mbs if r.get("loss") is not None]
     return {"detail": detail, "driver_exit": driver.proc.returncode if driver else None,
@@ -196,6 +203,8 @@ def main() -> int:
     ap.add_argument("--microbatch", type=int, default=4)
     ap.add_argument("--steps", type=int, default=40, help="run steps the driver trains")
     ap.add_argument("--single-steps", type=int, default=8, help="`murmur train` steps")
+    ap.add_argument("--peers-per-stage", type=int, default=1,
+                    help="stage peers a stage (2: stage-mates that sync every pipeline.sync_every_s)")
     ap.add_argument("--settings", choices=("shipped", "off"), default="shipped",
                     help="sync, replica and checkpoints as configs/pipeline-cpu.toml ships them, or all off")
     ap.add_argument("--timeout", type=float, default=1800.0, help="the driver's whole run, at most")
@@ -222,7 +231,8 @@ def main() -> int:
     worst = max(detail, key=lambda d: d["over_base_of_state"])
     peak_max = max(d["peak_rss_mb"] for d in detail)
     row = {
-        "stages": args.stages, "peers_per_stage": 1, "settings": args.settings, "params_total": cfg.num_params(),
+        "stages": args.stages, "peers_per_stage": args.peers_per_stage, "settings": args.settings,
+        "params_total": cfg.num_params(),
         "stage_state_mb": max(d["stage_state_mb"] for d in detail),
         "base_rss_mb": max(d["start_rss_mb"] for d in detail),
         "peer_peak_rss_mb_max": peak_max, "single_peak_rss_mb": round(single_peak, 1),
@@ -234,6 +244,9 @@ def main() -> int:
         "batch_size": args.batch_size, "microbatch": args.microbatch, "steps": args.steps,
         "single_steps": args.single_steps, **pipe, "peers": detail,
     }
+    if args.peers_per_stage > 1:  # the last sync round at the stop: one state a stage (node/pipeline/stop_sync.py)
+        row["stage_mates_agree_at_stop"] = all(
+            len({d["state_hash"] for d in detail if d["stage"] == s}) == 1 for s in range(args.stages))
     commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=REPO).stdout.strip()
     dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
                                 text=True, cwd=REPO).stdout)
@@ -246,9 +259,10 @@ def main() -> int:
                     "murmur train's read from /proc/<pid>/status every 50 ms while it ran",
            "rows": [row]}
     path = Path(args.results)
-    if path.exists() and path.resolve() == RESULTS.resolve():  # keep the other settings' row
+    if path.exists() and path.resolve() == RESULTS.resolve():  # keep the other settings' rows
         old = json.loads(path.read_text())
-        out["rows"] = [r for r in old.get("rows", []) if r.get("settings") != args.settings] + out["rows"]
+        out["rows"] = [r for r in old.get("rows", []) if (r.get("settings"), r.get("peers_per_stage", 1))
+                       != (args.settings, args.peers_per_stage)] + out["rows"]
     path.write_text(json.dumps(out, indent=1) + "\n")
     print(json.dumps(row, indent=1))
     print(f"wrote {path}")

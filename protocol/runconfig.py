@@ -259,6 +259,11 @@ class PipelineSection(Section):
     # Stage-mates sync their stage's weights (the run's codec, aggregator and outer step) every
     # this many seconds of the clock, beside the compute (node/pipeline/stage_sync.py). 0: never.
     sync_every_s: float = _bounded(30.0, MAX_SECONDS, _SECONDS_WHY, ge=0)
+    # At a clean stop a stage peer waits at most this long for its stage-mates that stop too
+    # (their stop marks), then runs one last sync round with them before its final checkpoint, so
+    # that stage-mates stopped together checkpoint one state (node/pipeline/stop_sync.py). 0: no
+    # last round. A peer without a mate waits for nothing.
+    stop_sync_s: float = _bounded(10.0, MAX_SECONDS, _SECONDS_WHY, ge=0)
     # Stage peers with a state folder checkpoint their stage (weights, AdamW, outer state) there
     # every this many seconds of the clock, all at the same instants, so that the checkpoints of
     # one instant make a complete set of the model (node/pipeline/stage_checkpoint.py). 0: only

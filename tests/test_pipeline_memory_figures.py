@@ -114,8 +114,9 @@ def test_a_checkpoint_does_not_copy_the_stage(tmp_path):
 def test_the_published_state_is_the_live_weights_and_a_replica_streams_to_disk(tmp_path):
     """A stage's published state holds no copy of its weights; a replica fetched from it goes to a
     file and holds them exactly; a step that lands while a call reads the state is copied for that
-    call (the transfer never mixes two steps), and a call opened after the step is refused."""
+    call, in a file (the transfer never mixes two steps), and a call opened after the step is refused."""
     import dataclasses
+    import os
 
     import torch
 
@@ -157,10 +158,13 @@ def test_the_published_state_is_the_live_weights_and_a_replica_streams_to_disk(t
         worker.backward(torch.randn(1, 8, 32), targets=torch.randint(0, 256, (1, 8)))  # one optimizer step
         assert worker.stats.optimizer_steps == 1
         assert first not in state._pinned and name in state._pinned  # only what the call still sends
+        # ... written to a file, not held in memory: the bytes of the tensors the call still needs
+        assert state._spill is not None and state.pinned_bytes == sum(
+            p.numel() * 4 for p in params[1:]) == os.fstat(state._spill.fileno()).st_size
         assert b"".join([reader.read(name, 0, 64), reader.read(name, 64, t.numel() * 4)]) == b"".join(before)
         assert b"".join(before) != params[1].detach().numpy().tobytes()
         reader.close()
-        assert state._pinned == {}  # the copy went with the last call that needed it
+        assert state._pinned == {} and state._spill is None  # the copy went with the last call that needed it
         with pytest.raises(stage_state.StateChanged):
             state.open()  # stale, and nobody kept a copy for a new call
         fresh = publisher.state()

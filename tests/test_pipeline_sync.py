@@ -30,6 +30,7 @@ RUN = "sync-test"
 CFG = dataclasses.replace(model_config("tiny", n_layers=2, dim=32, hidden_dim=64, seq_len=16), tie_embeddings=False)
 OPTIM = OptimSection(lr=1e-3, warmup_steps=0, grad_clip=0.0)
 SYNC = SyncSection(codec="fp32")  # outer lr 1, Nesterov momentum 0.5: momentum moves even idle rounds
+PLAIN = SyncSection(codec="fp32", outer_lr=1.0, outer_momentum=0.0)  # configs/pipeline-cpu.toml's
 EVERY_S = 2.0  # a round's deadline is 3/4 of it
 KEY = "stage/0"
 
@@ -107,6 +108,19 @@ class Mate:
 def two_mates():
     """Two peers of stage 0 with a stage sync each; the first reaches the second through a relay
     that the test can cut (the second reaches the first directly)."""
+    with mates_with(SYNC) as got:
+        yield got
+
+
+@pytest.fixture
+def two_averaging_mates():
+    """The same with the outer step the pipelined configs ship: the mates' plain average."""
+    with mates_with(PLAIN) as got:
+        yield got
+
+
+@contextlib.contextmanager
+def mates_with(sync_cfg: SyncSection):
     ca = CertificateAuthority.create("sync-test")
     loop = LoopThread()
     span = split_layers(CFG.n_layers, 2)[0]
@@ -128,7 +142,7 @@ def two_mates():
                 return dict(view)
 
             faults = FaultInjector()
-            sync = StageSync(server, SYNC, EVERY_S, stage_mates, faults)
+            sync = StageSync(server, sync_cfg, EVERY_S, stage_mates, faults)
             worker = StageWorker(build_stage(CFG, 5, span), OPTIM, target_samples=1000)
             sync.reset(worker)
             return Mate(sync, server, worker, faults)
@@ -209,7 +223,7 @@ def test_a_stage_that_trained_nothing_keeps_its_weights_bit_for_bit_through_sync
     b.train(seed=2)
     assert sync_round(loop, [a, b], 1) == [True, True]
     after = [p.detach().clone() for p in a.worker.params]
-    momentum = [buf.clone() for buf in (a.sync.outer.state[x]["momentum_buffer"] for x in a.sync.anchor)]
+    momentum = [buf.clone() for buf in a.sync.momentum]
     assert any(m.abs().sum() > 0 for m in momentum)  # a momentum that would move an idle round
     for r in (2, 3, 4):
         assert sync_round(loop, [a, b], r) == [True, True]
@@ -258,3 +272,68 @@ def test_a_peer_alone_in_its_stage_holds_no_sync_state_until_a_mate_comes(two_ma
 
 async def _reset(sync: StageSync, worker, alone: bool = False) -> None:
     sync.reset(worker, alone=alone)
+
+
+def test_plain_averaging_holds_nothing_between_rounds_and_leaves_the_mates_at_their_weighted_mean(
+        two_averaging_mates):
+    """Outer lr 1 without momentum over the lossless codec (the shipped pipelined configs): the
+    round averages the weights themselves. Nothing is held or published between rounds (it was an
+    anchor, a zero momentum and their published copies: four copies of the stage); after a round
+    the mates hold the mean weighted by the samples each trained; a round in which nobody trained
+    changes nothing, bit for bit; a round that failed on one side is made up by the next."""
+    loop, (a, b), relay = two_averaging_mates
+    assert a.sync.plain and not a.sync.holds_state and outer_name(0) not in a.server.states
+    a.train(seed=1)
+    b.train(seed=2)
+    a.worker.stats.samples_total += 3  # a trained 3 samples since the last round, b 1: weights 4 and 2
+    b.worker.stats.samples_total += 1
+    want = [(4 * x + 2 * y) / 6 for x, y in zip(a.worker.params, b.worker.params, strict=True)]
+    assert sync_round(loop, [a, b], 1) == [True, True]
+    assert same_weights(a, b)
+    assert all(torch.allclose(x, w, atol=1e-6) for x, w in zip(a.worker.params, want, strict=True))
+    for m in (a, b):
+        assert not m.sync.holds_state and outer_name(0) not in m.server.states and m.sync.published() is None
+        # the round's result (the exchange serves it to a late mate) goes once the round's deadline passed
+        assert [n for n in m.server.states if n.startswith("result/")] == [f"result/1/{KEY}"]
+        assert m.sync.peak_round_bytes == 3 * sum(p.numel() * 4 for p in m.worker.params)  # snapshot, copy, result
+    after = [p.detach().clone() for p in a.worker.params]
+    assert sync_round(loop, [a, b], 2) == [True, True]  # nobody trained: bit for bit
+    for m in (a, b):
+        assert all(torch.equal(x, y) for x, y in zip(after, m.worker.params, strict=True))
+    assert (a.sync.rounds, a.sync.idle_rounds) == (1, 1)
+    # One side fails round 3 after training: the next round, with nobody training, still averages.
+    b.train(seed=3)
+    a.faults.arm("lose_result", peer=a.node_id, round=3)
+    relay.cut = True
+    got = sync_round(loop, [a, b], 3)
+    relay.cut = False
+    assert isinstance(got[0], ExchangeError) and got[1] is True, got
+    assert sync_round(loop, [a, b], 4) == [True, True]
+    assert same_weights(a, b) and a.sync.last_round == b.sync.last_round == 4
+    # Round 3's result, published by the mate that completed it, went with round 4: results of
+    # failed or skipped rounds in between used to stay (one copy of the stage each).
+    for m in (a, b):
+        assert [n for n in m.server.states if n.startswith("result/")] == [f"result/4/{KEY}"]
+    loop.run(asyncio.sleep(0.75 * EVERY_S + 0.2))  # past round 4's deadline: nothing kept
+    assert not [n for m in (a, b) for n in m.server.states if n.startswith("result/")]
+
+
+def test_an_outer_step_with_an_anchor_publishes_it_without_a_copy(two_mates):
+    """Another outer step (momentum here) keeps the anchor and the momentum, and publishes those
+    tensors themselves; without momentum (a lossy codec's plain average) no momentum is kept."""
+    loop, (a, b), _ = two_mates
+    a.train(seed=1)
+    b.train(seed=2)
+    assert sync_round(loop, [a, b], 1) == [True, True]
+    published = dict(a.server.states[outer_name(0)].tensors)
+    names = [n for n, _ in a.worker.module.named_stage_parameters()]
+    for n, x, m in zip(names, a.sync.anchor, a.sync.momentum, strict=True):
+        assert published["anchor/" + n].data_ptr() == x.data_ptr()
+        assert published["momentum/" + n].data_ptr() == m.data_ptr()
+    with mates_with(SyncSection(codec="int8", outer_lr=1.0, outer_momentum=0.0)) as (loop8, (c, d), _):
+        assert not c.sync.plain
+        c.train(seed=1)
+        d.train(seed=2)
+        assert sync_round(loop8, [c, d], 1) == [True, True]
+        assert same_weights(c, d) and c.sync.momentum is None
+        assert not any(n.startswith("momentum/") for n, _ in c.server.states[outer_name(0)].tensors)

@@ -49,7 +49,7 @@ from murmur.node.net.addresses import advertised_address
 from murmur.node.net.faults import FaultInjector
 from murmur.node.net.server import PeerServer, PeerServerSettings, PublishedState
 from murmur.node.net.state_transfer import StateError, afetch
-from murmur.node.pipeline import kept_stage, replica, stage_checkpoint, stage_state
+from murmur.node.pipeline import kept_stage, replica, stage_checkpoint, stage_state, stop_sync
 from murmur.node.pipeline.member import PipelineMember
 from murmur.node.pipeline.memory import peak_rss_mb
 from murmur.node.pipeline.service import StageService, StageServiceSettings
@@ -75,6 +75,9 @@ class StagePeerSettings:
     pipelined: bool = False  # the run config has a [pipeline] section: report to the coordinator, obey it
     sync: SyncSection | None = None  # the run's outer step, for the within-stage sync
     sync_every_s: float = 0.0  # 0: stage-mates do not sync (node/pipeline/stage_sync.py)
+    # At a clean stop, how long to wait for stage-mates that stop too before one last round with
+    # them (node/pipeline/stop_sync.py); 0: no last round. The run's pipeline.stop_sync_s.
+    stop_sync_s: float = 0.0
     host: str = "127.0.0.1"  # where both servers bind
     # Fixed ports to forward through a NAT (0: the kernel's choice): the stage service's (drivers
     # and the previous stage call it) and the peer server's (stage-mates sync and fetch state).
@@ -136,6 +139,7 @@ class StagePeer:
         self.last_checkpoint: stage_checkpoint.CheckpointFile | None = None
         self.loaded_checkpoint: stage_checkpoint.CheckpointFile | None = None  # the one a start loaded
         self._view: pb.StageMap | None = None  # the coordinator's, as `_sources` read it last (its kept set)
+        self.final_sync = stop_sync.FinalRound()  # the last round at the stop (none run yet)
 
     @property
     def stage(self) -> int:
@@ -194,8 +198,16 @@ class StagePeer:
 
     async def stop(self) -> None:
         self._stopping = True  # no more moves: a peer on its way out serves no new stage
+        last_round = self.sync is not None and self.serving and self.settings.stop_sync_s > 0
         if self.sync is not None:
-            await self.sync.drain()  # no stage-mate is left a sync round behind
+            await self.sync.drain(linger=not last_round)  # no stage-mate is left a sync round behind
+        if last_round:
+            # No more microbatches (drivers go on with a mate), then one last round with the mates
+            # that stop too, so that their final checkpoints hold one state and an export of the
+            # run is their average, not one mate's weights (node/pipeline/stop_sync.py).
+            if self.service is not None:
+                await self.service.stop()
+            self.final_sync = await stop_sync.final_round(self.sync, self.settings.stop_sync_s)
         for task in [*self._tasks, *([self._moving] if self._moving else [])]:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):

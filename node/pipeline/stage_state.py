@@ -11,6 +11,8 @@ parameters travel (the newcomer's AdamW starts fresh); see docs/pipeline.md.
 
 from __future__ import annotations
 
+import os
+import tempfile
 import threading
 from collections.abc import Mapping
 
@@ -53,9 +55,17 @@ class LiveState:
     have not sent yet (``pin``): a transfer never mixes two steps, and the copy exists only while a
     step falls inside a transfer. A call that opens the state after the weights changed is refused
     (`StateChanged`): its caller asks again, for the newer state the peer publishes after every
-    step."""
+    step.
 
-    def __init__(self, worker, name: str, state_hash: bytes) -> None:
+    That copy goes to a file (an unnamed temporary file in ``spill_dir``, the system's temporary
+    folder by default), not to memory: a replica's refresh or the coordinator's keeper reads a
+    stage every few seconds, a step lands inside one of those transfers now and then, and a copy in
+    memory then put the stage's weights once more on whichever peer it happened to, at the peak of
+    its step (measured: the one stage over 1.5 x its training state in a run of
+    benchmarks/peer_memory.py, by 81 MiB). Writing it costs the step a write of what the calls still
+    need (into the page cache), not the process's memory."""
+
+    def __init__(self, worker, name: str, state_hash: bytes, spill_dir: str | None = None) -> None:
         self.name, self.state_hash, self.members = name, state_hash, []
         self._worker = worker
         self.tensors = [(n, p.detach()) for n, p in worker.module.named_stage_parameters()]
@@ -63,7 +73,9 @@ class LiveState:
         self._guard = threading.Lock()
         self._readers: list[Reader] = []
         self._stale = False  # the live weights are not this state any more
-        self._pinned: dict[str, torch.Tensor] = {}  # what the readers still needed when they changed
+        self._pinned: dict[str, int] = {}  # what the readers still needed when they changed: its offset in _spill
+        self._spill = None  # the file those tensors were written to
+        self._spill_dir = spill_dir
         self.pinned_bytes = 0
 
     def open(self) -> Reader:
@@ -79,16 +91,25 @@ class LiveState:
             self._readers.remove(reader)
             if not self._readers:
                 self._pinned = {}  # the last call that needed the copies is done
+                if self._spill is not None:
+                    self._spill.close()  # an unnamed file: its blocks go with it
+                    self._spill = None
 
     def _read(self, reader: Reader, name: str, start: int, end: int) -> bytes:
+        with self._guard:
+            at = self._pinned.get(name)
+            if at is not None:  # the copy in the file, which no step changes: no need of the lock
+                reader.started(name)
+                return os.pread(self._spill.fileno(), end - start, at + start)
         with self._worker.lock, self._guard:
-            t = self._pinned.get(name)
-            if t is None:
-                if self._stale:
-                    raise StateChanged(f"{self.name} changed while it was read; ask again")
-                t = self._live[name]
+            at = self._pinned.get(name)
+            if at is not None:
+                reader.started(name)
+                return os.pread(self._spill.fileno(), end - start, at + start)
+            if self._stale:
+                raise StateChanged(f"{self.name} changed while it was read; ask again")
             reader.started(name)
-            return _byte_slice(t, start, end)
+            return _byte_slice(self._live[name], start, end)
 
     def pin(self) -> None:
         """The weights are about to change (called with the worker's lock held): copy, for the
@@ -98,8 +119,18 @@ class LiveState:
                 return
             self._stale = True
             needed = {n for r in self._readers for n in r.remaining()}
-            self._pinned = {n: t.to("cpu", copy=True) for n, t in self.tensors if n in needed}
-            self.pinned_bytes = sum(t.numel() * t.element_size() for t in self._pinned.values())
+            if not needed:
+                return
+            self._spill = tempfile.TemporaryFile(dir=self._spill_dir)  # noqa: SIM115 - closed with the last reader
+            offset = 0
+            for n, t in self.tensors:
+                if n in needed:
+                    # From the tensor's own memory (one tensor's CPU copy at a time on a GPU).
+                    self._spill.write(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+                    self._pinned[n] = offset
+                    offset += t.numel() * t.element_size()
+            self._spill.flush()
+            self.pinned_bytes = offset
 
 
 class Reader:
@@ -140,16 +171,17 @@ class LivePublisher:
     """A worker's `LiveState`s: a new one after every change of the weights (``state``), and the
     hook that pins the older ones before the weights change (``before_change``)."""
 
-    def __init__(self, worker) -> None:
+    def __init__(self, worker, spill_dir: str | None = None) -> None:
         self.worker = worker
+        self.spill_dir = spill_dir  # where a step inside a transfer writes what the transfer still needs
         self._open: list[LiveState] = []
-        self.copies = 0  # steps that landed inside a transfer and copied what it still had to send
+        self.copies = 0  # steps that landed inside a transfer and wrote what it still had to send to a file
         self.copied_bytes_max = 0
 
     def state(self) -> LiveState:
         """The state as the weights are now (with the worker's lock held, or before it serves)."""
         st = LiveState(self.worker, state_name(self.worker.span.index), tensors_hash(
-            (n, p.detach()) for n, p in self.worker.module.named_stage_parameters()))
+            (n, p.detach()) for n, p in self.worker.module.named_stage_parameters()), self.spill_dir)
         self._open.append(st)
         return st
 

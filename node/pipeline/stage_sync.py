@@ -20,6 +20,24 @@ round cannot wait for "the H-th step": rounds are on the clock. Round r of stage
    (A codec with error feedback may send a residual of earlier training in an idle round: that
    is trained weight, and it is stepped.)
 
+**What a round holds** (W: the stage's fp32 weights once; docs/pipeline.md says the same):
+
+- *Plain averaging* (`averages_weights`: outer lr 1, no momentum, the lossless fp32 codec without
+  error feedback, the plain mean; configs/pipeline-cpu.toml ships it). The outer step is then the
+  mates' weighted mean itself (``anchor - mean(anchor - w_i) = mean(w_i)``), so the round averages
+  the snapshots of the weights and keeps nothing between rounds: no anchor, no momentum, nothing
+  published. A round holds its snapshot, the exchange's flat copy of it and the result (3 W), all
+  released when it ends. With one more number in the exchange, the samples each mate trained since
+  its last completed round, the mates see together whether anybody trained: if nobody did, the
+  round changes nothing (the idle rule below), bit for bit.
+- *Any other outer step* (a lossy codec such as configs/pipeline-gpu.toml's int8, whose error is
+  small on a pseudo-gradient and not on the weights; momentum; another lr): the anchor (1 W) and,
+  with momentum, the momentum (1 W) between rounds, published as they are (no copies: a round
+  changes them in place under the worker's lock, and a mate reading them meanwhile gets bytes that
+  do not hash to the state's hash and asks again next round). A round holds the pseudo-gradient,
+  the exchange's flat copy and the result (3 W); the weights' snapshot is not kept (it is the
+  anchor minus the pseudo-gradient).
+
 A round that fails (a stage-mate died, the view changed) changes nothing and the next one comes a
 period later. A peer alone in its stage holds no sync state at all (no anchor, no momentum, nothing
 published): it skips rounds, and its first round with a mate takes its weights as the anchor. The
@@ -86,6 +104,17 @@ def outer_name(stage: int) -> str:
     return f"stage/{stage}/outer"
 
 
+def averages_weights(sync: SyncSection) -> bool:
+    """Whether a round can average the mates' weights themselves and hold no state between rounds.
+
+    Outer lr 1 without momentum makes the outer step the mean itself; the fp32 codec without error
+    feedback carries weights exactly (int8 or bf16 would lose on the weights what they lose harmlessly
+    on a pseudo-gradient); and the plain mean gives the same result on weights as on pseudo-
+    gradients (the robust rules' norm filter tells odd pseudo-gradients apart, not weights)."""
+    return (sync.outer_lr == 1.0 and sync.outer_momentum == 0.0 and sync.codec == "fp32"
+            and sync.error_feedback != "on" and sync.aggregator == "mean")
+
+
 @dataclass(frozen=True, slots=True)
 class OuterAt:
     """Where a peer's published outer state is: the round its anchor is at, and the state's hash."""
@@ -108,20 +137,25 @@ def newest(own: OuterAt, mates: dict[str, OuterAt]) -> tuple[OuterAt, list[str]]
 
 @dataclass(slots=True)
 class Missed:
-    """A round that failed here after the snapshot: its id, the snapshot and the samples by then."""
+    """A round that failed here after its pseudo-gradient was taken: its id, that pseudo-gradient
+    (the anchor minus the weights' snapshot: the snapshot is not kept) and the samples by then."""
 
     round: int
-    snap: list[torch.Tensor]
+    delta: list[torch.Tensor]
     samples: int
 
 
 class StageGroup:
-    """A round's members: the peers serving the stage now, by the coordinator's view."""
+    """A round's members: the peers serving the stage now, by the coordinator's view; for a round
+    of a fixed group (the last round at a stop, node/pipeline/stop_sync.py), that group."""
 
     def __init__(self, mates: Callable[[int], Awaitable[dict[str, str]]], stage: Callable[[], int]) -> None:
         self.mates, self.stage = mates, stage
+        self.fixed: dict[str, dict[str, str]] = {}  # key -> members
 
     async def members(self, round_id: int, key: str) -> dict[str, str]:
+        if key in self.fixed:
+            return dict(sorted(self.fixed[key].items()))
         return dict(sorted((await self.mates(self.stage())).items()))
 
 
@@ -135,18 +169,21 @@ class StageSync:
         faults: FaultInjector | None = None,
     ) -> None:
         self.server, self.sync, self.every_s, self.mates = server, sync, every_s, mates
+        self.plain = averages_weights(sync)  # the round averages the weights: no anchor at all
         self.worker: StageWorker | None = None
         self.anchor: list[torch.Tensor] = []
-        self.outer: torch.optim.SGD | None = None
+        self.momentum: list[torch.Tensor] | None = None  # only with sync.outer_momentum > 0, made at the first step
         self.samples_base = 0
         self.rounds = 0  # completed
         self.idle_rounds = 0  # of those, rounds in which no mate had trained: no outer step
         self.last_round = -1  # the round the anchor is at: the last one completed here or adopted
         self.adopted = 0  # outer states taken from a mate at a later round (or the tie's winner)
         self._missed: Missed | None = None  # the last round, if it failed here after its snapshot
+        self._unsettled = False  # plain averaging: the last round failed here (its mates may have moved)
         self._at = OuterAt(-1, b"")  # where the published outer state is
         self.failed = 0
         self.last_error = ""
+        self.peak_round_bytes = 0  # the most a round held at once (its snapshot or pseudo-gradient, copy, result)
         self._stopping = False
         self._in_round: asyncio.Task[bool] | None = None
         self._completed_at = 0.0  # monotonic time of the last completed round
@@ -169,26 +206,28 @@ class StageSync:
         """Sync ``worker``'s stage from now on: the anchor and momentum loaded from the stage's
         peers (``outer``: their ``stage/<s>/outer``), else the worker's weights and no momentum;
         ``alone`` (no peer served the stage when this one became it): no sync state until a mate
-        comes (`_drop_state`)."""
+        comes (`_drop_state`). Plain averaging holds no state whatever comes."""
         self.worker = worker
         self._missed = None
-        loaded = self._fits(worker, outer)
+        self._unsettled = False
+        loaded = None if self.plain else self._fits(worker, outer)
         if loaded is not None:
-            self.anchor, momentum, self.last_round = loaded
-        elif alone:
+            self.anchor, self.momentum, self.last_round = loaded
+        elif alone or self.plain:
             self.last_round = -1
             self._drop_state(worker)
             return
         else:
             self.anchor = [p.detach().clone() for p in worker.params]
-            momentum, self.last_round = None, -1
-        self.outer = self._optimizer(momentum)
+            self.momentum, self.last_round = None, -1
+        self._prepare()
         self.samples_base = worker.stats.samples_total
         self._publish()
 
     @property
     def holds_state(self) -> bool:
-        """Whether this peer holds an anchor (and a published outer state): only while it has mates."""
+        """Whether this peer holds an anchor (and a published outer state): only while it has mates,
+        and never with plain averaging."""
         return bool(self.anchor)
 
     def _drop_state(self, worker: StageWorker) -> None:
@@ -197,7 +236,7 @@ class StageSync:
         with), yet it cost three copies of the stage: the anchor, and the anchor and a zero momentum
         published for joiners. A joiner that finds no outer state starts from the weights it fetched,
         which is what the anchor would have told it; the first round with a mate makes the anchor."""
-        self.anchor, self.outer, self._missed = [], None, None
+        self.anchor, self.momentum, self._missed = [], None, None
         self.samples_base = worker.stats.samples_total
         self.server.unpublish_state(outer_name(worker.span.index))
         self._at = OuterAt(self.last_round, b"")
@@ -205,50 +244,53 @@ class StageSync:
     async def _make_anchor(self, worker: StageWorker) -> None:
         """The first round with a mate: the anchor is the weights now, no momentum yet (a mate's
         state, if it differs, is adopted by `_catch_up` within a round)."""
-        snap, samples = await asyncio.to_thread(self._snapshot, worker)
-        self.anchor = snap
-        self.outer = self._optimizer(None)
+        snap, samples, _ = await asyncio.to_thread(self._snapshot, worker)
+        self.anchor, self.momentum = snap, None
+        self._prepare()
         self.samples_base = samples
         self._publish()
 
-    @staticmethod
     def _fits(
-        worker: StageWorker, outer: dict[str, torch.Tensor] | None
-    ) -> tuple[list[torch.Tensor], list[torch.Tensor], int] | None:
+        self, worker: StageWorker, outer: dict[str, torch.Tensor] | None
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None, int] | None:
         """(anchor, momentum, round) from a published outer state if it fits ``worker``'s stage
-        (a state without a round, from a peer before rounds were published, is at round -1)."""
+        (a state without a round, from a peer before rounds were published, is at round -1; one
+        without momentum, from a step without momentum, has none)."""
         if outer is None:
             return None
         named = dict(worker.module.named_stage_parameters())
-        want = [ANCHOR + n for n in named] + [MOMENTUM + n for n in named]
-        if sorted(set(outer) - {ROUND}) != sorted(want):
+        anchors, momenta = [ANCHOR + n for n in named], [MOMENTUM + n for n in named]
+        names = set(outer) - {ROUND}
+        if names != set(anchors) and names != set(anchors) | set(momenta):
             return None
         for n, p in named.items():
-            if outer[ANCHOR + n].shape != p.shape or outer[MOMENTUM + n].shape != p.shape:
+            if outer[ANCHOR + n].shape != p.shape or (MOMENTUM + n in outer and outer[MOMENTUM + n].shape != p.shape):
                 return None
         r = outer.get(ROUND)
         at = int(r.reshape(-1)[0]) if r is not None and r.numel() == 1 else -1
-        anchor = [outer[ANCHOR + n].to(p.device).clone() for n, p in named.items()]
-        return anchor, [outer[MOMENTUM + n].to(p.device) for n, p in named.items()], at
+        # Copies: what arrived may be read-only wire memory, and a round changes these in place.
+        anchor = [outer[ANCHOR + n].to(p.device, copy=True) for n, p in named.items()]
+        momentum = None
+        if self.sync.outer_momentum > 0 and MOMENTUM + next(iter(named)) in outer:
+            momentum = [outer[MOMENTUM + n].to(p.device, copy=True) for n, p in named.items()]
+        return anchor, momentum, at
 
-    def _optimizer(self, momentum: list[torch.Tensor] | None) -> torch.optim.SGD:
-        m = self.sync.outer_momentum
+    def _prepare(self) -> None:
         for a in self.anchor:
             a.requires_grad_(False)
-        opt = torch.optim.SGD(self.anchor, lr=self.sync.outer_lr, momentum=m, nesterov=self.sync.nesterov and m > 0)
-        if momentum is not None and m > 0:
-            for a, buf in zip(self.anchor, momentum, strict=True):
-                opt.state[a]["momentum_buffer"] = buf.clone()
-        return opt
+        if self.sync.outer_momentum == 0:
+            self.momentum = None  # a momentum of 0 is no state (a mate's zeros published before: dropped)
 
     def published(self) -> PublishedState | None:
+        """The outer state for joiners and for mates a round apart: the anchor and momentum
+        themselves, not copies (a round changes them under the worker's lock; a read that spans
+        that change fails its hash check and is made again)."""
         if self.worker is None or not self.anchor:
             return None
         names = [n for n, _ in self.worker.module.named_stage_parameters()]
-        momentum = [self.outer.state.get(a, {}).get("momentum_buffer") for a in self.anchor] if self.outer else []
-        tensors = [(ANCHOR + n, a.clone()) for n, a in zip(names, self.anchor, strict=True)]
-        tensors += [(MOMENTUM + n, (m if m is not None else torch.zeros_like(a)).clone())
-                    for n, a, m in zip(names, self.anchor, momentum, strict=True)]
+        tensors = [(ANCHOR + n, a) for n, a in zip(names, self.anchor, strict=True)]
+        if self.momentum is not None:
+            tensors += [(MOMENTUM + n, m) for n, m in zip(names, self.momentum, strict=True)]
         tensors.append((ROUND, torch.tensor([self.last_round], dtype=torch.int64)))
         return PublishedState(outer_name(self.worker.span.index), tensors, tensors_hash(tensors))
 
@@ -277,45 +319,79 @@ class StageSync:
                 self.last_error = str(err)[:300]
                 log.info("stage sync round %d failed: %s", r, err)
 
-    async def drain(self) -> None:
+    async def drain(self, *, linger: bool = True) -> None:
         """Stop starting rounds; let the one in flight finish (its own deadline bounds it), then
-        keep serving its result for one round deadline so that stage-mates can catch up."""
+        keep serving its result for one round deadline so that stage-mates can catch up (unless
+        ``linger`` is False: a last round at the stop follows, during which the peer server stays up
+        at least as long for the mates that do not stop, node/pipeline/stop_sync.py)."""
         self._stopping = True
         if self._in_round is not None and not self._in_round.done():
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(asyncio.shield(self._in_round), self.deadline_s + 1.0)
             self._in_round.cancel()  # still running past its deadline: a hung mate; give it up
-        linger = self._completed_at + self.deadline_s - time.monotonic()
-        if self._completed_at and linger > 0:
-            await asyncio.sleep(linger)
+        wait = self._completed_at + self.deadline_s - time.monotonic()
+        if linger and self._completed_at and wait > 0:
+            await asyncio.sleep(wait)
 
-    async def round(self, r: int) -> bool:
+    async def round(self, r: int, key: str = "", members: dict[str, str] | None = None) -> bool:
         """One round; False when the peer is alone in its stage (its anchor follows its weights),
-        or when the outer state it adopted from a mate already includes this round."""
+        or when the outer state it adopted from a mate already includes this round. ``key`` and
+        ``members``: a round of a fixed group under a key of its own (the last round at a stop,
+        node/pipeline/stop_sync.py) instead of the clock's round of the stage's peers."""
         worker = self.worker
         stage = worker.span.index
-        mates = await self.mates(stage)
+        key = key or f"stage/{stage}"
+        mates = dict(members) if members is not None else await self.mates(stage)
         if len(mates) < 2:
             if self.anchor or self.server.states.get(outer_name(stage)) is not None:
                 self._drop_state(worker)
             else:
                 self.samples_base = worker.stats.samples_total
             return False
-        if not self.anchor:
-            await self._make_anchor(worker)
-            if self.worker is not worker:
-                return False
-        await self._catch_up(worker, stage, mates, r)
-        if self.worker is not worker or self.last_round >= r:
-            return False  # moved meanwhile, or a mate's state has this round in it already
-        snap, samples = await asyncio.to_thread(self._snapshot, worker)
-        delta = [a - t for a, t in zip(self.anchor, snap, strict=True)]
+        if members is not None:
+            self._group.fixed[key] = mates
         try:
-            res = await self.exchange.areduce(delta, round_id=r, key=f"stage/{stage}",
-                                              weight=1.0 + samples - self.samples_base)
+            if self.plain:
+                return await self._average(worker, r, key)
+            if not self.anchor:
+                await self._make_anchor(worker)
+                if self.worker is not worker:
+                    return False
+            await self._catch_up(worker, stage, mates, r)
+            if self.worker is not worker or self.last_round >= r:
+                return False  # moved meanwhile, or a mate's state has this round in it already
+            return await self._step_round(worker, r, key)
+        finally:
+            self._group.fixed.pop(key, None)
+            # The exchange's results of this key: older ones go now, this round's once its mates
+            # are past its deadline (they catch up from it until then).
+            self._drop_results(key, r)
+            asyncio.get_running_loop().call_later(self.deadline_s, self._drop_results, key, r + 1)
+
+    def _drop_results(self, key: str, before: int) -> None:
+        """Unpublish the exchange's results of ``key`` from rounds before ``before``.
+
+        The exchange serves each round's result (1 W) to the mates catching up and forgets the one
+        ``keep_results`` rounds back; with rounds that failed or were skipped in between, the older
+        ones stayed, up to the peer server's eight published states: stages of two peers of
+        benchmarks/peer_memory.py, their rounds failing under load, peaked at 3.2-4.8 x their
+        training state (1.4-1.6 for a peer alone)."""
+        for name in list(self.server.states):
+            head, _, rest = name.partition("/")
+            r, _, k = rest.partition("/")
+            if head == "result" and k == key and r.lstrip("-").isdigit() and int(r) < before:
+                self.server.unpublish_state(name)
+
+    async def _step_round(self, worker: StageWorker, r: int, key: str) -> bool:
+        """The exchange of the pseudo-gradients and the outer step; False if the peer moved to
+        another stage meanwhile."""
+        delta, samples, steps = await asyncio.to_thread(self._pseudo_gradient, worker)
+        try:
+            res = await self.exchange.areduce(delta, round_id=r, key=key, weight=1.0 + samples - self.samples_base)
         except Exception:
-            self._missed = Missed(r, snap, samples)  # a mate may have completed it: see _catch_up
+            self._missed = Missed(r, delta, samples)  # a mate may have completed it: see _catch_up
             raise
+        self.peak_round_bytes = max(self.peak_round_bytes, 3 * _nbytes(delta))  # delta, its flat copy, result
         if self.worker is not worker:  # moved to another stage meanwhile
             return False
         if not any(bool(d.any()) for d in res.tensors):
@@ -323,23 +399,46 @@ class StageSync:
             # the weights of a stage nobody trains (it did: a val loss of 2.62 became 3.94 in 30 s
             # of idle rounds). Every mate got the same result, so they all skip alike and stay
             # in one state at this round.
-            self.samples_base = samples
-            self.idle_rounds += 1
-            self._missed = None
-            self._completed_at, self.last_round = time.monotonic(), r
+            self._settled(samples, r, idle=True)
             self._publish()
             return True
-        for a, d in zip(self.anchor, res.tensors, strict=True):
-            a.grad = d.to(a.dtype)
-        self.outer.step()
-        self.outer.zero_grad(set_to_none=True)
-        await asyncio.to_thread(self._rebase, worker, self.anchor, snap)
-        self.samples_base = samples
-        self.rounds += 1
-        self._missed = None
-        self._completed_at, self.last_round = time.monotonic(), r
+        await asyncio.to_thread(self._outer_step, worker, delta, res.tensors, steps)
+        del delta, res
+        self._settled(samples, r, idle=False)
         self._publish()
         return True
+
+    async def _average(self, worker: StageWorker, r: int, key: str) -> bool:
+        """Plain averaging: the weights' snapshots go through the exchange; the weights become the
+        mean plus what was trained during the round. The last number exchanged is what each mate
+        trained since its last completed round (and 1 after a round that failed here): its mean is
+        0 only if nobody trained, and then nothing changes."""
+        snap, samples, _ = await asyncio.to_thread(self._snapshot, worker)
+        pending = float(samples - self.samples_base + self._unsettled)
+        try:
+            res = await self.exchange.areduce([*snap, torch.tensor([pending])], round_id=r, key=key,
+                                              weight=1.0 + samples - self.samples_base)
+        except Exception:
+            self._unsettled = True
+            raise
+        self.peak_round_bytes = max(self.peak_round_bytes, 3 * _nbytes(snap))  # snapshot, its flat copy, result
+        if self.worker is not worker:
+            return False
+        *mean, trained = res.tensors
+        if float(trained.reshape(-1)[0]) == 0:  # nobody trained: every mate skips alike
+            self._settled(samples, r, idle=True)
+            return True
+        await asyncio.to_thread(self._rebase, worker, mean, snap)
+        del snap, mean, res
+        self._settled(samples, r, idle=False)
+        return True
+
+    def _settled(self, samples: int, r: int, *, idle: bool) -> None:
+        self.samples_base = samples
+        self.idle_rounds += idle
+        self.rounds += not idle
+        self._missed, self._unsettled = None, False
+        self._completed_at, self.last_round = time.monotonic(), r
 
     # -- mates that are a round apart ---------------------------------------------------------------
 
@@ -364,6 +463,7 @@ class StageSync:
             log.info("stage %d: could not adopt the outer state of round %d from %s: %s", stage, at.round, sources, err)
             return
         loaded = self._fits(worker, outer)
+        del outer
         if loaded is None or loaded[2] != at.round or self.worker is not worker:
             return  # it does not fit this stage, or said another round than its state holds
         anchor, momentum, round_id = loaded
@@ -372,10 +472,9 @@ class StageSync:
         # peer's input was in it, or the round could not have completed with it missing from a
         # pair); else since the old anchor, so this peer's unsynced training goes into its next round.
         missed = self._missed if self._missed is not None and self._missed.round == round_id else None
-        base = missed.snap if missed is not None else self.anchor
-        await asyncio.to_thread(self._rebase, worker, anchor, base)
-        self.anchor = anchor
-        self.outer = self._optimizer(momentum)
+        await asyncio.to_thread(self._adopt, worker, anchor, missed.delta if missed is not None else None)
+        self.momentum = momentum
+        self._prepare()
         if missed is not None:
             self.samples_base = missed.samples
         self._missed = None
@@ -406,10 +505,54 @@ class StageSync:
             return None
         return OuterAt(int(r.reshape(-1)[0]), manifest.state_hash) if r.numel() == 1 else None
 
+    # -- what changes the weights (in a thread, under the worker's lock) ----------------------------
+
+    def _outer_step(self, worker: StageWorker, delta: list[torch.Tensor], mean: list[torch.Tensor],
+                    steps: int) -> None:
+        """The outer step on the anchor with the mates' mean pseudo-gradient (SGD: ``buf = m buf +
+        d``, Nesterov ``d + m buf``, ``anchor -= lr step``), one tensor at a time, and the weights
+        rebased on it: the new anchor plus what was trained since the snapshot (the snapshot is the
+        old anchor minus this peer's pseudo-gradient). In place, under the worker's lock, so a
+        checkpoint (which writes the published anchor) never sees half of it."""
+        lr, m, nesterov = self.sync.outer_lr, self.sync.outer_momentum, self.sync.nesterov
+        if m > 0 and self.momentum is None:
+            self.momentum = [torch.zeros_like(a) for a in self.anchor]
+        with worker.lock, torch.no_grad():
+            if worker.before_step is not None:
+                worker.before_step()
+            unchanged = worker.stats.optimizer_steps == steps  # nothing trained during the round
+            for i, (p, a, own) in enumerate(zip(worker.params, self.anchor, delta, strict=True)):
+                d = mean[i].to(a.device, a.dtype)
+                if m > 0:
+                    buf = self.momentum[i].mul_(m).add_(d)
+                    d = d.add(buf, alpha=m) if nesterov else buf
+                if unchanged:
+                    a.sub_(d, alpha=lr)
+                    p.copy_(a)  # bit for bit the anchor: mates that trained nothing meanwhile agree
+                else:
+                    base = a - own  # the snapshot, within rounding
+                    a.sub_(d, alpha=lr)
+                    p.copy_(a + (p - base))
+            if worker.on_step is not None:
+                worker.on_step()
+
+    def _adopt(self, worker: StageWorker, anchor: list[torch.Tensor], missed: list[torch.Tensor] | None) -> None:
+        """Take a mate's anchor: weights = the new anchor + what was trained since the failed
+        round's snapshot (the old anchor minus its pseudo-gradient), or since the old anchor."""
+        with worker.lock, torch.no_grad():
+            if worker.before_step is not None:
+                worker.before_step()
+            for i, (p, new, old) in enumerate(zip(worker.params, anchor, self.anchor, strict=True)):
+                base = old - missed[i] if missed is not None else old
+                p.copy_(new + (p - base))
+            self.anchor = anchor  # the old one goes (the published state is replaced right after)
+            if worker.on_step is not None:
+                worker.on_step()
+
     @staticmethod
     def _rebase(worker: StageWorker, anchor: list[torch.Tensor], base: list[torch.Tensor]) -> None:
-        """Weights = ``anchor`` + what was trained since ``base`` (a round's snapshot, or the old
-        anchor), then publish the weights the stage serves now."""
+        """Weights = ``anchor`` + what was trained since ``base`` (the round's snapshot), then publish
+        the weights the stage serves now."""
         with worker.lock, torch.no_grad():
             if worker.before_step is not None:
                 worker.before_step()
@@ -419,10 +562,21 @@ class StageSync:
                 worker.on_step()
 
     @staticmethod
-    def _snapshot(worker: StageWorker) -> tuple[list[torch.Tensor], int]:
+    def _snapshot(worker: StageWorker) -> tuple[list[torch.Tensor], int, int]:
         with worker.lock:
-            return [p.detach().clone() for p in worker.params], worker.stats.samples_total
+            return ([p.detach().clone() for p in worker.params], worker.stats.samples_total,
+                    worker.stats.optimizer_steps)
+
+    def _pseudo_gradient(self, worker: StageWorker) -> tuple[list[torch.Tensor], int, int]:
+        """``anchor - weights`` now, with the samples and steps by then: the round's only copy."""
+        with worker.lock, torch.no_grad():
+            return ([a - p for a, p in zip(self.anchor, worker.params, strict=True)], worker.stats.samples_total,
+                    worker.stats.optimizer_steps)
 
     async def aclose(self) -> None:
         with contextlib.suppress(Exception):
             await self.exchange.aclose()
+
+
+def _nbytes(tensors: list[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
