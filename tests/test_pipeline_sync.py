@@ -24,7 +24,7 @@ from murmur.optim.exchange import ExchangeError
 from murmur.protocol.identity import CertificateAuthority
 from murmur.protocol.runconfig import OptimSection, SyncSection
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = pytest.mark.timeout(150)  # a stage build imports torch._dynamo: over 60 s at load 30
 
 RUN = "sync-test"
 CFG = dataclasses.replace(model_config("tiny", n_layers=2, dim=32, hidden_dim=64, seq_len=16), tie_embeddings=False)
