@@ -496,13 +496,15 @@ def main() -> int:
     commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=REPO).stdout.strip()
     dirty = bool(subprocess.run(["git", "status", "--porcelain"], capture_output=True, text=True, cwd=REPO).stdout)
     out = {
-        "benchmark": "pipeline_train", "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "benchmark": "pipeline_train",
+        # the driver's microbatches in flight unless told otherwise (node/pipeline/driver.py): the loss
+        # rows' concurrency, and the one benchmarks/pipeline.py's efficiency is stated at
+        "default_concurrency": DEFAULT_CONCURRENCY,
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "device": f"cpu ({os.cpu_count()} cores)", "command": "python3 benchmarks/pipeline_train.py "
         + " ".join(sys.argv[1:]), "commit": commit, "tree_dirty": dirty,
         "load_avg_at_start": [round(x, 2) for x in load0], "load_avg_at_end": [round(x, 2) for x in os.getloadavg()],
         "wall_s": round(time.time() - t0, 1),
-        # the driver's microbatches in flight unless told otherwise (node/pipeline/driver.py)
-        "default_concurrency": DEFAULT_CONCURRENCY,
         "loss_gap_targets_pct": {"1 peer a stage": 2.0, "2 peers a stage": 3.0},
         "memory_cap": "measured, not enforced: each stage peer's VmHWM (its whole process, the interpreter, torch "
                       "and grpc included) at its clean stop, against peer_cap_mb = "
