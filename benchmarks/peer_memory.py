@@ -38,6 +38,9 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+from rss_peak import watch_peak  # noqa: E402 - the memory benchmarks' one sampler
+
 RESULTS = REPO / "benchmarks" / "results" / "peer_memory.json"
 MIB = 1 << 20
 OFF = ("pipeline.sync_every_s=0.0", "pipeline.replica_every_s=0.0", "pipeline.checkpoint_every_s=0.0")
@@ -86,17 +89,6 @@ class Proc:
         except subprocess.TimeoutExpired:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
-
-
-def vmhwm_mb(pid: int) -> float | None:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        return None
-    return None
 
 
 def model_overrides(args) -> list[str]:
@@ -181,14 +173,14 @@ def run_single(work: Path, data: Path, args) -> float:
     proc = subprocess.Popen([sys.executable, "-m", "murmur.cli", "train", "--config", str(work / "single.toml"),
                              "--device", "cpu", "--out", str(work / "single-run")], stdout=log, stderr=log, env=env(),
                             cwd=REPO)
-    peak = 0.0
-    while proc.poll() is None:
-        peak = max(peak, vmhwm_mb(proc.pid) or 0.0)
-        time.sleep(0.05)
+    peak = [0.0]
+    sampler = watch_peak(proc, peak, every_s=0.05)
+    proc.wait()
+    sampler.join()  # its last reading in
     log.close()
     if proc.returncode != 0:
         raise RuntimeError(f"murmur train failed ({proc.returncode}); see {work / 'single.log'}")
-    return peak
+    return peak[0]
 
 
 def main() -> int:

@@ -100,6 +100,9 @@ from murmur.node.pipeline.driver import DEFAULT_CONCURRENCY
 from murmur.node.testnet.procs import Testnet, wait_for
 from murmur.protocol.runconfig import load_config
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from rss_peak import watch_peak  # noqa: E402 - the memory benchmarks' one sampler
+
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
 HEARTBEAT_TTL_S = 3.0
@@ -164,32 +167,6 @@ def overrides(shape: Shape, steps: int, data: Path) -> list[str]:
             "train.eval_batches=4", "optim.lr=3e-3", "optim.warmup_steps=10", f"pipeline.stages={shape.stages}",
             f"pipeline.microbatch_size={shape.microbatch}", f"pipeline.target_samples={shape.batch_size}",
             "pipeline.rebalance_every_s=600.0", *shape.pipeline]
-
-
-def vm_hwm_mb(pid: int) -> float | None:
-    """A process's peak resident memory so far (VmHWM), read from /proc from outside; None once gone."""
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    except (OSError, ValueError):
-        return None
-    return None
-
-
-def watch_peak(proc: subprocess.Popen, into: list[float], every_s: float = 0.1) -> threading.Thread:
-    """Poll ``proc``'s VmHWM until it exits, keeping the largest in ``into[0]`` (VmHWM only grows,
-    so the last reading is the peak up to ``every_s`` before the exit)."""
-    def poll() -> None:
-        while proc.poll() is None:
-            mb = vm_hwm_mb(proc.pid)
-            if mb is not None:
-                into[0] = max(into[0], mb)
-            time.sleep(every_s)
-
-    t = threading.Thread(target=poll, daemon=True)
-    t.start()
-    return t
 
 
 class Proc:
@@ -385,9 +362,10 @@ def single(root: Path, data: Path, steps: int, shape: Shape) -> tuple[Path, floa
     proc = subprocess.Popen([sys.executable, "-m", "murmur.cli", "train", "--config", str(root / f"{name}.toml"),
                              "--device", "cpu", "--out", str(out)], env=env, cwd=REPO, stdout=subprocess.DEVNULL)
     peak = [0.0]
-    watch_peak(proc, peak)
+    sampler = watch_peak(proc, peak)
     if proc.wait() != 0:
         raise RuntimeError(f"murmur train failed (rc {proc.returncode})")
+    sampler.join()  # its last reading in
     return out, round(peak[0], 1)
 
 
@@ -518,13 +496,15 @@ def main() -> int:
     commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=REPO).stdout.strip()
     dirty = bool(subprocess.run(["git", "status", "--porcelain"], capture_output=True, text=True, cwd=REPO).stdout)
     out = {
-        "benchmark": "pipeline_train", "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "benchmark": "pipeline_train",
+        # the driver's microbatches in flight unless told otherwise (node/pipeline/driver.py): the loss
+        # rows' concurrency, and the one benchmarks/pipeline.py's efficiency is stated at
+        "default_concurrency": DEFAULT_CONCURRENCY,
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "device": f"cpu ({os.cpu_count()} cores)", "command": "python3 benchmarks/pipeline_train.py "
         + " ".join(sys.argv[1:]), "commit": commit, "tree_dirty": dirty,
         "load_avg_at_start": [round(x, 2) for x in load0], "load_avg_at_end": [round(x, 2) for x in os.getloadavg()],
         "wall_s": round(time.time() - t0, 1),
-        # the driver's microbatches in flight unless told otherwise (node/pipeline/driver.py)
-        "default_concurrency": DEFAULT_CONCURRENCY,
         "loss_gap_targets_pct": {"1 peer a stage": 2.0, "2 peers a stage": 3.0},
         "memory_cap": "measured, not enforced: each stage peer's VmHWM (its whole process, the interpreter, torch "
                       "and grpc included) at its clean stop, against peer_cap_mb = "

@@ -16,6 +16,7 @@ from murmur.protocol.version import PROTOCOL_VERSION, VersionMismatch, check_ver
 from murmur.protocol.wire import (
     WireError,
     WireLimits,
+    all_finite,
     check_finite,
     layout_hash,
     tensors_hash,
@@ -93,6 +94,22 @@ def test_nan_in_a_part_is_refused_before_decoding():
     w.parts["scales"][0] = float("inf")
     with pytest.raises(WireError, match="NaN or Inf"):
         check_finite(w)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_all_finite_finds_one_bad_value_anywhere(dtype):
+    # min/max instead of isfinite().all(): a NaN or an infinity at any position, in the vectorized
+    # body or the tail, must still be found; huge finite values and empty tensors pass.
+    n = 1000
+    assert all_finite(torch.randn(n).to(dtype))
+    assert all_finite(torch.empty(0, dtype=dtype))
+    assert all_finite(torch.full((7,), torch.finfo(dtype).max, dtype=dtype))
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        for pos in (0, 1, 31, 32, 500, n - 2, n - 1):
+            t = torch.randn(n).to(dtype)
+            t[pos] = bad
+            assert not all_finite(t), (bad, pos)
+            assert not all_finite(t.reshape(10, 100))
 
 
 def test_hashes_depend_on_names_shapes_and_bytes():

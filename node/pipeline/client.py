@@ -81,11 +81,12 @@ class StageClient:
             evaluation=evaluation,
         )
         shape = (*inputs.shape[:2], dim)
-        if self._stream(request, _activation_bytes(shape, reply_codec)):
+        size = request.ByteSize()
+        if self._stream(size, _activation_bytes(shape, reply_codec)):
             reply, wire = await self._streamed(peer, "Forward", request, {"outputs": shape}, timeout)
         else:
             reply = await self._stub(peer).Forward(request, metadata=version_metadata(), timeout=timeout)
-            wire = request.ByteSize() + reply.ByteSize()
+            wire = size + reply.ByteSize()
         out = codec.decode(reply.outputs, shape=shape, what=f"outputs of {peer.node_id}")
         return out, wire
 
@@ -99,11 +100,12 @@ class StageClient:
             inputs=codec.encode(inputs, _codec_for(inputs, activation_codec)), reply_codec=activation_codec,
             targets=codec.encode(targets, "tokens"),
         )
-        if self._stream(request, 0):  # the reply is one number; the inputs may be any size
+        size = request.ByteSize()
+        if self._stream(size, 0):  # the reply is one number; the inputs may be any size
             reply, wire = await self._streamed(peer, "Forward", request, {}, timeout)
         else:
             reply = await self._stub(peer).Forward(request, metadata=version_metadata(), timeout=timeout)
-            wire = request.ByteSize() + reply.ByteSize()
+            wire = size + reply.ByteSize()
         return reply.loss, wire
 
     async def backward(
@@ -122,18 +124,21 @@ class StageClient:
             request.targets.CopyFrom(codec.encode(targets, "tokens"))
         shape = (*inputs.shape[:2], dim)
         expected = {} if peer.stage == 0 else {"grad_inputs": shape}
-        if self._stream(request, _activation_bytes(shape, reply_codec) if expected else 0):
+        size = request.ByteSize()
+        if self._stream(size, _activation_bytes(shape, reply_codec) if expected else 0):
             reply, wire = await self._streamed(peer, "Backward", request, expected, timeout)
         else:
             reply = await self._stub(peer).Backward(request, metadata=version_metadata(), timeout=timeout)
-            wire = request.ByteSize() + reply.ByteSize()
+            wire = size + reply.ByteSize()
         grad = None
         if reply.HasField("grad_inputs"):
             grad = codec.decode(reply.grad_inputs, shape=shape, what=f"grad_inputs of {peer.node_id}")
         return BackwardAnswer(grad, reply.loss, reply.stepped, wire)
 
-    def _stream(self, request, reply_bytes: int) -> bool:
-        return chunks.needs_stream(max(request.ByteSize(), reply_bytes), self.max_message_bytes)
+    def _stream(self, request_bytes: int, reply_bytes: int) -> bool:
+        # The request's size is counted once per call and kept for the wire tally: upb's ByteSize
+        # serializes the whole message (an activation) to count it.
+        return chunks.needs_stream(max(request_bytes, reply_bytes), self.max_message_bytes)
 
     async def _streamed(self, peer: StageEndpoint, call: str, request, expected: dict, timeout: float):
         """``call`` (Forward or Backward) as a chunk stream: (the reply, wire bytes)."""

@@ -49,7 +49,7 @@ def decode(
 ) -> torch.Tensor:
     """The tensor ``msg`` carries, checked to be of ``shape``; token ids come back int64, the
     rest fp32. Raises WireError naming what is wrong."""
-    if not msg.ByteSize():
+    if not msg.ListFields():  # not ByteSize(): upb serializes the whole message to count it
         raise WireError(f"{what}: missing")
     w = wire_from_proto(msg, limits)
     if w.shape != tuple(shape):

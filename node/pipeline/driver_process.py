@@ -68,6 +68,7 @@ from murmur.node.pipeline.driver import (
     run_in_order,
 )
 from murmur.node.pipeline.member import REFUSALS, PipelineMember
+from murmur.node.pipeline.memory import freeze_startup_heap
 from murmur.node.pipeline.router import Router
 from murmur.node.pipeline.schedule import RunSchedule
 from murmur.node.train.build import resolve_device
@@ -287,6 +288,7 @@ async def drive(args: argparse.Namespace, joined: Callable[[], PipelineMember] |
 
     refresher = asyncio.create_task(keep_refreshing())
     status, why = 0, ""
+    freeze_startup_heap()  # the imports, the data and the channels: out of the collector's walks
     t0, cpu0 = time.monotonic(), time.process_time()
     try:
         if member is None:  # a fixed range of one shard, wrapping round (the tests, a manual check)

@@ -75,7 +75,7 @@ from murmur.node.pipeline.config import (
     refuse_model_args,
 )
 from murmur.node.pipeline.member import PipelineMember
-from murmur.node.pipeline.memory import peak_rss_mb, return_freed_memory, rss_mb
+from murmur.node.pipeline.memory import freeze_startup_heap, peak_rss_mb, return_freed_memory, rss_mb
 from murmur.node.pipeline.schedule import RunSchedule
 from murmur.node.pipeline.stage_peer import StagePeer, StagePeerSettings
 from murmur.node.train.build import resolve_device
@@ -206,6 +206,7 @@ async def serve(args: argparse.Namespace, joined: Callable[[], PipelineMember] |
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     span = peer.service.span
+    freeze_startup_heap()
     emit(event="ready", node_id=ident.node_id, address=peer.address, stage=span.index,
          first_block=span.first_block, end_block=span.end_block, state_address=peer.state_address,
          state_hash=stage_state.state_hash(peer.worker.module), fetched_from=peer.fetched_from,
