@@ -142,6 +142,10 @@ class MemberClient:
         self.timeout_s = timeout_s
         self.metadata = version_metadata()
         self.ban_list_version = -1
+        # The live-trainer view the last reply listed, and its version: sent back with each
+        # heartbeat, so an unchanged view is not listed again (coordinator/trainer_view.py).
+        self.view_version = 0
+        self.view_members: list[pb.LiveMember] = []
 
     async def close(self) -> None:
         await self.channel.close()
@@ -170,10 +174,18 @@ class MemberClient:
         )
         if peer is not None:
             request.MergeFrom(peer)
+            request.view_version = self.view_version
         reply = await self._call("Heartbeat", request)
         if reply.ban_list_changed:
             self.ban_list_version = reply.ban_list.version
+        if reply.view_whole and not reply.view_unchanged:
+            self.view_members, self.view_version = list(reply.members), reply.view_version
         return reply
+
+    def members(self, reply: pb.HeartbeatReply) -> list[pb.LiveMember]:
+        """The live trainers a heartbeat reply stands for: its list, or the one this client holds
+        when the reply says the view is unchanged."""
+        return self.view_members if reply.view_unchanged else list(reply.members)
 
     async def acquire(self, exhausted: list[str] | tuple[str, ...] = ()) -> pb.AcquireLeaseReply:
         """A lease: the one this node holds, else a free shard. ``exhausted``: held leases with no
