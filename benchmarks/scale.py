@@ -58,7 +58,7 @@ RUN = "scale"
 START_TIMEOUT_S = 300.0  # every host process up (torch, hivemind, a DHT each) on a busy 2-core machine
 # The groups engineer's simulation: simulate_rounds(peers, group_size, numel, codec, kills_per_round,
 # rounds, seed) -> dict with rounds_complete and bytes_per_peer (issue 49, "Beyond what one machine holds").
-SIM_MODULE = "murmur.node.sim.groups_sim"
+SIM_MODULE = "murmur.node.exchange.simulate"
 SIM_PEERS = 1000
 ROW_KEY = ("peers", "group_size", "numel", "codec", "link", "kills", "rounds")
 
@@ -222,6 +222,7 @@ class Records:
     rounds: list[dict] = field(default_factory=list)  # every round line of every peer
     killed: dict[str, int] = field(default_factory=dict)  # node id -> the round it was killed in
     timed_out: bool = False
+    group_size: int | None = None  # the peers' bound on a round group (None: one group of all)
 
 
 def collect(args: argparse.Namespace, peers: int, hosts: list[Host], lines: queue.Queue) -> Records:
@@ -238,6 +239,7 @@ def collect(args: argparse.Namespace, peers: int, hosts: list[Host], lines: queu
             raise RuntimeError(f"a host process exited while starting (status {host.proc.wait()}); see its log")
         if msg.get("event") == "ready":
             host.node_ids.append(msg["node_id"])
+            rec.group_size = msg.get("group_size")
             ready += 1
     rec.go = time.time()
     for host in hosts:
@@ -297,7 +299,7 @@ def summarize(args: argparse.Namespace, peers: int, link: str, rec: Records, pro
         last_end = max([last_end, *(x["t1"] for x in lines)])
     return {
         "peers": peers,
-        "group_size": args.group_size,
+        "group_size": rec.group_size,
         "numel": args.numel,
         "codec": args.codec,
         "link": link,
@@ -364,7 +366,7 @@ def sim_row(args: argparse.Namespace) -> dict | None:
                               kills_per_round=1 if args.kills else 0, rounds=args.rounds, seed=0)
     return {
         "peers": SIM_PEERS, "group_size": group, "numel": args.numel, "codec": args.codec, "link": "simulated",
-        "kills": args.kills and args.rounds, "rounds": args.rounds,
+        "kills": args.rounds if args.kills else 0, "rounds": args.rounds,
         "rounds_complete": out.get("rounds_complete"), "one_hash": out.get("one_hash"),
         "seconds_per_round": out.get("seconds_per_round"), "bytes_per_peer": out.get("bytes_per_peer"),
         "dht_failures": out.get("dht_failures", 0), "sim_seconds": round(time.monotonic() - t0, 2),
@@ -445,7 +447,9 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     if args.sim:
         row = sim_row(args)
-        rows += [row] if row else []
+        if row:
+            rows.append(row)
+            print(json.dumps(row), flush=True)
     elif args.wan:
         for n in args.peer_counts:
             row = wan_row(args, n)

@@ -43,6 +43,11 @@ from murmur.protocol.identity import Identity
 from murmur.protocol.runconfig import RunConfig, apply_override, config_from_dict
 from murmur.protocol.wire import tensors_hash
 
+try:  # bounded groups (sync.group_size): a tree from before them runs every round as one group
+    from murmur.node.exchange.hierarchy import GroupedExchange
+except ImportError:
+    GroupedExchange = None
+
 # Worker threads of the shared loop: each peer's rendezvous polls the DHT from a thread of its own
 # (asyncio.to_thread), as it would in its own process; asyncio's default pool (6 threads on 2
 # cores) would make the peers of one process wait on each other's polls.
@@ -57,11 +62,10 @@ def run_config(overrides: list[str]) -> RunConfig:
     return config_from_dict(data)
 
 
-def group_settings(cfg: RunConfig) -> dict[str, Any]:
-    """What the run config tells a peer's DHT group about forming groups (empty where the run
-    config has no group settings: one group of every peer)."""
+def group_size(cfg: RunConfig) -> int | None:
+    """The run's bound on a round group (None where the run config has none: one group of all)."""
     size = getattr(cfg.sync, "group_size", None)
-    return {} if size is None else {"group_size": size}
+    return None if size is None or GroupedExchange is None else int(size)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -84,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     except MurmurError as err:
         print(f"peer_host: {err}", file=sys.stderr)
         return 2
-    grouping = group_settings(cfg)
+    bound = group_size(cfg)
     torch.set_num_threads(1)  # many peers share 2 cores: one torch thread each, as `--threads 1`
     identities = [Identity.load(d) for d in args.identity]
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -110,24 +114,33 @@ def main(argv: list[str] | None = None) -> int:
                 identity=ident,
                 run_id=args.run,
                 codec=make_codec(args.codec),
-                group=lambda address, h=handle: DHTGroup(h, address, expected=expected, settings=rendezvous,
-                                                        **grouping),
+                group=lambda address, h=handle: DHTGroup(h, address, expected=expected, settings=rendezvous),
                 settings=settings,
             )
             peers.append(build_peer(spec, loop))
         records = [PeerRecord(node_id=p.node_id, address=p.address) for p in peers]
+        # As exchange_peer_process: with bounded groups, each peer's exchange forms the round's
+        # groups from the live peers' records, read before each round (never on the loop).
+        live: list[str] = []
+        exchanges = [p.exchange if bound is None else
+                     GroupedExchange(p.exchange, run_id=args.run, live=lambda: live, group_size=bound) for p in peers]
         for handle, record in zip(handles, records, strict=True):
             handle.announce(record)
-            emit(event="ready", node_id=record.node_id, address=record.address)
+            emit(event="ready", node_id=record.node_id, address=record.address, group_size=bound)
         sys.stdin.readline()  # the driver's go: every process starts its rounds at once
+        if bound is not None and args.peers > bound:  # the first round's groups need every record
+            end = time.monotonic() + args.rendezvous_deadline
+            while len(dht.peers()) < args.peers and time.monotonic() < end:
+                time.sleep(0.1)
         for r in range(1, args.rounds + 1):
             for handle, record in zip(handles, records, strict=True):
                 handle.announce(record)  # re-announce every round: the record lives record_ttl seconds
+            live[:] = [rec.node_id for rec in dht.peers()]
             calls = {}
-            for p in peers:
+            for p, exchange in zip(peers, exchanges, strict=True):
                 t0 = time.time()
                 x = update_for(p.node_id, r, args.numel)
-                calls[p.exchange.all_reduce([x], round_id=r, key="update")] = (p.node_id, t0)
+                calls[exchange.all_reduce([x], round_id=r, key="update")] = (p.node_id, t0)
             for done in concurrent.futures.as_completed(calls):
                 node_id, t0 = calls[done]
                 try:
