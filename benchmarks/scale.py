@@ -139,8 +139,8 @@ def _reader(host: Host, lines: queue.Queue) -> None:
     lines.put((host, None))  # this process ended
 
 
-def _bootstrap(tmp: Path, wrap: list[str]) -> tuple[subprocess.Popen[str], str]:
-    boot = subprocess.Popen([*wrap, sys.executable, __file__, "--dht-boot", str(tmp / "ca.crt")],
+def _bootstrap(tmp: Path, wrap: list[str], host: str) -> tuple[subprocess.Popen[str], str]:
+    boot = subprocess.Popen([*wrap, sys.executable, __file__, "--dht-boot", str(tmp / "ca.crt"), "--dht-host", host],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     ready = (boot.stdout.readline() if boot.stdout else "").split()  # type: ignore[union-attr]
     if ready[:1] != ["ready"]:
@@ -160,8 +160,9 @@ def layout(peers: int, per_process: int, kills: int) -> list[tuple[int, bool]]:
     return hosts
 
 
-def run_row(args: argparse.Namespace, peers: int, link: str, netns: list[str] | None = None) -> dict:
-    """Start the peers, release their rounds at once, SIGKILL a victim per round, collect the row."""
+def run_row(args: argparse.Namespace, peers: int, link: str, netns: list[tuple[str, str]] | None = None) -> dict:
+    """Start the peers, release their rounds at once, SIGKILL a victim per round, collect the row.
+    ``netns``: (namespace, its address) for each host process (the WAN row), else loopback."""
     from murmur.protocol.identity import CertificateAuthority
 
     tmp = Path(tempfile.mkdtemp(prefix="murmur-scale-"))
@@ -171,7 +172,8 @@ def run_row(args: argparse.Namespace, peers: int, link: str, netns: list[str] | 
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     hosts: list[Host] = []
     lines: queue.Queue = queue.Queue()
-    boot, boot_address = _bootstrap(tmp, ["ip", "netns", "exec", netns[0]] if netns else [])
+    boot, boot_address = _bootstrap(tmp, ["ip", "netns", "exec", netns[0][0]] if netns else [],
+                                    netns[0][1] if netns else "127.0.0.1")
     overrides = [] if args.group_size is None else ["--set", f"sync.group_size={args.group_size}"]
     try:
         made = 0
@@ -181,14 +183,15 @@ def run_row(args: argparse.Namespace, peers: int, link: str, netns: list[str] | 
                 ca.issue().save(tmp / f"peer{made}")
                 dirs += ["--identity", str(tmp / f"peer{made}")]
                 made += 1
-            wrap = ["ip", "netns", "exec", netns[h]] if netns else []
+            wrap = ["ip", "netns", "exec", netns[h][0]] if netns else []
+            host = netns[h][1] if netns else "127.0.0.1"
             proc = subprocess.Popen(
                 [*wrap, *(["nice", "-n", str(args.nice)] if args.nice else []), sys.executable, "-m",
                  "murmur.node.testnet.peer_host", *dirs, "--run", RUN, "--bootstrap", boot_address,
                  "--peers", str(peers), "--rounds", str(args.rounds), "--numel", str(args.numel),
                  "--codec", args.codec, "--peer-timeout", str(args.peer_timeout),
                  "--round-deadline", str(args.round_deadline), "--rendezvous-deadline", str(args.rendezvous_deadline),
-                 *overrides],
+                 "--host", host, *overrides],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=open(tmp / f"host{h}.log", "w"),  # noqa: SIM115
                 text=True, env=env, cwd=REPO)
             hosts.append(Host(proc, victim=victim))
@@ -341,7 +344,7 @@ def wan_row(args: argparse.Namespace, peers: int) -> dict | None:
         net.set_rate(peers, args.rate_mbit)
         delayer = wan_delay.start(net.BRIDGE, args.rtt_ms / 2) if args.rtt_ms else None
         link = f"{args.rate_mbit}mbit-{args.rtt_ms:g}ms-rtt" + ("" if delayer or not args.rtt_ms else "-nodelay")
-        return run_row(args, peers, link, netns=[net.NS.format(i) for i in range(peers)])
+        return run_row(args, peers, link, netns=[(net.NS.format(i), net.SUBNET.format(i + 1)) for i in range(peers)])
     finally:
         if delayer is not None:
             delayer.stop()
@@ -419,14 +422,15 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--results", default=str(RESULTS))
     ap.add_argument("--no-write", action="store_true", help="print the rows, do not write the results")
     ap.add_argument("--dht-boot", help=argparse.SUPPRESS)  # internal: the bootstrap DHT's process
+    ap.add_argument("--dht-host", default="127.0.0.1", help=argparse.SUPPRESS)
     return ap
 
 
-def dht_boot(ca_file: str) -> int:
+def dht_boot(ca_file: str, host: str) -> int:
     """The bootstrap DHT: prints ``ready MADDR`` and serves until stdin closes."""
-    from murmur.protocol.dht import MurmurDHT
+    from murmur.protocol.dht import DHTSettings, MurmurDHT
 
-    dht = MurmurDHT(RUN, ca_cert_pem=Path(ca_file).read_bytes()).start()
+    dht = MurmurDHT(RUN, ca_cert_pem=Path(ca_file).read_bytes(), settings=DHTSettings(host=host)).start()
     try:
         print("ready", dht.addresses[0], flush=True)
         sys.stdin.read()
@@ -438,7 +442,7 @@ def dht_boot(ca_file: str) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     if args.dht_boot:
-        return dht_boot(args.dht_boot)
+        return dht_boot(args.dht_boot, args.dht_host)
     try:
         check_args(args)
     except ArgError as err:

@@ -221,15 +221,21 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
     ) -> None:
         """A trainer's view: the run's live trainers, for its round groups; none while this
         coordinator has not yet heard from every live trainer (just started: a partial list is a split).
-        A heartbeat whose node holds the current version (``have``) is told so instead of the list;
-        a ReportGone reply lists them as they are right after its losses."""
+        A heartbeat whose node holds a recent version (``have``) is told what changed since, or that
+        nothing did (coordinator/trainer_view.py); a ReportGone reply lists them as they are right
+        after its losses."""
         if not self.membership.view_is_whole():
             return
         if isinstance(reply, pb.HeartbeatReply):
             view = self.views.get(run_id)
             reply.view_version = view.version
+            delta = self.views.delta(run_id, view, have) if have and have != view.version else None
             if have == view.version:
                 reply.view_unchanged = True
+            elif delta is not None:  # what changed since the node's version
+                reply.view_delta = True
+                reply.members.extend(delta.changed)
+                reply.view_removed.extend(delta.removed)
             else:
                 reply.members.extend(view.members)
         else:

@@ -70,3 +70,40 @@ def test_another_runs_change_does_not_change_this_runs_version():
     mine = v.get("run").version
     trainers.update("x", "other", "i3", "h:3", 0, "00")
     assert v.get("run").version == mine and names(v.get("other")) == ["x"]
+
+
+def test_a_node_holding_a_recent_version_is_sent_only_what_changed_since():
+    trainers, v, _, _ = views()
+    for n in "abc":
+        trainers.update(n, "run", f"i{n}", f"h:{n}", 0, "00")
+    held = v.get("run").version
+    trainers.drop("b")
+    trainers.update("d", "run", "id", "h:d", 0, "00")
+    trainers.update("c", "run", "ic2", "h:c", 0, "00")  # c restarted
+    now = v.get("run")
+    delta = v.delta("run", now, held)
+    assert sorted(m.node_id for m in delta.changed) == ["c", "d"] and delta.removed == ["b"]
+    assert v.delta("run", now, held) is delta  # computed once per pair
+    assert v.delta("run", now, 12345) is None  # a version this process never built: the whole view
+
+
+def test_a_member_client_builds_the_view_from_whole_delta_and_unchanged_replies():
+    from murmur.protocol import coordinator_pb2 as pb
+    from murmur.protocol.coordinator_client import MemberClient
+
+    client = MemberClient.__new__(MemberClient)  # no channel: only the view's bookkeeping
+    client.view_version, client.view_members = 0, {}
+
+    def member(n: str, r: int = 0) -> pb.LiveMember:
+        return pb.LiveMember(node_id=n, incarnation="i", peer_address="h:1", round=r)
+
+    whole = pb.HeartbeatReply(view_whole=True, view_version=7, members=[member("b"), member("a")])
+    client.take_view(whole)
+    assert [m.node_id for m in client.members(whole)] == ["b", "a"] and client.view_version == 7
+    delta = pb.HeartbeatReply(view_whole=True, view_version=8, view_delta=True, members=[member("c"), member("a", 2)],
+                              view_removed=["b"])
+    client.take_view(delta)
+    assert [(m.node_id, m.round) for m in client.members(delta)] == [("a", 2), ("c", 0)]
+    same = pb.HeartbeatReply(view_whole=True, view_version=8, view_unchanged=True)
+    client.take_view(same)
+    assert [m.node_id for m in client.members(same)] == ["a", "c"] and client.view_version == 8

@@ -36,6 +36,7 @@ from murmur.node.exchange.group import DHTGroup, RendezvousSettings
 from murmur.node.exchange.peer import ExchangePeer, PeerSpec, build_peer
 from murmur.node.exchange.settings import ExchangeSettings
 from murmur.node.net.loop import LoopThread
+from murmur.node.net.server import PeerServerSettings
 from murmur.node.testnet.exchange_peer_process import emit, update_for
 from murmur.optim.codecs import make_codec
 from murmur.protocol.dht import DHTSettings, MurmurDHT, PeerRecord
@@ -82,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--round-deadline", type=float, default=120.0)
     ap.add_argument("--rendezvous-deadline", type=float, default=60.0)
     ap.add_argument("--record-ttl", type=float, default=5.0)
+    ap.add_argument("--host", default="127.0.0.1", help="address the peer servers and the DHT listen on")
     args = ap.parse_args(argv)
     try:
         cfg = run_config(args.set)
@@ -95,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     loop = LoopThread()
     loop.loop.set_default_executor(concurrent.futures.ThreadPoolExecutor(THREADS_PER_PEER * len(identities) + 4))
     dht = MurmurDHT(args.run, ca_cert_pem=identities[0].ca_cert_pem, identity=identities[0],
-                    initial_peers=args.bootstrap, settings=DHTSettings(record_ttl=args.record_ttl))
+                    initial_peers=args.bootstrap, settings=DHTSettings(host=args.host, record_ttl=args.record_ttl))
     peers: list[ExchangePeer] = []
     try:
         dht.start()
@@ -116,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
                 codec=make_codec(args.codec),
                 group=lambda address, h=handle: DHTGroup(h, address, expected=expected, settings=rendezvous),
                 settings=settings,
+                server=PeerServerSettings(host=args.host),
             )
             peers.append(build_peer(spec, loop))
         records = [PeerRecord(node_id=p.node_id, address=p.address) for p in peers]
