@@ -40,6 +40,7 @@ RESULTS = Path(__file__).resolve().parent / "results" / "coordinator_load.json"
 DEFAULT_ROWS = [(100, 1.0), (500, 1.0), (1000, 1.0), (1000, 2.0), (10000, 1.0)]
 START_TIMEOUT_S = 60.0
 JOIN_CONCURRENCY = 32
+CALL_TIMEOUT_S = 120  # a call in the join storm of 10,000 nodes waits behind thousands of others
 
 
 # --- the load worker (a subprocess) ----------------------------------------------------------------
@@ -70,10 +71,14 @@ async def _worker(args: argparse.Namespace) -> None:
                                                        csr_pem=identity.make_csr(key)),
                                         metadata=version_metadata(), timeout=60)
             ident = identity.Identity(key=key, cert_pem=reply.certificate_pem, ca_cert_pem=ca_pem)
-            clients.append(MemberClient(reply.node_address, ident, timeout_s=30))
+            clients.append(MemberClient(reply.node_address, ident, timeout_s=CALL_TIMEOUT_S))
 
         await asyncio.gather(*(join_one() for _ in range(args.nodes)))
-    leases = await asyncio.gather(*(c.acquire() for c in clients))
+    async def acquire(c: MemberClient):  # each an fsynced transaction: 10,000 at once outlast the call timeout
+        async with gate:
+            return await c.acquire()
+
+    leases = await asyncio.gather(*(acquire(c) for c in clients))
 
     def as_trainer(i: int, round_id: int) -> pb.HeartbeatRequest | None:
         if not args.trainers:
@@ -85,13 +90,17 @@ async def _worker(args: argparse.Namespace) -> None:
     # after it started serving): wait for that, so the window measures replies with the view.
     while args.trainers and not (await clients[0].heartbeat(peer=as_trainer(0, 0))).view_whole:
         await asyncio.sleep(1.0)
+    async def beat(i: int, c: MemberClient) -> None:
+        async with gate:
+            await c.heartbeat(peer=as_trainer(i, 0))
+
     # Open every channel before the clock starts (a trainer's first heartbeat changes the view).
-    await asyncio.gather(*(c.heartbeat(peer=as_trainer(i, 0)) for i, c in enumerate(clients)))
+    await asyncio.gather(*(beat(i, c) for i, c in enumerate(clients)))
     # Tell the driver we are ready; it answers with the common start time once every worker is.
     print("ready", flush=True)
     args.start_at = float(await asyncio.to_thread(sys.stdin.readline))
     if args.trainers:  # every worker's trainers are in: one more beat, and each holds the whole view
-        await asyncio.gather(*(c.heartbeat(peer=as_trainer(i, 0)) for i, c in enumerate(clients)))
+        await asyncio.gather(*(beat(i, c) for i, c in enumerate(clients)))
     latencies: list[float] = []
     commit_latencies: list[float] = []
     trace: list[tuple[float, float, float]] = []  # (scheduled at, start delay, latency): for diagnosis
@@ -229,7 +238,7 @@ def measure(nodes: int, hz: float, seconds: float, workers: int, commit_every: f
         for p in procs:  # every node joined, leased and connected
             if p.stdout.readline().strip() != "ready":  # type: ignore[union-attr]
                 raise RuntimeError("a load worker failed while joining its nodes")
-        start_at = time.time() + 1.0 + (nodes / 2000 if trainers else 0.0)  # trainers beat once more first
+        start_at = time.time() + 1.0 + (nodes / 500 if trainers else 0.0)  # trainers beat once more first
         for p in procs:
             p.stdin.write(f"{start_at}\n")  # type: ignore[union-attr]
             p.stdin.flush()  # type: ignore[union-attr]
