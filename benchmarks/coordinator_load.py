@@ -93,6 +93,7 @@ async def _worker(args: argparse.Namespace) -> None:
     async def beat(i: int, c: MemberClient) -> None:
         async with gate:
             await c.heartbeat(peer=as_trainer(i, 0))
+        getattr(c, "view_members", {}).clear()  # see run_node
 
     # Open every channel before the clock starts (a trainer's first heartbeat changes the view).
     await asyncio.gather(*(beat(i, c) for i, c in enumerate(clients)))
@@ -140,6 +141,9 @@ async def _worker(args: argparse.Namespace) -> None:
                     reply = await client.heartbeat(tokens_per_s=100.0, peer=as_trainer(i, round_id))
                     latencies.append(time.perf_counter() - t0)
                     views += bool(reply.members)
+                    # A simulated node keeps the view's version, not its members: 10,000 copies of a
+                    # 10,000-trainer view do not fit this machine (a real node holds one).
+                    getattr(client, "view_members", {}).clear()
                     trace.append((round(t - start, 3), round(time.time() - t, 4), latencies[-1]))
             except Exception:  # noqa: BLE001 - counted and reported; the benchmark keeps going
                 errors += 1
@@ -208,12 +212,16 @@ def measure(nodes: int, hz: float, seconds: float, workers: int, commit_every: f
     from murmur.protocol.admin_client import AdminClient, resolve
 
     tmp = Path(tempfile.mkdtemp(prefix="murmur-load-"))
+    # Longer than joining every node takes (a node heartbeats only once all of its worker's have
+    # joined): 10,000 joins take minutes here, and nodes lost meanwhile would churn the view.
+    ttl = max(60, nodes // 20)
     db = tmp / "coord.db"
     coord = subprocess.Popen(
         [sys.executable, *os.environ.get("LOAD_COORD_PY", "").split(), "-m", "murmur.cli", "coordinator", "serve",
          "--db", str(db), "--listen", "127.0.0.1:0",
          "--node-listen", "127.0.0.1:0", "--metrics-listen", "off", "--no-dht", "--heartbeat-interval", str(1 / hz),
-         "--heartbeat-ttl", "60", "--lease-ttl", "120", *os.environ.get("LOAD_COORD_ARGS", "").split()],
+         "--heartbeat-ttl", str(ttl), "--lease-ttl", str(2 * ttl), "--join-grace", str(ttl),
+         *os.environ.get("LOAD_COORD_ARGS", "").split()],
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, preexec_fn=_renice(nice, coord_cpus),
     )
     procs: list[subprocess.Popen[str]] = []
