@@ -390,10 +390,13 @@ def merge(old_rows: list[dict], new_rows: list[dict]) -> list[dict]:
 def write(path: Path, rows: list[dict], command: str) -> None:
     old = json.loads(path.read_text()) if path.exists() else {}
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO)
+    date = dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    for row in rows:  # rows of several runs share the file: each says where it came from
+        row.update(command=command, commit=commit.stdout.strip(), date=date)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({
         "device": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores (CPU only)",
-        "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "date": date,
         "commit": commit.stdout.strip(),
         "command": command,
         "notes": old.get("notes", ""),
