@@ -187,6 +187,9 @@ class SyncSection(Section):
     # The peer exchange: MB of the fp32 update per pipeline chunk. Part of the stream layout, so
     # every node of a run must use the same value (the run config is how they agree).
     exchange_chunk_mb: float = Field(4.0, gt=0, le=MAX_EXCHANGE_CHUNK_MB, json_schema_extra=_CHUNK_WHY)
+    # A round's all-reduce runs in groups of at most this many trainers, combined into one result
+    # (node/exchange/groups.py, docs/protocol.md "Groups"); a run of this many or fewer is one group.
+    group_size: int = _bounded(16, 4096, "a group past a few thousand peers is the unbounded round again", ge=2)
 
     @model_validator(mode="after")
     def _overlap_within_round(self) -> SyncSection:

@@ -36,6 +36,8 @@ from murmur.node.daemon.settings import NodeSettings
 from murmur.node.daemon.state_dir import JoinRecord
 from murmur.node.daemon.training import shared_state_hash
 from murmur.node.exchange.group import DHTGroup, RendezvousSettings, RoundGate
+from murmur.node.exchange.groups import DEFAULT_GROUP_SIZE, Formation
+from murmur.node.exchange.hierarchy import GroupedExchange
 from murmur.node.exchange.peer import ExchangePeer, PeerSpec, abuild_peer
 from murmur.node.exchange.settings import ExchangeSettings
 from murmur.node.net.addresses import WILDCARDS, advertised
@@ -93,6 +95,7 @@ class PeerDataPlane:
         peer: ExchangePeer,
         live: LivePeers,
         view: RunView | None = None,
+        group_size: int = DEFAULT_GROUP_SIZE,
     ) -> None:
         self.ident, self.s, self.log = ident, settings, log
         self.dht, self.peer, self.live, self.view = dht, peer, live, view
@@ -100,7 +103,13 @@ class PeerDataPlane:
         # the session reports them with its heartbeats.
         self.on_publish: Callable[[int, str, str], None] | None = None
         self.address = peer.address
-        self.exchange = MemberTracker(peer.exchange)
+        # More live trainers than sync.group_size: rounds in bounded groups with one result
+        # (node/exchange/hierarchy.py); at most that many, the exchange's calls as they are.
+        grouped = GroupedExchange(peer.exchange, run_id=peer.exchange.server.run_id, live=self._round_live,
+                                  group_size=group_size)
+        grouped.on_formation = self._log_formation
+        self._formed: tuple[int, int] = (0, 0)  # (trainers, groups) of the last grouped round logged
+        self.exchange = MemberTracker(grouped)
         self.record: PeerRecord | None = None  # what this node announces: None until it has a round
         self._announcer: asyncio.Task[None] | None = None
         self._stop = asyncio.Event()
@@ -119,6 +128,19 @@ class PeerDataPlane:
         self.live.ids = frozenset(p.node_id for p in peers)
         self._rates = {p.node_id: p.throughput for p in peers}
         return peers
+
+    def _round_live(self) -> list[str]:
+        """The live trainers a round's groups are formed from: the coordinator's view (the same
+        list for every node, refreshed each heartbeat), else the trainers the DHT lists."""
+        listed = self.view.trainers() if self.view is not None else []
+        return [m.node_id for m in listed] if listed else sorted(self.live.ids)
+
+    def _log_formation(self, round_id: int, formation: Formation) -> None:
+        shape = (sum(map(len, formation.groups)), len(formation.groups))
+        if shape != self._formed:
+            self._formed = shape
+            self.log(f"round {round_id}: {shape[0]} live trainers all-reduce in {shape[1]} groups "
+                     f"(sync.group_size {max(map(len, formation.groups))} or fewer each)")
 
     def member_rates(self) -> dict[str, float]:
         """The compute speed of each member of the last round (0: not known yet), this node's own
@@ -553,7 +575,9 @@ async def open_peer_dataplane(
         peer = await abuild_peer(spec, RunningLoop(asyncio.get_running_loop()))
         undo.push_async_callback(peer.aclose)
         assert dht is not None  # the group factory started it
-        plane = PeerDataPlane(ident, settings, log, dht=dht, peer=peer, live=live, view=view)
+        plane = PeerDataPlane(
+            ident, settings, log, dht=dht, peer=peer, live=live, view=view, group_size=cfg.sync.group_size
+        )
         # Where others can bootstrap from and dial us (read by `murmur testnet` and by operators).
         (state_dir / "peer.json").write_text(
             json.dumps({"node_id": ident.node_id, "address": plane.address, "dht": dht.addresses}) + "\n"

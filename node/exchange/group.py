@@ -106,15 +106,18 @@ class DHTGroup:
             return live
         return self.expected() if callable(self.expected) else self.expected
 
-    async def members(self, round_id: int, key: str, wait_s: float | None = None) -> dict[str, str]:
-        """The round's members: waits up to the rendezvous deadline (or ``wait_s``) for the others."""
+    async def members(
+        self, round_id: int, key: str, wait_s: float | None = None, expected: int | None = None
+    ) -> dict[str, str]:
+        """The round's members: waits up to the rendezvous deadline (or ``wait_s``) for the others
+        (``expected`` of them when given: a group's call, node/exchange/hierarchy.py)."""
         view = self.view
         return await self.dht.arendezvous(
             round_id,
             key,
             self.address,
             deadline=time.monotonic() + (self.settings.deadline if wait_s is None else wait_s),
-            expected=self._expected,
+            expected=self._expected if expected is None else expected,
             min_members=self.settings.min_members,
             extra={"incarnation": view.incarnation} if view is not None else None,
             keep=view.keeps if view is not None else None,

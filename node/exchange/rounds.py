@@ -204,6 +204,10 @@ class Rounds:
         return None
 
     def _quorum_base(self, call: Call) -> int:
+        scoped = getattr(self.group, "scope_size", None)  # a group's call: a majority of the group
+        size = scoped(call.round_id, call.key) if scoped is not None else None
+        if size:
+            return size
         base = getattr(self.group, "quorum_base", None)
         live = base() if base is not None else None
         if live:
