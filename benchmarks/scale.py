@@ -191,7 +191,7 @@ def run_row(args: argparse.Namespace, peers: int, link: str, netns: list[tuple[s
                  "--peers", str(peers), "--rounds", str(args.rounds), "--numel", str(args.numel),
                  "--codec", args.codec, "--peer-timeout", str(args.peer_timeout),
                  "--round-deadline", str(args.round_deadline), "--rendezvous-deadline", str(args.rendezvous_deadline),
-                 "--host", host, *overrides],
+                 "--record-ttl", str(args.record_ttl), "--host", host, *overrides],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=open(tmp / f"host{h}.log", "w"),  # noqa: SIM115
                 text=True, env=env, cwd=REPO)
             hosts.append(Host(proc, victim=victim))
@@ -417,6 +417,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--peer-timeout", type=float, default=10.0)
     ap.add_argument("--round-deadline", type=float, default=120.0)
     ap.add_argument("--rendezvous-deadline", type=float, default=60.0)
+    # Longer than a round: with bounded groups each peer forms the round's groups from the live
+    # records, and a record that expired mid-round at some peers gives them another formation.
+    ap.add_argument("--record-ttl", type=float, default=60.0, help="seconds a peer's DHT record lives")
     ap.add_argument("--wan", action="store_true", help="the emulated-WAN row (root: namespaces)")
     ap.add_argument("--rtt-ms", type=float, default=50.0)
     ap.add_argument("--rate-mbit", type=int, default=100)
