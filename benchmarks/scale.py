@@ -314,6 +314,7 @@ def summarize(args: argparse.Namespace, peers: int, link: str, rec: Records, pro
         "bytes_per_peer": round(sum(bytes_sent) / len(bytes_sent)) if bytes_sent else None,
         "dht_failures": sum("DHT" in e for e in errors),
         "processes": processes,
+        "record_ttl_s": args.record_ttl,
         "timed_out": rec.timed_out,
         "load_avg_1m": round(os.getloadavg()[0], 2),
         "errors": sorted(set(errors))[:5],
