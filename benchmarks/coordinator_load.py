@@ -9,9 +9,16 @@ they run in ``--workers`` load processes (asyncio clients) so the client side do
 core. Each node heartbeats ``hz`` times a second (start times spread evenly over the period) and
 commits ``--commit-every`` seconds. Reported per row: heartbeat latency p50/p99 (client side, so it
 includes the client's own loop delay: an upper bound), commits/s accepted, and the coordinator's
-CPU use (psutil, % of one core) over the measured window.
+CPU use (psutil, % of one core) over the measured window, and per heartbeat (``cpu_us_per_call``:
+the coordinator's CPU over every call it served, commits included).
 
-Target (issue 6): 1,000 nodes at 1 Hz with p99 under 50 ms on 2 cores.
+``--trainers``: every node heartbeats as a trainer of the run (incarnation, peer address, round,
+state hash), so each reply carries the live-trainer view (coordinator/trainer_view.py): the whole
+list when it changed since the node's last reply, else ``view_unchanged``. ``--round-every S``:
+each trainer also reports a new round every S seconds (spread), so the view changes all the time,
+as in a run whose rounds end at different times: the cost of resending it.
+
+Targets: issue 6, 1,000 nodes at 1 Hz with p99 under 50 ms on 2 cores; issue 49, 10,000.
 """
 
 from __future__ import annotations
@@ -30,9 +37,10 @@ import time
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results" / "coordinator_load.json"
-DEFAULT_ROWS = [(100, 1.0), (500, 1.0), (1000, 1.0), (1000, 2.0)]
+DEFAULT_ROWS = [(100, 1.0), (500, 1.0), (1000, 1.0), (1000, 2.0), (10000, 1.0)]
 START_TIMEOUT_S = 60.0
 JOIN_CONCURRENCY = 32
+CALL_TIMEOUT_S = 120  # a call in the join storm of 10,000 nodes waits behind thousands of others
 
 
 # --- the load worker (a subprocess) ----------------------------------------------------------------
@@ -63,14 +71,37 @@ async def _worker(args: argparse.Namespace) -> None:
                                                        csr_pem=identity.make_csr(key)),
                                         metadata=version_metadata(), timeout=60)
             ident = identity.Identity(key=key, cert_pem=reply.certificate_pem, ca_cert_pem=ca_pem)
-            clients.append(MemberClient(reply.node_address, ident, timeout_s=30))
+            clients.append(MemberClient(reply.node_address, ident, timeout_s=CALL_TIMEOUT_S))
 
         await asyncio.gather(*(join_one() for _ in range(args.nodes)))
-    leases = await asyncio.gather(*(c.acquire() for c in clients))
-    await asyncio.gather(*(c.heartbeat() for c in clients))  # open every channel before the clock starts
+    async def acquire(c: MemberClient):  # each an fsynced transaction: 10,000 at once outlast the call timeout
+        async with gate:
+            return await c.acquire()
+
+    leases = await asyncio.gather(*(acquire(c) for c in clients))
+
+    def as_trainer(i: int, round_id: int) -> pb.HeartbeatRequest | None:
+        if not args.trainers:
+            return None
+        return pb.HeartbeatRequest(incarnation=f"inc{args.index}-{i}", peer_address=f"10.{args.index}.0.1:{i + 1}",
+                                   round=round_id, state_hash=f"{round_id:064x}")
+
+    # A coordinator lists trainers only once it has heard from every live one (one heartbeat TTL
+    # after it started serving): wait for that, so the window measures replies with the view.
+    while args.trainers and not (await clients[0].heartbeat(peer=as_trainer(0, 0))).view_whole:
+        await asyncio.sleep(1.0)
+    async def beat(i: int, c: MemberClient) -> None:
+        async with gate:
+            await c.heartbeat(peer=as_trainer(i, 0))
+        getattr(c, "view_members", {}).clear()  # see run_node
+
+    # Open every channel before the clock starts (a trainer's first heartbeat changes the view).
+    await asyncio.gather(*(beat(i, c) for i, c in enumerate(clients)))
     # Tell the driver we are ready; it answers with the common start time once every worker is.
     print("ready", flush=True)
     args.start_at = float(await asyncio.to_thread(sys.stdin.readline))
+    if args.trainers:  # every worker's trainers are in: one more beat, and each holds the whole view
+        await asyncio.gather(*(beat(i, c) for i, c in enumerate(clients)))
     latencies: list[float] = []
     commit_latencies: list[float] = []
     trace: list[tuple[float, float, float]] = []  # (scheduled at, start delay, latency): for diagnosis
@@ -79,9 +110,12 @@ async def _worker(args: argparse.Namespace) -> None:
     period = 1.0 / args.hz
     start, end = args.start_at, args.start_at + args.seconds
 
+    views = 0  # replies that listed the view (not view_unchanged)
+
     async def run_node(i: int, client: MemberClient, lease: object) -> None:
-        nonlocal commits, errors
-        rng = random.Random(i)
+        nonlocal commits, errors, views
+        rng = random.Random(args.index * 100_000 + i)
+        round_id, next_round = 0, start + rng.random() * args.round_every if args.round_every > 0 else float("inf")
         lease = lease.lease  # type: ignore[attr-defined]
         offset = lease.start_offset
         next_beat = start + rng.random() * period
@@ -102,17 +136,22 @@ async def _worker(args: argparse.Namespace) -> None:
                     commit_latencies.append(time.perf_counter() - t0)
                 else:
                     next_beat += period
-                    await client.heartbeat(tokens_per_s=100.0)
+                    if t >= next_round:
+                        round_id, next_round = round_id + 1, next_round + args.round_every
+                    reply = await client.heartbeat(tokens_per_s=100.0, peer=as_trainer(i, round_id))
                     latencies.append(time.perf_counter() - t0)
+                    views += bool(reply.members)
+                    # A simulated node keeps the view's version, not its members: 10,000 copies of a
+                    # 10,000-trainer view do not fit this machine (a real node holds one).
+                    getattr(client, "view_members", {}).clear()
                     trace.append((round(t - start, 3), round(time.time() - t, 4), latencies[-1]))
             except Exception:  # noqa: BLE001 - counted and reported; the benchmark keeps going
                 errors += 1
 
-    await asyncio.gather(*(run_node(args.index * 100_000 + i, c, lz)
-                           for i, (c, lz) in enumerate(zip(clients, leases, strict=True))))
+    await asyncio.gather(*(run_node(i, c, lz) for i, (c, lz) in enumerate(zip(clients, leases, strict=True))))
     await asyncio.gather(*(c.close() for c in clients))
     Path(args.out).write_text(json.dumps({"latencies": latencies, "commit_latencies": commit_latencies,
-                                          "commits": commits, "errors": errors,
+                                          "commits": commits, "errors": errors, "views": views,
                                           "trace": trace}))
 
 
@@ -166,19 +205,23 @@ def _pct(values: list[float], q: float) -> float:
 
 def measure(nodes: int, hz: float, seconds: float, workers: int, commit_every: float,
             nice: int = 0, coord_cpus: set[int] | None = None,
-            load_cpus: set[int] | None = None) -> dict[str, object]:
+            load_cpus: set[int] | None = None, trainers: bool = False, round_every: float = 0.0) -> dict[str, object]:
     import psutil
 
     from murmur.protocol import coordinator_pb2 as pb
     from murmur.protocol.admin_client import AdminClient, resolve
 
     tmp = Path(tempfile.mkdtemp(prefix="murmur-load-"))
+    # Longer than joining every node takes (a node heartbeats only once all of its worker's have
+    # joined): 10,000 joins take minutes here, and nodes lost meanwhile would churn the view.
+    ttl = max(60, nodes // 20)
     db = tmp / "coord.db"
     coord = subprocess.Popen(
         [sys.executable, *os.environ.get("LOAD_COORD_PY", "").split(), "-m", "murmur.cli", "coordinator", "serve",
          "--db", str(db), "--listen", "127.0.0.1:0",
          "--node-listen", "127.0.0.1:0", "--metrics-listen", "off", "--no-dht", "--heartbeat-interval", str(1 / hz),
-         "--heartbeat-ttl", "60", "--lease-ttl", "120", *os.environ.get("LOAD_COORD_ARGS", "").split()],
+         "--heartbeat-ttl", str(ttl), "--lease-ttl", str(2 * ttl), "--join-grace", str(ttl),
+         *os.environ.get("LOAD_COORD_ARGS", "").split()],
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, preexec_fn=_renice(nice, coord_cpus),
     )
     procs: list[subprocess.Popen[str]] = []
@@ -197,12 +240,13 @@ def measure(nodes: int, hz: float, seconds: float, workers: int, commit_every: f
             procs.append(subprocess.Popen(
                 [sys.executable, __file__, "--worker", "--address", info["address"], "--token", token,
                  "--nodes", str(share), "--hz", str(hz), "--seconds", str(seconds),
-                 "--commit-every", str(commit_every), "--index", str(w), "--out", str(out)],
+                 "--commit-every", str(commit_every), "--index", str(w), "--out", str(out),
+                 "--round-every", str(round_every), *(["--trainers"] if trainers else [])],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, preexec_fn=_renice(nice, load_cpus)))
         for p in procs:  # every node joined, leased and connected
             if p.stdout.readline().strip() != "ready":  # type: ignore[union-attr]
                 raise RuntimeError("a load worker failed while joining its nodes")
-        start_at = time.time() + 1.0
+        start_at = time.time() + 1.0 + (nodes / 500 if trainers else 0.0)  # trainers beat once more first
         for p in procs:
             p.stdin.write(f"{start_at}\n")  # type: ignore[union-attr]
             p.stdin.flush()  # type: ignore[union-attr]
@@ -238,7 +282,11 @@ def measure(nodes: int, hz: float, seconds: float, workers: int, commit_every: f
     clat = [x for r in results for x in r["commit_latencies"]]
     commits = sum(r["commits"] for r in results)
     return {
-        "nodes": nodes, "heartbeat_hz": hz, "commits_per_s": round(commits / seconds, 1),
+        "nodes": nodes, "heartbeat_hz": hz, "trainers": trainers, "round_every_s": round_every or None,
+        "views_per_s": round(sum(r.get("views", 0) for r in results) / seconds, 1),
+        "cpu_us_per_call": round(1e6 * busy / max(1, len(lat) + commits), 1),
+        "load_processes": workers,
+        "commits_per_s": round(commits / seconds, 1),
         "p50_ms": round(1000 * _pct(lat, 0.50), 2), "p99_ms": round(1000 * _pct(lat, 0.99), 2),
         "cpu_pct": round(100 * busy / window, 1),
         "client_cpu_pct": round(100 * client_busy / window, 1),
@@ -255,6 +303,8 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=20.0, help="measured window per row")
     parser.add_argument("--workers", type=int, default=2, help="load-generator processes")
     parser.add_argument("--commit-every", type=float, default=10.0, help="seconds between a node's commits")
+    parser.add_argument("--trainers", action="store_true", help="nodes heartbeat as trainers (the view in replies)")
+    parser.add_argument("--round-every", type=float, default=0.0, help="with --trainers: a new round this often")
     parser.add_argument("--nice", type=int, default=0, help="niceness of the coordinator and load processes")
     parser.add_argument("--coordinator-cpus", help="pin the coordinator to these CPUs, e.g. 0-1")
     parser.add_argument("--load-cpus", help="pin the load generators to these CPUs, e.g. 2-15")
@@ -274,7 +324,7 @@ def main() -> int:
     rows = []
     for nodes, hz in rows_spec:
         row = measure(nodes, hz, args.seconds, args.workers, args.commit_every, args.nice,
-                      _cpu_set(args.coordinator_cpus), _cpu_set(args.load_cpus))
+                      _cpu_set(args.coordinator_cpus), _cpu_set(args.load_cpus), args.trainers, args.round_every)
         print(json.dumps(row), flush=True)
         rows.append(row)
     if not args.no_write:

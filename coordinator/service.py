@@ -36,6 +36,7 @@ from .settings import ADMIN_METADATA_KEY, TLS_SERVER_NAME, CoordinatorSettings
 from .stage_board import StageBoard
 from .status_report import StatusSource
 from .store import Store
+from .trainer_view import TrainerViews
 from .trainers import SplitRound
 
 T = TypeVar("T")
@@ -83,6 +84,10 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self.bootstrap_peers: list[str] = []
         self.stats = Stats()
         self.status = StatusSource(store, membership, runs, settings)
+        # The live-trainer view, built once per change and versioned (coordinator/trainer_view.py);
+        # a trainer's new round reaches the others' replies within a heartbeat interval.
+        self.views = TrainerViews(membership.trainers, membership.live_trainers, settings.heartbeat_interval_s,
+                                  clock=membership.clock)
         self.gone = GoneReports(membership, settings.gone_dial_every_s)
         # The run's kept states and the operator's recovery decisions (coordinator/keeper.py,
         # coordinator/recovery.py); set by the server. started_at: heartbeat replies carry it,
@@ -185,7 +190,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 lease_ttl_s=self.settings.lease_ttl_s,
             )
             if peer is not None:
-                self._view_into(reply, run_id, node_id)
+                self._view_into(reply, run_id, node_id, request.view_version)
             self._durability_into(reply, run_id)
             if order is not None:
                 reply.stage_order.CopyFrom(order)
@@ -211,21 +216,30 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         if self.recovery is not None:
             reply.waiting_for_operator = self.recovery.waiting(run_id)
 
-    def _view_into(self, reply: pb.HeartbeatReply | pb.ReportGoneReply, run_id: str, node_id: str) -> None:
+    def _view_into(
+        self, reply: pb.HeartbeatReply | pb.ReportGoneReply, run_id: str, node_id: str, have: int = 0
+    ) -> None:
         """A trainer's view: the run's live trainers, for its round groups; none while this
-        coordinator has not yet heard from every live trainer (just started: a partial list is a split)."""
+        coordinator has not yet heard from every live trainer (just started: a partial list is a split).
+        A heartbeat whose node holds a recent version (``have``) is told what changed since, or that
+        nothing did (coordinator/trainer_view.py); a ReportGone reply lists them as they are right
+        after its losses."""
         if not self.membership.view_is_whole():
             return
-        reply.members.extend(
-            pb.LiveMember(
-                node_id=n,
-                incarnation=t.incarnation,
-                peer_address=t.peer_address,
-                round=t.round,
-                state_hash=t.state_hash,
-            )
-            for n, t in self.membership.live_trainers(run_id)
-        )
+        if isinstance(reply, pb.HeartbeatReply):
+            view = self.views.get(run_id)
+            reply.view_version = view.version
+            delta = self.views.delta(run_id, view, have) if have and have != view.version else None
+            if have == view.version:
+                reply.view_unchanged = True
+            elif delta is not None:  # what changed since the node's version
+                reply.view_delta = True
+                reply.members.extend(delta.changed)
+                reply.view_removed.extend(delta.removed)
+            else:
+                reply.members.extend(view.members)
+        else:
+            reply.members.extend(self.views.get(run_id, fresh=True).members)
         reply.run_round = self.membership.trainers.run_round(run_id, node_id)
         reply.view_whole = True
 

@@ -80,6 +80,11 @@ class Trainers:
         # node -> its newest incarnation that took part in rounds (reported a peer address); kept
         # after the node is lost: a grant names the process that gave its input, dead or not.
         self._in_rounds: dict[str, str] = {}
+        # Bumped by every change of the live-trainer view (coordinator/trainer_view.py rebuilds from
+        # them): ``changes`` when a trainer comes, goes, restarts or moves; ``progress`` when one
+        # only reports a new round or state hash (every trainer, every round).
+        self.changes = 0
+        self.progress = 0
 
     def update(
         self, node_id: str, run_id: str, incarnation: str, peer_address: str, round_id: int, state_hash: str
@@ -92,9 +97,14 @@ class Trainers:
         if old is not None and old.incarnation == incarnation:
             if peer_address and not old.peer_address:
                 old.since = self.clock()  # in rounds from now on
+            if old.peer_address != peer_address:
+                self.changes += 1
+            elif (old.round, old.state_hash) != (round_id, state_hash):
+                self.progress += 1
             old.peer_address, old.round, old.state_hash = peer_address, round_id, state_hash
             return False
         self._by_node[node_id] = Trainer(run_id, incarnation, peer_address, round_id, state_hash, self.clock())
+        self.changes += 1
         return old is not None
 
     def get(self, node_id: str) -> Trainer | None:
@@ -108,7 +118,8 @@ class Trainers:
 
     def drop(self, node_id: str) -> None:
         """The node is lost, left or banned: its incarnation stops counting at once."""
-        self._by_node.pop(node_id, None)
+        if self._by_node.pop(node_id, None) is not None:
+            self.changes += 1
 
     def live(self, run_id: str, is_live: Callable[[str], bool]) -> list[tuple[str, Trainer]]:
         """The run's live trainers in rounds: those that hold the run's state and report the

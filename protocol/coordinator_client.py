@@ -142,6 +142,10 @@ class MemberClient:
         self.timeout_s = timeout_s
         self.metadata = version_metadata()
         self.ban_list_version = -1
+        # The live-trainer view as the replies built it up, and its version: sent back with each
+        # heartbeat, so the coordinator lists only what changed since (coordinator/trainer_view.py).
+        self.view_version = 0
+        self.view_members: dict[str, pb.LiveMember] = {}
 
     async def close(self) -> None:
         await self.channel.close()
@@ -170,10 +174,29 @@ class MemberClient:
         )
         if peer is not None:
             request.MergeFrom(peer)
+            request.view_version = self.view_version
         reply = await self._call("Heartbeat", request)
         if reply.ban_list_changed:
             self.ban_list_version = reply.ban_list.version
+        self.take_view(reply)
         return reply
+
+    def take_view(self, reply: pb.HeartbeatReply) -> None:
+        """Bring the view this client holds to the reply's version (whole, or the changes applied)."""
+        if reply.view_whole and not reply.view_unchanged:
+            if not reply.view_delta:
+                self.view_members = {}
+            for node_id in reply.view_removed:
+                self.view_members.pop(node_id, None)
+            self.view_members.update((m.node_id, m) for m in reply.members)
+            self.view_version = reply.view_version
+
+    def members(self, reply: pb.HeartbeatReply) -> list[pb.LiveMember]:
+        """The live trainers a heartbeat reply stands for (by node id): its list when it is whole,
+        else the view this client built from the replies (unchanged, or the changes applied)."""
+        if not reply.view_unchanged and not reply.view_delta:
+            return list(reply.members)
+        return [self.view_members[n] for n in sorted(self.view_members)]
 
     async def acquire(self, exhausted: list[str] | tuple[str, ...] = ()) -> pb.AcquireLeaseReply:
         """A lease: the one this node holds, else a free shard. ``exhausted``: held leases with no

@@ -81,7 +81,7 @@ class JoinReply(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., run_id: _Optional[str] = ..., certificate_pem: _Optional[bytes] = ..., ca_certificate_pem: _Optional[bytes] = ..., config_toml: _Optional[str] = ..., bootstrap_peers: _Optional[_Iterable[str]] = ..., node_address: _Optional[str] = ..., heartbeat_interval_s: _Optional[float] = ..., heartbeat_ttl_s: _Optional[float] = ..., lease_ttl_s: _Optional[float] = ..., tls_server_name: _Optional[str] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("tokens_per_s", "ban_list_version", "state", "incarnation", "peer_address", "round", "state_hash", "stage_peer", "starting", "measured")
+    __slots__ = ("tokens_per_s", "ban_list_version", "state", "incarnation", "peer_address", "round", "state_hash", "stage_peer", "starting", "measured", "view_version")
     TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
     BAN_LIST_VERSION_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -92,6 +92,7 @@ class HeartbeatRequest(_message.Message):
     STAGE_PEER_FIELD_NUMBER: _ClassVar[int]
     STARTING_FIELD_NUMBER: _ClassVar[int]
     MEASURED_FIELD_NUMBER: _ClassVar[int]
+    VIEW_VERSION_FIELD_NUMBER: _ClassVar[int]
     tokens_per_s: float
     ban_list_version: int
     state: str
@@ -102,7 +103,8 @@ class HeartbeatRequest(_message.Message):
     stage_peer: StageReport
     starting: bool
     measured: _containers.RepeatedCompositeFieldContainer[MeasuredRate]
-    def __init__(self, tokens_per_s: _Optional[float] = ..., ban_list_version: _Optional[int] = ..., state: _Optional[str] = ..., incarnation: _Optional[str] = ..., peer_address: _Optional[str] = ..., round: _Optional[int] = ..., state_hash: _Optional[str] = ..., stage_peer: _Optional[_Union[StageReport, _Mapping]] = ..., starting: _Optional[bool] = ..., measured: _Optional[_Iterable[_Union[MeasuredRate, _Mapping]]] = ...) -> None: ...
+    view_version: int
+    def __init__(self, tokens_per_s: _Optional[float] = ..., ban_list_version: _Optional[int] = ..., state: _Optional[str] = ..., incarnation: _Optional[str] = ..., peer_address: _Optional[str] = ..., round: _Optional[int] = ..., state_hash: _Optional[str] = ..., stage_peer: _Optional[_Union[StageReport, _Mapping]] = ..., starting: _Optional[bool] = ..., measured: _Optional[_Iterable[_Union[MeasuredRate, _Mapping]]] = ..., view_version: _Optional[int] = ...) -> None: ...
 
 class MeasuredRate(_message.Message):
     __slots__ = ("node_id", "stage", "samples_per_s")
@@ -169,7 +171,7 @@ class LiveMember(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., peer_address: _Optional[str] = ..., round: _Optional[int] = ..., state_hash: _Optional[str] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
-    __slots__ = ("run_state", "leases_renewed", "heartbeat_interval_s", "lease_ttl_s", "ban_list", "ban_list_changed", "members", "run_round", "stage_order", "view_whole", "coordinator_started_at", "kept", "waiting_for_operator")
+    __slots__ = ("run_state", "leases_renewed", "heartbeat_interval_s", "lease_ttl_s", "ban_list", "ban_list_changed", "members", "run_round", "stage_order", "view_whole", "coordinator_started_at", "kept", "waiting_for_operator", "view_version", "view_unchanged", "view_delta", "view_removed")
     RUN_STATE_FIELD_NUMBER: _ClassVar[int]
     LEASES_RENEWED_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
@@ -183,6 +185,10 @@ class HeartbeatReply(_message.Message):
     COORDINATOR_STARTED_AT_FIELD_NUMBER: _ClassVar[int]
     KEPT_FIELD_NUMBER: _ClassVar[int]
     WAITING_FOR_OPERATOR_FIELD_NUMBER: _ClassVar[int]
+    VIEW_VERSION_FIELD_NUMBER: _ClassVar[int]
+    VIEW_UNCHANGED_FIELD_NUMBER: _ClassVar[int]
+    VIEW_DELTA_FIELD_NUMBER: _ClassVar[int]
+    VIEW_REMOVED_FIELD_NUMBER: _ClassVar[int]
     run_state: str
     leases_renewed: int
     heartbeat_interval_s: float
@@ -196,7 +202,11 @@ class HeartbeatReply(_message.Message):
     coordinator_started_at: float
     kept: KeptState
     waiting_for_operator: str
-    def __init__(self, run_state: _Optional[str] = ..., leases_renewed: _Optional[int] = ..., heartbeat_interval_s: _Optional[float] = ..., lease_ttl_s: _Optional[float] = ..., ban_list: _Optional[_Union[BanList, _Mapping]] = ..., ban_list_changed: _Optional[bool] = ..., members: _Optional[_Iterable[_Union[LiveMember, _Mapping]]] = ..., run_round: _Optional[int] = ..., stage_order: _Optional[_Union[StageOrder, _Mapping]] = ..., view_whole: _Optional[bool] = ..., coordinator_started_at: _Optional[float] = ..., kept: _Optional[_Union[KeptState, _Mapping]] = ..., waiting_for_operator: _Optional[str] = ...) -> None: ...
+    view_version: int
+    view_unchanged: bool
+    view_delta: bool
+    view_removed: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, run_state: _Optional[str] = ..., leases_renewed: _Optional[int] = ..., heartbeat_interval_s: _Optional[float] = ..., lease_ttl_s: _Optional[float] = ..., ban_list: _Optional[_Union[BanList, _Mapping]] = ..., ban_list_changed: _Optional[bool] = ..., members: _Optional[_Iterable[_Union[LiveMember, _Mapping]]] = ..., run_round: _Optional[int] = ..., stage_order: _Optional[_Union[StageOrder, _Mapping]] = ..., view_whole: _Optional[bool] = ..., coordinator_started_at: _Optional[float] = ..., kept: _Optional[_Union[KeptState, _Mapping]] = ..., waiting_for_operator: _Optional[str] = ..., view_version: _Optional[int] = ..., view_unchanged: _Optional[bool] = ..., view_delta: _Optional[bool] = ..., view_removed: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class KeptState(_message.Message):
     __slots__ = ("round", "state_hash", "address", "server_name", "kept_at", "stages")

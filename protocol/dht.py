@@ -310,6 +310,7 @@ class MurmurDHT:
         self._lock = threading.Lock()
         self._last_record: PeerRecord | None = None
         self._abort = threading.Event()
+        self._shared = False  # a signing_as handle: shutdown leaves the DHT to its owner
 
     # lifecycle --------------------------------------------------------------------------------
 
@@ -417,11 +418,24 @@ class MurmurDHT:
     def started(self) -> bool:
         return self._owned is not None
 
+    def signing_as(self, identity: Identity) -> MurmurDHT:
+        """A handle on this started DHT that announces and meets as ``identity``: several peers of
+        one process (benchmarks/scale.py fits 64 peers on 2 cores so) share one DHT process and
+        p2pd, each record still signed by its own peer's key, exactly as that peer's own DHT
+        would sign it. Its ``shutdown`` leaves the DHT running: this handle's owner stops it."""
+        handle = MurmurDHT(self.run_id, ca_cert_pem=self.ca_cert_pem, identity=identity,
+                           initial_peers=self.initial_peers, settings=self.settings, ban_list=self.ban_list)
+        handle._owned = self._owned
+        handle._shared = True
+        if handle._owned is None:
+            raise DHTError("start this DHT before sharing it")
+        return handle
+
     def shutdown(self) -> None:
         """Stop the DHT process and p2pd; idempotent; never leaves a child behind."""
         with self._lock:
             owned, self._owned = self._owned, None
-        if owned is None:
+        if owned is None or self._shared:
             return
         with _live_lock:
             _live.discard(id(self))

@@ -216,8 +216,11 @@ def test_report_gone_over_the_wire_verifies_and_answers_with_the_new_view(tmp_pa
                 ]
 
             try:
-                while not all(r.view_whole and len(r.members) == 3 for r in await beat()):
-                    await asyncio.sleep(0.1)  # one heartbeat TTL after it serves, the view is whole
+                # One heartbeat TTL after it serves, the view is whole (a reply lists it when it
+                # changed since the node's last: c.members has the list either way).
+                while not all(r.view_whole and len(c.members(r)) == 3 for c, r in zip(clients, await beat(),
+                                                                                        strict=True)):
+                    await asyncio.sleep(0.1)
                 # Without the node certificate (the public address): refused like any member call.
                 async with MemberClient(coord.address, joined[0][0], timeout_s=5) as public:
                     with pytest.raises(CoordinatorError, match="need the node certificate") as err:

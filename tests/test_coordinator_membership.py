@@ -231,7 +231,10 @@ def test_a_round_is_granted_to_one_group_before_anyone_applies_it(coord):
             while loop.time() < settled:
                 replies = await beat()
                 await asyncio.sleep(0.2)
-            assert all(r.view_whole and len(r.members) == 3 for r in replies)
+            assert all(r.view_whole and len(c.members(r)) == 3 for c, r in zip(clients, replies, strict=True))
+            # Nothing changed since each node's previous reply: the view is not listed again
+            # (coordinator/trainer_view.py); the client keeps the list its last full reply had.
+            assert all(r.view_unchanged and not r.members for r in replies)
             with pytest.raises(CoordinatorError, match="minority group is a split") as err:
                 await clients[0].claim_round(4, "diloco/0", ids[:1])
             assert err.value.code == grpc.StatusCode.ABORTED

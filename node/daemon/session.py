@@ -233,7 +233,7 @@ class CoordinatorSession:
                     )
                 reply = await self.client.heartbeat(self.tokens_per_s, "training", peer=peer)
                 if reply.view_whole:  # not yet right after a coordinator restart: it means nothing then
-                    self.view.update(reply.members, reply.run_round)
+                    self.view.update(self.client.members(reply), reply.run_round)
                 self._durability(reply)
                 self.viewed.set()
                 self._mark(True)
