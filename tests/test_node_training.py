@@ -10,7 +10,8 @@ import pytest
 import torch
 from _node_helpers import TINY, small_dataset
 
-from murmur.node.daemon.training import LeaseView, NodeTrainer
+from murmur.node.daemon.training import NodeTrainer
+from murmur.node.daemon.window_types import LeaseView
 from murmur.node.model.data import Dataset
 from murmur.optim.exchange import Exchange
 from murmur.optim.factory import make_aggregator_for, make_codec_for

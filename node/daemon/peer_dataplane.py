@@ -33,8 +33,8 @@ from murmur.errors import MurmurError
 from murmur.node.daemon.dataplane import MemberTracker
 from murmur.node.daemon.run_view import RunView
 from murmur.node.daemon.settings import NodeSettings
+from murmur.node.daemon.shared_state import shared_state_hash
 from murmur.node.daemon.state_dir import JoinRecord
-from murmur.node.daemon.training import shared_state_hash
 from murmur.node.exchange.group import DHTGroup, RendezvousSettings, RoundGate
 from murmur.node.exchange.peer import ExchangePeer, PeerSpec, abuild_peer
 from murmur.node.exchange.settings import ExchangeSettings
