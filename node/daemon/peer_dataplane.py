@@ -405,6 +405,7 @@ async def _start_dht(
     log: Callable[[str], None],
     refresh_bootstrap: Callable[[], Awaitable[list[str] | None]] | None = None,
     client_mode: bool = False,
+    on_forked: Callable[[], None] | None = None,
 ) -> MurmurDHT:
     initial = list(info.bootstrap_peers) + list(dht_peers)
     dht = MurmurDHT(
@@ -419,6 +420,7 @@ async def _start_dht(
             client_mode=client_mode,
         ),
     )
+    dht.on_forked = on_forked
     loop = asyncio.get_running_loop()
     deadline = loop.time() + settings.dht_start_timeout_s
     asked_at = -DHT_REFRESH_S
@@ -502,10 +504,12 @@ async def open_peer_dataplane(
     client_mode: str = "off",
     dial_back: Callable[[str], Awaitable[tuple[bool, str] | None]] | None = None,
     gate: RoundGate | None = None,
+    on_forked: Callable[[], None] | None = None,
 ) -> PeerDataPlane:
     """Start the peer server, settle client mode (``dial_back``: the coordinator's check of the
     address peers would dial), then the DHT (in hivemind's client mode too, for a client) and the
-    exchange on them; on any failure, stop what was started."""
+    exchange on them; on any failure, stop what was started. ``on_forked`` is called (from a
+    worker thread) once the DHT's process is forked, seconds before it is ready."""
     host, _, port = listen.rpartition(":")
     live = LivePeers()
     dht: MurmurDHT | None = None
@@ -522,7 +526,7 @@ async def open_peer_dataplane(
                     "client mode needs a DHT bootstrap peer that others can dial: the coordinator runs "
                     "no DHT here, so pass --dht-peer MULTIADDR of a reachable node"
                 )
-            dht = await _start_dht(ident, info, host, dht_peers, settings, log, refresh_bootstrap, client)
+            dht = await _start_dht(ident, info, host, dht_peers, settings, log, refresh_bootstrap, client, on_forked)
             undo.push_async_callback(asyncio.to_thread, dht.shutdown)
             return DHTGroup(
                 dht,

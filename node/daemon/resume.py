@@ -47,10 +47,11 @@ class Resume:
     _ratio_base_step: int
     _committed_sent: int
     _last_shared: dict[str, Any]
+    _checkpoint: dict[str, Any] | None
 
     async def restore(self) -> None:
         """Local checkpoint first; then peers, if the run has moved on (or for a first join)."""
-        ckpt = await asyncio.to_thread(self.state.load_checkpoint)
+        ckpt, self._checkpoint = self._checkpoint, None  # read while the data plane started (`prepare`)
         if ckpt is not None:
             try:
                 await asyncio.to_thread(self.trainer.load_state_dict, ckpt)

@@ -48,7 +48,7 @@ class NodeTrainer(WindowLoop, SharedState, CheckpointState):
         cfg: RunConfig,
         dataset: Dataset,
         device: torch.device,
-        exchange: Exchange,
+        exchange: Exchange | None,
         *,
         round_timeout_s: float,
         ranks: LocalRanks | None = None,
@@ -95,3 +95,8 @@ class NodeTrainer(WindowLoop, SharedState, CheckpointState):
         if self.by_speed() and cfg.sync.fill_wait:
             self.sync.fill = True
         self._eval_copy: torch.nn.Module | None = None
+
+    def attach(self, exchange: Exchange) -> None:
+        """The run's exchange, once the data plane is open: a node builds its trainer while its
+        data plane starts (node/daemon/node.py), with ``exchange`` None until here."""
+        self.meter.inner = exchange

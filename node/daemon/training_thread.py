@@ -24,6 +24,7 @@ import asyncio
 import functools
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -46,43 +47,53 @@ from murmur.node.model.data import Dataset, eval_batches
 from murmur.node.net.faults import FaultInjector
 from murmur.node.train.step import evaluate
 from murmur.optim.exchange import ExchangeError
+from murmur.protocol.fork_guard import FORK_GUARD
 from murmur.protocol.runconfig import RunConfig
 
 
-class TrainingThread(Resume, Resync, RoundHandoff):
-    """Built on the loop (``build``), once the node has joined and its data plane is up; ``train``
-    is the training thread's body, ``restore`` runs on the loop before it. What takes long (building
-    the model, reading a checkpoint, hashing the state) runs in worker threads: the loop sends
-    the heartbeats, and a loop blocked past the heartbeat TTL has the node marked lost (a testnet
-    node's model build, 2 s on an idle machine, did that under load at its every restart)."""
+@dataclass(slots=True)
+class Prepared:
+    """What a node makes ready while its data plane starts: its trainer (the model, the inner
+    optimizer and the sync, their exchange attached later) and its local checkpoint, read (None:
+    there is none), applied by ``TrainingThread.restore``."""
 
-    @classmethod
-    async def build(cls, *, cfg: RunConfig, dataset: Dataset, device: torch.device, dataplane: DataPlane,
-                    session: CoordinatorSession, settings: NodeSettings, threads: int,
-                    ranks: LocalRanks | None = None, faults: FaultInjector | None = None,
-                    **rest: Any) -> TrainingThread:
-        """The training thread's state, with its trainer (the model and optimizer) built in a worker thread."""
+    trainer: NodeTrainer
+    checkpoint: dict[str, Any] | None
 
-        def trainer() -> NodeTrainer:
+
+async def prepare(*, cfg: RunConfig, dataset: Dataset, device: torch.device, state: StateDir, node_id: str,
+                  settings: NodeSettings, threads: int, ranks: LocalRanks | None = None,
+                  faults: FaultInjector | None = None) -> Prepared:
+    """Build the trainer and read the checkpoint in a worker thread: the loop sends the heartbeats
+    meanwhile, and a node's DHT starts beside it (node/daemon/node.py). Never under a fork of the
+    DHT's process (protocol/fork_guard.py): what the build changes would reach the child
+    half-changed."""
+
+    def work() -> Prepared:
+        with FORK_GUARD:
             if faults is not None:  # --fault delay:build_model:S: a large model on a slow machine
-                faults.pause("build_model", session.info.node_id, 0)
+                faults.pause("build_model", node_id, 0)
             if threads:
                 torch.set_num_threads(threads)  # OpenMP keeps the thread count per thread
-            return NodeTrainer(
-                cfg, dataset, device, dataplane.exchange, round_timeout_s=settings.round_timeout_s, ranks=ranks
-            )
+            trainer = NodeTrainer(cfg, dataset, device, None, round_timeout_s=settings.round_timeout_s, ranks=ranks)
+            return Prepared(trainer, state.load_checkpoint())
 
-        built = await asyncio.to_thread(trainer)
-        return cls(
-            cfg=cfg, trainer=built, dataplane=dataplane, session=session, settings=settings, threads=threads,
-            faults=faults, **rest,
-        )
+    return await asyncio.to_thread(work)
+
+
+class TrainingThread(Resume, Resync, RoundHandoff):
+    """Built on the loop once the node has joined, its data plane is up and its trainer is built
+    (``prepare``); ``train`` is the training thread's body, ``restore`` runs on the loop before
+    it. What takes long (building the model, reading a checkpoint, hashing the state) runs in
+    worker threads: the loop sends the heartbeats, and a loop blocked past the heartbeat TTL has
+    the node marked lost (a testnet node's model build, 2 s on an idle machine, did that under load
+    at its every restart)."""
 
     def __init__(
         self,
         *,
         cfg: RunConfig,
-        trainer: NodeTrainer,
+        prepared: Prepared,
         dataplane: DataPlane,
         session: CoordinatorSession,
         state: StateDir,
@@ -101,7 +112,9 @@ class TrainingThread(Resume, Resync, RoundHandoff):
         self.loop = asyncio.get_running_loop()
         if threads:
             torch.set_num_threads(threads)
-        self.trainer = trainer
+        self.trainer = trainer = prepared.trainer
+        trainer.attach(dataplane.exchange)
+        self._checkpoint = prepared.checkpoint  # applied by restore, then let go
         # sync.round_budget = "speed": the window's share comes from the members' speeds
         trainer.group_rates = self._member_rates
         if faults is not None:  # --fault slow:FACTOR: a slower machine

@@ -29,7 +29,9 @@ class WaitMeter(Exchange):
     """Wraps the run's exchange and measures how long training waits for it: compute time is a
     step's time minus this (the algorithms wait inside their hooks, DeMo inside its optimizer)."""
 
-    def __init__(self, inner: Exchange) -> None:
+    def __init__(self, inner: Exchange | None) -> None:
+        # None until the node's data plane is open: its trainer is built while that starts
+        # (`NodeTrainer.attach`), and nothing is exchanged before.
         self.inner = inner
         self.waited_s = 0.0
         self._pending: set[Future] = set()
