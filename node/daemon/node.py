@@ -231,7 +231,7 @@ class Node:
         finally:
             # A start that ends here (a stop, a failure) still waits for the build's thread: the
             # trainer it makes is let go, and no exception of it goes unread.
-            if preparing is not None and not preparing.done():
+            if preparing is not None:
                 with contextlib.suppress(Exception):
                     await asyncio.shield(preparing)
         self.training = TrainingThread(
