@@ -48,8 +48,8 @@ Delays (``delay``: sleep SECONDS at a named point, each time the point is reache
   lost_rounds    after the coordinator granted a node the number of rounds lost with their holders,
                  before it goes on as that round and publishes its state (node/daemon/resume.py):
                  a restart slow enough that another one, back at the same moment, claims too
-  build_model    before a node builds its model and optimizer (node/daemon/training_thread.py), its
-                 heartbeats running: a large model on a slow machine
+  build_model    before a node builds its model and optimizer (node/daemon/training_thread.py's
+                 prepare, beside its DHT's start): a large model on a slow machine
 
 A slow machine (``slow``: each inner step of a node's training takes FACTOR times as long; after
 each step the node sleeps FACTOR - 1 times the step's own time, node/daemon/training_thread.py):
