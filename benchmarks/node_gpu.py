@@ -50,7 +50,7 @@ CONFIG = "configs/testnet-gpu.toml"
 STEP_LINE = re.compile(r"^step\s+(\d+)/\d+ \| loss \S+ \| lr \S+ \| ([\d,]+) tok/s \| (\d+) ms")
 NO_EVAL = "train.eval_every=1000000000"  # validation is neither side's work in this comparison
 # `murmur train` waits for the device only on the steps it logs: logging every 10th step lets it queue
-# steps ahead, its fastest (a node keeps up to three steps queued: node/daemon/training.py).
+# steps ahead, its fastest (a node keeps up to three steps queued: node/daemon/window.py).
 TRAIN_LOG_EVERY = "train.log_every=10"
 # `python -m murmur.cli` puts its working directory first on sys.path, and in the repository root
 # the folder murmur/ (the CLI alone) would hide the package gpu_env.sh lays out: run elsewhere.

@@ -12,6 +12,8 @@ moment the process was started:
     dataplane_s       peer server and DHT up
     restored_s        model built, local checkpoint read and the newest state taken ("from round")
     first_round_s     its first recorded round whose update reached the model (``contributed``)
+    prepare_s         of those, the model's build and the checkpoint's read themselves, which run
+                      while the DHT's process starts (the node's "started in" line)
 
 and the coordinator's: SIGKILLed and started on the same ledger and addresses, ``serving_s`` is
 the time until it prints its listening line (its ledger open, gRPC and DHT up), and
@@ -61,6 +63,8 @@ def _timeline(log: str, started: float) -> dict[str, float | None]:
     for phase, pattern in PHASES.items():
         line = next((ln for ln in log.splitlines() if ln[:4].isdigit() and re.search(pattern, ln)), None)
         out[phase] = round(_stamp(line) - started, 2) if line else None
+    built = re.search(r"model and checkpoint ([\d.]+) s", log)
+    out["prepare_s"] = float(built.group(1)) if built else None
     return out
 
 
@@ -166,7 +170,7 @@ def main() -> int:
             nodes, coords = _rows(args.restarts, mode, data)
             rows.append({
                 "mode": mode,
-                "node": _summary(nodes, ["joined_s", "dataplane_s", "restored_s", "first_round_s"]),
+                "node": _summary(nodes, ["joined_s", "dataplane_s", "prepare_s", "restored_s", "first_round_s"]),
                 "coordinator": _summary(coords, ["serving_s", "first_commit_s"]),
                 "node_restarts": nodes,
                 "coordinator_restarts": coords,

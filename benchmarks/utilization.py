@@ -50,7 +50,8 @@ from pathlib import Path
 
 import torch
 
-from murmur.node.daemon.training import LeaseView, NodeTrainer
+from murmur.node.daemon.training import NodeTrainer
+from murmur.node.daemon.window_types import LeaseView
 from murmur.node.model.data import Dataset, prepare
 from murmur.optim.exchange import Exchange
 from murmur.optim.factory import make_aggregator_for, make_codec_for

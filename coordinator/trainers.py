@@ -18,7 +18,7 @@ that died after giving its input to the granted group and restarted from an olde
 another process, with another state, and a group it forms for the same round shares nothing with
 the granted one. A grant also moves the run's newest round to the round the claimant's window
 completes, so a node that comes back behind it, with every holder of that round gone, waits for
-it and then numbers past it (node/daemon/training_thread.py) instead of claiming it again and again.
+it and then numbers past it (node/daemon/resume.py, node/daemon/resync.py) instead of claiming it again and again.
 A node that goes on numbered past rounds lost with their holders claims that too
 (``claim_lost_rounds``): one process per round may, so two nodes back at once from different
 checkpoints never both give their state the same round number.

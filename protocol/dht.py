@@ -36,6 +36,7 @@ from functools import partial
 
 from murmur.errors import MurmurError
 from murmur.protocol import dht_reaper
+from murmur.protocol.fork_guard import FORK_GUARD
 from murmur.protocol.identity import (
     BanList,
     Identity,
@@ -227,15 +228,20 @@ def _fork_safely(start: Callable[[], object]) -> object:
     child's garbage collector walks every object it inherited. A DHT child segfaulted that way in
     the collector while it imported hivemind's multiaddr codecs (`make test`, 2026-12-05), right
     after saying it was ready, and the start failed. So (1) the modules the child would import on
-    its first request are imported here first, and (2) every object alive now is frozen
-    (`gc.freeze`: out of the collector's reach, in the child for good; unfrozen here after)."""
+    its first request are imported here first, (2) every object alive now is frozen
+    (`gc.freeze`: out of the collector's reach, in the child for good; unfrozen here after), and
+    (3) no work that takes the fork guard (protocol/fork_guard.py: a node's model build) runs
+    meanwhile.
+    No collection first: freezing is what keeps the child off those objects, and a full collection
+    of a node's heap took 2.5-3.5 s of a restart at load 28 (in a process forked warm it touches
+    every page it shares with the fork server)."""
     _preload_child_imports()
-    gc.collect()
-    gc.freeze()
-    try:
-        return start()
-    finally:
-        gc.unfreeze()
+    with FORK_GUARD:
+        gc.freeze()
+        try:
+            return start()
+        finally:
+            gc.unfreeze()
 
 
 def _kill_unready(dht: object) -> None:
@@ -311,6 +317,9 @@ class MurmurDHT:
         self._last_record: PeerRecord | None = None
         self._abort = threading.Event()
         self._shared = False  # a signing_as handle: shutdown leaves the DHT to its owner
+        # Called (from the starting thread) once the DHT's process is forked, before it is ready:
+        # what must not run under the fork may start then (node/daemon/node.py's model build).
+        self.on_forked: Callable[[], None] | None = None
 
     # lifecycle --------------------------------------------------------------------------------
 
@@ -353,6 +362,8 @@ class MurmurDHT:
                 client_mode=s.client_mode,
                 **({"identity_path": s.identity_path} if s.identity_path else {}),
             ))
+            if self.on_forked is not None:
+                self.on_forked()
             self._wait_ready(dht, s.start_timeout)
             was_ready = True
             # The addresses do not change while the process lives: ask once, with a deadline.

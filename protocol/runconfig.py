@@ -157,7 +157,7 @@ class SyncSection(Section):
     max_step_ratio: float = Field(4.0, ge=1, le=1000)
     # With round_budget = "speed": a member whose share is done trains on while the round's exchange
     # is in flight (waiting for the slowest member, then the all-reduce) instead of idling; those
-    # steps are carried into its next window (node/daemon/training.py, StreamingDiLoCo.land).
+    # steps are carried into its next window (node/daemon/window.py, StreamingDiLoCo.land).
     fill_wait: bool = True
     # DeMo
     demo_beta: float = Field(0.999, ge=0, lt=1)

@@ -164,7 +164,7 @@ def test_an_exhausted_lease_stays_held_beside_a_new_one_until_the_window_commits
 
 def test_a_splits_commit_is_refused_as_aborted_so_the_node_re_syncs(coord):
     """A commit of a round completed by a minority of the live trainers is a split's: refused with
-    ABORTED (the node takes the run's state again, node/daemon/training_thread.py), not with a lost lease's
+    ABORTED (the node takes the run's state again, node/daemon/resync.py), not with a lost lease's
     FAILED_PRECONDITION (the node only takes a new lease)."""
     token = new_token(coord, "--uses", "3")
 

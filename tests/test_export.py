@@ -99,7 +99,8 @@ def test_gpt2_tokenizer_files_reproduce_murmurs_ids(tmp_path):
 
 def test_node_checkpoint_exports_the_global_state_with_its_hash(tmp_path):
     from murmur.node.daemon.state_dir import StateDir
-    from murmur.node.daemon.training import LeaseView, NodeTrainer
+    from murmur.node.daemon.training import NodeTrainer
+    from murmur.node.daemon.window_types import LeaseView
     from murmur.node.model.data import Dataset
     from murmur.optim.factory import make_aggregator_for, make_codec_for
     from murmur.optim.inprocess import InProcessGroup

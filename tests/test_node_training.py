@@ -3,6 +3,8 @@ hash, and the shared state a joiner takes (flattened to named tensors and back).
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import threading
 from concurrent.futures import Future
 
@@ -10,11 +12,17 @@ import pytest
 import torch
 from _node_helpers import TINY, small_dataset
 
-from murmur.node.daemon.training import LeaseView, NodeTrainer
+from murmur.node.daemon.settings import NodeSettings
+from murmur.node.daemon.state_dir import StateDir
+from murmur.node.daemon.training import NodeTrainer
+from murmur.node.daemon.training_thread import prepare
+from murmur.node.daemon.window_types import LeaseView
 from murmur.node.model.data import Dataset
+from murmur.node.net.faults import FaultInjector
 from murmur.optim.exchange import Exchange
 from murmur.optim.factory import make_aggregator_for, make_codec_for
 from murmur.optim.inprocess import InProcessGroup
+from murmur.protocol.fork_guard import FORK_GUARD
 from murmur.protocol.runconfig import load_config
 
 
@@ -189,3 +197,37 @@ def test_checkpoint_round_trip(dataset, tmp_path):
     assert b.global_hash() == a.global_hash() and b.round == a.round == 1
     for pa, pb in zip(a.model.parameters(), b.model.parameters(), strict=True):
         assert torch.equal(pa, pb)
+
+
+def test_a_node_builds_its_trainer_and_reads_its_checkpoint_under_the_fork_guard(dataset, tmp_path):
+    """A node builds its trainer and reads its checkpoint while its DHT's process starts
+    (node/daemon/node.py), holding the fork guard the DHT's fork takes (protocol/fork_guard.py):
+    the build never runs under that fork. The exchange is attached afterwards, and the checkpoint
+    read is the one the state folder holds, applied later by the restore."""
+    cfg = _cfg(dataset, "diloco")
+    (source,) = _trainers(cfg, dataset, 1)
+    next_lease, _ = _leases([(0, dataset.shard_size(0))])
+    source.run_window(next_lease, lambda: False)
+    state = StateDir(tmp_path / "state")
+    state.save_checkpoint(source.state_dict())
+    held: list[bool] = []
+
+    class AtTheBuild(logging.Handler):  # the build_model fault's line is logged from the building thread
+        def emit(self, record: logging.LogRecord) -> None:
+            held.append(FORK_GUARD.locked())
+
+    seen = AtTheBuild()
+    faults_log = logging.getLogger("murmur.node.net.faults")
+    faults_log.addHandler(seen)
+    try:
+        prepared = asyncio.run(prepare(
+            cfg=cfg, dataset=dataset, device=torch.device("cpu"), state=state, node_id="n", settings=NodeSettings(),
+            threads=1, faults=FaultInjector.parse(["delay:build_model:0.01"]),
+        ))
+    finally:
+        faults_log.removeHandler(seen)
+    assert held == [True] and not FORK_GUARD.locked()
+    assert prepared.trainer.meter.inner is None  # attached once the data plane is open
+    assert prepared.checkpoint is not None and prepared.checkpoint["shared"]["round"] == 1
+    prepared.trainer.load_state_dict(prepared.checkpoint)
+    assert prepared.trainer.global_hash() == source.global_hash()

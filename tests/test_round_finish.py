@@ -12,8 +12,8 @@ import torch
 
 from murmur.node.daemon import snapshot
 from murmur.node.daemon.round_finish import MAX_WAITING, RoundFinisher
+from murmur.node.daemon.shared_state import shared_state_hash
 from murmur.node.daemon.state_dir import StateDir
-from murmur.node.daemon.training import shared_state_hash
 from murmur.protocol.wire import tensors_hash
 
 

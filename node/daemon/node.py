@@ -31,9 +31,10 @@ import contextlib
 import signal
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from murmur.errors import MurmurError
 from murmur.node.daemon.dataplane import DataPlane, SoloDataPlane
@@ -42,9 +43,10 @@ from murmur.node.daemon.metrics import metrics_server as make_metrics_server
 from murmur.node.daemon.ranks import LocalRanks, RankError
 from murmur.node.daemon.session import CoordinatorSession, join
 from murmur.node.daemon.settings import NodeSettings
+from murmur.node.daemon.start_times import StartTimes
 from murmur.node.daemon.state_dir import JoinRecord, StateDir
 from murmur.node.daemon.stop import StopSignal
-from murmur.node.daemon.training_thread import TrainingThread
+from murmur.node.daemon.training_thread import Prepared, TrainingThread, prepare
 from murmur.node.model.data import Dataset
 from murmur.node.net.faults import FaultInjector
 from murmur.node.net.member_folder import saved_membership
@@ -52,6 +54,9 @@ from murmur.node.pipeline import stage_checkpoint
 from murmur.node.train.build import resolve_device
 from murmur.protocol import identity
 from murmur.protocol.runconfig import RunConfig, parse_config
+
+if TYPE_CHECKING:
+    import torch
 
 
 class NodeError(MurmurError):
@@ -112,12 +117,14 @@ class Node:
         self.training: TrainingThread | None = None
         self.ranks: LocalRanks | None = None
         self.leave_on_exit = True  # say Leave (and forget the join record) when the node exits
+        self.times = StartTimes()  # reset when run() starts
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             with contextlib.suppress(NotImplementedError, RuntimeError):
                 loop.add_signal_handler(sig, self.stop.request, signal.Signals(sig).name)
+        self.times = StartTimes()
         self.state.lock()
         try:
             try:
@@ -159,6 +166,7 @@ class Node:
         info, ident, config_toml = await join(
             self.o.coordinator, self.o.token, self.state, self.s, self.log, name=self.o.name
         )
+        self.times.joined = self.times.now()
         # From here on a SIGTERM ends the start at the next step, or cuts the data plane's start
         # short: the node leaves within shutdown_grace_s of it (issue 50: it used to start its DHT
         # and build its model first, and exited 15 s after the signal).
@@ -184,27 +192,51 @@ class Node:
         if self.stop.is_set():
             return False
         await self.session.starting()
-        self.dataplane = await self.stop.unless_stopped(self._open_dataplane(info, ident, cfg))
-        if self.stop.is_set():
-            return False
-        assert self.dataplane is not None
-        # Heartbeats from now on (not before: hivemind forks its DHT process, which must not happen
-        # under live gRPC calls); their replies carry the run's live trainers, which the data
-        # plane's rendezvous and a joiner's state fetch check the DHT against (run_view.py).
-        self.session.start()
-        if self.o.gpus > 1:
-            self.ranks = await asyncio.to_thread(
-                LocalRanks, self.o.gpus, device, str(self.state.root / "config.toml"), dataset.vocab_size,
-                self.o.threads,
-            )
-            self.log(f"{self.o.gpus} local ranks ({'NCCL' if device.type == 'cuda' else 'gloo'}): "
-                     f"{cfg.train.batch_size} rows per rank per step")
-        if self.stop.is_set():
-            return False
-        self.training = await TrainingThread.build(
+        # The trainer is built and the checkpoint read while the data plane starts: from the moment
+        # the DHT's process is forked (nothing may run under that fork: protocol/fork_guard.py) to
+        # the moment it is ready, seconds of every restart. With local ranks, after them (the
+        # trainer steps with them).
+        loop = asyncio.get_running_loop()
+        forked = asyncio.Event()
+        opening = asyncio.ensure_future(self.stop.unless_stopped(
+            self._open_dataplane(info, ident, cfg, on_forked=lambda: loop.call_soon_threadsafe(forked.set))
+        ))
+        preparing: asyncio.Future[Prepared] | None = None
+        try:
+            if self.o.gpus == 1:
+                await _first_of(opening, forked.wait())
+                if not self.stop.is_set() and not (opening.done() and opening.exception() is not None):
+                    preparing = asyncio.ensure_future(self._prepare(cfg, dataset, device, info))
+            self.dataplane = await opening
+            self.times.dataplane = self.times.now()
+            if self.stop.is_set():
+                return False
+            assert self.dataplane is not None
+            # Heartbeats from now on (not before: hivemind forks its DHT process, which must not happen
+            # under live gRPC calls); their replies carry the run's live trainers, which the data
+            # plane's rendezvous and a joiner's state fetch check the DHT against (run_view.py).
+            self.session.start()
+            if self.o.gpus > 1:
+                self.ranks = await asyncio.to_thread(
+                    LocalRanks, self.o.gpus, device, str(self.state.root / "config.toml"), dataset.vocab_size,
+                    self.o.threads,
+                )
+                self.log(f"{self.o.gpus} local ranks ({'NCCL' if device.type == 'cuda' else 'gloo'}): "
+                         f"{cfg.train.batch_size} rows per rank per step")
+            if self.stop.is_set():
+                return False
+            if preparing is None:
+                preparing = asyncio.ensure_future(self._prepare(cfg, dataset, device, info))
+            prepared = await preparing
+        finally:
+            # A start that ends here (a stop, a failure) still waits for the build's thread: the
+            # trainer it makes is let go, and no exception of it goes unread.
+            if preparing is not None:
+                with contextlib.suppress(Exception):
+                    await asyncio.shield(preparing)
+        self.training = TrainingThread(
             cfg=cfg,
-            dataset=dataset,
-            device=device,
+            prepared=prepared,
             dataplane=self.dataplane,
             session=self.session,
             state=self.state,
@@ -214,7 +246,6 @@ class Node:
             threads=self.o.threads,
             max_rounds=self.o.max_rounds,
             log=self.log,
-            ranks=self.ranks,
             faults=self.o.faults,
         )
         if self.o.min_peers > 1 and not self.stop.is_set():
@@ -225,12 +256,22 @@ class Node:
         with contextlib.suppress(TimeoutError):  # a coordinator outage: the DHT alone decides
             await asyncio.wait_for(self.session.viewed.wait(), self.s.rpc_timeout_s)
         await self.training.restore()
+        self.times.restored = self.times.now()
         self.log(
             f"node {info.node_id}: {cfg.sync.algorithm} codec={cfg.sync.codec} H={cfg.sync.inner_steps} "
             f"model {cfg.model.preset} ({self.training.trainer.n_params / 1e6:.2f}M params) on {device}, "
-            f"from round {self.training.trainer.round}"
+            f"from round {self.training.trainer.round}; {self.times.line()}"
         )
         return True
+
+    async def _prepare(self, cfg: RunConfig, dataset: Dataset, device: torch.device, info: JoinRecord) -> Prepared:
+        began = time.monotonic()
+        prepared = await prepare(
+            cfg=cfg, dataset=dataset, device=device, state=self.state, node_id=info.node_id, settings=self.s,
+            threads=self.o.threads, ranks=self.ranks, faults=self.o.faults,
+        )
+        self.times.prepare_s = round(time.monotonic() - began, 2)
+        return prepared
 
     def _data_before_join(self) -> Dataset | None:
         """The dataset, opened before joining where its folder is known: ``--data``, or the run
@@ -246,7 +287,8 @@ class Node:
             return Dataset.open(cfg.data.path)
         return None
 
-    async def _open_dataplane(self, info: JoinRecord, ident: identity.Identity, cfg: RunConfig) -> DataPlane:
+    async def _open_dataplane(self, info: JoinRecord, ident: identity.Identity, cfg: RunConfig,
+                              on_forked: Callable[[], object] | None = None) -> DataPlane:
         if self.o.solo:
             self.log("solo mode: a one-member exchange, no peer server, no DHT")
             return SoloDataPlane(info.node_id, cfg)
@@ -268,6 +310,7 @@ class Node:
             client_mode=self.o.client_mode,
             dial_back=self.session.check_reachable if self.session is not None else None,
             gate=self.session,  # the coordinator grants each round's group before it is applied
+            on_forked=on_forked,
         )
         if self.session is not None:
             plane.on_publish = self.session.published  # heartbeats report round, hash, address
@@ -294,6 +337,15 @@ class Node:
             codes = await asyncio.to_thread(self.ranks.stop)
             if any(codes):
                 self.log(f"local ranks exited with {codes}")
+
+
+async def _first_of(task: asyncio.Future[object], other: Awaitable[object]) -> None:
+    """Until ``task`` is done or ``other`` is; ``other`` is called off if it is not."""
+    waiter = asyncio.ensure_future(other)
+    try:
+        await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        waiter.cancel()
 
 
 def run_node(options: NodeOptions) -> int:

@@ -33,8 +33,8 @@ from murmur.errors import MurmurError
 from murmur.node.daemon.dataplane import MemberTracker
 from murmur.node.daemon.run_view import RunView
 from murmur.node.daemon.settings import NodeSettings
+from murmur.node.daemon.shared_state import shared_state_hash
 from murmur.node.daemon.state_dir import JoinRecord
-from murmur.node.daemon.training import shared_state_hash
 from murmur.node.exchange.group import DHTGroup, RendezvousSettings, RoundGate
 from murmur.node.exchange.groups import DEFAULT_GROUP_SIZE, Formation
 from murmur.node.exchange.hierarchy import GroupedExchange
@@ -427,6 +427,7 @@ async def _start_dht(
     log: Callable[[str], None],
     refresh_bootstrap: Callable[[], Awaitable[list[str] | None]] | None = None,
     client_mode: bool = False,
+    on_forked: Callable[[], None] | None = None,
 ) -> MurmurDHT:
     initial = list(info.bootstrap_peers) + list(dht_peers)
     dht = MurmurDHT(
@@ -441,6 +442,7 @@ async def _start_dht(
             client_mode=client_mode,
         ),
     )
+    dht.on_forked = on_forked
     loop = asyncio.get_running_loop()
     deadline = loop.time() + settings.dht_start_timeout_s
     asked_at = -DHT_REFRESH_S
@@ -524,10 +526,12 @@ async def open_peer_dataplane(
     client_mode: str = "off",
     dial_back: Callable[[str], Awaitable[tuple[bool, str] | None]] | None = None,
     gate: RoundGate | None = None,
+    on_forked: Callable[[], None] | None = None,
 ) -> PeerDataPlane:
     """Start the peer server, settle client mode (``dial_back``: the coordinator's check of the
     address peers would dial), then the DHT (in hivemind's client mode too, for a client) and the
-    exchange on them; on any failure, stop what was started."""
+    exchange on them; on any failure, stop what was started. ``on_forked`` is called (from a
+    worker thread) once the DHT's process is forked, seconds before it is ready."""
     host, _, port = listen.rpartition(":")
     live = LivePeers()
     dht: MurmurDHT | None = None
@@ -544,7 +548,7 @@ async def open_peer_dataplane(
                     "client mode needs a DHT bootstrap peer that others can dial: the coordinator runs "
                     "no DHT here, so pass --dht-peer MULTIADDR of a reachable node"
                 )
-            dht = await _start_dht(ident, info, host, dht_peers, settings, log, refresh_bootstrap, client)
+            dht = await _start_dht(ident, info, host, dht_peers, settings, log, refresh_bootstrap, client, on_forked)
             undo.push_async_callback(asyncio.to_thread, dht.shutdown)
             return DHTGroup(
                 dht,

@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 from murmur.node.daemon import snapshot
-from murmur.node.daemon.training import shared_state_hash
+from murmur.node.daemon.shared_state import shared_state_hash
 from murmur.protocol.wire import tensors_hash
 
 # (record, commits, shared tensors, their digest): what the loop takes from a finished round.

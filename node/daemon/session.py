@@ -27,7 +27,7 @@ from murmur.node.daemon.run_view import RunView, new_incarnation
 from murmur.node.daemon.settings import NodeSettings
 from murmur.node.daemon.state_dir import JoinRecord, PendingCommit, StateDir
 from murmur.node.daemon.stop import StopSignal
-from murmur.node.daemon.training import LeaseView
+from murmur.node.daemon.window_types import LeaseView
 from murmur.node.net.loop import next_due
 from murmur.node.net.member_folder import join_or_rejoin
 from murmur.optim.exchange import ExchangeError
@@ -456,7 +456,7 @@ class CoordinatorSession:
         """A lease to train on, waiting through outages and busy shards; None once the node stops,
         or (``give_up``, polled while it waits) once that says so, or (``may_end_window``: a shard
         ran out in the window under way) at once when no shard is free: the window ends with the
-        steps it has (node/daemon/training.py), since waiting mid-window for a shard held by
+        steps it has (node/daemon/window.py), since waiting mid-window for a shard held by
         another node that waits the same way would hold both for good at a run's end.
 
         The coordinator's typed status decides (protocol/lease_status.py): every shard done or

@@ -24,7 +24,7 @@ def read_live(target: Any, run_id: str = "", *, timeout_s: float = 600.0) -> Sou
     ``target`` (protocol/admin_client.py's AdminTarget)."""
     import asyncio
 
-    from murmur.node.daemon.training import GLOBAL_PREFIXES
+    from murmur.node.daemon.shared_state import GLOBAL_PREFIXES
     from murmur.node.net.state_transfer import StateError, StateFetchSettings, afetch, state_name
     from murmur.node.train.build import resolve_model_config
     from murmur.protocol import coordinator_pb2 as pb

@@ -153,7 +153,7 @@ def _from_checkpoint(path: Path) -> Source:
 
 
 def _hash(weights: dict[str, torch.Tensor]) -> str:
-    """The state hash nodes publish (node/daemon/training.py's global_hash): sha256 over the
+    """The state hash nodes publish (node/daemon/shared_state.py's global_hash): sha256 over the
     `param/`-named parameters in model order."""
     from murmur.protocol.wire import tensors_hash
 
@@ -161,7 +161,7 @@ def _hash(weights: dict[str, torch.Tensor]) -> str:
 
 
 def _global_weights(state: dict[str, Any], folder: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    from murmur.node.daemon.training import GLOBAL_PREFIXES
+    from murmur.node.daemon.shared_state import GLOBAL_PREFIXES
     from murmur.protocol.wire import tensors_hash
 
     shared = state["shared"]

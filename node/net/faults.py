@@ -43,13 +43,13 @@ Delays (``delay``: sleep SECONDS at a named point, each time the point is reache
   stage_compute  before a stage peer computes a Forward or Backward (node/pipeline/service.py)
   peer_lookup    before a node looks its peers' records up in the DHT (node/daemon/peer_dataplane.py):
                  a joiner whose DHT is slow or unreachable sees nobody in time
-  checkpoint     before a node writes a round's local checkpoint (node/daemon/training_thread.py): a slow
+  checkpoint     before a node writes a round's local checkpoint (node/daemon/round_handoff.py): a slow
                  disk between a round's end and its commit
   lost_rounds    after the coordinator granted a node the number of rounds lost with their holders,
-                 before it goes on as that round and publishes its state (node/daemon/training_thread.py):
+                 before it goes on as that round and publishes its state (node/daemon/resume.py):
                  a restart slow enough that another one, back at the same moment, claims too
-  build_model    before a node builds its model and optimizer (node/daemon/training_thread.py), its
-                 heartbeats running: a large model on a slow machine
+  build_model    before a node builds its model and optimizer (node/daemon/training_thread.py's
+                 prepare, beside its DHT's start): a large model on a slow machine
 
 A slow machine (``slow``: each inner step of a node's training takes FACTOR times as long; after
 each step the node sleeps FACTOR - 1 times the step's own time, node/daemon/training_thread.py):
