@@ -66,3 +66,10 @@ def freeze_startup_heap() -> None:
     is never collected. The coordinator does the same (coordinator/server.py)."""
     gc.collect()
     gc.freeze()
+
+
+def thaw_startup_heap() -> None:
+    """Give the frozen heap back to the collector once the process has stopped serving, so the
+    interpreter's shutdown frees it: left frozen, triton's extension counts its objects as leaked and
+    prints "nanobind: leaked N instances!" into every stage peer's log at exit."""
+    gc.unfreeze()

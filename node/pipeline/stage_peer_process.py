@@ -75,7 +75,13 @@ from murmur.node.pipeline.config import (
     refuse_model_args,
 )
 from murmur.node.pipeline.member import PipelineMember
-from murmur.node.pipeline.memory import freeze_startup_heap, peak_rss_mb, return_freed_memory, rss_mb
+from murmur.node.pipeline.memory import (
+    freeze_startup_heap,
+    peak_rss_mb,
+    return_freed_memory,
+    rss_mb,
+    thaw_startup_heap,
+)
 from murmur.node.pipeline.schedule import RunSchedule
 from murmur.node.pipeline.stage_peer import StagePeer, StagePeerSettings
 from murmur.node.train.build import resolve_device
@@ -224,6 +230,7 @@ async def serve(args: argparse.Namespace, joined: Callable[[], PipelineMember] |
         follower.cancel()
     worker, service = peer.worker, peer.service
     await peer.stop()
+    thaw_startup_heap()
     if member is not None:
         await member.close()
     st = worker.stats
