@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -124,9 +125,26 @@ def run_pipeline(args, out: Path, config_path: Path, data: Path, coordinator_arg
         print("\ninterrupted: stopping the drivers and the stage peers")
     finally:
         codes = {d.name: d.stop() for d in drivers}
-        codes.update({p.name: p.stop() for p in peers})
+        codes.update(_stop_together(peers))
         codes["coordinator"] = net.stop_coordinator()
     return _summarize(out, view, drivers, codes, time.monotonic() - t0)
+
+
+def _stop_together(peers: list[PipelineProc]) -> dict[str, int | None]:
+    """SIGTERM every stage peer at once: stage-mates stopped together run one last sync round before
+    their final checkpoints (node/pipeline/stop_sync.py); stopped one after another, each found its
+    mates still serving and left them out."""
+    codes: dict[str, int | None] = {}
+
+    def one(p: PipelineProc) -> None:
+        codes[p.name] = p.stop()
+
+    threads = [threading.Thread(target=one, args=(p,)) for p in peers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return codes
 
 
 def _wait_ready(p: PipelineProc) -> None:
