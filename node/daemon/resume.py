@@ -13,37 +13,19 @@ before the training thread starts; what takes long runs in worker threads.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
 from typing import Any
 
 from murmur.errors import MurmurError
-from murmur.node.daemon.dataplane import DataPlane
-from murmur.node.daemon.session import CoordinatorSession
-from murmur.node.daemon.settings import NodeSettings
-from murmur.node.daemon.state_dir import StateDir
-from murmur.node.daemon.stop import StopSignal
-from murmur.node.daemon.training import NodeTrainer
-from murmur.node.net.faults import FaultInjector
-from murmur.protocol.runconfig import RunConfig
+from murmur.node.daemon.thread_parts import ThreadParts
 from murmur.protocol.wire import tensors_hash
 
 # The shortest look for a state while waiting for it (a fetch's gRPC calls need a moment).
 STATE_LOOK_MIN_S = 1.0
 
 
-class Resume:
+class Resume(ThreadParts):
     """The restore of a `TrainingThread` (whose __init__ sets every attribute named here)."""
 
-    cfg: RunConfig
-    trainer: NodeTrainer
-    dataplane: DataPlane
-    session: CoordinatorSession
-    state: StateDir
-    stop: StopSignal
-    s: NodeSettings
-    log: Callable[[str], None]
-    loop: asyncio.AbstractEventLoop
-    faults: FaultInjector | None
     _ratio_base_step: int
     _committed_sent: int
     _last_shared: dict[str, Any]

@@ -14,38 +14,20 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
 from typing import Any
 
-from murmur.node.daemon.dataplane import DataPlane
 from murmur.node.daemon.round_finish import RoundFinisher
-from murmur.node.daemon.session import CoordinatorSession
-from murmur.node.daemon.settings import NodeSettings
-from murmur.node.daemon.state_dir import StateDir
-from murmur.node.daemon.stop import StopSignal
-from murmur.node.daemon.training import NodeTrainer
-from murmur.node.net.faults import FaultInjector
-from murmur.protocol.runconfig import RunConfig
+from murmur.node.daemon.thread_parts import ThreadParts
 from murmur.protocol.wire import tensors_hash
 
 # Failed rounds in a row at one round that are retried at once; the next ones wait (_pace_retries).
 RETRIES_AT_ONCE = 3
 
 
-class Resync:
+class Resync(ThreadParts):
     """The re-syncs of a `TrainingThread` (whose __init__ sets every attribute named here; the
     leases' bookkeeping, `_forget_exhausted`, is node/daemon/round_handoff.py's)."""
 
-    cfg: RunConfig
-    trainer: NodeTrainer
-    dataplane: DataPlane
-    session: CoordinatorSession
-    state: StateDir
-    stop: StopSignal
-    s: NodeSettings
-    log: Callable[[str], None]
-    loop: asyncio.AbstractEventLoop
-    faults: FaultInjector | None
     _finisher: RoundFinisher | None
     _last_shared: dict[str, Any]
     _behind_since: float | None

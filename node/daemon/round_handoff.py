@@ -12,40 +12,22 @@ its one line.
 
 from __future__ import annotations
 
-import asyncio
 import time
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from murmur.node.daemon.dataplane import DataPlane
 from murmur.node.daemon.metrics import NodeMetrics
-from murmur.node.daemon.session import CoordinatorSession
-from murmur.node.daemon.settings import NodeSettings
-from murmur.node.daemon.state_dir import PendingCommit, StateDir
-from murmur.node.daemon.stop import StopSignal
-from murmur.node.daemon.training import NodeTrainer
+from murmur.node.daemon.state_dir import PendingCommit
+from murmur.node.daemon.thread_parts import ThreadParts
 from murmur.node.daemon.window_types import WindowResult
-from murmur.node.net.faults import FaultInjector
 from murmur.protocol.model_shape import ddp_bytes
 from murmur.protocol.reachability import is_client
-from murmur.protocol.runconfig import RunConfig
 
 
-class RoundHandoff:
+class RoundHandoff(ThreadParts):
     """The round hand-over of a `TrainingThread` (whose __init__ sets every attribute named here)."""
 
-    cfg: RunConfig
-    trainer: NodeTrainer
-    dataplane: DataPlane
-    session: CoordinatorSession
-    state: StateDir
-    stop: StopSignal
-    s: NodeSettings
-    log: Callable[[str], None]
-    loop: asyncio.AbstractEventLoop
-    faults: FaultInjector | None
     metrics: NodeMetrics
     _ratio_base_step: int
     _committed_sent: int
