@@ -18,6 +18,10 @@ list when it changed since the node's last reply, else ``view_unchanged``. ``--r
 each trainer also reports a new round every S seconds (spread), so the view changes all the time,
 as in a run whose rounds end at different times: the cost of resending it.
 
+Heartbeats go on each node's own long-lived stream (HeartbeatStream), as the node daemon's do;
+``--unary`` uses the unary Heartbeat call of older nodes instead, to compare like with like.
+``--section NAME`` writes the table under that key of the results file and keeps the rest of it.
+
 Targets: issue 6, 1,000 nodes at 1 Hz with p99 under 50 ms on 2 cores; issue 49, 10,000.
 """
 
@@ -71,7 +75,9 @@ async def _worker(args: argparse.Namespace) -> None:
                                                        csr_pem=identity.make_csr(key)),
                                         metadata=version_metadata(), timeout=60)
             ident = identity.Identity(key=key, cert_pem=reply.certificate_pem, ca_cert_pem=ca_pem)
-            clients.append(MemberClient(reply.node_address, ident, timeout_s=CALL_TIMEOUT_S))
+            client = MemberClient(reply.node_address, ident, timeout_s=CALL_TIMEOUT_S)
+            client.heartbeat_stream = not args.unary  # --unary: the Heartbeat call of older nodes
+            clients.append(client)
 
         await asyncio.gather(*(join_one() for _ in range(args.nodes)))
     async def acquire(c: MemberClient):  # each an fsynced transaction: 10,000 at once outlast the call timeout
@@ -196,6 +202,19 @@ def _renice_session(nice: int) -> None:
             print(f"note: could not set the session's priority ({err}); measuring without it", file=sys.stderr)
 
 
+SHARED = ("what simulated nodes share: a load process runs many of them on one asyncio loop (its CPU, its "
+          "gRPC library); each has its own key, certificate, mutual-TLS channel (its own TCP connection) and "
+          "lease, and heartbeats on its own schedule over its own stream (or its own unary calls with --unary)")
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True,
+                              cwd=Path(__file__).resolve().parent).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
 def _pct(values: list[float], q: float) -> float:
     if not values:
         return float("nan")
@@ -205,7 +224,8 @@ def _pct(values: list[float], q: float) -> float:
 
 def measure(nodes: int, hz: float, seconds: float, workers: int, commit_every: float,
             nice: int = 0, coord_cpus: set[int] | None = None,
-            load_cpus: set[int] | None = None, trainers: bool = False, round_every: float = 0.0) -> dict[str, object]:
+            load_cpus: set[int] | None = None, trainers: bool = False, round_every: float = 0.0,
+            unary: bool = False) -> dict[str, object]:
     import psutil
 
     from murmur.protocol import coordinator_pb2 as pb
@@ -241,7 +261,8 @@ def measure(nodes: int, hz: float, seconds: float, workers: int, commit_every: f
                 [sys.executable, __file__, "--worker", "--address", info["address"], "--token", token,
                  "--nodes", str(share), "--hz", str(hz), "--seconds", str(seconds),
                  "--commit-every", str(commit_every), "--index", str(w), "--out", str(out),
-                 "--round-every", str(round_every), *(["--trainers"] if trainers else [])],
+                 "--round-every", str(round_every), *(["--trainers"] if trainers else []),
+                 *(["--unary"] if unary else [])],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, preexec_fn=_renice(nice, load_cpus)))
         for p in procs:  # every node joined, leased and connected
             if p.stdout.readline().strip() != "ready":  # type: ignore[union-attr]
@@ -282,7 +303,8 @@ def measure(nodes: int, hz: float, seconds: float, workers: int, commit_every: f
     clat = [x for r in results for x in r["commit_latencies"]]
     commits = sum(r["commits"] for r in results)
     return {
-        "nodes": nodes, "heartbeat_hz": hz, "trainers": trainers, "round_every_s": round_every or None,
+        "nodes": nodes, "heartbeat_hz": hz, "heartbeat": "unary" if unary else "stream",
+        "trainers": trainers, "round_every_s": round_every or None,
         "views_per_s": round(sum(r.get("views", 0) for r in results) / seconds, 1),
         "cpu_us_per_call": round(1e6 * busy / max(1, len(lat) + commits), 1),
         "load_processes": workers,
@@ -305,11 +327,14 @@ def main() -> int:
     parser.add_argument("--commit-every", type=float, default=10.0, help="seconds between a node's commits")
     parser.add_argument("--trainers", action="store_true", help="nodes heartbeat as trainers (the view in replies)")
     parser.add_argument("--round-every", type=float, default=0.0, help="with --trainers: a new round this often")
+    parser.add_argument("--unary", action="store_true",
+                        help="heartbeat with the unary Heartbeat call (older nodes) instead of the stream")
     parser.add_argument("--nice", type=int, default=0, help="niceness of the coordinator and load processes")
     parser.add_argument("--coordinator-cpus", help="pin the coordinator to these CPUs, e.g. 0-1")
     parser.add_argument("--load-cpus", help="pin the load generators to these CPUs, e.g. 2-15")
     parser.add_argument("--results", default=str(RESULTS), help="results file")
     parser.add_argument("--no-write", action="store_true", help="print, do not write the results file")
+    parser.add_argument("--section", help="write the table under this key of the results file, keeping the rest")
     # worker mode (internal)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     for name in ("--address", "--token", "--out"):
@@ -324,7 +349,8 @@ def main() -> int:
     rows = []
     for nodes, hz in rows_spec:
         row = measure(nodes, hz, args.seconds, args.workers, args.commit_every, args.nice,
-                      _cpu_set(args.coordinator_cpus), _cpu_set(args.load_cpus), args.trainers, args.round_every)
+                      _cpu_set(args.coordinator_cpus), _cpu_set(args.load_cpus), args.trainers, args.round_every,
+                      args.unary)
         print(json.dumps(row), flush=True)
         rows.append(row)
     if not args.no_write:
@@ -337,15 +363,21 @@ def main() -> int:
             where = ("latency is client-side (includes the load generator's own loop delay, on the same 2 cores "
                      "as the coordinator: an upper bound); load_avg_1m is the machine's load before the window "
                      "(other jobs share these 2 cores)")
-        out.write_text(json.dumps({
+        table = {
             "device": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores (CPU only)",
             "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+            "commit": _commit(),
             "command": "python " + " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
             "notes": f"{where}; {args.workers} load processes; each node commits every {args.commit_every:g} s; "
                      f"cpu_pct is the coordinator process, % of one core; SQLite WAL synchronous=FULL; "
-                     f"niceness {args.nice}",
+                     f"niceness {args.nice}; {SHARED}",
             "rows": rows,
-        }, indent=1) + "\n")
+        }
+        if args.section:  # beside the file's other tables, which stay as they are
+            whole = json.loads(out.read_text()) if out.exists() else {}
+            whole[args.section] = table
+            table = whole
+        out.write_text(json.dumps(table, indent=1) + "\n")
         print(f"wrote {out}")
     return 0
 

@@ -47,6 +47,17 @@ class ServeError(MurmurError):
     pass
 
 
+# gRPC's core cancels calls beyond 1,000 waiting for the server to take them (3,000 hard): a join
+# storm, or the heartbeat streams of thousands of nodes opening at once after a restart, go past
+# that, and measured at 2,000 streams opened together the calls above it were CANCELLED at the
+# clients. Every node holds one heartbeat stream, so the bound is set well above any run's nodes.
+PENDING_CALLS = 100_000
+PENDING_OPTIONS = [
+    ("grpc.server.max_pending_requests", PENDING_CALLS),
+    ("grpc.server.max_pending_requests_hard_limit", PENDING_CALLS),
+]
+
+
 @dataclass(kw_only=True, slots=True)
 class ServeOptions:
     db: Path
@@ -138,7 +149,7 @@ class Coordinator:
         # the child (abseil's mutex check); nothing of gRPC exists yet here.
         if opts.dht:
             await self._start_dht()
-        self.server = grpc.aio.server(options=tls.server_options(s.max_message_bytes))
+        self.server = grpc.aio.server(options=[*tls.server_options(s.max_message_bytes), *PENDING_OPTIONS])
         # A request that does not parse is refused in one line (INVALID_ARGUMENT), on every method.
         malformed.register(pb_grpc.add_CoordinatorServicer_to_server, self.service, self.server)
         kept_server.register(self.server, self.keeper, self.membership)  # GetState of kept states
@@ -244,6 +255,7 @@ class Coordinator:
     async def close(self, sweeper: asyncio.Task[None] | None = None) -> None:
         self._stop.set()
         if self.server is not None:
+            await self.service.end_streams()  # each node's heartbeat stream would hold the grace period
             await self.server.stop(self.settings.grpc_grace_s)
         if sweeper is not None:
             await sweeper

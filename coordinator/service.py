@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import hmac
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 import grpc
@@ -27,6 +27,7 @@ from murmur.protocol.reachability import dial_back
 from murmur.protocol.version import VERSION_METADATA_KEY, VersionMismatch, check_version
 
 from .gone import MAX_GONE_PER_REPORT, GoneReports
+from .group_commit import GroupCommit
 from .keeper import StateKeeper, kept_name
 from .leases import Progress
 from .membership import Membership, NoStateYet
@@ -89,6 +90,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self.views = TrainerViews(membership.trainers, membership.live_trainers, settings.heartbeat_interval_s,
                                   clock=membership.clock)
         self.gone = GoneReports(membership, settings.gone_dial_every_s)
+        self.group = GroupCommit(store)  # commits that arrive together share one transaction (one fsync)
+        self._streams: set[grpc.aio.ServicerContext] = set()  # the open heartbeat streams
         # The run's kept states and the operator's recovery decisions (coordinator/keeper.py,
         # coordinator/recovery.py); set by the server. started_at: heartbeat replies carry it,
         # so nodes see a restart (and dial its DHT peer again) even through no failed call.
@@ -99,11 +102,15 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
 
     # --- plumbing ------------------------------------------------------------------------------
 
-    async def _run(self, method: str, context: grpc.aio.ServicerContext, fn: Callable[[], T]) -> T:
-        """Check the protocol version, run ``fn``, and turn a MurmurError into a one-line gRPC status."""
+    async def _run(
+        self, method: str, context: grpc.aio.ServicerContext, fn: Callable[[], T], *, batched: bool = False
+    ) -> T:
+        """Check the protocol version, run ``fn``, and turn a MurmurError into a one-line gRPC status.
+        ``batched``: ``fn`` writes the ledger and shares its transaction (one fsync) with the calls
+        that arrive with it (coordinator/group_commit.py); answered once that is on disk."""
         try:
             check_version(_metadata(context).get(VERSION_METADATA_KEY), who="client")
-            result = fn()
+            result = await self.group.run(fn) if batched else fn()
         except VersionMismatch as err:
             self.stats.count(method, False)
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(err))
@@ -126,6 +133,12 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
 
     def _node(self, context: grpc.aio.ServicerContext) -> tuple[str, str]:
         """(node id, run id) of the caller, from the certificate the mutual-TLS handshake verified."""
+        node_id = self._caller(context)
+        return node_id, self.membership.member(node_id)
+
+    def _caller(self, context: grpc.aio.ServicerContext) -> str:
+        """The caller's node id, from its verified certificate (a stream reads it once: reading the
+        auth context is a third of a streamed heartbeat's own Python time)."""
         auth = context.auth_context()
         names = auth.get("x509_common_name") or []
         if not names:
@@ -133,8 +146,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 "member calls need the node certificate: call the coordinator's node address "
                 "(the join reply names it) with mutual TLS"
             )
-        node_id = names[0].decode()
-        return node_id, self.membership.member(node_id)
+        return str(names[0].decode())
 
     # --- joining -------------------------------------------------------------------------------
 
@@ -168,40 +180,81 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 tls_server_name=TLS_SERVER_NAME,
             )
 
-        return await self._run("Join", context, call)
+        return await self._run("Join", context, call, batched=True)  # a join storm: one fsync per batch
 
     # --- members -------------------------------------------------------------------------------
 
     async def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.aio.ServicerContext) -> pb.HeartbeatReply:
-        def call() -> pb.HeartbeatReply:
-            node_id, run_id = self._node(context)
-            peer = None
-            if request.incarnation:
-                peer = (request.incarnation, request.peer_address, request.round, request.state_hash)
-            self.membership.heartbeat(node_id, request.tokens_per_s, peer, starting=request.starting)
-            order = None
-            if request.HasField("stage_peer"):
-                order = self.stage_board.report(node_id, run_id, request.stage_peer)
-            if request.measured:  # a pipeline driver's measurements of the stage peers
-                self.stage_board.measured(node_id, run_id, list(request.measured)[:MAX_MEASURED])
-            reply = pb.HeartbeatReply(
-                run_state=self.membership.run_states.get(run_id, "finished"),
-                heartbeat_interval_s=self.settings.heartbeat_interval_s,
-                lease_ttl_s=self.settings.lease_ttl_s,
-            )
-            if peer is not None:
-                self._view_into(reply, run_id, node_id, request.view_version)
-            self._durability_into(reply, run_id)
-            if order is not None:
-                reply.stage_order.CopyFrom(order)
-            version = self.membership.ban_version
-            if version != request.ban_list_version:
-                reply.ban_list_changed = True
-                reply.ban_list.version = version
-                reply.ban_list.node_ids.extend(sorted(self.store.banned()))
-            return reply
+        return await self._run("Heartbeat", context, lambda: self._heartbeat(request, context))
 
-        return await self._run("Heartbeat", context, call)
+    async def HeartbeatStream(
+        self, requests: AsyncIterator[pb.HeartbeatRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.HeartbeatReply]:
+        """Heartbeats on one long-lived stream per node, each answered as Heartbeat answers it (a
+        message on an open stream costs far less than a unary call). A refusal ends the stream
+        with Heartbeat's status and reason; the node opens a new stream for its next heartbeat."""
+        try:
+            check_version(_metadata(context).get(VERSION_METADATA_KEY), who="client")
+        except VersionMismatch as err:
+            self.stats.count("HeartbeatStream", False)
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(err))
+        self._streams.add(context)
+        try:
+            caller = None
+            async for request in requests:
+                try:
+                    caller = caller or self._caller(context)
+                    reply = self._heartbeat(request, context, caller)
+                except MurmurError as err:
+                    self.stats.count("HeartbeatStream", False)
+                    code = getattr(grpc.StatusCode, getattr(err, "code", "INVALID_ARGUMENT"))
+                    await context.abort(code, str(err))
+                self.stats.count("HeartbeatStream", True)  # per heartbeat: murmur_rpc_calls_total{method}
+                yield reply
+        finally:
+            self._streams.discard(context)
+
+    async def end_streams(self) -> None:
+        """Stopping: end every open heartbeat stream now with UNAVAILABLE (its node sees an outage,
+        as a unary call to a stopped coordinator fails), rather than let each hold the server's
+        shutdown for its whole grace period (measured: 2.2 s with one node, 0.15 s without)."""
+        for context in list(self._streams):
+            with contextlib.suppress(Exception):  # abort raises once it has sent the status
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "the coordinator is stopping")
+
+    def _heartbeat(
+        self, request: pb.HeartbeatRequest, context: grpc.aio.ServicerContext, caller: str = ""
+    ) -> pb.HeartbeatReply:
+        """One heartbeat and its reply, unary or streamed alike: membership (memory only), a stage
+        peer's report, the view, the durability fields, the ban list when it changed. ``caller``:
+        the node id a stream read from its certificate already."""
+        node_id = caller or self._caller(context)
+        run_id = self.membership.member(node_id)
+        peer = None
+        if request.incarnation:
+            peer = (request.incarnation, request.peer_address, request.round, request.state_hash)
+        self.membership.heartbeat(node_id, request.tokens_per_s, peer, starting=request.starting)
+        order = None
+        if request.HasField("stage_peer"):
+            order = self.stage_board.report(node_id, run_id, request.stage_peer)
+        if request.measured:  # a pipeline driver's measurements of the stage peers
+            self.stage_board.measured(node_id, run_id, list(request.measured)[:MAX_MEASURED])
+        reply = pb.HeartbeatReply(
+            run_state=self.membership.run_states.get(run_id, "finished"),
+            heartbeat_interval_s=self.settings.heartbeat_interval_s,
+            lease_ttl_s=self.settings.lease_ttl_s,
+        )
+        if peer is not None:
+            self._view_into(reply, run_id, node_id, request.view_version)
+        self._durability_into(reply, run_id)
+        if order is not None:
+            reply.stage_order.CopyFrom(order)
+        version = self.membership.ban_version
+        if version != request.ban_list_version:
+            reply.ban_list_changed = True
+            reply.ban_list.version = version
+            reply.ban_list.node_ids.extend(sorted(self.store.banned()))
+        return reply
 
     def _durability_into(self, reply: pb.HeartbeatReply | pb.StatusReply, run_id: str = "") -> None:
         """When this process started, the state it keeps of the run, and whether the run waits for
@@ -265,7 +318,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 ),
             )
 
-        return await self._run("AcquireLease", context, call)
+        return await self._run("AcquireLease", context, call, batched=True)
 
     async def Commit(self, request: pb.CommitRequest, context: grpc.aio.ServicerContext) -> pb.CommitReply:
         def call() -> pb.CommitReply:
@@ -291,7 +344,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 run_tokens_committed=int(self.store.run_totals(run_id)["tokens_committed"]),
             )
 
-        return await self._run("Commit", context, call)
+        return await self._run("Commit", context, call, batched=True)
 
     def _check_round(self, run_id: str, node_id: str, request: pb.CommitRequest) -> None:
         """Refuse (and count) a commit of tokens that reached a split's model, not the run's."""

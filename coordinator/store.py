@@ -219,11 +219,22 @@ class Store:
 
     @contextmanager
     def write(self) -> Iterator[sqlite3.Connection]:
-        """One write transaction (nested uses join the outer one). Rolled back on any exception."""
+        """One write transaction, rolled back on any exception. A nested use is a savepoint of the
+        outer one: its exception rolls back its own writes only, and the outer transaction goes on
+        (several commits share one transaction, and one fsync, that way: coordinator/group_commit.py;
+        a refused one takes back nothing of the others)."""
         if self._depth:
+            savepoint = f"nested{self._depth}"
+            self.db.execute(f"SAVEPOINT {savepoint}")
             self._depth += 1
             try:
                 yield self.db
+            except BaseException:
+                self.db.execute(f"ROLLBACK TO {savepoint}")
+                self.db.execute(f"RELEASE {savepoint}")
+                raise
+            else:
+                self.db.execute(f"RELEASE {savepoint}")
             finally:
                 self._depth -= 1
             return

@@ -146,8 +146,16 @@ class MemberClient:
         # heartbeat, so the coordinator lists only what changed since (coordinator/trainer_view.py).
         self.view_version = 0
         self.view_members: dict[str, pb.LiveMember] = {}
+        # Heartbeats go on one long-lived stream (HeartbeatStream: a message on an open stream costs
+        # the coordinator far less than a unary call); a coordinator without it answers
+        # UNIMPLEMENTED once and this client uses the unary Heartbeat from then on. One heartbeat at
+        # a time on the stream (the lock), so each reply is the answer to its own request.
+        self.heartbeat_stream = True
+        self._beats: Any = None
+        self._beats_lock = asyncio.Lock()
 
     async def close(self) -> None:
+        self._drop_stream()
         await self.channel.close()
 
     async def __aenter__(self) -> MemberClient:
@@ -175,11 +183,63 @@ class MemberClient:
         if peer is not None:
             request.MergeFrom(peer)
             request.view_version = self.view_version
-        reply = await self._call("Heartbeat", request)
+        if starting:
+            # The process forks its DHT next, and a fork must never happen under a live gRPC call
+            # (the child aborts: node/daemon/node.py); a stream is a live call for as long as it is
+            # open, so this one heartbeat is unary and leaves none open. The stream opens with the
+            # heartbeats that follow, once the DHT's process runs.
+            self._drop_stream()
+            reply = await self._call("Heartbeat", request)
+        else:
+            reply = await self._beat(request)
         if reply.ban_list_changed:
             self.ban_list_version = reply.ban_list.version
         self.take_view(reply)
         return reply
+
+    async def _beat(self, request: pb.HeartbeatRequest) -> pb.HeartbeatReply:
+        """One heartbeat: on the stream (opened now if none is open), else unary. Every failure is a
+        CoordinatorError as a unary call's would be, and drops the stream: the next heartbeat opens
+        a fresh one (a reply still in flight on the old one is never taken for its answer)."""
+        if not self.heartbeat_stream:
+            return await self._call("Heartbeat", request)
+        async with self._beats_lock:
+            try:
+                return await asyncio.wait_for(self._round_trip(request), self.timeout_s)
+            except TimeoutError:
+                self._drop_stream()
+                raise CoordinatorError("Heartbeat", grpc.StatusCode.DEADLINE_EXCEEDED, "") from None
+            except grpc.aio.AioRpcError as err:
+                self._drop_stream()
+                if err.code() != grpc.StatusCode.UNIMPLEMENTED:
+                    raise CoordinatorError("Heartbeat", err.code(), err.details() or "") from None
+            except BaseException:  # cancelled mid-way (a caller's wait_for): the pairing is unknown
+                self._drop_stream()
+                raise
+        self.heartbeat_stream = False  # an older coordinator: unary from now on
+        return await self._call("Heartbeat", request)
+
+    async def _round_trip(self, request: pb.HeartbeatRequest) -> pb.HeartbeatReply:
+        if self._beats is None:
+            self._beats = self.stub.HeartbeatStream(metadata=self.metadata)
+        beats = self._beats
+        try:
+            await beats.write(request)
+            reply = await beats.read()
+        except asyncio.InvalidStateError:  # the stream had ended (the coordinator refused or went away)
+            reply = grpc.aio.EOF
+        if reply is grpc.aio.EOF:  # ended: its status says why (an OK end is the coordinator stopping)
+            code = await beats.code()
+            details = await beats.details()
+            if code == grpc.StatusCode.OK:
+                code, details = grpc.StatusCode.UNAVAILABLE, "the coordinator ended the heartbeat stream"
+            raise grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
+        return reply
+
+    def _drop_stream(self) -> None:
+        if self._beats is not None:
+            self._beats.cancel()
+            self._beats = None
 
     def take_view(self, reply: pb.HeartbeatReply) -> None:
         """Bring the view this client holds to the reply's version (whole, or the changes applied)."""

@@ -44,6 +44,11 @@ class CoordinatorStub:
                 request_serializer=murmur_dot_protocol_dot_coordinator__pb2.HeartbeatRequest.SerializeToString,
                 response_deserializer=murmur_dot_protocol_dot_coordinator__pb2.HeartbeatReply.FromString,
                 _registered_method=True)
+        self.HeartbeatStream = channel.stream_stream(
+                '/murmur.v1.Coordinator/HeartbeatStream',
+                request_serializer=murmur_dot_protocol_dot_coordinator__pb2.HeartbeatRequest.SerializeToString,
+                response_deserializer=murmur_dot_protocol_dot_coordinator__pb2.HeartbeatReply.FromString,
+                _registered_method=True)
         self.AcquireLease = channel.unary_unary(
                 '/murmur.v1.Coordinator/AcquireLease',
                 request_serializer=murmur_dot_protocol_dot_coordinator__pb2.AcquireLeaseRequest.SerializeToString,
@@ -203,6 +208,18 @@ class CoordinatorServicer:
 
     def Heartbeat(self, request, context):
         """---- members (node address, mutual TLS)
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def HeartbeatStream(self, request_iterator, context):
+        """The same heartbeat on one long-lived stream per node: each request is answered by one reply,
+        in order, exactly as Heartbeat answers it (a refusal ends the stream with Heartbeat's status;
+        the node opens a new one for its next heartbeat). A message on an open stream costs the
+        coordinator well under half a unary call, which is what lets one process serve thousands of
+        nodes a second (docs/coordinator.md, "At scale"). Nodes fall back to Heartbeat on a
+        coordinator that answers UNIMPLEMENTED.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -421,6 +438,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     request_deserializer=murmur_dot_protocol_dot_coordinator__pb2.HeartbeatRequest.FromString,
                     response_serializer=murmur_dot_protocol_dot_coordinator__pb2.HeartbeatReply.SerializeToString,
             ),
+            'HeartbeatStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.HeartbeatStream,
+                    request_deserializer=murmur_dot_protocol_dot_coordinator__pb2.HeartbeatRequest.FromString,
+                    response_serializer=murmur_dot_protocol_dot_coordinator__pb2.HeartbeatReply.SerializeToString,
+            ),
             'AcquireLease': grpc.unary_unary_rpc_method_handler(
                     servicer.AcquireLease,
                     request_deserializer=murmur_dot_protocol_dot_coordinator__pb2.AcquireLeaseRequest.FromString,
@@ -619,6 +641,33 @@ class Coordinator:
             request,
             target,
             '/murmur.v1.Coordinator/Heartbeat',
+            murmur_dot_protocol_dot_coordinator__pb2.HeartbeatRequest.SerializeToString,
+            murmur_dot_protocol_dot_coordinator__pb2.HeartbeatReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def HeartbeatStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/murmur.v1.Coordinator/HeartbeatStream',
             murmur_dot_protocol_dot_coordinator__pb2.HeartbeatRequest.SerializeToString,
             murmur_dot_protocol_dot_coordinator__pb2.HeartbeatReply.FromString,
             options,
