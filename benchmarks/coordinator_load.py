@@ -236,13 +236,14 @@ def measure(nodes: int, hz: float, seconds: float, workers: int, commit_every: f
     # joined): 10,000 joins take minutes here, and nodes lost meanwhile would churn the view.
     ttl = max(60, nodes // 20)
     db = tmp / "coord.db"
+    coord_log = (tmp / "coordinator.log").open("w")  # its warnings, for a row that fails
     coord = subprocess.Popen(
         [sys.executable, *os.environ.get("LOAD_COORD_PY", "").split(), "-m", "murmur.cli", "coordinator", "serve",
          "--db", str(db), "--listen", "127.0.0.1:0",
          "--node-listen", "127.0.0.1:0", "--metrics-listen", "off", "--no-dht", "--heartbeat-interval", str(1 / hz),
          "--heartbeat-ttl", str(ttl), "--lease-ttl", str(2 * ttl), "--join-grace", str(ttl),
          *os.environ.get("LOAD_COORD_ARGS", "").split()],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, preexec_fn=_renice(nice, coord_cpus),
+        stdout=subprocess.PIPE, stderr=coord_log, text=True, preexec_fn=_renice(nice, coord_cpus),
     )
     procs: list[subprocess.Popen[str]] = []
     try:
