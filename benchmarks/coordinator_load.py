@@ -38,6 +38,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results" / "coordinator_load.json"
@@ -56,7 +57,7 @@ async def _worker(args: argparse.Namespace) -> None:
     from murmur.protocol import coordinator_pb2 as pb
     from murmur.protocol import coordinator_pb2_grpc as pb_grpc
     from murmur.protocol import identity
-    from murmur.protocol.coordinator_client import MemberClient
+    from murmur.protocol.coordinator_client import CoordinatorError, MemberClient
     from murmur.protocol.jointoken import JoinToken, fetch_pinned_ca
     from murmur.protocol.version import PROTOCOL_VERSION, version_metadata
 
@@ -96,9 +97,14 @@ async def _worker(args: argparse.Namespace) -> None:
     # after it started serving): wait for that, so the window measures replies with the view.
     while args.trainers and not (await clients[0].heartbeat(peer=as_trainer(0, 0))).view_whole:
         await asyncio.sleep(1.0)
+    setup_errors: list[str] = []
+
     async def beat(i: int, c: MemberClient) -> None:
         async with gate:
-            await c.heartbeat(peer=as_trainer(i, 0))
+            try:
+                await c.heartbeat(peer=as_trainer(i, 0))
+            except CoordinatorError as err:  # counted and reported; the node's next heartbeat tries again
+                setup_errors.append(str(err.code))
         getattr(c, "view_members", {}).clear()  # see run_node
 
     # Open every channel before the clock starts (a trainer's first heartbeat changes the view).
@@ -158,6 +164,7 @@ async def _worker(args: argparse.Namespace) -> None:
     await asyncio.gather(*(c.close() for c in clients))
     Path(args.out).write_text(json.dumps({"latencies": latencies, "commit_latencies": commit_latencies,
                                           "commits": commits, "errors": errors, "views": views,
+                                          "setup_errors": setup_errors,
                                           "trace": trace}))
 
 
@@ -315,6 +322,8 @@ def measure(nodes: int, hz: float, seconds: float, workers: int, commit_every: f
         "client_cpu_pct": round(100 * client_busy / window, 1),
         "heartbeats_per_s": round(len(lat) / seconds, 1),
         "commit_p99_ms": round(1000 * _pct(clat, 0.99), 2), "errors": sum(r["errors"] for r in results),
+        # heartbeats that failed while every node opened its stream, before the window (by status)
+        "setup_errors": dict(Counter(code for r in results for code in r["setup_errors"])),
         "load_avg_1m": round(load_before, 2),
     }
 
