@@ -45,6 +45,7 @@ RESULTS = Path(__file__).resolve().parent / "results" / "coordinator_load.json"
 DEFAULT_ROWS = [(100, 1.0), (500, 1.0), (1000, 1.0), (1000, 2.0), (10000, 1.0)]
 START_TIMEOUT_S = 60.0
 JOIN_CONCURRENCY = 32
+SETUP_TRIES = 5  # a join or lease call that fails before the window is tried this often
 CALL_TIMEOUT_S = 120  # a call in the join storm of 10,000 nodes waits behind thousands of others
 
 
@@ -66,24 +67,39 @@ async def _worker(args: argparse.Namespace) -> None:
     opts = [("grpc.ssl_target_name_override", "murmur-coordinator")]
     clients: list[MemberClient] = []
     gate = asyncio.Semaphore(JOIN_CONCURRENCY)
+    setup_errors: list[str] = []  # calls that failed before the window (retried), by method and status
     async with grpc.aio.secure_channel(args.address, grpc.ssl_channel_credentials(ca_pem), options=opts) as ch:
         stub = pb_grpc.CoordinatorStub(ch)
 
         async def join_one() -> None:
             key = identity.generate_key()
-            async with gate:
-                reply = await stub.Join(pb.JoinRequest(protocol_version=PROTOCOL_VERSION, token=args.token,
-                                                       csr_pem=identity.make_csr(key)),
-                                        metadata=version_metadata(), timeout=60)
+            request = pb.JoinRequest(protocol_version=PROTOCOL_VERSION, token=args.token,
+                                     csr_pem=identity.make_csr(key))
+            for attempt in range(SETUP_TRIES):  # a failed join is counted and tried again, as a node's would be
+                try:
+                    async with gate:
+                        reply = await stub.Join(request, metadata=version_metadata(), timeout=60)
+                    break
+                except grpc.aio.AioRpcError as err:
+                    setup_errors.append(f"Join {err.code()}")
+                    if attempt == SETUP_TRIES - 1:
+                        raise
             ident = identity.Identity(key=key, cert_pem=reply.certificate_pem, ca_cert_pem=ca_pem)
             client = MemberClient(reply.node_address, ident, timeout_s=CALL_TIMEOUT_S)
             client.heartbeat_stream = not args.unary  # --unary: the Heartbeat call of older nodes
             clients.append(client)
 
         await asyncio.gather(*(join_one() for _ in range(args.nodes)))
-    async def acquire(c: MemberClient):  # each an fsynced transaction: 10,000 at once outlast the call timeout
-        async with gate:
-            return await c.acquire()
+    async def acquire(c: MemberClient):
+        for attempt in range(SETUP_TRIES):
+            try:
+                async with gate:
+                    return await c.acquire()
+            except CoordinatorError as err:
+                setup_errors.append(f"AcquireLease {err.code}")
+                if attempt == SETUP_TRIES - 1:
+                    raise
+        return None
 
     leases = await asyncio.gather(*(acquire(c) for c in clients))
 
@@ -97,14 +113,12 @@ async def _worker(args: argparse.Namespace) -> None:
     # after it started serving): wait for that, so the window measures replies with the view.
     while args.trainers and not (await clients[0].heartbeat(peer=as_trainer(0, 0))).view_whole:
         await asyncio.sleep(1.0)
-    setup_errors: list[str] = []
-
     async def beat(i: int, c: MemberClient) -> None:
         async with gate:
             try:
                 await c.heartbeat(peer=as_trainer(i, 0))
             except CoordinatorError as err:  # counted and reported; the node's next heartbeat tries again
-                setup_errors.append(str(err.code))
+                setup_errors.append(f"Heartbeat {err.code}")
         getattr(c, "view_members", {}).clear()  # see run_node
 
     # Open every channel before the clock starts (a trainer's first heartbeat changes the view).
@@ -259,7 +273,8 @@ def measure(nodes: int, hz: float, seconds: float, workers: int, commit_every: f
         config = 'name = "load"\n[model]\npreset = "tiny"\n'
         with AdminClient(resolve(info["address"], info["admin_key_file"], None)) as admin:
             admin.call("CreateRun", pb.CreateRunRequest(config_toml=config, manifest_json=manifest))
-            token = admin.call("CreateToken", pb.CreateTokenRequest(ttl_s=3600, uses=nodes)).token
+            # Uses for retries too: a join whose reply was lost used one up.
+            token = admin.call("CreateToken", pb.CreateTokenRequest(ttl_s=3600, uses=SETUP_TRIES * nodes)).token
         outs = []
         for w in range(workers):
             share = nodes // workers + (1 if w < nodes % workers else 0)
