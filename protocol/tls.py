@@ -16,6 +16,8 @@ fails, so the stranger's call ends UNAVAILABLE and the server never sees a reque
 
 from __future__ import annotations
 
+import functools
+
 import grpc
 
 from murmur.protocol.identity import BanList, Identity, IdentityError, node_id_of_certificate
@@ -83,7 +85,15 @@ def authenticated_peer(auth_context: dict[str, list[bytes]], ban_list: BanList |
     pem = auth_context.get("x509_pem_cert")
     if not pem:
         raise IdentityError("the connection carries no client certificate (mutual TLS is required)")
-    node_id = node_id_of_certificate(pem[0])
+    node_id = _node_id_of_pem(pem[0])
     if ban_list is not None:
         ban_list.check(node_id)
     return node_id
+
+
+# A certificate verified by the handshake names the same node at every call on its connection:
+# parsed once, not at every call (a pipeline's stage peer answers several calls per microbatch).
+# A certificate that names no node raises each time (lru_cache keeps no exception).
+@functools.lru_cache(maxsize=1024)
+def _node_id_of_pem(pem: bytes) -> str:
+    return node_id_of_certificate(pem)

@@ -56,18 +56,21 @@ class StageClient:
         self.max_message_bytes = max_message_bytes
         self.max_payload_bytes = max_payload_bytes  # the most one streamed reply may carry
         self.streamed = 0  # calls that went as chunk streams (tests, benchmarks)
-        self._channels: dict[tuple[str, str], grpc.aio.Channel] = {}
+        self._calls_of: dict[tuple[str, str], _Calls] = {}  # one channel per peer, reused
 
-    def _stub(self, peer: StageEndpoint) -> pipeline_pb2_grpc.StageStub:
+    def _calls(self, peer: StageEndpoint) -> _Calls:
         key = (peer.node_id, peer.address)
-        channel = self._channels.get(key)
-        if channel is None:
+        calls = self._calls_of.get(key)
+        if calls is None:
             channel = tls.secure_channel(
                 self.identity, peer.address, peer.node_id,
                 ban_list=self.ban_list, max_message_bytes=self.max_message_bytes,
             )
-            self._channels[key] = channel
-        return pipeline_pb2_grpc.StageStub(channel)
+            calls = self._calls_of[key] = _Calls(channel)
+        return calls
+
+    def _stub(self, peer: StageEndpoint) -> pipeline_pb2_grpc.StageStub:
+        return self._calls(peer).stub
 
     async def forward(
         self, peer: StageEndpoint, microbatch: str, inputs: torch.Tensor, *, reply_codec: str, timeout: float,
@@ -77,16 +80,12 @@ class StageClient:
         backward follows (the stage neither holds nor counts it at its step boundary)."""
         request = pipeline_pb2.ForwardRequest(
             protocol_version=PROTOCOL_VERSION, run_id=self.run_id, stage=peer.stage, microbatch=microbatch,
-            inputs=codec.encode(inputs, _codec_for(inputs, reply_codec)), reply_codec=reply_codec,
-            evaluation=evaluation,
+            reply_codec=reply_codec, evaluation=evaluation,
         )
+        codec.encode_into(request.inputs, inputs, _codec_for(inputs, reply_codec))
         shape = (*inputs.shape[:2], dim)
-        size = request.ByteSize()
-        if self._stream(size, _activation_bytes(shape, reply_codec)):
-            reply, wire = await self._streamed(peer, "Forward", request, {"outputs": shape}, timeout)
-        else:
-            reply = await self._stub(peer).Forward(request, metadata=version_metadata(), timeout=timeout)
-            wire = size + reply.ByteSize()
+        reply, wire = await self._call(peer, "Forward", request, _activation_bytes(shape, reply_codec),
+                                       {"outputs": shape}, timeout)
         out = codec.decode(reply.outputs, shape=shape, what=f"outputs of {peer.node_id}")
         return out, wire
 
@@ -97,15 +96,12 @@ class StageClient:
         """The last stage's mean loss of ``targets`` (nothing trained) and the bytes on the wire."""
         request = pipeline_pb2.ForwardRequest(
             protocol_version=PROTOCOL_VERSION, run_id=self.run_id, stage=peer.stage, microbatch=microbatch,
-            inputs=codec.encode(inputs, _codec_for(inputs, activation_codec)), reply_codec=activation_codec,
-            targets=codec.encode(targets, "tokens"),
+            reply_codec=activation_codec,
         )
-        size = request.ByteSize()
-        if self._stream(size, 0):  # the reply is one number; the inputs may be any size
-            reply, wire = await self._streamed(peer, "Forward", request, {}, timeout)
-        else:
-            reply = await self._stub(peer).Forward(request, metadata=version_metadata(), timeout=timeout)
-            wire = size + reply.ByteSize()
+        codec.encode_into(request.inputs, inputs, _codec_for(inputs, activation_codec))
+        codec.encode_into(request.targets, targets, "tokens")
+        # the reply is one number; the inputs may be any size
+        reply, wire = await self._call(peer, "Forward", request, 0, {}, timeout)
         return reply.loss, wire
 
     async def backward(
@@ -115,30 +111,40 @@ class StageClient:
     ) -> BackwardAnswer:
         request = pipeline_pb2.BackwardRequest(
             protocol_version=PROTOCOL_VERSION, run_id=self.run_id, stage=peer.stage, microbatch=microbatch,
-            inputs=codec.encode(inputs, _codec_for(inputs, reply_codec)), reply_codec=reply_codec,
-            run_tokens_committed=run_tokens,
+            reply_codec=reply_codec, run_tokens_committed=run_tokens,
         )
+        codec.encode_into(request.inputs, inputs, _codec_for(inputs, reply_codec))
         if grad_outputs is not None:
-            request.grad_outputs.CopyFrom(codec.encode(grad_outputs, reply_codec))
+            codec.encode_into(request.grad_outputs, grad_outputs, reply_codec)
         if targets is not None:
-            request.targets.CopyFrom(codec.encode(targets, "tokens"))
+            codec.encode_into(request.targets, targets, "tokens")
         shape = (*inputs.shape[:2], dim)
         expected = {} if peer.stage == 0 else {"grad_inputs": shape}
-        size = request.ByteSize()
-        if self._stream(size, _activation_bytes(shape, reply_codec) if expected else 0):
-            reply, wire = await self._streamed(peer, "Backward", request, expected, timeout)
-        else:
-            reply = await self._stub(peer).Backward(request, metadata=version_metadata(), timeout=timeout)
-            wire = size + reply.ByteSize()
+        reply, wire = await self._call(peer, "Backward", request,
+                                       _activation_bytes(shape, reply_codec) if expected else 0, expected, timeout)
         grad = None
         if reply.HasField("grad_inputs"):
             grad = codec.decode(reply.grad_inputs, shape=shape, what=f"grad_inputs of {peer.node_id}")
         return BackwardAnswer(grad, reply.loss, reply.stepped, wire)
 
-    def _stream(self, request_bytes: int, reply_bytes: int) -> bool:
-        # The request's size is counted once per call and kept for the wire tally: upb's ByteSize
-        # serializes the whole message (an activation) to count it.
-        return chunks.needs_stream(max(request_bytes, reply_bytes), self.max_message_bytes)
+    async def _call(self, peer: StageEndpoint, call: str, request, reply_bytes: int, expected: dict,
+                    timeout: float):
+        """``call`` (Forward or Backward) of ``request``: (the reply, the bytes on the wire both ways).
+        One gRPC message each way when both fit it, else the chunk streams.
+
+        The unary calls send the request serialized here and take the reply's bytes as they came:
+        their lengths are the wire's tally, where the generated stub serialized the request again
+        after its size had been counted (upb's ByteSize serializes the whole message to count it),
+        and counted the parsed reply the same way."""
+        data = request.SerializeToString()
+        if chunks.needs_stream(max(len(data), reply_bytes), self.max_message_bytes):
+            del data  # the streamed call holds its message plus one chunk, not a second copy
+            return await self._streamed(peer, call, request, expected, timeout)
+        calls = self._calls(peer)
+        raw = await (calls.forward if call == "Forward" else calls.backward)(
+            data, metadata=version_metadata(), timeout=timeout)
+        reply_type = pipeline_pb2.ForwardReply if call == "Forward" else pipeline_pb2.BackwardReply
+        return reply_type.FromString(raw), len(data) + len(raw)
 
     async def _streamed(self, peer: StageEndpoint, call: str, request, expected: dict, timeout: float):
         """``call`` (Forward or Backward) as a chunk stream: (the reply, wire bytes)."""
@@ -177,9 +183,22 @@ class StageClient:
         )
 
     async def aclose(self) -> None:
-        channels, self._channels = list(self._channels.values()), {}
-        for channel in channels:
-            await channel.close()
+        calls, self._calls_of = list(self._calls_of.values()), {}
+        for c in calls:
+            await c.channel.close()
+
+
+class _Calls:
+    """One peer's channel and the calls made on it, built once: the unary Forward and Backward
+    take and return serialized bytes (`StageClient._call`); the stub serves the rest."""
+
+    __slots__ = ("channel", "stub", "forward", "backward")
+
+    def __init__(self, channel: grpc.aio.Channel) -> None:
+        self.channel = channel
+        self.stub = pipeline_pb2_grpc.StageStub(channel)
+        self.forward = channel.unary_unary("/murmur.v1.Stage/Forward", _registered_method=True)
+        self.backward = channel.unary_unary("/murmur.v1.Stage/Backward", _registered_method=True)
 
 
 def _activation_bytes(shape: tuple[int, ...], codec_name: str) -> int:

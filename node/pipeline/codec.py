@@ -17,66 +17,120 @@ import math
 import torch
 
 from murmur import kernels
-from murmur.optim.wire import WireTensor
 from murmur.protocol import tensor_pb2
 from murmur.protocol.runconfig import ACTIVATION_CODECS  # one list, in the run config
-from murmur.protocol.wire import WireError, WireLimits, check_finite, wire_from_proto, wire_to_proto
+from murmur.protocol.wire import DTYPE_NAMES, DTYPES, WireError, WireLimits, all_finite, dtype_name, tensor_bytes
 
 INT8_BLOCK = 64  # elements per absmax scale
 
 
 def encode(t: torch.Tensor, codec: str) -> tensor_pb2.WireTensor:
-    t = t.detach().contiguous()
-    shape = tuple(t.shape)
+    msg = tensor_pb2.WireTensor()
+    encode_into(msg, t, codec)
+    return msg
+
+
+def encode_into(msg: tensor_pb2.WireTensor, t: torch.Tensor, codec: str) -> None:
+    """Write ``t`` encoded with ``codec`` into ``msg``, an empty field of the request or reply that
+    carries it (``request.inputs``): the bytes are copied into the message once, where building a
+    separate message and assigning it copied them once more per level (upb copies a sub-message
+    on assignment), twice for every activation a hop sends."""
+    t = t.detach()
+    meta: dict[str, int] = {}
     if codec == "tokens":
-        return wire_to_proto(WireTensor("tokens", shape, "int64", {"values": t.to(torch.int64).reshape(-1)}))
-    if codec == "fp32":
-        parts = {"values": t.float().reshape(-1)}
-        meta: dict[str, float | int] = {}
+        parts, dtype = {"values": t.to(torch.int64).reshape(-1)}, "int64"
+    elif codec == "fp32":
+        parts, dtype = {"values": t.float().reshape(-1)}, "float32"
     elif codec == "bf16":
-        parts = {"values": t.to(torch.bfloat16).reshape(-1)}
-        meta = {}
+        parts, dtype = {"values": t.to(torch.bfloat16).reshape(-1)}, "float32"
     elif codec == "int8":
-        q, scales, _ = kernels.quantize_blockwise(t.float().reshape(-1), 8, INT8_BLOCK)
-        parts, meta = {"values": q, "scales": scales}, {"block": INT8_BLOCK}
+        q, scales, _ = kernels.quantize_blockwise(t.float().contiguous().reshape(-1), 8, INT8_BLOCK)
+        parts, dtype, meta = {"values": q, "scales": scales}, "float32", {"block": INT8_BLOCK}
     else:
         raise WireError(f"unknown activation codec {codec!r}; known: {', '.join(ACTIVATION_CODECS)}")
-    return wire_to_proto(WireTensor(codec, shape, "float32", parts, meta))
+    msg.codec, msg.dtype = codec, dtype
+    msg.shape.extend(t.shape)
+    for name, v in parts.items():
+        msg.parts.add(name=name, dtype=dtype_name(v.dtype), shape=list(v.shape), data=tensor_bytes(v))
+    for name, value in meta.items():
+        msg.meta.add(name=name, int_value=value)
 
 
 def decode(
     msg: tensor_pb2.WireTensor, *, shape: tuple[int, ...], what: str, limits: WireLimits = WireLimits()
 ) -> torch.Tensor:
     """The tensor ``msg`` carries, checked to be of ``shape``; token ids come back int64, the
-    rest fp32. Raises WireError naming what is wrong."""
+    rest fp32. Raises WireError naming what is wrong.
+
+    Read straight from the message, not through `protocol.wire.wire_from_proto`: the shape expected
+    is known here, so the message's shape, its codec's parts and their dtypes are compared with it
+    before any byte becomes a tensor, and each part's bytes are taken once (the general decoder's
+    per-part checks and records cost a hop more than the bytes did)."""
     if not msg.ListFields():  # not ByteSize(): upb serializes the whole message to count it
         raise WireError(f"{what}: missing")
-    w = wire_from_proto(msg, limits)
-    if w.shape != tuple(shape):
-        raise WireError(f"{what}: shape {list(w.shape)}, expected {list(shape)}")
+    if len(msg.parts) > limits.max_parts or len(msg.meta) > limits.max_meta:
+        raise WireError(f"{what}: {len(msg.parts)} parts and {len(msg.meta)} meta entries, at most "
+                        f"{limits.max_parts} and {limits.max_meta} allowed")
+    if msg.dtype not in DTYPES:
+        raise WireError(f"{what}: unknown tensor dtype {msg.dtype!r}")
+    if tuple(msg.shape) != tuple(shape):
+        raise WireError(f"{what}: shape {list(msg.shape)}, expected {list(shape)}")
+    want = _PARTS.get(msg.codec)
+    if want is None:
+        raise WireError(f"{what}: unknown codec {msg.codec!r}; known: {', '.join(ACTIVATION_CODECS)}")
+    names = [p.name for p in msg.parts]
+    if sorted(names) != sorted(want):
+        raise WireError(f"{what}: parts {sorted(names)} do not match codec {msg.codec!r}")
+    meta = _meta(msg, what)
     n = math.prod(shape)
-    values = w.parts.get("values")
-    if values is None or set(w.parts) - {"values", "scales"}:
-        raise WireError(f"{what}: parts {sorted(w.parts)} do not match codec {w.codec!r}")
-    if w.codec == "tokens":
-        if values.dtype != torch.int64 or values.numel() != n:
-            raise WireError(f"{what}: token ids must be {n} int64 values")
-        return values.reshape(shape)
-    check_finite(w, what)
-    expected_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.int8}.get(w.codec)
-    if expected_dtype is None:
-        raise WireError(f"{what}: unknown codec {w.codec!r}; known: {', '.join(ACTIVATION_CODECS)}")
-    if values.dtype != expected_dtype or values.numel() != n:
-        raise WireError(f"{what}: codec {w.codec} needs {n} {expected_dtype} values")
-    if w.codec != "int8":
-        return values.float().reshape(shape)
-    block = w.meta.get("block")
-    scales = w.parts.get("scales")
-    if not isinstance(block, int) or block < 1 or block > n + INT8_BLOCK:
-        raise WireError(f"{what}: int8 block {block!r} is not a positive block size")
-    if scales is None or scales.dtype != torch.float32 or scales.numel() != math.ceil(n / block):
-        raise WireError(f"{what}: int8 needs {math.ceil(n / block)} fp32 scales")
-    return kernels.dequantize_blockwise(values, scales, 8, block, shape)
+    parts = {p.name: p for p in msg.parts}
+    if msg.codec == "int8":
+        block = meta.get("block")
+        if not isinstance(block, int) or block < 1 or block > n + INT8_BLOCK:
+            raise WireError(f"{what}: int8 block {block!r} is not a positive block size")
+        blocks = math.ceil(n / block)
+        scales = _part(parts["scales"], torch.float32, blocks, what, f"int8 needs {blocks} fp32 scales")
+        values = _part(parts["values"], torch.int8, n, what, f"codec int8 needs {n} {torch.int8} values")
+        return kernels.dequantize_blockwise(values, scales, 8, block, shape)
+    dtype = want["values"]
+    values = _part(parts["values"], dtype, n, what,
+                   f"token ids must be {n} int64 values" if msg.codec == "tokens"
+                   else f"codec {msg.codec} needs {n} {dtype} values")
+    return values.reshape(shape) if msg.codec == "tokens" else values.float().reshape(shape)
+
+
+# The parts each codec sends, with their dtypes.
+_PARTS: dict[str, dict[str, torch.dtype]] = {
+    "tokens": {"values": torch.int64}, "fp32": {"values": torch.float32},
+    "bf16": {"values": torch.bfloat16}, "int8": {"values": torch.int8, "scales": torch.float32},
+}
+
+
+def _part(part: tensor_pb2.TensorPart, dtype: torch.dtype, numel: int, what: str, wrong: str) -> torch.Tensor:
+    """The part's values: exactly ``numel`` elements of ``dtype`` in as many bytes, all finite."""
+    if part.dtype != DTYPE_NAMES[dtype] or any(d < 0 for d in part.shape) or math.prod(part.shape) != numel:
+        raise WireError(f"{what}: {wrong}")
+    data = part.data
+    if len(data) != numel * dtype.itemsize:
+        raise WireError(f"{what}: part {part.name!r} holds {len(data)} bytes, {numel} {dtype} values are "
+                        f"{numel * dtype.itemsize}")
+    t = torch.frombuffer(bytearray(data), dtype=dtype) if numel else torch.empty(0, dtype=dtype)
+    if t.is_floating_point() and not all_finite(t):
+        raise WireError(f"{what}: part {part.name!r} holds NaN or Inf values")
+    return t
+
+
+def _meta(msg: tensor_pb2.WireTensor, what: str) -> dict[str, int | float]:
+    meta: dict[str, int | float] = {}
+    for entry in msg.meta:
+        kind = entry.WhichOneof("value")
+        if kind is None:
+            raise WireError(f"{what}: meta {entry.name!r} has no value")
+        value = entry.int_value if kind == "int_value" else entry.float_value
+        if isinstance(value, float) and not math.isfinite(value):
+            raise WireError(f"{what}: meta {entry.name!r} is not finite")
+        meta[entry.name] = value
+    return meta
 
 
 def wire_bytes(msg: tensor_pb2.WireTensor) -> int:

@@ -320,9 +320,9 @@ class StageService(pipeline_pb2_grpc.StageServicer):
             except BaseException:  # failed, or the caller gave up: its backward will not come here
                 gate.done(request.microbatch)
                 raise
-        return pipeline_pb2.ForwardReply(
-            outputs=codec.encode(out, reply_codec), compute_s=time.perf_counter() - t0
-        )
+        reply = pipeline_pb2.ForwardReply(compute_s=time.perf_counter() - t0)
+        codec.encode_into(reply.outputs, out, reply_codec)
+        return reply
 
     async def Backward(self, request, context):  # noqa: N802
         peer_id = ""
@@ -396,7 +396,7 @@ class StageService(pipeline_pb2_grpc.StageServicer):
             compute_s=time.perf_counter() - t0,
         )
         if res.grad_inputs is not None:
-            reply.grad_inputs.CopyFrom(codec.encode(res.grad_inputs, reply_codec))
+            codec.encode_into(reply.grad_inputs, res.grad_inputs, reply_codec)
         return reply
 
     # -- streamed payloads (node/pipeline/chunks.py) ---------------------------------------------

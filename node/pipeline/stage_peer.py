@@ -134,6 +134,7 @@ class StagePeer:
         self._stopping = False
         self.sync: StageSync | None = None
         self.publisher: stage_state.LivePublisher | None = None  # the stage's state as served now
+        self._state_hash = ""  # the hash last reported (a published state's hash is taken when asked for)
         self.built_peak_rss_mb = 0.0
         self.checkpoints_written = 0
         self.last_checkpoint: stage_checkpoint.CheckpointFile | None = None
@@ -235,7 +236,9 @@ class StagePeer:
             rep.optimizer_steps, rep.samples_total = info.optimizer_steps, info.samples_total
             published = self.state_server.states.get(stage_state.state_name(self.stage))
             if published is not None:
-                rep.state_hash = published.state_hash.hex()
+                with contextlib.suppress(stage_state.StateChanged):  # stepped before anyone asked: as last time
+                    self._state_hash = published.state_hash.hex()
+                rep.state_hash = self._state_hash
         if self._replica is not None:
             rep.replica_stage = int(self._replica.name.split("/")[1])
             rep.replica_hash, rep.replica_at = self._replica.state_hash.hex(), self._replica_at

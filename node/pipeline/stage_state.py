@@ -65,8 +65,9 @@ class LiveState:
     benchmarks/peer_memory.py, by 81 MiB). Writing it costs the step a write of what the calls still
     need (into the page cache), not the process's memory."""
 
-    def __init__(self, worker, name: str, state_hash: bytes, spill_dir: str | None = None) -> None:
-        self.name, self.state_hash, self.members = name, state_hash, []
+    def __init__(self, worker, name: str, state_hash: bytes | None = None, spill_dir: str | None = None) -> None:
+        self.name, self.members = name, []
+        self._hash = state_hash  # None: taken when first asked for (``state_hash``)
         self._worker = worker
         self.tensors = [(n, p.detach()) for n, p in worker.module.named_stage_parameters()]
         self._live = dict(self.tensors)
@@ -78,10 +79,28 @@ class LiveState:
         self._spill_dir = spill_dir
         self.pinned_bytes = 0
 
+    @property
+    def state_hash(self) -> bytes:
+        """The hash of the weights this state names, taken the first time it is asked for (a
+        heartbeat's report, a GetState's manifest) instead of after every step: a stage steps many
+        times between two reports, and the hash read every byte of the stage each time (1.3-3 ms
+        a step on the tiny stage of benchmarks/pipeline.py, in the compute thread). Taken with the
+        guard held, so the weights cannot change under it: a step first pins the state (`pin`,
+        which waits for the guard). StateChanged if they changed before anyone asked: nothing
+        can hash them any more, and the newer state the peer publishes after the step has one."""
+        with self._guard:
+            if self._hash is None:
+                if self._stale:
+                    raise StateChanged(f"{self.name} changed before its hash was asked for; ask the newer state")
+                self._hash = tensors_hash(self.tensors)
+            return self._hash
+
     def open(self) -> Reader:
         with self._guard:
             if self._stale:
                 raise StateChanged(f"{self.name} changed since it was published; ask again")
+            if self._hash is None:  # the manifest carries it: taken while nothing can change the weights
+                self._hash = tensors_hash(self.tensors)
             reader = Reader(self)
             self._readers.append(reader)
             return reader
@@ -179,9 +198,9 @@ class LivePublisher:
         self.copied_bytes_max = 0
 
     def state(self) -> LiveState:
-        """The state as the weights are now (with the worker's lock held, or before it serves)."""
-        st = LiveState(self.worker, state_name(self.worker.span.index), tensors_hash(
-            (n, p.detach()) for n, p in self.worker.module.named_stage_parameters()), self.spill_dir)
+        """The state as the weights are now (with the worker's lock held, or before it serves); its
+        hash is taken when first asked for (`LiveState.state_hash`)."""
+        st = LiveState(self.worker, state_name(self.worker.span.index), spill_dir=self.spill_dir)
         self._open.append(st)
         return st
 
