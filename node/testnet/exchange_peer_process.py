@@ -25,6 +25,7 @@ import json
 import signal
 import sys
 import time
+from collections.abc import Collection
 
 import torch
 
@@ -38,6 +39,7 @@ from murmur.node.train.overrides import add_set_flag, config_from_args
 from murmur.optim.codecs import make_codec
 from murmur.protocol.dht import DHTSettings, MurmurDHT, PeerRecord
 from murmur.protocol.identity import Identity
+from murmur.protocol.reachability import refuses_connections
 from murmur.protocol.wire import tensors_hash
 
 
@@ -60,6 +62,15 @@ def wait_for_records(dht: MurmurDHT, record: PeerRecord, peers: int, deadline_s:
         time.sleep(0.1)
 
 
+def live_peers(dht: MurmurDHT, mine: Collection[str] = ()) -> list[str]:
+    """The live peers a round's groups are formed from: those whose DHT records are alive, less
+    those whose address refuses a connection (a SIGKILLed peer's record outlives it by its TTL:
+    left in, every peer would form groups with it and its group would wait for it at the
+    rendezvous). ``mine``: this process's own peers, alive by definition. Blocking: call it off
+    the loop, as the DHT read is."""
+    return sorted(r.node_id for r in dht.peers() if r.node_id in mine or not refuses_connections(r.address))
+
+
 def emit(**record: object) -> None:
     print(json.dumps(record), flush=True)
 
@@ -78,7 +89,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--peer-timeout", type=float, default=3.0)
     ap.add_argument("--round-deadline", type=float, default=30.0)
     ap.add_argument("--rendezvous-deadline", type=float, default=60.0)
-    ap.add_argument("--record-ttl", type=float, default=5.0)
+    # Longer than a loaded round: each peer forms a round's groups from the live records, and a
+    # record that expired mid-round at some peers gives them another formation than the rest.
+    ap.add_argument("--record-ttl", type=float, default=60.0)
     ap.add_argument("--result-dir", default="", help="save each round's result there (tests)")
     add_set_flag(ap)
     args = ap.parse_args(argv)
@@ -101,9 +114,9 @@ def main(argv: list[str] | None = None) -> int:
         first_round = True
 
         def expected() -> int:
-            # The first round waits for --peers; later ones for the peers whose records are alive
-            # (a dead peer's record expires after record_ttl, so the group shrinks without it).
-            return args.peers if first_round else len(dht.peers())
+            # The first round waits for --peers; later ones for the live peers as the round
+            # found them (live_peers: alive records, dead addresses left out).
+            return args.peers if first_round else len(live)
 
         rendezvous = RendezvousSettings(deadline=args.rendezvous_deadline)
         spec = PeerSpec(
@@ -128,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         for r in range(1, args.rounds + 1):
             t0 = time.monotonic()
             dht.announce(record)  # re-announce every round: the record lives record_ttl seconds
-            live[:] = [p.node_id for p in dht.peers()]
+            live[:] = live_peers(dht, {identity.node_id})
             x = update_for(identity.node_id, r, args.numel)
             try:
                 res = exchange.all_reduce([x], round_id=r, key="update").result()

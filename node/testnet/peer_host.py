@@ -37,7 +37,7 @@ from murmur.node.exchange.peer import ExchangePeer, PeerSpec, build_peer
 from murmur.node.exchange.settings import ExchangeSettings
 from murmur.node.net.loop import LoopThread
 from murmur.node.net.server import PeerServerSettings
-from murmur.node.testnet.exchange_peer_process import emit, update_for
+from murmur.node.testnet.exchange_peer_process import emit, live_peers, update_for
 from murmur.optim.codecs import make_codec
 from murmur.protocol.dht import DHTSettings, MurmurDHT, PeerRecord
 from murmur.protocol.identity import Identity
@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--peer-timeout", type=float, default=10.0)
     ap.add_argument("--round-deadline", type=float, default=120.0)
     ap.add_argument("--rendezvous-deadline", type=float, default=60.0)
-    ap.add_argument("--record-ttl", type=float, default=5.0)
+    ap.add_argument("--record-ttl", type=float, default=60.0)  # as exchange_peer_process
     ap.add_argument("--host", default="127.0.0.1", help="address the peer servers and the DHT listen on")
     args = ap.parse_args(argv)
     try:
@@ -105,9 +105,9 @@ def main(argv: list[str] | None = None) -> int:
         first_round = True
 
         def expected() -> int:
-            # As exchange_peer_process: the first round waits for --peers, later ones for the peers
-            # whose records are alive (a killed peer's record expires after record_ttl).
-            return args.peers if first_round else len(dht.peers())
+            # As exchange_peer_process: the first round waits for --peers, later ones for the live
+            # peers as the round found them (live_peers: alive records, dead addresses left out).
+            return args.peers if first_round else len(live)
 
         rendezvous = RendezvousSettings(deadline=args.rendezvous_deadline)
         settings = ExchangeSettings(peer_timeout=args.peer_timeout, round_deadline=args.round_deadline)
@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
         for r in range(1, args.rounds + 1):
             for handle, record in zip(handles, records, strict=True):
                 handle.announce(record)  # re-announce every round: the record lives record_ttl seconds
-            live[:] = [rec.node_id for rec in dht.peers()]
+            live[:] = live_peers(dht, {r.node_id for r in records})
             calls = {}
             for p, exchange in zip(peers, exchanges, strict=True):
                 t0 = time.time()
