@@ -8,6 +8,11 @@ rule: mean, trimmed mean, CenteredClip), re-encodes it once and streams it back 
 later chunks are still arriving (node/exchange/attempt.py, node/exchange/collect.py). Codec work
 runs in worker threads, off the event loop. Each peer sends about (N-1)/N of its payload and
 (N-1)/N of the result: the butterfly's 2(N-1)/N.
+Reduce-scatter (``areduce_scatter``, a grouped round's phase A, node/exchange/hierarchy.py): the
+same streams with the spans cut on S column boundaries (each owner a contiguous block of columns);
+the owner keeps its reduced span and answers OK with no chunk back, so a peer sends (N-1)/N. A
+peer that did not complete it cannot catch it up (nobody holds its span): unless the completed
+attempt is one whose span it reduced to the end itself, the call fails there.
 Sparse codecs (top-k) and all-gather: every peer streams its payload to every other member;
 a sparse all-reduce then aggregates every payload locally, in sorted order.
 

@@ -2,31 +2,39 @@
 
 ``GroupedExchange`` wraps a peer's ``GrpcExchange``. A round of at most G live trainers is one
 call of the wrapped exchange under the round's own key, as before. A larger round, in the groups
-of node/exchange/groups.py (M groups, the smallest of S members), is three phases, each an
-ordinary call of the wrapped exchange (its attempts, retries, deadlines, catch-up and fault
+of node/exchange/groups.py (M groups of at most G; the update cut into S = G columns), is three
+phases, each an ordinary call of the wrapped exchange (its attempts, retries, deadlines and fault
 points) among a bounded set of peers under a key of its own:
 
-A. group all-reduce: the group's members all-reduce their updates (weights as given); every
-   survivor of the group holds the group's mean, and the group's members (those whose input made
-   it in) are known to all of them alike. A member that dies here costs its own input only: the
-   wrapped exchange retries without it.
-B. column all-reduce: the update is cut into S columns (spans on the codec's alignment). Column c
-   of each group's mean is carried by one survivor of that group (``groups.holders``) to the
+A. group reduce-scatter (``GrpcExchange.areduce_scatter``): each member sends each owner of the
+   group's completed attempt its input to that owner's block of columns; the owner reduces it
+   (weights as given) and keeps it, and nothing comes back. The attempt's owners are known to all
+   its members alike, and so is who holds which column (``groups.holders``: contiguous blocks). A
+   member that dies here costs its own input only: the wrapped exchange retries without it.
+B. column all-reduce: column c of each group's mean is carried by its holder in that group to the
    column call ``<key>/c<c>of<M>``, M peers one from each group, weighted by the group's member
    count: they end with column c of the run's mean, bit-identical (each decodes the bytes the
    column's owners sent).
-C. group all-gather: each survivor encodes the columns it carried (``encode_stateless``: no error
+C. group all-gather: each holder encodes the columns it carried (``encode_stateless``: no error
    feedback, the same bytes in every group, for the codecs are deterministic) and the group
-   gathers them; everyone decodes every column from those bytes. Every group's holder of column
-   c encoded the same values, so every trainer of the run ends with the same result, bit for bit.
+   gathers them (a ragged gather: owners of fewer columns send empty slots); everyone decodes
+   every column from those bytes. Every group's holder of column c encoded the same values, so
+   every trainer of the run ends with the same result, bit for bit.
 
-A peer's connections: G-1 in A and C, M-1 in B; never N. Its bytes: 2(G-1)/G of the update in A,
-2(M-1)/M of one column (1/S of it) in B, (G-1)/G in C; see docs/protocol.md ("Groups") for the
-figures and the limits. Failures: a phase that fails in one group (its key lost, too many of its
-members dead, a holder that died after A) fails that group's round only: its peers raise
-ExchangeError and re-sync as after any failed round; the other groups complete. A group whose
-phase A cannot meet (the rendezvous failed, no quorum) falls back to halves of itself
-(``groups.split``) once, under keys of their own, before giving up.
+A peer's connections: G-1 in A and C, M-1 per column it holds in B; never N. Its bytes: about
+(G-1)/G of the update in A, 2(M-1)/M of its columns in B, (G-1)/G in C: in all the butterfly's
+2(N-1)/N when N is a multiple of G (docs/protocol.md, "Groups", for the figures and the limits).
+
+Failures stay in the group. A holder missing from its group's gather (dead after A, or too slow)
+is replaced: its group-mates fetch its columns' results from the other groups' holders of them
+(they hold the same bytes; ``_repair``). A peer whose phase fails (left out of its group's
+reduce-scatter, which cannot be caught up since nobody holds its span; a column call that failed
+here) catches the round up instead: every peer that completed a grouped round serves its result
+under the round's own key, and the failed one fetches it, hash-checked, from its group-mates
+(``_catch_up``), its input dropped; one result, never two. A group whose phase A cannot meet (the
+rendezvous failed, no quorum) falls back to halves of itself (``groups.split``) once, under keys
+of their own. Only when nobody of its group completed does a peer raise ExchangeError (and
+re-sync, as after any failed round).
 
 The run's arbiter (a node's ``RoundGate``: the coordinator's ClaimRound) is asked once a round,
 for the assembled result and the whole round's members (``round_members``), never for a phase:
