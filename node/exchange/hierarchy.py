@@ -132,6 +132,7 @@ class GroupedExchange(Exchange):
         inner.rounds.catchup.gate = _PhaseGate(self.gate, self.scoped) if self.gate is not None else None
         self.last: Formation | None = None  # the last round's formation (observability, tests)
         self.last_group: list[str] = []  # the last grouped round's group survivors (phase A's members)
+        self.repaired: list[tuple[int, int]] = []  # (round, column) taken from other groups (observability)
         self.on_formation: Callable[[int, Formation], None] | None = None  # each grouped round's
 
     @property
@@ -225,10 +226,13 @@ class GroupedExchange(Exchange):
                 repaired.append(c)
             piece = await asyncio.to_thread(codec.decode, wire)
             out[start:end] = piece.reshape(-1)[: end - start]
+        self.repaired.extend((round_id, c) for c in repaired)
         if repaired:
             log.info("round %d %r: columns %s of %s came from the other groups (their holder missed the gather)",
                      round_id, key, repaired, gkey)
-        dropped = {**a.result.dropped, **{k: v for r in cols for k, v in r.dropped.items()}, **gathered.dropped}
+        # Left out of the result: inputs dropped in A, and groups whose holder a column call
+        # dropped in B. A holder missing from C is not: its columns were taken from elsewhere.
+        dropped = {**a.result.dropped, **{k: v for r in cols for k, v in r.dropped.items()}}
         sent = a.result.bytes_sent + sum(r.bytes_sent for r in cols) + gathered.bytes_sent
         received = a.result.bytes_received + sum(r.bytes_received for r in cols) + gathered.bytes_received
         # The groups whose means made it in: those whose holders met ours in the column calls

@@ -13,8 +13,9 @@ make it misbehave on purpose. It exits cleanly on SIGTERM/SIGINT, leaving no p2p
 
 ``--set sync.group_size=G`` (the run-config key; other keys are checked and ignored): more live
 peers than G all-reduce in groups (node/exchange/hierarchy.py); the live peers are those whose DHT
-records are alive, and the first round starts once ``--peers`` of them are there, so every peer
-forms the same groups. ``--result-dir`` saves each round's result as ``<node id>-<round>.pt``.
+records are alive (``--record-ttl``, 60 s: longer than a loaded round) less those whose address
+refuses a connection (``live_peers``: dead), and the first round starts once ``--peers`` of them
+are there, so every peer forms the same groups. ``--result-dir`` saves each round's result as ``<node id>-<round>.pt``.
 """
 
 from __future__ import annotations
