@@ -7,8 +7,8 @@ groups by node/exchange/groups.py's ``form_groups`` (the same function the peers
 column holders by ``holders``, a group that cannot meet its quorum split by ``split``. Bytes are
 the wire bytes of the codec itself (``Codec.encode`` of a chunk, scaled), per phase: a group's
 reduce-scatter (each member's input to the other owners' blocks: about (G-1)/G of the update,
-nothing back), a column's 2(M-1)/M of one column, the group's gather (each owner's ceil(S/k)
-slots of one column to its k-1 group-mates: about (G-1)/G).
+nothing back), a column's 2(M-1)/M of one column, the group's gather (each owner's columns to
+its k-1 group-mates: about (G-1)/G).
 
 Kills: ``kills_per_round`` trainers die each round, at a moment drawn in proportion to each
 phase's bytes (a long phase is more likely to be hit), and come back for the next round (a
@@ -66,11 +66,10 @@ def _a_bytes(k: int, s: int, rate: float, numel: int) -> list[float]:
 
 
 def _bc_bytes(k: int, s: int, m: int, rate: float, numel: int) -> list[float]:
-    """Bytes each of ``k`` owners sends in B (its block's columns, 2(M-1)/M of each) and C (its
-    ceil(S/k) slots of one column's width to the k-1 others)."""
+    """Bytes each of ``k`` owners sends in B (its block's columns, 2(M-1)/M of each) and C (the
+    same columns to the k-1 others: a ragged gather, the unused slots empty)."""
     column = numel / s
-    slots = -(-s // k)
-    return [rate * column * ((hi - lo) * 2 * (m - 1) / m + slots * (k - 1))
+    return [rate * column * (hi - lo) * (2 * (m - 1) / m + k - 1)
             for lo, hi in (column_block(i, k, s) for i in range(k))]
 
 
