@@ -10,7 +10,7 @@ import pytest
 import torch
 from _net_helpers import no_lost_task_exceptions, peer_group  # noqa: F401 - a fixture
 
-from murmur.node.exchange.groups import GroupFormationError, form_groups, holders, split
+from murmur.node.exchange.groups import GroupFormationError, form_groups, holders
 from murmur.node.exchange.hierarchy import GroupedExchange, round_members
 from murmur.node.exchange.settings import chunk_ranges
 from murmur.optim.exchange import ExchangeError
@@ -56,11 +56,8 @@ def test_groups_are_balanced_and_a_small_run_is_one_group_under_its_own_key():
         form_groups("run", 1, "update", NODES, 1)
 
 
-def test_every_column_has_a_holder_in_every_group_even_after_losses_and_splits():
+def test_every_column_has_a_holder_in_every_group_even_after_losses():
     assert holders(["b", "a", "c"], 5) == {0: "a", 1: "a", 2: "b", 3: "b", 4: "c"}  # contiguous blocks
-    halves = split(NODES[:7], "update/g0of3")
-    assert [k for k, _ in halves] == ["update/g0of3h0", "update/g0of3h1"]
-    assert sorted(n for _, m in halves for n in m) == NODES[:7]
 
 
 def test_a_round_is_claimed_for_its_own_group_survivors_and_the_groups_it_met():

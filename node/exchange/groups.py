@@ -19,11 +19,10 @@ Column c is the element range c of the update cut into S = G spans: the same for
 the live set (the layout of phases B and C must be), and at least every group's size, so each
 survivor of a group's reduce-scatter holds a contiguous block of one column or more.
 
-Falling back: a group whose rendezvous or attempts fail (its key lost or overloaded, too many of
-its peers dead) splits: ``split(formation, g)`` halves it into two groups with keys of their own
-(``<key>/g<g>of<M>h<0|1>``), so the peers that are there finish with smaller groups instead of
-failing everyone's round. Columns stay as they were (S), so the split halves still hold every
-column.
+No fallback to smaller groups: a half of a group meets a quorum of a quarter of it, and the
+halves of a minority's formation (a view of the live set short of peers) could complete a result
+of their own. A group that cannot meet fails its round; its peers catch it up from group-mates
+that completed it, if any (node/exchange/hierarchy.py).
 """
 
 from __future__ import annotations
@@ -91,16 +90,6 @@ def form_groups(run_id: str, round_id: int, key: str, live: Iterable[str], group
     order = sorted(nodes, key=lambda node: _order(run_id, round_id, node))
     cuts = [g * n // m for g in range(m + 1)]
     return Formation(key, tuple(tuple(sorted(order[cuts[g] : cuts[g + 1]])) for g in range(m)), group_size)
-
-
-def split(members: Sequence[str], key: str) -> list[tuple[str, tuple[str, ...]]]:
-    """A failed group's fallback: its members halved (sorted order), each half under a key of its
-    own. A group of one cannot split: it is returned as it is."""
-    members = sorted(members)
-    if len(members) < 2:
-        return [(key, tuple(members))]
-    half = (len(members) + 1) // 2
-    return [(f"{key}h0", tuple(members[:half])), (f"{key}h1", tuple(members[half:]))]
 
 
 def column_block(owner: int, owners: int, columns: int) -> tuple[int, int]:

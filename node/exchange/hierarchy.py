@@ -32,9 +32,11 @@ reduce-scatter, which cannot be caught up since nobody holds its span; a column 
 here) catches the round up instead: every peer that completed a grouped round serves its result
 under the round's own key, and the failed one fetches it, hash-checked, from its group-mates
 (``_catch_up``), its input dropped; one result, never two. A group whose phase A cannot meet (the
-rendezvous failed, no quorum) falls back to halves of itself (``groups.split``) once, under keys
-of their own. Only when nobody of its group completed does a peer raise ExchangeError (and
-re-sync, as after any failed round).
+rendezvous failed, no quorum) does not fall back to halves of itself: a half's quorum is a
+quarter of the group's, and the halves of a minority's formation (peers whose view of the live
+set was short, in another M) completed a second result that way (64 peers at load 40). Only
+when nobody of its group completed does a peer raise ExchangeError (and re-sync, as after any
+failed round).
 
 The run's arbiter (a node's ``RoundGate``: the coordinator's ClaimRound) is asked once a round,
 for the assembled result and the whole round's members (``round_members``), never for a phase:
@@ -51,7 +53,7 @@ from dataclasses import dataclass
 
 import torch
 
-from murmur.node.exchange.groups import Formation, GroupFormationError, form_groups, holders, split
+from murmur.node.exchange.groups import Formation, GroupFormationError, form_groups, holders
 from murmur.node.exchange.grpc_exchange import GrpcExchange, Scattered
 from murmur.node.exchange.settings import alignment, spans
 from murmur.optim.exchange import Exchange, ExchangeError, GatherResult, ReduceResult
@@ -249,7 +251,7 @@ class GroupedExchange(Exchange):
         own key), looked for at the rendezvous of this peer's group and its halves until the
         round's deadline; ExchangeError with ``err``'s reason if none serves it."""
         g = formation.group_of(self.peer_id)
-        keys = [formation.group_key(g), *(k for k, _ in split(formation.groups[g], formation.group_key(g)))]
+        keys = [formation.group_key(g)]
         loop, settings = asyncio.get_running_loop(), self.inner.settings
         catchup = self.inner.rounds.catchup
         look.deadline = min(look.deadline, loop.time() + settings.round_deadline)
@@ -276,15 +278,11 @@ class GroupedExchange(Exchange):
         self, tensors: list[torch.Tensor], round_id: int, key: str, formation: Formation, weight: float
     ) -> tuple[Scattered, str]:
         """A: the group's reduce-scatter; (its outcome, the key it ran under). A group that cannot
-        meet (its rendezvous failed, or too few of it came for a quorum) splits once into halves."""
+        meet does not fall back to halves of itself: a half's quorum is a quarter of the group,
+        and halves of a minority's formation (a view of the live set short of peers) could then
+        complete a round of their own, a second result. Its peers catch the round up instead."""
         g = formation.group_of(self.peer_id)
         sub, members = formation.group_key(g), formation.groups[g]
-        try:
-            return await self._phase_call(tensors, round_id, key, sub, members, weight, formation.columns), sub
-        except ExchangeError as err:
-            if len(members) < 4 or not any(w in str(err) for w in FALLBACK_ON):
-                raise
-        sub, members = next((k, m) for k, m in split(members, sub) if self.peer_id in m)
         return await self._phase_call(tensors, round_id, key, sub, members, weight, formation.columns), sub
 
     async def _phase_call(
@@ -415,8 +413,3 @@ class _PhaseGate:
         if self.scoped.scope_size(round_id, key) is None:
             await self.gate.claim(round_id, key, members)
 
-
-# Phase A failures that a smaller group may get past: the key's rendezvous failed (lost, overloaded
-# DHT), or too few of the group met for its quorum. A dead member is not one: the call itself
-# retries without it.
-FALLBACK_ON = ("rendezvous failed", "no quorum")

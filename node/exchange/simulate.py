@@ -4,7 +4,7 @@ failure rules over a simulated transport.
 ``simulate_rounds(peers=1000, group_size=16, numel=..., codec="int4", kills_per_round=1, rounds=20,
 seed=0)`` plays each round as node/exchange/hierarchy.py runs it: the live trainers formed into
 groups by node/exchange/groups.py's ``form_groups`` (the same function the peers call), the
-column holders by ``holders``, a group that cannot meet its quorum split by ``split``. Bytes are
+column holders by ``holders``; a group that loses its quorum fails (no fallback to halves). Bytes are
 the wire bytes of the codec itself (``Codec.encode`` of a chunk, scaled), per phase: a group's
 reduce-scatter (each member's input to the other owners' blocks: about (G-1)/G of the update,
 nothing back), a column's 2(M-1)/M of one column, the group's gather (each owner's columns to
@@ -17,8 +17,7 @@ restart). The rules, as the exchange applies them:
 * in the group reduce-scatter (A): the attempt fails at every member of that group; they retry
   without the dead (its input dropped with its weight); the bytes of the failed attempt are
   spent (half of it on average). The group completes if it keeps more than half of its members
-  (the exchange's quorum), else it splits in halves once and the halves that still have a
-  quorum complete;
+  (the exchange's quorum), else it fails;
 * as a column holder in B or C: its group-mates fetch its columns' results from the other groups'
   holders (they hold the same bytes) and complete. A holder dead in B leaves its group out of
   its columns (a weighted mean of the other groups for them); with M = 2 groups that column's
@@ -38,7 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
-from murmur.node.exchange.groups import Formation, column_block, form_groups, split
+from murmur.node.exchange.groups import Formation, column_block, form_groups
 from murmur.optim.codecs import make_codec
 
 QUORUM = 0.5  # ExchangeSettings.quorum's default: more than half of a call's scope
@@ -56,7 +55,6 @@ class _Round:
     sent: dict[str, float]
     completed: set[str]
     groups_failed: int
-    splits: int
 
 
 def _a_bytes(k: int, s: int, rate: float, numel: int) -> list[float]:
@@ -77,7 +75,7 @@ def _play_round(f: Formation, numel: int, rate: float, victims: dict[str, str], 
     s, m = f.columns, len(f.groups)
     sent: dict[str, float] = {}
     completed: set[str] = set()
-    failed = splits = 0
+    failed = 0
     # A carrier dead in B with only one other group: that column's call has no quorum anywhere
     # (a strict majority of M = 2 is both), so no group can assemble the round.
     b_dead_lost = m == 2 and any(v == "B" for v in victims.values())
@@ -93,11 +91,8 @@ def _play_round(f: Formation, numel: int, rate: float, victims: dict[str, str], 
             sent[n] = sent.get(n, 0.0) + b * first
         if dead_a:
             k = len(alive)
-            if k <= g * QUORUM:
-                splits += 1
-                halves = [h for _, h in split(group, "")]
-                alive = [n for h in halves for n in h if n not in dead_a
-                         and sum(x not in dead_a for x in h) > len(h) * QUORUM]
+            if k <= g * QUORUM:  # no quorum left: the group fails (no fallback to halves)
+                alive = []
             retry = _a_bytes(len(alive), s, rate, numel) if not f.single else \
                 [rate * numel * 2 * (len(alive) - 1) / max(len(alive), 1)] * len(alive)
             for n, b in zip(alive, retry, strict=True):
@@ -117,7 +112,7 @@ def _play_round(f: Formation, numel: int, rate: float, victims: dict[str, str], 
         # A holder dead in B or C: its group-mates fetch its columns' results from the other
         # groups' holders (node/exchange/hierarchy.py's repair); the group completes without it.
         completed.update(n for n in alive if victims.get(n) not in ("B", "C"))
-    return _Round(sent, completed, failed, splits)
+    return _Round(sent, completed, failed)
 
 
 def simulate_rounds(
@@ -135,7 +130,7 @@ def simulate_rounds(
     complete = 0
     bytes_sent: list[float] = []
     completed_share: list[float] = []
-    groups_failed = splits = 0
+    groups_failed = 0
     connections = 0
     for r in range(1, rounds + 1):
         f = form_groups("sim", r, "update", nodes, group_size)
@@ -149,7 +144,6 @@ def simulate_rounds(
         bytes_sent.extend(played.sent[n] for n in nodes if n not in victims)
         completed_share.append(len(played.completed) / peers)
         groups_failed += played.groups_failed
-        splits += played.splits
         # A peer's connections, on average: the other members of its group (A, C), and for each
         # column it holds (S/g of them) the other groups' holders of it (B).
         if f.single:
@@ -175,6 +169,5 @@ def simulate_rounds(
         "connections_per_peer_butterfly": peers - 1,
         "peers_completed": round(sum(completed_share) / rounds, 4),
         "groups_failed": groups_failed,
-        "splits": splits,
         "link": "simulated",
     }

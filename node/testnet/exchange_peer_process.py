@@ -63,13 +63,15 @@ def wait_for_records(dht: MurmurDHT, record: PeerRecord, peers: int, deadline_s:
         time.sleep(0.1)
 
 
-def live_peers(dht: MurmurDHT, mine: Collection[str] = ()) -> list[str]:
-    """The live peers a round's groups are formed from: those whose DHT records are alive, less
-    those whose address refuses a connection (a SIGKILLed peer's record outlives it by its TTL:
-    left in, every peer would form groups with it and its group would wait for it at the
-    rendezvous). ``mine``: this process's own peers, alive by definition. Blocking: call it off
-    the loop, as the DHT read is."""
-    return sorted(r.node_id for r in dht.peers() if r.node_id in mine or not refuses_connections(r.address))
+def live_peers(dht: MurmurDHT, mine: Collection[str] = (), before: dict[str, str] | None = None) -> dict[str, str]:
+    """{node id: address} of the live peers a round's groups are formed from: those whose DHT
+    records are alive, and those of the round before (``before``) whose records a busy DHT left
+    out of this read (a read short of peers gave a host of 8 peers another M than the rest), less
+    those whose address refuses a connection: dead (a SIGKILLed peer's record outlives it by its
+    TTL; left in, its group would wait for it at the rendezvous). ``mine``: this process's own
+    peers, alive by definition. Blocking: call it off the loop, as the DHT read is."""
+    found = {**(before or {}), **{r.node_id: r.address for r in dht.peers()}}
+    return {n: a for n, a in sorted(found.items()) if n in mine or not refuses_connections(a)}
 
 
 def emit(**record: object) -> None:
@@ -135,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         record = PeerRecord(node_id=identity.node_id, address=address)
         dht.announce(record)
         live: list[str] = []  # read from the DHT before each round, never on the loop (a blocking get)
+        seen: dict[str, str] = {}  # the live peers of the round before, with their addresses
         exchange = GroupedExchange(peer.exchange, run_id=args.run, live=lambda: live, group_size=group_size)
         emit(event="ready", node_id=identity.node_id, address=address)
         if args.peers > group_size:
@@ -142,7 +145,8 @@ def main(argv: list[str] | None = None) -> int:
         for r in range(1, args.rounds + 1):
             t0 = time.monotonic()
             dht.announce(record)  # re-announce every round: the record lives record_ttl seconds
-            live[:] = live_peers(dht, {identity.node_id})
+            seen = live_peers(dht, {identity.node_id}, seen)
+            live[:] = list(seen)
             x = update_for(identity.node_id, r, args.numel)
             try:
                 res = exchange.all_reduce([x], round_id=r, key="update").result()

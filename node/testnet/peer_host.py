@@ -39,7 +39,7 @@ from murmur.node.net.loop import LoopThread
 from murmur.node.net.server import PeerServerSettings
 from murmur.node.testnet.exchange_peer_process import emit, live_peers, update_for
 from murmur.optim.codecs import make_codec
-from murmur.protocol.dht import DHTSettings, MurmurDHT, PeerRecord
+from murmur.protocol.dht import DHTError, DHTSettings, MurmurDHT, PeerRecord
 from murmur.protocol.identity import Identity
 from murmur.protocol.runconfig import RunConfig, apply_override, config_from_dict
 from murmur.protocol.wire import tensors_hash
@@ -125,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         # As exchange_peer_process: with bounded groups, each peer's exchange forms the round's
         # groups from the live peers' records, read before each round (never on the loop).
         live: list[str] = []
+        seen: dict[str, str] = {}  # the live peers of the round before, with their addresses
         exchanges = [p.exchange if bound is None else
                      GroupedExchange(p.exchange, run_id=args.run, live=lambda: live, group_size=bound) for p in peers]
         for handle, record in zip(handles, records, strict=True):
@@ -138,7 +139,8 @@ def main(argv: list[str] | None = None) -> int:
         for r in range(1, args.rounds + 1):
             for handle, record in zip(handles, records, strict=True):
                 handle.announce(record)  # re-announce every round: the record lives record_ttl seconds
-            live[:] = live_peers(dht, {r.node_id for r in records})
+            seen = live_peers(dht, {r.node_id for r in records}, seen)
+            live[:] = list(seen)
             calls = {}
             for p, exchange in zip(peers, exchanges, strict=True):
                 t0 = time.time()
@@ -157,7 +159,10 @@ def main(argv: list[str] | None = None) -> int:
                      bytes_sent=res.bytes_sent, t0=t0, t1=time.time())
             first_round = False
         for handle in handles:
-            handle.withdraw()
+            try:  # a goodbye only: on a DHT too busy to take it, the records expire with their TTL
+                handle.withdraw()
+            except DHTError as err:
+                print(f"peer_host: could not withdraw {handle.identity.node_id}: {err}", file=sys.stderr)
         return 0
     finally:
         for p in peers:
