@@ -34,7 +34,7 @@ under the round's own key, and the failed one fetches it, hash-checked, from its
 (``_catch_up``), its input dropped; one result, never two. A group whose phase A cannot meet (the
 rendezvous failed, no quorum) does not fall back to halves of itself: a half's quorum is a
 quarter of the group's, and the halves of a minority's formation (peers whose view of the live
-set was short, in another M) completed a second result that way (64 peers at load 40). Only
+set was short, in another M) could complete a second result that way. Only
 when nobody of its group completed does a peer raise ExchangeError (and re-sync, as after any
 failed round).
 

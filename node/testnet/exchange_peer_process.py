@@ -38,7 +38,7 @@ from murmur.node.net.faults import FaultInjector
 from murmur.node.net.loop import LoopThread
 from murmur.node.train.overrides import add_set_flag, config_from_args
 from murmur.optim.codecs import make_codec
-from murmur.protocol.dht import DHTSettings, MurmurDHT, PeerRecord
+from murmur.protocol.dht import DHTError, DHTSettings, MurmurDHT, PeerRecord
 from murmur.protocol.identity import Identity
 from murmur.protocol.reachability import refuses_connections
 from murmur.protocol.wire import tensors_hash
@@ -58,7 +58,7 @@ def wait_for_records(dht: MurmurDHT, record: PeerRecord, peers: int, deadline_s:
     end += deadline_s
     while len(dht.peers()) < peers and time.monotonic() < end:
         if time.monotonic() - announced > ttl / 2:
-            dht.announce(record)
+            announce(dht, record)
             announced = time.monotonic()
         time.sleep(0.1)
 
@@ -70,8 +70,22 @@ def live_peers(dht: MurmurDHT, mine: Collection[str] = (), before: dict[str, str
     those whose address refuses a connection: dead (a SIGKILLed peer's record outlives it by its
     TTL; left in, its group would wait for it at the rendezvous). ``mine``: this process's own
     peers, alive by definition. Blocking: call it off the loop, as the DHT read is."""
-    found = {**(before or {}), **{r.node_id: r.address for r in dht.peers()}}
+    try:
+        records = {r.node_id: r.address for r in dht.peers()}
+    except DHTError as err:  # a DHT too busy to answer: the round before's view, checked again
+        print(f"live peers: the DHT read failed ({err}); the round before's {len(before or {})} kept", file=sys.stderr)
+        records = {}
+    found = {**(before or {}), **records}
     return {n: a for n, a in sorted(found.items()) if n in mine or not refuses_connections(a)}
+
+
+def announce(dht: MurmurDHT, record: PeerRecord) -> None:
+    """A round's re-announcement, best effort: a store that a busy DHT failed is tried again next
+    round (the record lives record_ttl, longer than a round), not a reason to end the peer."""
+    try:
+        dht.announce(record)
+    except DHTError as err:
+        print(f"{record.node_id}: could not re-announce ({err})", file=sys.stderr)
 
 
 def emit(**record: object) -> None:
@@ -144,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
             wait_for_records(dht, record, args.peers, args.rendezvous_deadline, args.record_ttl)
         for r in range(1, args.rounds + 1):
             t0 = time.monotonic()
-            dht.announce(record)  # re-announce every round: the record lives record_ttl seconds
+            announce(dht, record)  # re-announce every round: the record lives record_ttl seconds
             seen = live_peers(dht, {identity.node_id}, seen)
             live[:] = list(seen)
             x = update_for(identity.node_id, r, args.numel)

@@ -37,7 +37,7 @@ from murmur.node.exchange.peer import ExchangePeer, PeerSpec, build_peer
 from murmur.node.exchange.settings import ExchangeSettings
 from murmur.node.net.loop import LoopThread
 from murmur.node.net.server import PeerServerSettings
-from murmur.node.testnet.exchange_peer_process import emit, live_peers, update_for
+from murmur.node.testnet.exchange_peer_process import announce, emit, live_peers, update_for
 from murmur.optim.codecs import make_codec
 from murmur.protocol.dht import DHTError, DHTSettings, MurmurDHT, PeerRecord
 from murmur.protocol.identity import Identity
@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
                 time.sleep(0.1)
         for r in range(1, args.rounds + 1):
             for handle, record in zip(handles, records, strict=True):
-                handle.announce(record)  # re-announce every round: the record lives record_ttl seconds
+                announce(handle, record)  # re-announce every round: the record lives record_ttl seconds
             seen = live_peers(dht, {r.node_id for r in records}, seen)
             live[:] = list(seen)
             calls = {}
