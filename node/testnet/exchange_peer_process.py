@@ -49,18 +49,31 @@ def update_for(node_id: str, round_id: int, numel: int) -> torch.Tensor:
     return torch.randn(numel, generator=torch.Generator().manual_seed(seed))
 
 
-def wait_for_records(dht: MurmurDHT, record: PeerRecord, peers: int, deadline_s: float, ttl: float) -> None:
-    """Until ``peers`` records are in the DHT (or the deadline): the groups of the first round are
-    formed from them, and a peer that saw fewer would form other groups than the rest. Our record
-    is announced again every half TTL meanwhile: the first peers up must not expire while the
-    last ones start."""
+def wait_for_records(
+    dht: MurmurDHT, records: list[PeerRecord], peers: int, deadline_s: float, ttl: float
+) -> dict[str, str]:
+    """{node id: address} of the peers seen in the DHT, once ``peers`` of them were (or at the
+    deadline): the groups of the first round are formed from them, and a peer that saw fewer
+    would form other groups than the rest. Reads are added up: a busy DHT answers a read with
+    part of the records (a different part each time), and 64 peers waited out the deadline for
+    one read with all of them. Our records (``records``) are announced again every half TTL
+    meanwhile: the first peers up must not expire while the last ones start."""
     end = announced = time.monotonic()
     end += deadline_s
-    while len(dht.peers()) < peers and time.monotonic() < end:
+    seen: dict[str, str] = {}
+    while time.monotonic() < end:
+        try:
+            seen.update((r.node_id, r.address) for r in dht.peers())
+        except DHTError:
+            pass  # busy: read again at the next poll
+        if len(seen) >= peers:
+            break
         if time.monotonic() - announced > ttl / 2:
-            announce(dht, record)
+            for record in records:
+                announce(dht, record)
             announced = time.monotonic()
         time.sleep(0.1)
+    return seen
 
 
 def live_peers(dht: MurmurDHT, mine: Collection[str] = (), before: dict[str, str] | None = None) -> dict[str, str]:
@@ -155,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         exchange = GroupedExchange(peer.exchange, run_id=args.run, live=lambda: live, group_size=group_size)
         emit(event="ready", node_id=identity.node_id, address=address)
         if args.peers > group_size:
-            wait_for_records(dht, record, args.peers, args.rendezvous_deadline, args.record_ttl)
+            seen = wait_for_records(dht, [record], args.peers, args.rendezvous_deadline, args.record_ttl)
         for r in range(1, args.rounds + 1):
             t0 = time.monotonic()
             announce(dht, record)  # re-announce every round: the record lives record_ttl seconds

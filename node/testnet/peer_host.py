@@ -37,7 +37,7 @@ from murmur.node.exchange.peer import ExchangePeer, PeerSpec, build_peer
 from murmur.node.exchange.settings import ExchangeSettings
 from murmur.node.net.loop import LoopThread
 from murmur.node.net.server import PeerServerSettings
-from murmur.node.testnet.exchange_peer_process import announce, emit, live_peers, update_for
+from murmur.node.testnet.exchange_peer_process import announce, emit, live_peers, update_for, wait_for_records
 from murmur.optim.codecs import make_codec
 from murmur.protocol.dht import DHTError, DHTSettings, MurmurDHT, PeerRecord
 from murmur.protocol.identity import Identity
@@ -133,9 +133,7 @@ def main(argv: list[str] | None = None) -> int:
             emit(event="ready", node_id=record.node_id, address=record.address, group_size=bound)
         sys.stdin.readline()  # the driver's go: every process starts its rounds at once
         if bound is not None and args.peers > bound:  # the first round's groups need every record
-            end = time.monotonic() + args.rendezvous_deadline
-            while len(dht.peers()) < args.peers and time.monotonic() < end:
-                time.sleep(0.1)
+            seen = wait_for_records(dht, [], args.peers, args.rendezvous_deadline, args.record_ttl)
         for r in range(1, args.rounds + 1):
             for handle, record in zip(handles, records, strict=True):
                 announce(handle, record)  # re-announce every round: the record lives record_ttl seconds
