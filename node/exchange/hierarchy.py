@@ -239,9 +239,14 @@ class GroupedExchange(Exchange):
         received = a.result.bytes_received + sum(r.bytes_received for r in cols) + gathered.bytes_received
         # The groups whose means made it in: those whose holders met ours in the column calls
         # (a peer that carried no column knows only the formation).
+        # A holder met that this peer's view of the live set lacks (a trainer it has not heard of
+        # yet: groups are met by rendezvous, not by view) is a member all the same: left out, a
+        # claim from a view one trainer short named a minority and the run refused it.
         called = [r for c, r in zip(mine, cols, strict=True) if ranges[c][1] > ranges[c][0]]
-        met = {_group_or_none(formation, h) for r in called for h in r.members} - {None} if called else None
-        members = round_members(formation, formation.group_of(me), survivors, met)
+        seen = {h for r in called for h in r.members}
+        met = {_group_or_none(formation, h) for h in seen} - {None} if called else None
+        unknown = {h for h in seen if _group_or_none(formation, h) is None}
+        members = sorted({*round_members(formation, formation.group_of(me), survivors, met), *unknown})
         return out, members, dropped, sent, received
 
     async def _catch_up(
