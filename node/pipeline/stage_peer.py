@@ -51,7 +51,7 @@ from murmur.node.net.server import PeerServer, PeerServerSettings, PublishedStat
 from murmur.node.net.state_transfer import StateError, afetch
 from murmur.node.pipeline import kept_stage, replica, stage_checkpoint, stage_state, stop_sync
 from murmur.node.pipeline.member import PipelineMember
-from murmur.node.pipeline.memory import peak_rss_mb
+from murmur.node.pipeline.memory import collect_cycles, peak_rss_mb
 from murmur.node.pipeline.service import StageService, StageServiceSettings
 from murmur.node.pipeline.stage_sync import StageSync, outer_name
 from murmur.node.pipeline.worker import StageWorker
@@ -208,6 +208,7 @@ class StagePeer:
             if self.service is not None:
                 await self.service.stop()
             self.final_sync = await stop_sync.final_round(self.sync, self.settings.stop_sync_s)
+            collect_cycles()  # a failed last round's tensors, before the final checkpoint (memory.collect_cycles)
         for task in [*self._tasks, *([self._moving] if self._moving else [])]:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -436,6 +437,7 @@ class StagePeer:
                 await self.checkpoint(version)
             except Exception as err:  # noqa: BLE001 - a full disk: say so, try again next period
                 log.warning("checkpoint version %d failed: %s", version, err)
+            collect_cycles()  # what a failed write or report left in cycles (memory.collect_cycles)
 
     async def checkpoint(self, version: int) -> stage_checkpoint.CheckpointFile:
         """Write the stage as checkpoint ``version`` and report it to the coordinator."""
@@ -539,6 +541,7 @@ class StagePeer:
                 await self._refresh_replica(target)
             except Exception as err:  # noqa: BLE001 - a failed copy is retried at the next period
                 log.info("replica of stage %d not refreshed: %s", target, err)
+            collect_cycles()  # a failed fetch's buffers, held in cycles by its exception (memory.collect_cycles)
 
     async def _refresh_replica(self, target: int) -> None:
         peers = serving(await self.member.stages(), target)
