@@ -79,8 +79,8 @@ def collect_cycles() -> int:
     almost never collects on its own (a full collection waits for a quarter as many new survivors
     as the heap had at the freeze: 300K objects). Measured: each failed within-stage round of a
     stage of 80 MiB left 250-330 MiB of tensors in such garbage, and ten failed rounds held over
-    2 GiB (benchmarks/peer_memory.py, two peers a stage). The stage peer collects once each of its
-    periodic jobs that move the stage (a sync round, a replica's refresh, a checkpoint) is done."""
+    2 GiB (benchmarks/peer_memory.py, two peers a stage). The stage peer collects after each sync
+    round, and after a replica's refresh or a checkpoint that failed."""
     return gc.collect()
 
 

@@ -435,9 +435,10 @@ class StagePeer:
                 continue
             try:
                 await self.checkpoint(version)
+                continue
             except Exception as err:  # noqa: BLE001 - a full disk: say so, try again next period
                 log.warning("checkpoint version %d failed: %s", version, err)
-            collect_cycles()  # what a failed write or report left in cycles (memory.collect_cycles)
+            collect_cycles()  # what the failed write held, in cycles with its exception (memory.collect_cycles)
 
     async def checkpoint(self, version: int) -> stage_checkpoint.CheckpointFile:
         """Write the stage as checkpoint ``version`` and report it to the coordinator."""
@@ -539,9 +540,10 @@ class StagePeer:
             target = (self.stage + 1) % self.settings.stages
             try:
                 await self._refresh_replica(target)
+                continue
             except Exception as err:  # noqa: BLE001 - a failed copy is retried at the next period
                 log.info("replica of stage %d not refreshed: %s", target, err)
-            collect_cycles()  # a failed fetch's buffers, held in cycles by its exception (memory.collect_cycles)
+            collect_cycles()  # a failed fetch's buffers, in cycles with its exception (memory.collect_cycles)
 
     async def _refresh_replica(self, target: int) -> None:
         peers = serving(await self.member.stages(), target)
