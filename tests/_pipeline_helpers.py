@@ -264,6 +264,33 @@ def watcher_identity(join: tuple[str, str]) -> Identity:
     return ident
 
 
+def val_through_stages(join: tuple[str, str], run_id: str, peers: list[PeerProc], batches) -> float:
+    """The validation loss through the stage peers of a 2-stage run now (forward only, fp32
+    activations): a member of the run calls them as a driver's evaluation does."""
+    from murmur.node.pipeline.client import StageClient
+    from murmur.node.pipeline.driver import Driver
+    from murmur.node.pipeline.router import Router, StageEndpoint
+    from murmur.protocol.runconfig import PipelineSection
+
+    ident = watcher_identity(join)
+
+    async def run() -> float:
+        client = StageClient(ident, run_id=run_id)
+        cfg = PipelineSection(stages=2, activation_codec="fp32", hop_timeout_s=60.0)
+        router = Router(cfg)
+        for s in (0, 1):
+            router.set_peers(s, [StageEndpoint(p.node_id, p.ready["address"], s) for p in peers
+                                 if p.ready["stage"] == s])
+        try:
+            driver = Driver(client, router, cfg, dim=64)
+            losses = [await driver.evaluate(f"v{k}", x, y) for k, (x, y) in enumerate(batches)]
+        finally:
+            await client.aclose()
+        return sum(losses) / len(losses)
+
+    return asyncio.run(run())
+
+
 def free_port_pair() -> int:
     """A port P with P and P + 1 free on loopback: a stage peer's fixed stage and peer-server ports."""
     for _ in range(50):

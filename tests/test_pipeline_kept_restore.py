@@ -6,7 +6,6 @@ stage peer and driver processes on loopback, real signals."""
 
 from __future__ import annotations
 
-import asyncio
 import re
 
 import pytest
@@ -18,37 +17,12 @@ from _durable_scenarios import (
     pipeline_net,
     pipeline_trained_then_gone,
 )
-from _pipeline_helpers import PeerProc, start_logged, stop_all, wait_until, watcher_identity
+from _pipeline_helpers import PeerProc, start_logged, stop_all, val_through_stages, wait_until
 
 from murmur.coordinator import kept_state
 from murmur.node.model.data import Dataset, eval_batches
-from murmur.node.pipeline.client import StageClient
-from murmur.node.pipeline.driver import Driver
-from murmur.node.pipeline.router import Router, StageEndpoint
-from murmur.protocol.runconfig import PipelineSection
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
-
-
-def val_through(join, run_id: str, peers, batches) -> float:
-    """The validation loss through the stage peers now, as the driver evaluates it (fp32 activations)."""
-    ident = watcher_identity(join)
-
-    async def run() -> float:
-        client = StageClient(ident, run_id=run_id)
-        cfg = PipelineSection(stages=2, activation_codec="fp32", hop_timeout_s=60.0)
-        router = Router(cfg)
-        for s in (0, 1):
-            router.set_peers(s, [StageEndpoint(p.node_id, p.ready["address"], s) for p in peers
-                                 if p.ready["stage"] == s])
-        try:
-            driver = Driver(client, router, cfg, dim=64)
-            losses = [await driver.evaluate(f"v{k}", x, y) for k, (x, y) in enumerate(batches)]
-        finally:
-            await client.aclose()
-        return sum(losses) / len(losses)
-
-    return asyncio.run(run())
 
 
 def test_new_stage_peers_restore_the_kept_stages_after_every_stage_peer_left(tmp_path, small_shards):
@@ -58,7 +32,7 @@ def test_new_stage_peers_restore_the_kept_stages_after_every_stage_peer_left(tmp
         try:
             val, (kept_event,) = pipeline_trained_then_gone(
                 net, join, tmp_path, small_shards, peers,
-                between=lambda serving: fresh.append(val_through(join, net.run_id, serving, batches)))
+                between=lambda serving: fresh.append(val_through_stages(join, net.run_id, serving, batches)))
             assert kept_event["detail"]["reason"] == "lease_end", kept_event  # the lease's end, not the clock
             final = {p.stopped["stage"]: p.stopped["state_hash"] for p in peers}
             kept = kept_state.newest(net.db, net.run_id)
@@ -76,7 +50,7 @@ def test_new_stage_peers_restore_the_kept_stages_after_every_stage_peer_left(tmp
                 m = re.search(KEPT_STAGE, text)
                 assert m and (int(m[1]), int(m[2])) == (p.ready["stage"], STEPS), text[-2000:]
                 assert kept_hashes[p.ready["stage"]].startswith(m[3]), (m[0], kept_hashes)
-            after = val_through(join, net.run_id, new, batches)
+            after = val_through_stages(join, net.run_id, new, batches)
         finally:
             stop_all(peers)
             stop_all(new)

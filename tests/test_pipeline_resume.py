@@ -5,51 +5,30 @@ ledger, and `murmur export` of the peers' folders is the model the stages serve.
 
 from __future__ import annotations
 
-import asyncio
 import math
 import signal
 import time
 
 import pytest
-from _pipeline_helpers import coordinator, ledger_tokens, start_driver, start_run_peer, stop_all, wait_until
+from _pipeline_helpers import (
+    coordinator,
+    ledger_tokens,
+    start_driver,
+    start_run_peer,
+    stop_all,
+    val_through_stages,
+    wait_until,
+)
 from test_pipeline_run import FAST_COORDINATOR, PIPELINE, consistent, logged
 
 from murmur.node.export.stage_set import load_sources
 from murmur.node.model.data import Dataset, eval_batches
-from murmur.node.pipeline.client import StageClient
-from murmur.node.pipeline.driver import Driver
-from murmur.node.pipeline.router import Router, StageEndpoint
-from murmur.protocol.runconfig import PipelineSection
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
 EVERY_S = 1.0  # pipeline.checkpoint_every_s
 RESUME = [*PIPELINE, "pipeline.activation_codec=fp32", f"pipeline.checkpoint_every_s={EVERY_S}",
           "train.steps=100000", "train.eval_every=100000"]
-
-
-def val_through_stages(join, run_id: str, peers, batches) -> float:
-    """The validation loss through the stage peers now (forward only, fp32 activations): a member of
-    the run calls them as a driver's evaluation does."""
-    from _pipeline_helpers import watcher_identity
-
-    ident = watcher_identity(join)
-
-    async def run() -> float:
-        client = StageClient(ident, run_id=run_id)
-        cfg = PipelineSection(stages=2, activation_codec="fp32", hop_timeout_s=60.0)
-        router = Router(cfg)
-        for s in (0, 1):
-            router.set_peers(s, [StageEndpoint(p.node_id, p.ready["address"], s) for p in peers
-                                 if p.ready["stage"] == s])
-        try:
-            driver = Driver(client, router, cfg, dim=64)
-            losses = [await driver.evaluate(f"v{k}", x, y) for k, (x, y) in enumerate(batches)]
-        finally:
-            await client.aclose()
-        return sum(losses) / len(losses)
-
-    return asyncio.run(run())
 
 
 def exported_val(source, batches) -> float:

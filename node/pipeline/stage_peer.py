@@ -51,7 +51,7 @@ from murmur.node.net.server import PeerServer, PeerServerSettings, PublishedStat
 from murmur.node.net.state_transfer import StateError, afetch
 from murmur.node.pipeline import kept_stage, replica, stage_checkpoint, stage_state, stop_sync
 from murmur.node.pipeline.member import PipelineMember
-from murmur.node.pipeline.memory import peak_rss_mb
+from murmur.node.pipeline.memory import collect_cycles, peak_rss_mb
 from murmur.node.pipeline.service import StageService, StageServiceSettings
 from murmur.node.pipeline.stage_sync import StageSync, outer_name
 from murmur.node.pipeline.worker import StageWorker
@@ -209,6 +209,7 @@ class StagePeer:
             if self.service is not None:
                 await self.service.stop()
             self.final_sync = await stop_sync.final_round(self.sync, self.settings.stop_sync_s)
+            collect_cycles()  # a failed last round's tensors, before the final checkpoint (memory.collect_cycles)
         for task in [*self._tasks, *([self._moving] if self._moving else [])]:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -437,8 +438,10 @@ class StagePeer:
                 continue
             try:
                 await self.checkpoint(version)
+                continue
             except Exception as err:  # noqa: BLE001 - a full disk: say so, try again next period
                 log.warning("checkpoint version %d failed: %s", version, err)
+            collect_cycles()  # what the failed write held, in cycles with its exception (memory.collect_cycles)
 
     async def checkpoint(self, version: int) -> stage_checkpoint.CheckpointFile:
         """Write the stage as checkpoint ``version`` and report it to the coordinator."""
@@ -540,8 +543,10 @@ class StagePeer:
             target = (self.stage + 1) % self.settings.stages
             try:
                 await self._refresh_replica(target)
+                continue
             except Exception as err:  # noqa: BLE001 - a failed copy is retried at the next period
                 log.info("replica of stage %d not refreshed: %s", target, err)
+            collect_cycles()  # a failed fetch's buffers, in cycles with its exception (memory.collect_cycles)
 
     async def _refresh_replica(self, target: int) -> None:
         peers = serving(await self.member.stages(), target)

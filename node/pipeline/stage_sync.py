@@ -88,6 +88,7 @@ from murmur.node.net.faults import FaultInjector
 from murmur.node.net.loop import RunningLoop
 from murmur.node.net.server import PeerServer, PublishedState
 from murmur.node.net.state_transfer import StateError, StateFetchSettings, afetch, get_parts
+from murmur.node.pipeline.memory import collect_cycles
 from murmur.node.pipeline.worker import StageWorker
 from murmur.optim.factory import make_aggregator_for, make_codec_for
 from murmur.protocol.identity import BannedError
@@ -318,6 +319,14 @@ class StageSync:
                 self.failed += 1
                 self.last_error = str(err)[:300]
                 log.info("stage sync round %d failed: %s", r, err)
+            finally:
+                if self._in_round.done():
+                    # A failed round's task holds its exception, whose traceback holds the round's
+                    # tensors (its snapshot, the exchange's copy and result, the chunks received)
+                    # in reference cycles: let go of it and collect them now, not at a full
+                    # collection that may never come (memory.collect_cycles).
+                    self._in_round = None
+                    collect_cycles()
 
     async def drain(self, *, linger: bool = True) -> None:
         """Stop starting rounds; let the one in flight finish (its own deadline bounds it), then
@@ -325,10 +334,12 @@ class StageSync:
         ``linger`` is False: a last round at the stop follows, during which the peer server stays up
         at least as long for the mates that do not stop, node/pipeline/stop_sync.py)."""
         self._stopping = True
-        if self._in_round is not None and not self._in_round.done():
+        in_round = self._in_round  # run() lets go of it once it is done
+        if in_round is not None and not in_round.done():
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(asyncio.shield(self._in_round), self.deadline_s + 1.0)
-            self._in_round.cancel()  # still running past its deadline: a hung mate; give it up
+                await asyncio.wait_for(asyncio.shield(in_round), self.deadline_s + 1.0)
+            in_round.cancel()  # still running past its deadline: a hung mate; give it up
+        del in_round
         wait = self._completed_at + self.deadline_s - time.monotonic()
         if linger and self._completed_at and wait > 0:
             await asyncio.sleep(wait)
