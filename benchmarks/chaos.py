@@ -3,6 +3,7 @@
     python benchmarks/chaos.py                       # the committed table (10 minutes a row)
     python benchmarks/chaos.py --duration 120        # shorter rows (the JSON records the duration)
     python benchmarks/chaos.py --rows clean,15 --coordinator-restarts 0
+    python benchmarks/chaos.py --rows 15 --keep runs/chaos   # each row's node logs kept to read
 
 Every row is a fresh `murmur testnet` (real processes on loopback, configs/testnet-tiny.toml, one
 torch thread a node, the testnet's loopback deadlines): a coordinator with its DHT and 4 nodes, on
@@ -80,23 +81,28 @@ def _start(net) -> None:
              WARMUP_TIMEOUT_S, poll_s=1.0, what="every node's first round")
 
 
-def _start_or_keep(net, root: Path, name: str) -> None:
-    """Start the row's testnet; if it does not train, keep its folder (logs, ledger) for reading."""
+def _keep(root: Path, kept: Path) -> None:
+    """A row's folder (node logs, rounds.jsonl, the ledger; no tensors) copied to ``kept``."""
     import shutil
 
+    shutil.rmtree(kept, ignore_errors=True)
+    shutil.copytree(root, kept, ignore=shutil.ignore_patterns("*.bin", "*.npy", "*.pt"))
+
+
+def _start_or_keep(net, root: Path, name: str) -> None:
+    """Start the row's testnet; if it does not train, keep its folder (logs, ledger) for reading."""
     from murmur.node.testnet.procs import TestnetError
 
     try:
         _start(net)
     except TestnetError:
         kept = REPO / "runs" / f"chaos-failed-{name}"
-        shutil.rmtree(kept, ignore_errors=True)
-        shutil.copytree(root, kept, ignore=shutil.ignore_patterns("*.bin", "*.npy", "*.pt"))
+        _keep(root, kept)
         print(f"the row did not start; its folder is kept in {kept}", file=sys.stderr, flush=True)
         raise
 
 
-def chaos_row(mtbf: float | None, duration: float, seed: int, data: Path) -> dict:
+def chaos_row(mtbf: float | None, duration: float, seed: int, data: Path, keep: Path | None = None) -> dict:
     from murmur.node.testnet.chaos import Chaos, analyze, percentile
 
     with tempfile.TemporaryDirectory(prefix="murmur-chaos-") as tmp:
@@ -116,6 +122,8 @@ def chaos_row(mtbf: float | None, duration: float, seed: int, data: Path) -> dic
             net.stop_nodes()  # each commits, releases and leaves; the ledger is read after
             stats = analyze(net, t0, t1, restarted=monkey.restarted if monkey else (),
                             committed_before=committed_before)
+        if keep is not None:  # where a restart's seconds went: its node's log says (its start line)
+            _keep(Path(tmp), keep / f"mtbf-{mtbf or 'clean'}")
     restart_s = stats["restart_s"]
     return {
         "nodes": NODES,
@@ -181,6 +189,7 @@ def main() -> int:
     p.add_argument("--rows", default="clean,60,15,5", help="MTBFs in seconds, 'clean' for no kills")
     p.add_argument("--coordinator-restarts", type=int, default=10, help="coordinator SIGKILLs (0: no row)")
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--keep", type=Path, help="copy each row's folder (node logs, ledger) into KEEP/mtbf-<row>")
     bench.out_option(p, RESULTS)
     args = p.parse_args()
     from murmur.node.model.corpus import bundled_corpus
@@ -197,7 +206,7 @@ def main() -> int:
         prepare(data, sources=[bundled_corpus()] * 3, tokenizer="byte", shard_tokens=8192)
         for name in args.rows.split(","):
             mtbf = None if name == "clean" else float(name)
-            row = chaos_row(mtbf, args.duration, args.seed, data)
+            row = chaos_row(mtbf, args.duration, args.seed, data, args.keep)
             row.pop("_t0")
             rows.append(row)
             print(json.dumps(row), flush=True)
