@@ -21,10 +21,10 @@ printed under a ``Process <name>:`` line (multiprocessing's), with exit status 1
 
 `MURMUR_WARM_START=0` turns it off (every process a cold `python -m murmur.cli`); a command with a
 prefix (``ip netns exec NS``: a node on another host) always starts cold, and so does a command
-that may use a GPU (``--device cuda``, or ``auto`` on a machine with a GPU): CUDA cannot be used in a child forked from a
-process in which anything touched it ("Cannot re-initialize CUDA in forked subprocess": every stage
-peer of ``murmur testnet up --stages 6 --device cuda`` died so on an H100), and a GPU process pays
-the imports once for minutes of work anyway. `popen` starts those with exec (`needs_gpu`).
+that may use a GPU (``--device cuda``, or ``auto`` on a machine with a GPU): CUDA cannot be used in
+a child forked from a process in which anything touched it ("Cannot re-initialize CUDA in forked
+subprocess": every stage peer of ``murmur testnet up --stages 6 --device cuda`` died so on an H100),
+and a GPU process pays the imports once for minutes of work anyway. `popen` starts those with exec (`needs_gpu`).
 """
 
 from __future__ import annotations
