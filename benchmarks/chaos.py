@@ -3,6 +3,7 @@
     python benchmarks/chaos.py                       # the committed table (10 minutes a row)
     python benchmarks/chaos.py --duration 120        # shorter rows (the JSON records the duration)
     python benchmarks/chaos.py --rows clean,15 --coordinator-restarts 0
+    python benchmarks/chaos.py --rows 15 --keep runs/chaos   # each row's node logs kept to read
 
 Every row is a fresh `murmur testnet` (real processes on loopback, configs/testnet-tiny.toml, one
 torch thread a node, the testnet's loopback deadlines): a coordinator with its DHT and 4 nodes, on
@@ -43,19 +44,17 @@ commits_refused 0; every coordinator restart ok.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
-import os
-import platform
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _testnet_bench as bench  # noqa: E402
+from _testnet_bench import CONFIG, REPO  # noqa: E402
+
 RESULTS = REPO / "benchmarks" / "results" / "chaos.json"
-CONFIG = REPO / "configs" / "testnet-tiny.toml"
 NODES = 4
 WARMUP_TIMEOUT_S = 300.0  # every node trains its first round within this (a loaded machine)
 ROUND_DEADLINE_S = 120.0  # the node default round_timeout_s (the testnet does not change it)
@@ -82,23 +81,28 @@ def _start(net) -> None:
              WARMUP_TIMEOUT_S, poll_s=1.0, what="every node's first round")
 
 
-def _start_or_keep(net, root: Path, name: str) -> None:
-    """Start the row's testnet; if it does not train, keep its folder (logs, ledger) for reading."""
+def _keep(root: Path, kept: Path) -> None:
+    """A row's folder (node logs, rounds.jsonl, the ledger; no tensors) copied to ``kept``."""
     import shutil
 
+    shutil.rmtree(kept, ignore_errors=True)
+    shutil.copytree(root, kept, ignore=shutil.ignore_patterns("*.bin", "*.npy", "*.pt"))
+
+
+def _start_or_keep(net, root: Path, name: str) -> None:
+    """Start the row's testnet; if it does not train, keep its folder (logs, ledger) for reading."""
     from murmur.node.testnet.procs import TestnetError
 
     try:
         _start(net)
     except TestnetError:
         kept = REPO / "runs" / f"chaos-failed-{name}"
-        shutil.rmtree(kept, ignore_errors=True)
-        shutil.copytree(root, kept, ignore=shutil.ignore_patterns("*.bin", "*.npy", "*.pt"))
+        _keep(root, kept)
         print(f"the row did not start; its folder is kept in {kept}", file=sys.stderr, flush=True)
         raise
 
 
-def chaos_row(mtbf: float | None, duration: float, seed: int, data: Path) -> dict:
+def chaos_row(mtbf: float | None, duration: float, seed: int, data: Path, keep: Path | None = None) -> dict:
     from murmur.node.testnet.chaos import Chaos, analyze, percentile
 
     with tempfile.TemporaryDirectory(prefix="murmur-chaos-") as tmp:
@@ -118,6 +122,8 @@ def chaos_row(mtbf: float | None, duration: float, seed: int, data: Path) -> dic
             net.stop_nodes()  # each commits, releases and leaves; the ledger is read after
             stats = analyze(net, t0, t1, restarted=monkey.restarted if monkey else (),
                             committed_before=committed_before)
+        if keep is not None:  # where a restart's seconds went: its node's log says (its start line)
+            _keep(Path(tmp), keep / f"mtbf-{mtbf or 'clean'}")
     restart_s = stats["restart_s"]
     return {
         "nodes": NODES,
@@ -177,40 +183,20 @@ def coordinator_row(restarts: int, data: Path, gap_s: float = 30.0, down_s: floa
     }
 
 
-def _commit() -> str:
-    done = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True)
-    dirty = subprocess.run(["git", "status", "--porcelain", "--", "node", "coordinator", "protocol"],
-                           cwd=REPO, capture_output=True, text=True).stdout.strip()
-    return done.stdout.strip() + (" (with uncommitted changes)" if dirty else "")
-
-
-def _history(path: Path) -> dict:
-    """The earlier runs a results file holds (``rows_run_*``), and its main rows as one more, so a
-    rerun adds to the record instead of replacing it."""
-    try:
-        old = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    kept = {k: v for k, v in old.items() if k.startswith("rows_run_")}
-    if old.get("rows"):
-        name = f"rows_run_{str(old.get('date', ''))[:10].replace('-', '_')}_{str(old.get('commit', ''))[:7]}"
-        kept[name] = {k: old[k] for k in ("command", "commit", "load", "note", "rows") if k in old}
-    return kept
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--duration", type=float, default=600.0, help="seconds a row measures (default 600)")
     p.add_argument("--rows", default="clean,60,15,5", help="MTBFs in seconds, 'clean' for no kills")
     p.add_argument("--coordinator-restarts", type=int, default=10, help="coordinator SIGKILLs (0: no row)")
     p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--out", type=Path, default=RESULTS)
+    p.add_argument("--keep", type=Path, help="copy each row's folder (node logs, ledger) into KEEP/mtbf-<row>")
+    bench.out_option(p, RESULTS)
     args = p.parse_args()
     from murmur.node.model.corpus import bundled_corpus
     from murmur.node.model.data import prepare
 
     started = time.time()
-    load_before = [round(x, 1) for x in os.getloadavg()]
+    load_before = bench.load()
     rows: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="murmur-chaos-data-") as tmp:
         data = Path(tmp) / "data"
@@ -220,7 +206,7 @@ def main() -> int:
         prepare(data, sources=[bundled_corpus()] * 3, tokenizer="byte", shard_tokens=8192)
         for name in args.rows.split(","):
             mtbf = None if name == "clean" else float(name)
-            row = chaos_row(mtbf, args.duration, args.seed, data)
+            row = chaos_row(mtbf, args.duration, args.seed, data, args.keep)
             row.pop("_t0")
             rows.append(row)
             print(json.dumps(row), flush=True)
@@ -237,22 +223,8 @@ def main() -> int:
             row = coordinator_row(args.coordinator_restarts, data)
             rows.append(row)
             print(json.dumps(row), flush=True)
-    out = {
-        "benchmark": "chaos",
-        "device": f"cpu ({platform.processor() or platform.machine()}), shared by other jobs",
-        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "command": " ".join(["python", "benchmarks/chaos.py", *sys.argv[1:]]),
-        "commit": _commit(),
-        "load": {"before": load_before, "after": [round(x, 1) for x in os.getloadavg()]},  # 1, 5, 15 min
-        "duration_s_per_row": args.duration,
-        "wall_s": round(time.time() - started),
-        "config": str(CONFIG.relative_to(REPO)),
-        "rows": rows,
-    }
-    out.update(_history(args.out))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(out, indent=1) + "\n")
-    print(f"wrote {args.out}")
+    out = bench.head("chaos", "benchmarks/chaos.py", started, load_before)
+    bench.write(args.out, {**out, "duration_s_per_row": args.duration, "rows": rows})
     return 0
 
 

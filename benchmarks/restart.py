@@ -31,18 +31,18 @@ import argparse
 import datetime as dt
 import json
 import os
-import platform
 import re
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _testnet_bench as bench  # noqa: E402
+from _testnet_bench import CONFIG, REPO  # noqa: E402
+
 RESULTS = REPO / "benchmarks" / "results" / "restart.json"
-CONFIG = REPO / "configs" / "testnet-tiny.toml"
 NODES = 3
 WAIT_S = 300.0  # a phase on a loaded machine
 
@@ -131,37 +131,16 @@ def _summary(rows: list[dict], keys: list[str]) -> dict:
     return out
 
 
-def _commit() -> str:
-    done = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True)
-    dirty = subprocess.run(["git", "status", "--porcelain", "--", "node", "coordinator", "protocol"],
-                           cwd=REPO, capture_output=True, text=True).stdout.strip()
-    return done.stdout.strip() + (" (with uncommitted changes)" if dirty else "")
-
-
-def _history(path: Path) -> dict:
-    """The earlier runs a results file holds (``rows_run_*``, with their load), and its main rows as
-    one more, so a rerun adds to the record instead of replacing it (as benchmarks/chaos.py does)."""
-    try:
-        old = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    kept = {k: v for k, v in old.items() if k.startswith("rows_run_")}
-    if old.get("rows"):
-        name = f"rows_run_{str(old.get('date', ''))[:10].replace('-', '_')}_{str(old.get('commit', ''))[:7]}"
-        kept[name] = {key: old.get(key) for key in ("command", "commit", "date", "load", "note", "rows")}
-    return kept
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--restarts", type=int, default=5, help="node restarts per mode (coordinator: half)")
     p.add_argument("--modes", default="warm,cold", help="warm, cold or both")
-    p.add_argument("--out", type=Path, default=RESULTS)
+    bench.out_option(p, RESULTS)
     args = p.parse_args()
     from murmur.node.model.data import prepare
 
     started = time.time()
-    load_before = [round(x, 1) for x in os.getloadavg()]
+    load_before = bench.load()
     rows = []
     with tempfile.TemporaryDirectory(prefix="murmur-restart-data-") as tmp:
         data = Path(tmp) / "data"
@@ -175,21 +154,7 @@ def main() -> int:
                 "node_restarts": nodes,
                 "coordinator_restarts": coords,
             })
-    out = {
-        "benchmark": "restart",
-        "device": f"cpu ({platform.processor() or platform.machine()}), shared by other jobs",
-        "load": {"before": load_before, "after": [round(x, 1) for x in os.getloadavg()]},  # 1, 5, 15 min
-        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "command": " ".join(["python", "benchmarks/restart.py", *sys.argv[1:]]),
-        "commit": _commit(),
-        "wall_s": round(time.time() - started),
-        "config": str(CONFIG.relative_to(REPO)),
-        "rows": rows,
-    }
-    out.update(_history(args.out))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(out, indent=1) + "\n")
-    print(f"wrote {args.out}")
+    bench.write(args.out, {**bench.head("restart", "benchmarks/restart.py", started, load_before), "rows": rows})
     return 0
 
 

@@ -67,7 +67,7 @@ def test_gpu_processes_start_cold_not_forked_from_the_warm_start_server():
     from murmur.node.testnet import warm
 
     assert warm.needs_gpu(["--device", "cuda"]) and warm.needs_gpu(["x", "--device=cuda:1"])
-    assert warm.needs_gpu(["--device", "auto"])
+    assert warm.needs_gpu(["--device", "auto"]) == warm.gpu_here()  # auto: a GPU where there is one
     assert not warm.needs_gpu(["--device", "cpu", "--threads", "1"]) and not warm.needs_gpu(["--threads", "1"])
     proc = warm.popen(["--device", "cuda"], module="json.tool", env={"PATH": "/usr/bin:/bin"},
                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

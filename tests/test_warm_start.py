@@ -16,7 +16,7 @@ import psutil
 import pytest
 
 from murmur.node.testnet import warm
-from murmur.node.testnet.procs import kill_group, run_murmur, start_module
+from murmur.node.testnet.procs import kill_group, run_murmur, start_module, start_murmur
 
 pytestmark = pytest.mark.skipif(not warm.enabled(), reason="warm starts are off (MURMUR_WARM_START=0) or no fork")
 
@@ -101,6 +101,21 @@ def test_murmur_commands_run_warm_as_they_run_cold(tmp_path):
     assert (warm_done.returncode, warm_done.stdout, warm_done.stderr) == (cold.returncode, cold.stdout, cold.stderr)
     assert warm_done.returncode == 1 and "--coordinator" in warm_done.stderr
     assert run_murmur(["--version"], env=env, timeout=60).stdout.startswith("murmur ")
+
+
+@pytest.mark.skipif(warm.gpu_here(), reason="this machine has a GPU: --device auto may use it, so it starts cold")
+def test_a_testnets_nodes_start_warm_on_a_machine_without_a_gpu(tmp_path):
+    """`murmur testnet up` and `chaos` give every node ``--device auto`` (node/testnet/cli.py). Where
+    there is no GPU that is the CPU, and the node is forked warm: it was started cold, and every chaos
+    restart paid the node's imports again (first rounds 21-31 s after a restart instead of 4-5 s)."""
+    from murmur.node.testnet.cli import LOOPBACK_NODE
+
+    with open(tmp_path / "out", "w") as out:  # no --coordinator: the node's one line, exit 1
+        proc = start_murmur(["node", "run", *LOOPBACK_NODE, "--device", "auto"], env=dict(os.environ), stdout=out,
+                            stderr=subprocess.STDOUT, text=True)
+    assert isinstance(proc, warm.WarmProcess)  # forked from the fork server, not exec'd
+    assert proc.wait(120) == 1 and "--coordinator" in (tmp_path / "out").read_text()
+    assert warm.needs_gpu(["--device", "cuda"])  # a GPU asked for by name still starts cold
 
 
 def test_warm_starts_can_be_turned_off(probe, monkeypatch):

@@ -21,16 +21,18 @@ printed under a ``Process <name>:`` line (multiprocessing's), with exit status 1
 
 `MURMUR_WARM_START=0` turns it off (every process a cold `python -m murmur.cli`); a command with a
 prefix (``ip netns exec NS``: a node on another host) always starts cold, and so does a command
-that may use a GPU (``--device`` other than ``cpu``): CUDA cannot be used in a child forked from a
-process in which anything touched it ("Cannot re-initialize CUDA in forked subprocess": every stage
-peer of ``murmur testnet up --stages 6 --device cuda`` died so on an H100), and a GPU process pays
-the imports once for minutes of work anyway. `popen` starts those with exec (`needs_gpu`).
+that may use a GPU (``--device cuda``, or ``auto`` on a machine with a GPU): CUDA cannot be used in
+a child forked from a process in which anything touched it ("Cannot re-initialize CUDA in forked
+subprocess": every stage peer of ``murmur testnet up --stages 6 --device cuda`` died so on an H100),
+and a GPU process pays the imports once for minutes of work anyway. `popen` starts those with exec (`needs_gpu`).
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
+import glob
 import io
 import multiprocessing
 import os
@@ -187,13 +189,30 @@ class WarmProcess:
 
 def needs_gpu(argv: list[str]) -> bool:
     """Whether the command may put work on a GPU: a ``--device`` other than ``cpu`` (``cuda``,
-    ``cuda:N``, ``auto``)."""
+    ``cuda:N``), or ``auto`` on a machine that has a GPU (`gpu_here`). ``auto`` where there is none
+    is the CPU: forked warm. It started cold too, and `murmur testnet up` and `chaos` pass every node
+    ``--device auto`` by default: every node start and chaos restart paid the node's imports again
+    (a restart's first round 21-31 s at load 3-18 against 4-5 s warm)."""
     for i, a in enumerate(argv):
         value = a.partition("=")[2] if a.startswith("--device=") else (
             argv[i + 1] if a == "--device" and i + 1 < len(argv) else None)
-        if value is not None and value.strip().lower() != "cpu":
+        if value is None:
+            continue
+        value = value.strip().lower()
+        if value != "cpu" and (value != "auto" or gpu_here()):
             return True
     return False
+
+
+@functools.cache
+def gpu_here() -> bool:
+    """Whether this machine shows a GPU device (an NVIDIA driver's, or ROCm's): asked of the
+    kernel's device files, not of CUDA, so that nothing here touches CUDA (a fork from a process
+    that did cannot use it). A GPU that a child's CUDA_VISIBLE_DEVICES hides still counts: such a
+    child starts cold, which is only slower."""
+    nvidia = Path("/proc/driver/nvidia/gpus")
+    return bool(glob.glob("/dev/nvidia[0-9]*")) or (nvidia.is_dir() and any(nvidia.iterdir())) or \
+        Path("/dev/kfd").exists()
 
 
 def popen(argv: list[str], *, env: dict[str, str], stdout: IO | int | None = None, stderr: IO | int | None = None,
