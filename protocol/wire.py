@@ -141,16 +141,23 @@ def wire_from_proto(msg: tensor_pb2.WireTensor, limits: WireLimits = WireLimits(
         if part.name in parts:
             raise WireError(f"part {part.name!r} appears twice")
         parts[part.name] = part_to_tensor(part, limits)
+    return WireTensor(codec=msg.codec, shape=shape, dtype=msg.dtype, parts=parts, meta=read_meta(msg))
+
+
+def read_meta(msg: tensor_pb2.WireTensor, what: str = "") -> dict[str, float | int]:
+    """A wire tensor's meta entries, each set and finite (one line naming the entry otherwise);
+    `what` prefixes the error, as the pipeline's activation decoder names its tensor."""
+    prefix = f"{what}: " if what else ""
     meta: dict[str, float | int] = {}
     for entry in msg.meta:
         kind = entry.WhichOneof("value")
         if kind is None:
-            raise WireError(f"meta {entry.name!r} has no value")
+            raise WireError(f"{prefix}meta {entry.name!r} has no value")
         value = entry.int_value if kind == "int_value" else entry.float_value
         if isinstance(value, float) and not math.isfinite(value):
-            raise WireError(f"meta {entry.name!r} is not finite")
+            raise WireError(f"{prefix}meta {entry.name!r} is not finite")
         meta[entry.name] = value
-    return WireTensor(codec=msg.codec, shape=shape, dtype=msg.dtype, parts=parts, meta=meta)
+    return meta
 
 
 def check_finite(w: WireTensor, what: str = "payload") -> None:

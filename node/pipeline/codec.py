@@ -19,7 +19,16 @@ import torch
 from murmur import kernels
 from murmur.protocol import tensor_pb2
 from murmur.protocol.runconfig import ACTIVATION_CODECS  # one list, in the run config
-from murmur.protocol.wire import DTYPE_NAMES, DTYPES, WireError, WireLimits, all_finite, dtype_name, tensor_bytes
+from murmur.protocol.wire import (
+    DTYPE_NAMES,
+    DTYPES,
+    WireError,
+    WireLimits,
+    all_finite,
+    dtype_name,
+    read_meta,
+    tensor_bytes,
+)
 
 INT8_BLOCK = 64  # elements per absmax scale
 
@@ -81,7 +90,7 @@ def decode(
     names = [p.name for p in msg.parts]
     if sorted(names) != sorted(want):
         raise WireError(f"{what}: parts {sorted(names)} do not match codec {msg.codec!r}")
-    meta = _meta(msg, what)
+    meta = read_meta(msg, what)
     n = math.prod(shape)
     parts = {p.name: p for p in msg.parts}
     if msg.codec == "int8":
@@ -118,19 +127,6 @@ def _part(part: tensor_pb2.TensorPart, dtype: torch.dtype, numel: int, what: str
     if t.is_floating_point() and not all_finite(t):
         raise WireError(f"{what}: part {part.name!r} holds NaN or Inf values")
     return t
-
-
-def _meta(msg: tensor_pb2.WireTensor, what: str) -> dict[str, int | float]:
-    meta: dict[str, int | float] = {}
-    for entry in msg.meta:
-        kind = entry.WhichOneof("value")
-        if kind is None:
-            raise WireError(f"{what}: meta {entry.name!r} has no value")
-        value = entry.int_value if kind == "int_value" else entry.float_value
-        if isinstance(value, float) and not math.isfinite(value):
-            raise WireError(f"{what}: meta {entry.name!r} is not finite")
-        meta[entry.name] = value
-    return meta
 
 
 def wire_bytes(msg: tensor_pb2.WireTensor) -> int:
