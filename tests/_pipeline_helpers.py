@@ -7,6 +7,7 @@ import contextlib
 import json
 import signal
 import socket
+import subprocess
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -27,6 +28,11 @@ MICROBATCH = 4
 TOKENS_PER_MB = MICROBATCH * 64
 START_TIMEOUT = 120  # torch import on a loaded 2-core machine
 RUN_TIMEOUT = 240
+# A clean stop (SIGTERM) is bounded by the peer's own deadlines at the shipped 30 s sync period:
+# the round in flight (22.5 s), the mates' stop marks (stop_sync_s, 10 s), the last round (7.5 s +
+# 2 x 22.5 s), waiting for the mates to finish theirs (22.5 s), then the final checkpoint: about
+# 110 s before the load of a 2-core CI machine. A peer still running past this is a hung stop.
+STOP_TIMEOUT = 240
 # Shards of 32 microbatches (the `small_shards` fixture of tests/conftest.py): a schedule of 40 or
 # more spans several leases.
 SMALL_SHARD_TOKENS = 1 << 13
@@ -101,6 +107,7 @@ class PeerProc:
     ready: dict
     stopped: dict = field(default_factory=dict)
     lines: list[dict] = field(default_factory=list)  # everything it printed, "ready" aside
+    stop_error: str = ""  # why `stop_all` found no "stopped" line, if it did not
 
     @property
     def node_id(self) -> str:
@@ -152,9 +159,16 @@ def _terminate(p: PeerProc) -> None:
 
 
 def _read_to_end(p: PeerProc) -> None:
-    p.proc.wait(60)  # a loaded 2-core machine
+    try:
+        p.proc.wait(STOP_TIMEOUT)
+    except subprocess.TimeoutExpired:  # what it printed before it hung still counts
+        p.proc.kill()
+        p.proc.wait()
+        p.stop_error = f"still running {STOP_TIMEOUT} s after its SIGTERM: killed"
     p.lines += p.proc.records()[len(p.lines) + 1 :]  # those it printed since: "ready" is not in lines
     p.stopped = next((r for r in p.lines if r.get("event") == "stopped"), {})
+    if not p.stopped and not p.stop_error:
+        p.stop_error = f"exited with {p.proc.returncode} and no stopped line"
 
 
 def write_peers(path: Path, peers: list[PeerProc]) -> None:
