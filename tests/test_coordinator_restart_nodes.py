@@ -16,8 +16,9 @@ import signal
 
 import pytest
 from _coordinator_helpers import admin_json, join, new_token, start_coordinator, write_run_files
-from _node_helpers import ledger, log, make_testnet, small_dataset, trained, wait_log, wait_rounds
+from _node_helpers import hashes_by_round, ledger, log, make_testnet, small_dataset, trained, wait_log, wait_rounds
 
+from murmur.node.testnet.procs import wait_for
 from murmur.protocol import coordinator_pb2 as pb
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
@@ -81,7 +82,7 @@ def test_three_coordinator_restarts_lose_no_lease_and_a_restarted_node_rejoins(t
         assert {n["status"] for n in nodes} == {"active"}, nodes
 
         # A node restarted after the restarts rejoins from its saved join record and trains again.
-        # (It is down longer than the heartbeat TTL, so its own lease may expire meanwhile.)
+        # (It may be down longer than the heartbeat TTL, so its own lease may expire meanwhile.)
         restarted = net.nodes[2]
         restarted_id = trained(restarted)[-1]["node"]
         after = max(int(e["seq"]) for e in _events(net))
@@ -95,14 +96,27 @@ def test_three_coordinator_restarts_lose_no_lease_and_a_restarted_node_rejoins(t
         assert saved, record
         record["bootstrap_peers"] = [re.sub(r"/tcp/\d+/", "/tcp/9/", a) for a in saved]  # nobody listens
         join.write_text(json.dumps(record))
+        since = len(log(restarted))
         net.start_node(restarted, ["--min-peers", "1"])
-        wait_log(restarted, r"rejoining run", timeout_s=60)
-        wait_log(restarted, r"the coordinator now hands out", timeout_s=120)
+        wait_log(restarted, r"rejoining run", timeout_s=60, since=since)
+        wait_log(restarted, r"the coordinator now hands out", timeout_s=120, since=since)
         assert json.loads(join.read_text())["bootstrap_peers"] == saved  # saved again
-        # Back in the run's data plane: it takes the newest state from the others.
-        wait_log(restarted, r"(took the global state|fetched the state) of round", timeout_s=180)
-        assert "joined run" not in log(restarted).split("rejoining run")[-1]  # the same membership
-        assert len(trained(restarted)) >= mark
+        # Back in the run's data plane with the run's state: the newer state from the others, or
+        # its own checkpoint when that is still the run's newest (a warm restart is back in under
+        # a second, before the others' next round, which waits for it while it is listed live).
+        wait_log(restarted, r"(took the global state|fetched the state|resumed from the local checkpoint) "
+                            r"(of|at) round", timeout_s=180, since=since)
+        assert "joined run" not in log(restarted)[since:]  # the same membership
+        wait_rounds(restarted, mark + 2, timeout_s=180)
+        back = {r["round"]: r["hash"] for r in trained(restarted)[mark:]}
+        others = [n for n in net.nodes if n is not restarted]
+        for node in others:  # the others got past those rounds too
+            wait_for(lambda node=node: max(r["round"] for r in trained(node)) >= max(back), 180,
+                     what=f"{node.name} to finish round {max(back)}")
+        theirs = hashes_by_round(others)
+        shared = [r for r in back if r in theirs]
+        assert shared, (back, theirs)
+        assert all(set(theirs[r].values()) == {back[r]} for r in shared), [(r, back[r], theirs[r]) for r in shared]
 
         for node in net.nodes:
             node.proc.send_signal(signal.SIGTERM)
