@@ -248,13 +248,15 @@ class Node:
             log=self.log,
             faults=self.o.faults,
         )
+        # The coordinator's first view of the run's trainers, before counting peers (it tells a
+        # live peer's record from one a node that just left or died left behind in the DHT).
+        with contextlib.suppress(TimeoutError):  # a coordinator outage: the DHT alone decides
+            await asyncio.wait_for(self.session.viewed.wait(), self.s.rpc_timeout_s)
         if self.o.min_peers > 1 and not self.stop.is_set():
             seen = await self.dataplane.wait_for_peers(self.o.min_peers, self.s.peers_wait_s, self.stop.is_set)
             self.log(f"{seen} peer(s) announced (waited for {self.o.min_peers})")
         if self.stop.is_set():
             return False
-        with contextlib.suppress(TimeoutError):  # a coordinator outage: the DHT alone decides
-            await asyncio.wait_for(self.session.viewed.wait(), self.s.rpc_timeout_s)
         await self.training.restore()
         self.times.restored = self.times.now()
         self.log(

@@ -236,10 +236,22 @@ class PeerDataPlane:
         while True:
             # Re-announce each time: a lone first node's store fails until someone joins its DHT.
             await self._announce()
-            peers = await self._trainers()
+            peers = self._may_be_live(await self._trainers())
             if len(peers) >= count or loop.time() >= deadline or stop():
                 return len(peers)
             await asyncio.sleep(min(0.5, max(0.0, deadline - loop.time())))
+
+    def _may_be_live(self, peers: list[PeerRecord]) -> list[PeerRecord]:
+        """The records a wait for peers counts: with a fresh view of the coordinator's, those of the
+        trainers it lists and of nodes still starting (round -1), not a trained node's record that
+        outlives it by the DHT's TTL. A node started just after others left or were killed counted
+        their records, took its --min-peers as met, and trained alone (under load, for rounds)
+        before the peer it was told to wait for was back. Without a fresh view: every record."""
+        if self.view is None or not self.view.fresh():
+            return peers
+        listed = set(self.view.members)
+        me = self.ident.node_id
+        return [p for p in peers if p.node_id == me or p.round < 0 or p.node_id in listed]
 
     # -- state -----------------------------------------------------------------------------------
 
