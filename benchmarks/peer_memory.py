@@ -147,7 +147,7 @@ def run_pipeline(work: Path, data: Path, args) -> dict:
                        "state_copied_mb_max": s.get("state_copied_mb_max"),
                        "sync_idle_rounds": s.get("sync_idle_rounds"), "sync_failed": s.get("sync_failed"),
                        "sync_holds_state": s.get("sync_holds_state"),
-                       "sync_round_peak_mb": s.get("sync_round_peak_mb"),
+                       "sync_round_peak_mb": s.get("sync_round_peak_mb"), "sync_parts": s.get("sync_parts"),
                        "final_sync_members": s.get("final_sync_members"),
                        "final_sync_completed": s.get("final_sync_completed"),
                        "final_sync_seconds": s.get("final_sync_seconds"), "state_hash": s.get("state_hash")})
