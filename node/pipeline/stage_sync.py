@@ -118,7 +118,7 @@ from murmur.protocol.wire import WireError, WireLimits, bytes_to_tensor, tensors
 log = logging.getLogger(__name__)
 
 ANCHOR, MOMENTUM, ROUND = "anchor/", "momentum/", "round"
-# [r, k]: the first k parts of round r (past the anchor's round) completed here, the round then failing
+# [r, k]: the first k parts of round r (in its order) completed here, the round then failing
 PARTS = "parts"
 
 
@@ -401,6 +401,10 @@ class StageSync:
             return False
         parts = cut([p.numel() for p in worker.params], self.bucket_elements)
         keys = [part_key(key, i, len(parts)) for i in range(len(parts))]
+        # In an order rotated by the round (the same on every mate): a round cut short by its
+        # period (under load) leaves other parts unsynced each time, not always the last ones.
+        first = r % len(parts)
+        parts, keys = parts[first:] + parts[:first], keys[first:] + keys[:first]
         for k in keys:  # every part among the same members: one view of the stage a round
             self._group.fixed[k] = mates
         self.parts = len(parts)
@@ -447,10 +451,11 @@ class StageSync:
 
     def _check_time(self, started: float, r: int, i: int, parts: int) -> None:
         """A round's parts start within a period of its start (each part's exchange is bounded by
-        the round deadline). Not within the deadline itself: under load (40 on the 2-core build
+        the round deadline). Not within the deadline itself: under load (25-40 on the 2-core build
         machine, 8 peers) a stage's six parts took longer than it and the rounds failed half-way;
         a round that runs long only makes the peer skip the clock's next round (`run`), and a mate
-        that is there without it fails that one round."""
+        that is there without it fails that one round. The parts done stay done, and the next
+        round starts at another part (`round`), so every part is synced in turn."""
         if i and asyncio.get_running_loop().time() - started > self.every_s:
             raise ExchangeError(f"round {r}: past its period after {i} of {parts} parts")
 
