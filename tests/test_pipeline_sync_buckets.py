@@ -10,6 +10,7 @@ import torch
 from _net_helpers import no_lost_task_exceptions  # noqa: F401 - a fixture
 from test_pipeline_sync import PLAIN, SYNC, mates_with, same_weights, sync_round
 
+from murmur.node.pipeline.stage_sync import OuterAt, newest
 from murmur.node.pipeline.sync_buckets import MIB, Piece, cut, elements_of, is_part_of, part_key, views
 from murmur.optim.exchange import ExchangeError
 from murmur.protocol.runconfig import SyncSection
@@ -102,3 +103,15 @@ def test_a_part_that_failed_on_one_mate_only_is_made_up_within_one_round():
             assert same_weights(victim, mate), f"round {r}: the mates' weights differ"
         assert (victim.sync.adopted, mate.sync.adopted) == (1, 0)
         assert victim.sync.last_round == mate.sync.last_round == 4
+
+
+def test_a_state_with_parts_of_a_later_round_is_adopted_over_one_without():
+    """Mates at the same round, one with the first parts of the next round in its anchor (that
+    round failed there after them): the one with more parts wins, whatever the hashes; a later
+    round still wins over any parts."""
+    lo, hi = b"\x01" * 32, b"\x02" * 32
+    without, with_one = OuterAt(5, lo), OuterAt(5, hi, (6, 1))
+    assert newest(without, {"x": with_one}) == (with_one, ["x"])
+    assert newest(with_one, {"x": without}) is None
+    assert newest(with_one, {"x": OuterAt(5, lo, (6, 2))}) == (OuterAt(5, lo, (6, 2)), ["x"])
+    assert newest(with_one, {"x": OuterAt(6, hi)}) == (OuterAt(6, hi), ["x"])
