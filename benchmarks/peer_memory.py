@@ -104,7 +104,8 @@ def run_pipeline(work: Path, data: Path, args) -> dict:
             f"train.batch_size={args.batch_size}", "train.eval_every=1000000", f"pipeline.stages={args.stages}",
             f"pipeline.microbatch_size={args.microbatch}", "pipeline.hop_timeout_s=300.0",
             "pipeline.min_hop_timeout_s=60.0", "pipeline.rebalance_every_s=3600.0",
-            *(OFF if args.settings == "off" else ())]
+            *(OFF if args.settings == "off" else ()),
+            *([f"pipeline.sync_bucket_mb={args.sync_bucket_mb}"] if args.sync_bucket_mb is not None else [])]
     cfg = load_config(REPO / "configs" / "pipeline-cpu.toml", sets)
     work.mkdir(parents=True, exist_ok=True)
     (work / "run.toml").write_text(cfg.to_toml())
@@ -147,13 +148,14 @@ def run_pipeline(work: Path, data: Path, args) -> dict:
                        "state_copied_mb_max": s.get("state_copied_mb_max"),
                        "sync_idle_rounds": s.get("sync_idle_rounds"), "sync_failed": s.get("sync_failed"),
                        "sync_holds_state": s.get("sync_holds_state"),
-                       "sync_round_peak_mb": s.get("sync_round_peak_mb"),
+                       "sync_round_peak_mb": s.get("sync_round_peak_mb"), "sync_parts": s.get("sync_parts"),
                        "final_sync_members": s.get("final_sync_members"),
                        "final_sync_completed": s.get("final_sync_completed"),
                        "final_sync_seconds": s.get("final_sync_seconds"), "state_hash": s.get("state_hash")})
     mbs = driver.of("microbatch") if driver else []
     losses = [r["loss"] for r in mbs if r.get("loss") is not None]
-    return {"detail": detail, "driver_exit": driver.proc.returncode if driver else None,
+    return {"detail": detail, "sync_bucket_mb": cfg.pipeline.sync_bucket_mb,
+            "driver_exit": driver.proc.returncode if driver else None,
             "microbatches": len(mbs), "loss_first": losses[0] if losses else None,
             "loss_last": losses[-1] if losses else None, "wall_s": round(time.time() - t0, 1)}
 
@@ -199,6 +201,8 @@ def main() -> int:
                     help="stage peers a stage (2: stage-mates that sync every pipeline.sync_every_s)")
     ap.add_argument("--settings", choices=("shipped", "off"), default="shipped",
                     help="sync, replica and checkpoints as configs/pipeline-cpu.toml ships them, or all off")
+    ap.add_argument("--sync-bucket-mb", type=float, default=None,
+                    help="pipeline.sync_bucket_mb (default: as shipped; 0: each round one exchange of the whole stage)")
     ap.add_argument("--timeout", type=float, default=1800.0, help="the driver's whole run, at most")
     ap.add_argument("--work", default="/tmp/murmur-peer-memory")
     ap.add_argument("--results", default=str(RESULTS))

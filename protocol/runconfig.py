@@ -264,6 +264,11 @@ class PipelineSection(Section):
     # that stage-mates stopped together checkpoint one state (node/pipeline/stop_sync.py). 0: no
     # last round. A peer without a mate waits for nothing.
     stop_sync_s: float = _bounded(10.0, MAX_SECONDS, _SECONDS_WHY, ge=0)
+    # A sync round exchanges its stage in parts of at most this many MiB (fp32), one after the
+    # other, so what a round holds besides the training state (a part's snapshot or pseudo-
+    # gradient, the exchange's copy and result, the chunks in transit) is a few parts, not a few
+    # copies of the stage (node/pipeline/sync_buckets.py). 0: the whole stage at once.
+    sync_bucket_mb: float = _bounded(16.0, 1 << 20, "a terabyte in one part", ge=0)
     # Stage peers with a state folder checkpoint their stage (weights, AdamW, outer state) there
     # every this many seconds of the clock, all at the same instants, so that the checkpoints of
     # one instant make a complete set of the model (node/pipeline/stage_checkpoint.py). 0: only

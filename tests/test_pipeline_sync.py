@@ -122,7 +122,7 @@ def two_averaging_mates():
 
 
 @contextlib.contextmanager
-def mates_with(sync_cfg: SyncSection):
+def mates_with(sync_cfg: SyncSection, bucket_mb: float = 16.0):
     ca = CertificateAuthority.create("sync-test")
     loop = LoopThread()
     span = split_layers(CFG.n_layers, 2)[0]
@@ -144,7 +144,7 @@ def mates_with(sync_cfg: SyncSection):
                 return dict(view)
 
             faults = FaultInjector()
-            sync = StageSync(server, sync_cfg, EVERY_S, stage_mates, faults)
+            sync = StageSync(server, sync_cfg, EVERY_S, stage_mates, faults, bucket_mb=bucket_mb)
             worker = StageWorker(build_stage(CFG, 5, span), OPTIM, target_samples=1000)
             sync.reset(worker)
             return Mate(sync, server, worker, faults)

@@ -78,6 +78,7 @@ class StagePeerSettings:
     # At a clean stop, how long to wait for stage-mates that stop too before one last round with
     # them (node/pipeline/stop_sync.py); 0: no last round. The run's pipeline.stop_sync_s.
     stop_sync_s: float = 0.0
+    sync_bucket_mb: float = 16.0  # a round's exchange in parts of this size (pipeline.sync_bucket_mb)
     host: str = "127.0.0.1"  # where both servers bind
     # Fixed ports to forward through a NAT (0: the kernel's choice): the stage service's (drivers
     # and the previous stage call it) and the peer server's (stage-mates sync and fetch state).
@@ -166,7 +167,8 @@ class StagePeer:
         self.state_address = self._advertised(await self.state_server.start())
         s = self.settings
         if self.member is not None and s.pipelined and s.sync is not None and s.sync_every_s > 0 and s.stages:
-            self.sync = StageSync(self.state_server, s.sync, s.sync_every_s, self._mates, self.faults)
+            self.sync = StageSync(self.state_server, s.sync, s.sync_every_s, self._mates, self.faults,
+                                  bucket_mb=s.sync_bucket_mb)
             self._tasks.append(asyncio.create_task(self.sync.run()))
         if stage is None and self.settings.state_dir is not None:
             stage = self._checkpointed_stage()  # a restart: the stage it holds a checkpoint of

@@ -126,7 +126,7 @@ def settings_of(args: argparse.Namespace, member: PipelineMember | None):
             target_samples=pipe.target_samples, grad_clip=run.optim.grad_clip, replica_every_s=pipe.replica_every_s,
             host=args.host, port=args.port, state_port=args.state_port, advertise_host=args.advertise_host,
             max_rows=args.max_rows, pipelined=True, sync=run.sync, sync_every_s=pipe.sync_every_s,
-            stop_sync_s=pipe.stop_sync_s,
+            stop_sync_s=pipe.stop_sync_s, sync_bucket_mb=pipe.sync_bucket_mb,
             device=str(device), autocast=autocast_of(run.train.dtype, device), max_message_bytes=cap,
             max_payload_bytes=payload, step_expire_s=pipe.hop_timeout_s, lr_now=schedule.lr, heard=schedule.heard,
             state_dir=Path(args.state_dir) if args.state_dir else None, checkpoint_every_s=pipe.checkpoint_every_s,
@@ -248,6 +248,7 @@ async def serve(args: argparse.Namespace, joined: Callable[[], PipelineMember] |
          final_sync_members=peer.final_sync.members, final_sync_completed=peer.final_sync.completed,
          final_sync_seconds=peer.final_sync.seconds, final_sync_error=peer.final_sync.error,
          sync_round_peak_mb=round(peer.sync.peak_round_bytes / MIB, 1) if peer.sync else 0.0,
+         sync_parts=peer.sync.parts if peer.sync else 0,
          checkpoints_written=peer.checkpoints_written,
          # forwards held at the step boundary for the next optimizer step, and those forgotten there
          # because their backward never came (node/pipeline/step_gate.py)

@@ -20,26 +20,43 @@ round cannot wait for "the H-th step": rounds are on the clock. Round r of stage
    (A codec with error feedback may send a residual of earlier training in an idle round: that
    is trained weight, and it is stepped.)
 
-**What a round holds** (W: the stage's fp32 weights once; docs/pipeline.md says the same):
+**Parts.** Steps 1-3 run part by part (node/pipeline/sync_buckets.py): the stage's tensors cut
+into parts of at most ``pipeline.sync_bucket_mb`` MiB, one after the other, each its own exchange
+call under the round (key ``<key>/part<i>``, the members the round started with), so every copy a
+round makes below is a part's (B), not the stage's. The outer step is element by element, so the
+parts give what one exchange of the whole stage gives on the same inputs
+(tests/test_pipeline_sync_buckets.py). A part starts only within a period of the round's start. Measured in
+one process (two mates of an 82 MiB stage, plain averaging): a round peaked at 3.7-3.8 W a mate
+over the process's level before it as one exchange, 1.0-1.1 W in parts of 16 MiB, 0.6 W in parts
+of 8 MiB.
+
+**What a round holds** (W: the stage's fp32 weights once, B: a part; docs/pipeline.md says the same):
 
 - *Plain averaging* (`averages_weights`: outer lr 1, no momentum, the lossless fp32 codec without
   error feedback, the plain mean; configs/pipeline-cpu.toml ships it). The outer step is then the
   mates' weighted mean itself (``anchor - mean(anchor - w_i) = mean(w_i)``), so the round averages
   the snapshots of the weights and keeps nothing between rounds: no anchor, no momentum, nothing
-  published. A round holds its snapshot, the exchange's flat copy of it and the result (3 W), all
-  released when it ends. With one more number in the exchange, the samples each mate trained since
+  published. A part holds its snapshot, the exchange's flat copy of it and the result (3 B), and
+  the exchange's chunks in transit; the result stays published for late mates until the next part
+  completes with every member (the last part's: a round deadline). With one more number in the
+  exchange, the samples each mate trained since
   its last completed round, the mates see together whether anybody trained: if nobody did, the
   round changes nothing (the idle rule below), bit for bit.
 - *Any other outer step* (a lossy codec such as configs/pipeline-gpu.toml's int8, whose error is
   small on a pseudo-gradient and not on the weights; momentum; another lr): the anchor (1 W) and,
   with momentum, the momentum (1 W) between rounds, published as they are (no copies: a round
   changes them in place under the worker's lock, and a mate reading them meanwhile gets bytes that
-  do not hash to the state's hash and asks again next round). A round holds the pseudo-gradient,
-  the exchange's flat copy and the result (3 W); the weights' snapshot is not kept (it is the
+  do not hash to the state's hash and asks again next round). A part holds its pseudo-gradient,
+  the exchange's flat copy and the result (3 B); the weights' snapshot is not kept (it is the
   anchor minus the pseudo-gradient).
 
-A round that fails (a stage-mate died, the view changed) changes nothing and the next one comes a
-period later. A peer alone in its stage holds no sync state at all (no anchor, no momentum, nothing
+A round that fails (a stage-mate died, the view changed) changes nothing from the part that
+failed on, and the next one comes a period later. The parts before it stay done: with plain
+averaging they are averaged weights like any; with an anchor, the published outer state says so
+(``parts``: [round, parts done]), and `newest` ranks a state with more parts of a later round above
+one at the same round without them, so mates a part apart re-converge as mates a round apart do.
+
+A peer alone in its stage holds no sync state at all (no anchor, no momentum, nothing
 published): it skips rounds, and its first round with a mate takes its weights as the anchor. The
 anchor, the outer momentum and the round the anchor is at (the last one completed here or adopted)
 are published as ``stage/<s>/outer`` after every change, so a peer that joins the stage loads them
@@ -87,9 +104,11 @@ from murmur.node.exchange.settings import ExchangeSettings
 from murmur.node.net.faults import FaultInjector
 from murmur.node.net.loop import RunningLoop
 from murmur.node.net.server import PeerServer, PublishedState
-from murmur.node.net.state_transfer import StateError, StateFetchSettings, afetch, get_parts
+from murmur.node.net.state_transfer import StateError, StateFetchSettings, afetch, get_parts, result_name
 from murmur.node.pipeline.memory import collect_cycles
+from murmur.node.pipeline.sync_buckets import Piece, cut, elements_of, is_part_of, part_key, views
 from murmur.node.pipeline.worker import StageWorker
+from murmur.optim.exchange import ExchangeError
 from murmur.optim.factory import make_aggregator_for, make_codec_for
 from murmur.protocol.identity import BannedError
 from murmur.protocol.reachability import dialable
@@ -99,6 +118,8 @@ from murmur.protocol.wire import WireError, WireLimits, bytes_to_tensor, tensors
 log = logging.getLogger(__name__)
 
 ANCHOR, MOMENTUM, ROUND = "anchor/", "momentum/", "round"
+# [r, k]: the first k parts of round r (in its order) completed here, the round then failing
+PARTS = "parts"
 
 
 def outer_name(stage: int) -> str:
@@ -118,10 +139,13 @@ def averages_weights(sync: SyncSection) -> bool:
 
 @dataclass(frozen=True, slots=True)
 class OuterAt:
-    """Where a peer's published outer state is: the round its anchor is at, and the state's hash."""
+    """Where a peer's published outer state is: the round its anchor is at, and the state's hash;
+    ``partial``: (r, k), the first k parts of a later round r that completed there before that
+    round failed (the anchor moved by them); (-1, 0) for none."""
 
     round: int
     state_hash: bytes
+    partial: tuple[int, int] = (-1, 0)
 
 
 def newest(own: OuterAt, mates: dict[str, OuterAt]) -> tuple[OuterAt, list[str]] | None:
@@ -130,7 +154,7 @@ def newest(own: OuterAt, mates: dict[str, OuterAt]) -> tuple[OuterAt, list[str]]
     The latest round wins; a tie between different states at that round goes to the smallest hash,
     so every mate that sees the same states picks the same one. A mate at an older round is never
     adopted: it cannot pull the others back."""
-    best = min([own, *mates.values()], key=lambda o: (-o.round, o.state_hash))
+    best = min([own, *mates.values()], key=lambda o: (-o.round, -o.partial[0], -o.partial[1], o.state_hash))
     if best == own:
         return None
     return best, sorted(n for n, o in mates.items() if o == best)
@@ -138,10 +162,14 @@ def newest(own: OuterAt, mates: dict[str, OuterAt]) -> tuple[OuterAt, list[str]]
 
 @dataclass(slots=True)
 class Missed:
-    """A round that failed here after its pseudo-gradient was taken: its id, that pseudo-gradient
-    (the anchor minus the weights' snapshot: the snapshot is not kept) and the samples by then."""
+    """A round that failed here after a part's pseudo-gradient was taken: its id, the part that
+    failed and its pseudo-gradient (the anchor minus the weights' snapshot: the snapshot is not
+    kept), and the samples at the round's start. The parts before it completed here (their anchor
+    is the round's); the parts after it took no pseudo-gradient."""
 
     round: int
+    index: int  # which part
+    part: list[Piece]
     delta: list[torch.Tensor]
     samples: int
 
@@ -168,8 +196,13 @@ class StageSync:
         every_s: float,
         mates: Callable[[int], Awaitable[dict[str, str]]],
         faults: FaultInjector | None = None,
+        *,
+        bucket_mb: float = 16.0,
     ) -> None:
         self.server, self.sync, self.every_s, self.mates = server, sync, every_s, mates
+        # A round's exchange runs in parts of at most this many elements (node/pipeline/sync_buckets.py):
+        # pipeline.sync_bucket_mb; 0, the whole stage at once.
+        self.bucket_elements = elements_of(bucket_mb)
         self.plain = averages_weights(sync)  # the round averages the weights: no anchor at all
         self.worker: StageWorker | None = None
         self.anchor: list[torch.Tensor] = []
@@ -182,9 +215,11 @@ class StageSync:
         self._missed: Missed | None = None  # the last round, if it failed here after its snapshot
         self._unsettled = False  # plain averaging: the last round failed here (its mates may have moved)
         self._at = OuterAt(-1, b"")  # where the published outer state is
+        self._partial = (-1, 0)  # OuterAt.partial of this peer's anchor
         self.failed = 0
         self.last_error = ""
-        self.peak_round_bytes = 0  # the most a round held at once (its snapshot or pseudo-gradient, copy, result)
+        self.peak_round_bytes = 0  # the most a round held at once (a part's snapshot or pseudo-gradient, copy, result)
+        self.parts = 1  # the parts of the last round with mates
         self._stopping = False
         self._in_round: asyncio.Task[bool] | None = None
         self._completed_at = 0.0  # monotonic time of the last completed round
@@ -237,7 +272,7 @@ class StageSync:
         with), yet it cost three copies of the stage: the anchor, and the anchor and a zero momentum
         published for joiners. A joiner that finds no outer state starts from the weights it fetched,
         which is what the anchor would have told it; the first round with a mate makes the anchor."""
-        self.anchor, self.momentum, self._missed = [], None, None
+        self.anchor, self.momentum, self._missed, self._partial = [], None, None, (-1, 0)
         self.samples_base = worker.stats.samples_total
         self.server.unpublish_state(outer_name(worker.span.index))
         self._at = OuterAt(self.last_round, b"")
@@ -245,8 +280,8 @@ class StageSync:
     async def _make_anchor(self, worker: StageWorker) -> None:
         """The first round with a mate: the anchor is the weights now, no momentum yet (a mate's
         state, if it differs, is adopted by `_catch_up` within a round)."""
-        snap, samples, _ = await asyncio.to_thread(self._snapshot, worker)
-        self.anchor, self.momentum = snap, None
+        samples = worker.stats.samples_total
+        self.anchor, self.momentum = await asyncio.to_thread(self._snapshot, worker), None
         self._prepare()
         self.samples_base = samples
         self._publish()
@@ -261,7 +296,7 @@ class StageSync:
             return None
         named = dict(worker.module.named_stage_parameters())
         anchors, momenta = [ANCHOR + n for n in named], [MOMENTUM + n for n in named]
-        names = set(outer) - {ROUND}
+        names = set(outer) - {ROUND, PARTS}
         if names != set(anchors) and names != set(anchors) | set(momenta):
             return None
         for n, p in named.items():
@@ -293,13 +328,15 @@ class StageSync:
         if self.momentum is not None:
             tensors += [(MOMENTUM + n, m) for n, m in zip(names, self.momentum, strict=True)]
         tensors.append((ROUND, torch.tensor([self.last_round], dtype=torch.int64)))
+        if self._partial[1]:
+            tensors.append((PARTS, torch.tensor(self._partial, dtype=torch.int64)))
         return PublishedState(outer_name(self.worker.span.index), tensors, tensors_hash(tensors))
 
     def _publish(self) -> None:
         state = self.published()
         if state is not None:
             self.server.publish_state(state)
-            self._at = OuterAt(self.last_round, state.state_hash)
+            self._at = OuterAt(self.last_round, state.state_hash, self._partial)
 
     # -- rounds on the clock ---------------------------------------------------------------------
 
@@ -348,7 +385,10 @@ class StageSync:
         """One round; False when the peer is alone in its stage (its anchor follows its weights),
         or when the outer state it adopted from a mate already includes this round. ``key`` and
         ``members``: a round of a fixed group under a key of its own (the last round at a stop,
-        node/pipeline/stop_sync.py) instead of the clock's round of the stage's peers."""
+        node/pipeline/stop_sync.py) instead of the clock's round of the stage's peers.
+
+        The exchange runs in parts (node/pipeline/sync_buckets.py), one after the other, each under
+        its own key (``<key>/part<i>``) and all among the members this round started with."""
         worker = self.worker
         stage = worker.span.index
         key = key or f"stage/{stage}"
@@ -359,11 +399,18 @@ class StageSync:
             else:
                 self.samples_base = worker.stats.samples_total
             return False
-        if members is not None:
-            self._group.fixed[key] = mates
+        parts = cut([p.numel() for p in worker.params], self.bucket_elements)
+        keys = [part_key(key, i, len(parts)) for i in range(len(parts))]
+        # In an order rotated by the round (the same on every mate): a round cut short by its
+        # period (under load) leaves other parts unsynced each time, not always the last ones.
+        first = r % len(parts)
+        parts, keys = parts[first:] + parts[:first], keys[first:] + keys[:first]
+        for k in keys:  # every part among the same members: one view of the stage a round
+            self._group.fixed[k] = mates
+        self.parts = len(parts)
         try:
             if self.plain:
-                return await self._average(worker, r, key)
+                return await self._average(worker, r, parts, keys)
             if not self.anchor:
                 await self._make_anchor(worker)
                 if self.worker is not worker:
@@ -371,16 +418,17 @@ class StageSync:
             await self._catch_up(worker, stage, mates, r)
             if self.worker is not worker or self.last_round >= r:
                 return False  # moved meanwhile, or a mate's state has this round in it already
-            return await self._step_round(worker, r, key)
+            return await self._step_round(worker, r, parts, keys)
         finally:
-            self._group.fixed.pop(key, None)
+            for k in keys:
+                self._group.fixed.pop(k, None)
             # The exchange's results of this key: older ones go now, this round's once its mates
             # are past its deadline (they catch up from it until then).
             self._drop_results(key, r)
             asyncio.get_running_loop().call_later(self.deadline_s, self._drop_results, key, r + 1)
 
     def _drop_results(self, key: str, before: int) -> None:
-        """Unpublish the exchange's results of ``key`` from rounds before ``before``.
+        """Unpublish the exchange's results of ``key`` (and its parts) from rounds before ``before``.
 
         The exchange serves each round's result (1 W) to the mates catching up and forgets the one
         ``keep_results`` rounds back; with rounds that failed or were skipped in between, the older
@@ -390,58 +438,101 @@ class StageSync:
         for name in list(self.server.states):
             head, _, rest = name.partition("/")
             r, _, k = rest.partition("/")
-            if head == "result" and k == key and r.lstrip("-").isdigit() and int(r) < before:
+            if head == "result" and is_part_of(k, key) and r.lstrip("-").isdigit() and int(r) < before:
                 self.server.unpublish_state(name)
 
-    async def _step_round(self, worker: StageWorker, r: int, key: str) -> bool:
-        """The exchange of the pseudo-gradients and the outer step; False if the peer moved to
-        another stage meanwhile."""
-        delta, samples, steps = await asyncio.to_thread(self._pseudo_gradient, worker)
-        try:
-            res = await self.exchange.areduce(delta, round_id=r, key=key, weight=1.0 + samples - self.samples_base)
-        except Exception:
-            self._missed = Missed(r, delta, samples)  # a mate may have completed it: see _catch_up
-            raise
-        self.peak_round_bytes = max(self.peak_round_bytes, 3 * _nbytes(delta))  # delta, its flat copy, result
-        if self.worker is not worker:  # moved to another stage meanwhile
-            return False
-        if not any(bool(d.any()) for d in res.tensors):
+    def _drop_part_before(self, r: int, keys: list[str], i: int, members: list[str]) -> None:
+        """Part ``i`` of round ``r`` completed with ``members``: each of them started it after it had
+        part ``i - 1``'s result, so with every member of the round in it nobody can still need that
+        result, and it goes now instead of a deadline after the round. Without this the results of
+        every part stayed published until then: the whole stage once more (1 W), between rounds."""
+        if i and set(members) >= set(self._group.fixed.get(keys[i], {})):
+            self.server.unpublish_state(result_name(r, keys[i - 1]))
+
+    def _check_time(self, started: float, r: int, i: int, parts: int) -> None:
+        """A round's parts start within a period of its start (each part's exchange is bounded by
+        the round deadline). Not within the deadline itself: under load (25-40 on the 2-core build
+        machine, 8 peers) a stage's six parts took longer than it and the rounds failed half-way;
+        a round that runs long only makes the peer skip the clock's next round (`run`), and a mate
+        that is there without it fails that one round. The parts done stay done, and the next
+        round starts at another part (`round`), so every part is synced in turn."""
+        if i and asyncio.get_running_loop().time() - started > self.every_s:
+            raise ExchangeError(f"round {r}: past its period after {i} of {parts} parts")
+
+    async def _step_round(self, worker: StageWorker, r: int, parts: list[list[Piece]], keys: list[str]) -> bool:
+        """The exchange of the pseudo-gradients and the outer step, part by part; False if the peer
+        moved to another stage meanwhile. A part whose mean is exactly zero (no mate trained since
+        the last round) makes no outer step; the round is idle if no part made one."""
+        started = asyncio.get_running_loop().time()
+        samples0 = worker.stats.samples_total  # the round's weight, whichever part
+        weight = 1.0 + samples0 - self.samples_base
+        stepped = False
+        for i, (part, k) in enumerate(zip(parts, keys, strict=True)):
+            try:
+                self._check_time(started, r, i, len(parts))
+                delta, steps = await asyncio.to_thread(self._pseudo_gradient, worker, part)
+            except Exception:
+                self._failed_after(r, i)
+                raise
+            try:
+                res = await self.exchange.areduce(delta, round_id=r, key=k, weight=weight)
+            except Exception:
+                self._missed = Missed(r, i, part, delta, samples0)  # a mate may have completed it: see _catch_up
+                self._failed_after(r, i)
+                raise
+            self.peak_round_bytes = max(self.peak_round_bytes, 3 * _nbytes(delta))  # delta, its flat copy, result
+            self._drop_part_before(r, keys, i, res.members)
+            if self.worker is not worker:  # moved to another stage meanwhile
+                return False
             # No mate trained since the last round: no outer step, so the momentum does not move
             # the weights of a stage nobody trains (it did: a val loss of 2.62 became 3.94 in 30 s
             # of idle rounds). Every mate got the same result, so they all skip alike and stay
             # in one state at this round.
-            self._settled(samples, r, idle=True)
-            self._publish()
-            return True
-        await asyncio.to_thread(self._outer_step, worker, delta, res.tensors, steps)
-        del delta, res
-        self._settled(samples, r, idle=False)
+            if any(bool(d.any()) for d in res.tensors):
+                await asyncio.to_thread(self._outer_step, worker, part, delta, res.tensors, steps)
+                stepped = True
+            del delta, res
+        self._settled(samples0, r, idle=not stepped)
         self._publish()
         return True
 
-    async def _average(self, worker: StageWorker, r: int, key: str) -> bool:
-        """Plain averaging: the weights' snapshots go through the exchange; the weights become the
-        mean plus what was trained during the round. The last number exchanged is what each mate
-        trained since its last completed round (and 1 after a round that failed here): its mean is
-        0 only if nobody trained, and then nothing changes."""
-        snap, samples, _ = await asyncio.to_thread(self._snapshot, worker)
-        pending = float(samples - self.samples_base + self._unsettled)
-        try:
-            res = await self.exchange.areduce([*snap, torch.tensor([pending])], round_id=r, key=key,
-                                              weight=1.0 + samples - self.samples_base)
-        except Exception:
-            self._unsettled = True
-            raise
-        self.peak_round_bytes = max(self.peak_round_bytes, 3 * _nbytes(snap))  # snapshot, its flat copy, result
-        if self.worker is not worker:
-            return False
-        *mean, trained = res.tensors
-        if float(trained.reshape(-1)[0]) == 0:  # nobody trained: every mate skips alike
-            self._settled(samples, r, idle=True)
-            return True
-        await asyncio.to_thread(self._rebase, worker, mean, snap)
-        del snap, mean, res
-        self._settled(samples, r, idle=False)
+    def _failed_after(self, r: int, done: int) -> None:
+        """Round ``r`` failed here after its first ``done`` parts completed: the anchor moved by
+        them, so the published state says so (a mate at the same round without them adopts it, and
+        this peer adopts a mate's that has more of the round: `newest`)."""
+        if done:
+            self._partial = (r, done)
+            self._publish()
+
+    async def _average(self, worker: StageWorker, r: int, parts: list[list[Piece]], keys: list[str]) -> bool:
+        """Plain averaging: the weights' snapshots go through the exchange, part by part; the weights
+        become the mean plus what was trained during the round. The last number of every part is
+        what each mate trained since its last completed round (and 1 after a round that failed
+        here), the same in every part: its mean is 0 only if nobody trained, and then nothing
+        changes (every mate sees it in the first part and stops there alike)."""
+        started = asyncio.get_running_loop().time()
+        samples0 = worker.stats.samples_total
+        pending = torch.tensor([float(samples0 - self.samples_base + self._unsettled)])
+        weight = 1.0 + samples0 - self.samples_base
+        for i, (part, k) in enumerate(zip(parts, keys, strict=True)):
+            try:
+                self._check_time(started, r, i, len(parts))
+                snap = await asyncio.to_thread(self._snapshot, worker, part)
+                res = await self.exchange.areduce([*snap, pending], round_id=r, key=k, weight=weight)
+            except Exception:
+                self._unsettled = True
+                raise
+            self.peak_round_bytes = max(self.peak_round_bytes, 3 * _nbytes(snap))  # snapshot, its flat copy, result
+            self._drop_part_before(r, keys, i, res.members)
+            if self.worker is not worker:
+                return False
+            *mean, trained = res.tensors
+            if float(trained.reshape(-1)[0]) == 0:  # nobody trained: every mate skips alike
+                self._settled(samples0, r, idle=True)
+                return True
+            await asyncio.to_thread(self._rebase, worker, part, mean, snap)
+            del snap, mean, res
+        self._settled(samples0, r, idle=False)
         return True
 
     def _settled(self, samples: int, r: int, *, idle: bool) -> None:
@@ -450,6 +541,7 @@ class StageSync:
         self.rounds += not idle
         self._missed, self._unsettled = None, False
         self._completed_at, self.last_round = time.monotonic(), r
+        self._partial = (-1, 0)
 
     # -- mates that are a round apart ---------------------------------------------------------------
 
@@ -474,16 +566,22 @@ class StageSync:
             log.info("stage %d: could not adopt the outer state of round %d from %s: %s", stage, at.round, sources, err)
             return
         loaded = self._fits(worker, outer)
+        partial = _partial_of(outer.get(PARTS))
         del outer
-        if loaded is None or loaded[2] != at.round or self.worker is not worker:
+        if loaded is None or loaded[2] != at.round or partial != at.partial or self.worker is not worker:
             return  # it does not fit this stage, or said another round than its state holds
         anchor, momentum, round_id = loaded
         # The weights move as a completed round moves them: the new anchor plus what was trained
         # since the snapshot of the round that failed here, if that is the round adopted (this
         # peer's input was in it, or the round could not have completed with it missing from a
         # pair); else since the old anchor, so this peer's unsynced training goes into its next round.
-        missed = self._missed if self._missed is not None and self._missed.round == round_id else None
-        await asyncio.to_thread(self._adopt, worker, anchor, missed.delta if missed is not None else None)
+        # A state with the first parts of a later round (that round failed there after them) has
+        # this peer's failed part in it if it is among those parts.
+        missed = self._missed
+        in_partial = missed is not None and missed.round == partial[0] and missed.index < partial[1]
+        if missed is not None and missed.round != round_id and not in_partial:
+            missed = None
+        await asyncio.to_thread(self._adopt, worker, anchor, missed)
         self.momentum = momentum
         self._prepare()
         if missed is not None:
@@ -491,7 +589,7 @@ class StageSync:
         self._missed = None
         log.info("stage %d: adopted the outer state of round %d from %s (this peer was at round %d)",
                  stage, round_id, sources, self.last_round)
-        self.last_round = round_id
+        self.last_round, self._partial = round_id, partial
         self.adopted += 1
         self._publish()
 
@@ -500,8 +598,8 @@ class StageSync:
         manifest), or None if it does not say within ``probe_s``."""
         try:
             manifest, parts = await get_parts(
-                self.server.identity, node_id, address, outer_name(stage), [ROUND],
-                StateFetchSettings(call_timeout=self.probe_s, max_state_bytes=64),  # one number, not a flood
+                self.server.identity, node_id, address, outer_name(stage), [ROUND, PARTS],
+                StateFetchSettings(call_timeout=self.probe_s, max_state_bytes=64),  # three numbers, not a flood
                 self.server.ban_list,
             )
         except (grpc.RpcError, StateError, BannedError, OSError) as err:
@@ -510,32 +608,39 @@ class StageSync:
         info = next((t for t in manifest.tensors if t.name == ROUND), None)
         if info is None:
             return OuterAt(-1, manifest.state_hash)
+        pinfo = next((t for t in manifest.tensors if t.name == PARTS), None)
         try:
             r = bytes_to_tensor(parts.get(ROUND, b""), info.dtype, list(info.shape), WireLimits(max_numel=1), ROUND)
+            partial = None if pinfo is None else bytes_to_tensor(
+                parts.get(PARTS, b""), pinfo.dtype, list(pinfo.shape), WireLimits(max_numel=2), PARTS)
         except WireError:
             return None
-        return OuterAt(int(r.reshape(-1)[0]), manifest.state_hash) if r.numel() == 1 else None
+        if r.numel() != 1 or (partial is not None and partial.numel() != 2):
+            return None
+        return OuterAt(int(r.reshape(-1)[0]), manifest.state_hash, _partial_of(partial))
 
     # -- what changes the weights (in a thread, under the worker's lock) ----------------------------
 
-    def _outer_step(self, worker: StageWorker, delta: list[torch.Tensor], mean: list[torch.Tensor],
-                    steps: int) -> None:
-        """The outer step on the anchor with the mates' mean pseudo-gradient (SGD: ``buf = m buf +
-        d``, Nesterov ``d + m buf``, ``anchor -= lr step``), one tensor at a time, and the weights
-        rebased on it: the new anchor plus what was trained since the snapshot (the snapshot is the
-        old anchor minus this peer's pseudo-gradient). In place, under the worker's lock, so a
-        checkpoint (which writes the published anchor) never sees half of it."""
+    def _outer_step(self, worker: StageWorker, part: list[Piece], delta: list[torch.Tensor],
+                    mean: list[torch.Tensor], steps: int) -> None:
+        """The outer step on the anchor's ``part`` with the mates' mean pseudo-gradient (SGD: ``buf =
+        m buf + d``, Nesterov ``d + m buf``, ``anchor -= lr step``), one piece at a time, and the
+        weights rebased on it: the new anchor plus what was trained since the snapshot (the snapshot
+        is the old anchor minus this peer's pseudo-gradient). In place, under the worker's lock, so a
+        checkpoint (which writes the published anchor) never sees half of a part."""
         lr, m, nesterov = self.sync.outer_lr, self.sync.outer_momentum, self.sync.nesterov
         if m > 0 and self.momentum is None:
             self.momentum = [torch.zeros_like(a) for a in self.anchor]
         with worker.lock, torch.no_grad():
             if worker.before_step is not None:
                 worker.before_step()
-            unchanged = worker.stats.optimizer_steps == steps  # nothing trained during the round
-            for i, (p, a, own) in enumerate(zip(worker.params, self.anchor, delta, strict=True)):
-                d = mean[i].to(a.device, a.dtype)
-                if m > 0:
-                    buf = self.momentum[i].mul_(m).add_(d)
+            unchanged = worker.stats.optimizer_steps == steps  # nothing trained since the part's pseudo-gradient
+            momenta = views(self.momentum, part) if m > 0 else [None] * len(part)
+            for p, a, buf, own, d in zip(views(worker.params, part), views(self.anchor, part), momenta, delta, mean,
+                                         strict=True):
+                d = d.to(a.device, a.dtype)
+                if buf is not None:
+                    buf.mul_(m).add_(d)
                     d = d.add(buf, alpha=m) if nesterov else buf
                 if unchanged:
                     a.sub_(d, alpha=lr)
@@ -543,50 +648,65 @@ class StageSync:
                 else:
                     base = a - own  # the snapshot, within rounding
                     a.sub_(d, alpha=lr)
-                    p.copy_(a + (p - base))
+                    p.sub_(base).add_(a)  # a + (p - base), without two more copies of the piece
             if worker.on_step is not None:
                 worker.on_step()
 
-    def _adopt(self, worker: StageWorker, anchor: list[torch.Tensor], missed: list[torch.Tensor] | None) -> None:
+    def _adopt(self, worker: StageWorker, anchor: list[torch.Tensor], missed: Missed | None) -> None:
         """Take a mate's anchor: weights = the new anchor + what was trained since the failed
-        round's snapshot (the old anchor minus its pseudo-gradient), or since the old anchor."""
+        round's snapshot (for the part that failed here: the old anchor minus its pseudo-gradient),
+        or since the old anchor (every other part: those that completed here hold the round's
+        anchor already, those after the failed one took no snapshot)."""
         with worker.lock, torch.no_grad():
             if worker.before_step is not None:
                 worker.before_step()
-            for i, (p, new, old) in enumerate(zip(worker.params, anchor, self.anchor, strict=True)):
-                base = old - missed[i] if missed is not None else old
-                p.copy_(new + (p - base))
+            for p, old in zip(worker.params, self.anchor, strict=True):
+                p.sub_(old)
+            if missed is not None:
+                for p, d in zip(views(worker.params, missed.part), missed.delta, strict=True):
+                    p.add_(d)
+            for p, new in zip(worker.params, anchor, strict=True):
+                p.add_(new)
             self.anchor = anchor  # the old one goes (the published state is replaced right after)
             if worker.on_step is not None:
                 worker.on_step()
 
     @staticmethod
-    def _rebase(worker: StageWorker, anchor: list[torch.Tensor], base: list[torch.Tensor]) -> None:
-        """Weights = ``anchor`` + what was trained since ``base`` (the round's snapshot), then publish
-        the weights the stage serves now."""
+    def _rebase(worker: StageWorker, part: list[Piece], anchor: list[torch.Tensor], base: list[torch.Tensor]) -> None:
+        """Weights of ``part`` = ``anchor`` + what was trained since ``base`` (the part's snapshot)."""
         with worker.lock, torch.no_grad():
             if worker.before_step is not None:
                 worker.before_step()
-            for p, a, b in zip(worker.params, anchor, base, strict=True):
-                p.copy_(a + (p - b))
+            for p, a, b in zip(views(worker.params, part), anchor, base, strict=True):
+                p.sub_(b).add_(a.to(p.device))  # a + (p - b), without two more copies of the piece
             if worker.on_step is not None:
                 worker.on_step()
 
     @staticmethod
-    def _snapshot(worker: StageWorker) -> tuple[list[torch.Tensor], int, int]:
+    def _snapshot(worker: StageWorker, part: list[Piece] | None = None) -> list[torch.Tensor]:
+        """A copy of the weights (of ``part``; of the whole stage without one)."""
         with worker.lock:
-            return ([p.detach().clone() for p in worker.params], worker.stats.samples_total,
-                    worker.stats.optimizer_steps)
+            if part is None:
+                return [p.detach().clone() for p in worker.params]
+            return [v.clone() for v in views(worker.params, part)]
 
-    def _pseudo_gradient(self, worker: StageWorker) -> tuple[list[torch.Tensor], int, int]:
-        """``anchor - weights`` now, with the samples and steps by then: the round's only copy."""
+    def _pseudo_gradient(self, worker: StageWorker, part: list[Piece]) -> tuple[list[torch.Tensor], int]:
+        """``anchor - weights`` of ``part`` now, with the optimizer steps by then: the part's only copy."""
         with worker.lock, torch.no_grad():
-            return ([a - p for a, p in zip(self.anchor, worker.params, strict=True)], worker.stats.samples_total,
+            return ([a - p for a, p in zip(views(self.anchor, part), views(worker.params, part), strict=True)],
                     worker.stats.optimizer_steps)
 
     async def aclose(self) -> None:
         with contextlib.suppress(Exception):
             await self.exchange.aclose()
+
+
+def _partial_of(t: torch.Tensor | None) -> tuple[int, int]:
+    """OuterAt.partial from a published ``parts`` tensor (none: no parts of a later round)."""
+    if t is None or t.numel() != 2:
+        return (-1, 0)
+    r, k = (int(x) for x in t.reshape(-1).tolist())
+    return (r, k) if k > 0 else (-1, 0)
 
 
 def _nbytes(tensors: list[torch.Tensor]) -> int:
