@@ -177,9 +177,12 @@ def test_a_stage_emptied_by_sigkill_is_refilled_and_the_same_drivers_go_on(tmp_p
     assert move["detail"]["reason"] == "empty stage"
     committed = sum(records(out, "done")[0]["committed_tokens"] for out in outs)
     assert tokens == committed  # every committed token counted once
-    # the schedule, give or take the microbatches in flight (and a second of the other driver's
-    # commits) when it ended
-    assert steps * TOKENS_PER_MB <= tokens <= (steps + 16) * TOKENS_PER_MB, tokens
+    # The schedule, give or take the microbatches in flight (and a second of the other driver's
+    # commits) when it ended, and those a driver held done but uncommitted behind one lost with
+    # the killed peer: a lease commits in order, so they reach the ledger (and the other driver's
+    # view of the schedule) only once that one's retry is through (18 of them seen under load).
+    held = max(c["end"] - c["start"] for out in outs for c in records(out, "commit"))
+    assert steps * TOKENS_PER_MB <= tokens <= (steps + 16 + held) * TOKENS_PER_MB, (tokens, held)
 
 
 def test_a_driver_refuses_a_device_this_machine_does_not_have_in_one_line(tmp_path, small_shards):
