@@ -22,7 +22,7 @@ import grpc
 import pytest
 from _coordinator_helpers import CONFIG, FAST, admin, join, new_token, start_coordinator, write_run_files
 
-from murmur.coordinator.server import Coordinator, ServeOptions, pending_options
+from murmur.coordinator.server import Coordinator, ServeOptions, serving_options
 from murmur.coordinator.settings import CoordinatorSettings
 from murmur.protocol import coordinator_pb2 as pb
 from murmur.protocol import coordinator_pb2_grpc as pb_grpc
@@ -141,7 +141,7 @@ def test_streams_opened_while_the_loop_is_saturated_wait_for_it_instead_of_being
     CANCELLED (what the fleet saw); with the coordinator's bound (call_wait_s, here 30 s, an hour
     by default) every stream is answered once the loop is back."""
     settings = CoordinatorSettings(call_wait_s=call_wait_s)
-    assert ("grpc.server_max_unrequested_time_in_server", round(call_wait_s)) in pending_options(settings)
+    assert ("grpc.server_max_unrequested_time_in_server", round(call_wait_s)) in serving_options(settings)
     assert CoordinatorSettings().call_wait_s >= 3600
 
     async def scenario() -> dict[str, int]:
