@@ -34,6 +34,7 @@ import json
 import os
 import platform
 import random
+import signal
 import subprocess
 import sys
 import tempfile
@@ -122,7 +123,12 @@ async def _worker(args: argparse.Namespace) -> None:
         getattr(c, "view_members", {}).clear()  # see run_node
 
     # Open every channel before the clock starts (a trainer's first heartbeat changes the view).
-    await asyncio.gather(*(beat(i, c) for i, c in enumerate(clients)))
+    # How far the opening got is on stderr every 10 s: at 10,000 nodes it takes minutes.
+    opening = [asyncio.ensure_future(beat(i, c)) for i, c in enumerate(clients)]
+    while not all(f.done() for f in opening):
+        await asyncio.wait(opening, timeout=10.0)
+        print(f"worker {args.index}: {sum(f.done() for f in opening)} of {len(opening)} streams open, "
+              f"{len(setup_errors)} setup errors", file=sys.stderr, flush=True)
     # Tell the driver we are ready; it answers with the common start time once every worker is.
     print("ready", flush=True)
     args.start_at = float(await asyncio.to_thread(sys.stdin.readline))
@@ -344,6 +350,9 @@ def measure(nodes: int, hz: float, seconds: float, workers: int, commit_every: f
 
 
 def main() -> int:
+    # Stopped with SIGTERM (e.g. by `timeout`), the driver still ends its coordinator and load
+    # processes (its finally blocks run): Python's default would leave them behind.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nodes", type=int, default=0, help="one row with this many nodes (default: the table)")
     parser.add_argument("--hz", type=float, default=1.0)

@@ -52,10 +52,28 @@ class ServeError(MurmurError):
 # that, and measured at 2,000 streams opened together the calls above it were CANCELLED at the
 # clients. Every node holds one heartbeat stream, so the bound is set well above any run's nodes.
 PENDING_CALLS = 100_000
-PENDING_OPTIONS = [
-    ("grpc.server.max_pending_requests", PENDING_CALLS),
-    ("grpc.server.max_pending_requests_hard_limit", PENDING_CALLS),
-]
+
+
+def serving_options(settings: CoordinatorSettings) -> list[tuple[str, int]]:
+    """gRPC options of the coordinator's server. How many calls may wait for it to take them, and
+    for how long: gRPC's core cancels a call nobody took within 30 s
+    (``grpc.server_max_unrequested_time_in_server``), and the client sees a bare CANCELLED. A
+    saturated loop takes new calls slowly (the aio server asks for one at a time, between
+    everything else the loop runs), so 10,000 nodes' heartbeat streams opening together waited past
+    it and were cancelled in thousands. A waiting call costs the coordinator nothing, and each
+    client bounds its own wait (its deadline, or the stream's own timeout), so the server's bound
+    is ``settings.call_wait_s`` (an hour)."""
+    return [
+        ("grpc.server.max_pending_requests", PENDING_CALLS),
+        ("grpc.server.max_pending_requests_hard_limit", PENDING_CALLS),
+        ("grpc.server_max_unrequested_time_in_server", max(1, round(settings.call_wait_s))),
+        # gRPC probes a connection's bandwidth (BDP) with a PING on data it receives, to grow its
+        # flow-control window for bulk transfers. The coordinator receives no bulk (its largest
+        # request is a config; kept states it sends, under the reader's window), but a heartbeat
+        # paid for a probe: a ping and its ack. With the node's channel probing no more either,
+        # 2,000 streamed heartbeats a second cost the coordinator 214-232 us each instead of 258-317.
+        ("grpc.http2.bdp_probe", 0),
+    ]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -149,7 +167,7 @@ class Coordinator:
         # the child (abseil's mutex check); nothing of gRPC exists yet here.
         if opts.dht:
             await self._start_dht()
-        self.server = grpc.aio.server(options=[*tls.server_options(s.max_message_bytes), *PENDING_OPTIONS])
+        self.server = grpc.aio.server(options=[*tls.server_options(s.max_message_bytes), *serving_options(s)])
         # A request that does not parse is refused in one line (INVALID_ARGUMENT), on every method.
         malformed.register(pb_grpc.add_CoordinatorServicer_to_server, self.service, self.server)
         kept_server.register(self.server, self.keeper, self.membership)  # GetState of kept states

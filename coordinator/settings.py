@@ -26,6 +26,10 @@ How to choose them (docs/coordinator.md has the long version):
   rounds' median gap, if longer: a run of slow rounds is not stalled after one) shows as stalled
   in `murmur admin status`, on the status page and in the metrics. 180 s is over the node's
   round_timeout_s (120 s), after which a round that could not complete has failed at every node.
+* call_wait_s: a call that arrived may wait this long for the coordinator's loop to take it
+  before gRPC cancels it (its core's default is 30 s). A saturated loop takes new calls slowly: at
+  10,000 nodes the heartbeat streams opening together waited past 30 s and were CANCELLED in
+  thousands. Clients bound their own waits, so an hour only stops the server giving up first.
 * restart_grace_s: after the coordinator restarts, no node is declared lost and no lease expires
   for this long, counted from the moment it serves again (nobody could renew while it was down,
   and nodes need a moment to reconnect).
@@ -67,6 +71,7 @@ class CoordinatorSettings:
     dht_start_timeout_s: float = 30.0
     wal_checkpoint_pages: int = 1000  # SQLite's automatic WAL checkpoint threshold (0: never automatic)
     stall_after_s: float = 180.0  # no round completed this long while nodes are active: stalled
+    call_wait_s: float = 3600.0  # a call may wait this long for the loop to take it (server.pending_options)
 
     def __post_init__(self) -> None:
         for name in (
@@ -79,6 +84,7 @@ class CoordinatorSettings:
             "gone_dial_every_s",
             "join_grace_s",
             "stall_after_s",
+            "call_wait_s",
         ):
             if getattr(self, name) <= 0:
                 raise SettingsError(f"{name} must be positive, got {getattr(self, name)}")

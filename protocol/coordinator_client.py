@@ -130,7 +130,11 @@ class MemberClient:
         creds = grpc.ssl_channel_credentials(
             root_certificates=ident.ca_cert_pem, private_key=ident.key_pem, certificate_chain=ident.cert_pem
         )
+        # No bandwidth probes (BDP pings) on this channel: it carries small member calls only (a
+        # state is fetched on a channel of its own), and every heartbeat reply set one off, a
+        # ping and its ack at both ends (coordinator/server.py: serving_options).
         options: list[tuple[str, str | int]] = [("grpc.ssl_target_name_override", server_name)]
+        options.append(("grpc.http2.bdp_probe", 0))
         if reconnect_backoff_s is not None:
             backoff_ms = max(1, round(reconnect_backoff_s * 1000))
             options += [

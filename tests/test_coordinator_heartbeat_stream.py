@@ -10,14 +10,20 @@ so gRPC itself answers UNIMPLEMENTED as an older build does) gets unary heartbea
 from __future__ import annotations
 
 import asyncio
+import json
 import re
+import subprocess
+import sys
+import time
 import urllib.request
+from pathlib import Path
 
 import grpc
 import pytest
 from _coordinator_helpers import CONFIG, FAST, admin, join, new_token, start_coordinator, write_run_files
 
-from murmur.coordinator.server import Coordinator, ServeOptions
+from murmur.coordinator.server import Coordinator, ServeOptions, serving_options
+from murmur.coordinator.settings import CoordinatorSettings
 from murmur.protocol import coordinator_pb2 as pb
 from murmur.protocol import coordinator_pb2_grpc as pb_grpc
 from murmur.protocol import identity
@@ -122,3 +128,57 @@ def test_a_coordinator_without_the_stream_gets_unary_heartbeats(tmp_path, monkey
             await coordinator.close()
 
     asyncio.run(scenario())
+
+
+@pytest.mark.parametrize(("call_wait_s", "cancelled"), [(1.0, True), (30.0, False)])
+def test_streams_opened_while_the_loop_is_saturated_wait_for_it_instead_of_being_cancelled(
+    tmp_path, call_wait_s, cancelled
+):
+    """A saturated coordinator takes new calls slowly; gRPC's core cancels a call nobody took
+    within its bound (30 s by default: at 10,000 nodes the streams opening together were CANCELLED
+    in thousands). The real coordinator's loop is stalled while 40 nodes in another process open
+    their heartbeat streams in 8 waves 0.5 s apart, and 1.5 s more: with a bound of 1 s, calls are
+    CANCELLED (what the fleet saw); with the coordinator's bound (call_wait_s, here 30 s, an hour
+    by default) every stream is answered once the loop is back."""
+    settings = CoordinatorSettings(call_wait_s=call_wait_s)
+    assert ("grpc.server_max_unrequested_time_in_server", round(call_wait_s)) in serving_options(settings)
+    assert CoordinatorSettings().call_wait_s >= 3600
+
+    async def scenario() -> dict[str, int]:
+        coordinator = Coordinator(ServeOptions(db=tmp_path / "c.db", listen="127.0.0.1:0", node_listen="127.0.0.1:0",
+                                               metrics_listen="off", settings=settings))
+        info = await coordinator.start()
+        nodes = None
+        try:
+            def create_run() -> str:  # the real admin calls, from a thread: this loop serves them
+                with AdminClient(resolve(str(info["address"]), str(info["admin_key_file"]), None)) as a:
+                    manifest = '{"shards": [{"id": 0, "file": "s0", "tokens": 100}]}'
+                    a.call("CreateRun", pb.CreateRunRequest(config_toml=CONFIG, manifest_json=manifest))
+                    return a.call("CreateToken", pb.CreateTokenRequest(ttl_s=3600, uses=40)).token
+
+            token = await asyncio.to_thread(create_run)
+            nodes = subprocess.Popen(
+                [sys.executable, str(Path(__file__).parent / "_stream_waves.py"), str(info["address"]), token,
+                 "40", "8", "0.5"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+            )
+            assert (await asyncio.to_thread(nodes.stdout.readline)).strip() == "joined"
+            nodes.stdin.write("go\n")
+            nodes.stdin.flush()
+            # The loop saturated: nothing takes the streams' calls until every wave is sent and
+            # the last has waited past the 1 s bound too (blocking reads, on the loop itself).
+            assert nodes.stdout.readline().strip() == "sent"
+            time.sleep(1.5)
+            line = await asyncio.to_thread(nodes.stdout.readline)
+            assert await asyncio.to_thread(nodes.wait, 60) == 0
+            return json.loads(line)
+        finally:
+            if nodes is not None and nodes.poll() is None:
+                nodes.kill()
+                nodes.wait()
+            await coordinator.close()
+
+    outcomes = asyncio.run(scenario())
+    if cancelled:
+        assert outcomes.get("CANCELLED", 0) > 0, outcomes
+    else:
+        assert outcomes == {"ok": 40}, outcomes

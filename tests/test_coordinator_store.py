@@ -304,3 +304,36 @@ def test_a_reply_of_a_coordinator_from_before_the_status_is_read_as_it_was_meant
     assert lease_action(old(reason="every unfinished shard is leased; ask again later")) is LeaseAction.WAIT
     assert lease_action(old(reason="run r-1 is paused")) is LeaseAction.WAIT
     assert lease_action(old(reason="done", status=99)) is LeaseAction.WAIT  # a status newer than the node
+
+
+def test_each_sweep_writes_its_share_of_the_heartbeats_longest_waiting_first(tmp_path):
+    """Heartbeats are kept in memory and reach the ledger a share at each sweep (the part of
+    heartbeat_flush_s since the last write), not all at once: at 10,000 nodes one write of all held
+    the loop 150 ms. The longest-waiting go first, a node that beats again keeps its place, and
+    within heartbeat_flush_s every row is written."""
+    clock = Clock()
+    settings = CoordinatorSettings(heartbeat_ttl_s=60, lease_ttl_s=60, heartbeat_flush_s=5)
+    store = Store(tmp_path / "c.db")
+    members = Membership(store, settings, identity.CertificateAuthority.create(), clock=clock)
+    runs = Runs(store, settings, "ab" * 32, clock=clock)
+    run_id = runs.create(CONFIG, manifest(1000))
+    token = runs.create_token(run_id, 3600, 20, "").token
+    nodes = [join(members, token) for _ in range(20)]
+    start = clock.t
+    written = lambda: {n for n in nodes if store.node(n)["last_heartbeat"] > start}  # noqa: E731
+    clock.t += 0.1
+    for n in nodes:
+        members.heartbeat(n, 1.0)
+    clock.t = start + 0.5  # a tenth of heartbeat_flush_s: 2 of the 20
+    members.sweep()
+    assert written() == set(nodes[:2]) and members.pending_count() == 18
+    members.heartbeat(nodes[2], 1.0)  # waiting already: keeps its place at the front
+    members.heartbeat(nodes[0], 1.0)  # written: waits again, behind the others
+    clock.t = start + 1.5  # a fifth since the last write: 3 of the 19 waiting
+    members.sweep()
+    assert written() == set(nodes[:5]) and members.pending_count() == 16
+    clock.t = start + 6.5  # heartbeat_flush_s since the last write: every one
+    members.sweep()
+    assert written() == set(nodes) and members.pending_count() == 0
+    assert store.node(nodes[0])["last_heartbeat"] == start + 0.5  # its second heartbeat, written last
+    store.close()
