@@ -42,6 +42,7 @@ import math
 from collections import deque
 from collections.abc import Coroutine, Sequence
 from concurrent.futures import Future
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
@@ -71,6 +72,13 @@ from murmur.optim.reduce import reduce_payloads
 from murmur.optim.wire import WireTensor
 from murmur.protocol import peer_pb2
 from murmur.protocol.wire import WireError, WireLimits, layout_hash, wire_to_proto
+
+# The loop time by which the grouped round a call is a phase of must end (node/exchange/hierarchy.py
+# sets it for its phases' tasks): each phase call's own deadline is cut to it. A grouped round is
+# bounded by one ``round_deadline`` in all, as an ungrouped call is: the node waits that long for
+# its round (round_timeout_s), and phases that each took a deadline of their own outlived that
+# wait, still running (and answering ALREADY_DONE) when the node retried the round.
+ROUND_END: ContextVar[float | None] = ContextVar("murmur_round_end", default=None)
 
 __all__ = ["ExchangeSettings", "ExchangeSettingsError", "GrpcExchange", "LoopHandle", "Scattered", "spans"]
 
@@ -352,9 +360,12 @@ class GrpcExchange(Exchange):
         """The fields every call has: its members met at the rendezvous, its deadline, its faults."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.settings.round_deadline
+        end = ROUND_END.get()
+        if end is not None:
+            deadline = min(deadline, end)
         await faults.delay("rendezvous")
         try:
-            peers = await self.rounds.members(round_id, key, self.settings.round_deadline)
+            peers = await self.rounds.members(round_id, key, max(deadline - loop.time(), 0.001))
         except Exception as err:  # noqa: BLE001 - rendezvous failures end the call with one line
             raise ExchangeError(f"round {round_id} {key!r}: rendezvous failed: {err}") from None
         if faults.stalls:  # a machine that hangs: it still sends, but never answers

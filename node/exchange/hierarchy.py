@@ -54,8 +54,9 @@ from dataclasses import dataclass
 import torch
 
 from murmur.node.exchange.groups import Formation, GroupFormationError, form_groups, holders
-from murmur.node.exchange.grpc_exchange import GrpcExchange, Scattered
+from murmur.node.exchange.grpc_exchange import ROUND_END, GrpcExchange, Scattered
 from murmur.node.exchange.settings import alignment, spans
+from murmur.node.net.state_transfer import result_name
 from murmur.optim.exchange import Exchange, ExchangeError, GatherResult, ReduceResult
 from murmur.optim.wire import WireTensor
 
@@ -164,20 +165,34 @@ class GroupedExchange(Exchange):
             return await self.inner.areduce(tensors, round_id=round_id, key=key, weight=weight)
         self.scoped.forget(round_id - 2)
         self.last_group = []
-        look = _Look(round_id, key, {}, asyncio.get_running_loop().time() + 4 * self.inner.settings.round_deadline)
+        # One deadline for the whole round, its phases and its catch-up (ROUND_END: each phase
+        # call's own deadline is cut to it), as for an ungrouped call.
+        end = asyncio.get_running_loop().time() + self.inner.settings.round_deadline
+        look = _Look(round_id, key, {}, end)
         catchup = self.inner.rounds.catchup
+        token = ROUND_END.set(end)
         try:
             out, members, dropped, sent, received = await self._grouped(tensors, round_id, key, formation, weight)
         except ExchangeError as err:
             # Left out of its group's reduce-scatter, or a phase that failed here: the round may
             # have completed at its group-mates all the same. Their result is the run's (one hash):
             # take it (hash-checked), this peer's input dropped, rather than fail the round.
-            named, members = await self._catch_up(look, formation, err, sum(t.numel() for t in tensors))
+            try:
+                named, members = await self._catch_up(look, formation, err, sum(t.numel() for t in tensors))
+            except ExchangeError:
+                await self._undo_phases(round_id)
+                raise
             out, dropped, sent, received = named["0"], {me: f"caught the round up: {err}"}, 0, 0
         else:
             # Claimed for the whole round (ExchangeError if the run refuses it: nothing is applied),
             # then served to group-mates that catch the round up.
-            await catchup.publish(look, {"0": out}, members)
+            try:
+                await catchup.publish(look, {"0": out}, members)
+            except ExchangeError:
+                await self._undo_phases(round_id)
+                raise
+        finally:
+            ROUND_END.reset(token)
         result, pos = [], 0
         for t in tensors:
             result.append(out[pos : pos + t.numel()].reshape(t.shape))
@@ -249,17 +264,36 @@ class GroupedExchange(Exchange):
         members = sorted({*round_members(formation, formation.group_of(me), survivors, met), *unknown})
         return out, members, dropped, sent, received
 
+    async def _undo_phases(self, round_id: int) -> None:
+        """The round failed here: the node re-syncs and may run the same round again, from the
+        same state, under the same keys. The phase calls this peer completed must not answer that
+        retry ALREADY_DONE (a reduce-scatter cannot be caught up, and a column's old result is
+        the mean of the failed try's inputs), nor its rendezvous entries fill the retry's
+        rendezvous before the others are back: forget them, serve them no more, leave them."""
+        book, server = self.inner.book, self.inner.server
+        keys = {k for r, k in self.scoped.scopes if r == round_id}
+        for rk in [rk for rk in book.done if rk[0] == round_id and rk[1] in keys]:
+            del book.done[rk]
+            server.unpublish_state(result_name(*rk))
+        leave = getattr(self.scoped.inner, "leave", None)
+        if leave is None:
+            return
+        for k in sorted(keys):
+            try:
+                await asyncio.wait_for(leave(round_id, k), self.inner.settings.peer_timeout)
+            except Exception as err:  # noqa: BLE001 - the entry then expires with its TTL
+                log.debug("round %d %r: could not leave the rendezvous: %s", round_id, k, err)
+
     async def _catch_up(
         self, look: _Look, formation: Formation, err: ExchangeError, numel: int
     ) -> tuple[dict[str, torch.Tensor], list[str]]:
         """The round's result from group-mates that completed it (they serve it under the round's
-        own key), looked for at the rendezvous of this peer's group and its halves until the
-        round's deadline; ExchangeError with ``err``'s reason if none serves it."""
+        own key), looked for at the rendezvous of this peer's group until the round's deadline;
+        ExchangeError with ``err``'s reason if none serves it."""
         g = formation.group_of(self.peer_id)
         keys = [formation.group_key(g)]
         loop, settings = asyncio.get_running_loop(), self.inner.settings
         catchup = self.inner.rounds.catchup
-        look.deadline = min(look.deadline, loop.time() + settings.round_deadline)
         while True:
             for k in keys:
                 try:
@@ -345,7 +379,8 @@ class GroupedExchange(Exchange):
         key = self._scope_column(round_id, formation, c)
         loop = asyncio.get_running_loop()
         settings = self.inner.settings
-        look = _Look(round_id, key, {}, loop.time() + settings.round_deadline)
+        end = ROUND_END.get()
+        look = _Look(round_id, key, {}, min(loop.time() + settings.round_deadline, end or float("inf")))
         catchup = self.inner.rounds.catchup
         while True:
             try:
