@@ -38,6 +38,11 @@ set was short, in another M) could complete a second result that way. Only
 when nobody of its group completed does a peer raise ExchangeError (and re-sync, as after any
 failed round).
 
+One ``round_deadline`` bounds the whole round, its phases and its catch-up (``ROUND_END``), as it
+bounds an ungrouped call: a node waits that long for its round. A round that failed here forgets
+its phase calls (``_undo_phases``): the node's retry of the same round, from the same state under
+the same keys, must not be answered ALREADY_DONE by a phase of the failed try.
+
 The run's arbiter (a node's ``RoundGate``: the coordinator's ClaimRound) is asked once a round,
 for the assembled result and the whole round's members (``round_members``), never for a phase:
 each group is a minority of the run, and its claim would be refused as a split.
