@@ -1,5 +1,5 @@
 """Bounded groups at 1,000 peers, simulated: rounds completed, peers holding the result, bytes and
-connections a peer, with 0, 1 and 3 kills a round (node/exchange/simulate.py: the real group
+connections a peer, with 0, 1 and 3 kills a round (and 64, 32 and 8 peers) (node/exchange/simulate.py: the real group
 formation and failure rules over a simulated transport; the codec's own bytes).
 
     nice .venv/bin/python benchmarks/groups_sim.py [--numel 1048576] [--rounds 20]
@@ -37,7 +37,7 @@ def main() -> None:
     args = ap.parse_args()
     load = os.getloadavg()[0]
     rows = []
-    for peers, kills in ((1000, 0), (1000, 1), (1000, 3), (64, 0), (64, 1), (8, 0)):
+    for peers, kills in ((1000, 0), (1000, 1), (1000, 3), (64, 0), (64, 1), (32, 1), (8, 0)):
         row = simulate_rounds(peers, args.group_size, args.numel, args.codec, kills, args.rounds, args.seed)
         print(json.dumps(row), flush=True)
         rows.append(row)

@@ -215,7 +215,11 @@ def run_row(args: argparse.Namespace, peers: int, link: str, netns: list[tuple[s
             boot.kill()
             boot.wait()
     row = summarize(args, peers, link, records, processes=len(hosts) + 1)
-    shutil.rmtree(tmp, ignore_errors=True)
+    if args.keep_logs:  # the host processes' logs and every round line, for a diagnosis
+        (tmp / "rounds.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records.rounds))
+        print(f"logs kept in {tmp}", file=sys.stderr)
+    else:
+        shutil.rmtree(tmp, ignore_errors=True)
     return row
 
 
@@ -252,6 +256,7 @@ def collect(args: argparse.Namespace, peers: int, hosts: list[Host], lines: queu
     victims = [h for h in hosts if h.victim]
     kill_at = time.monotonic() + args.kill_after  # round 1's kill, then one after each round starts
     round_started = {1}
+    last_round: dict[str, int] = {}  # node id -> the last round it reported
     ended = 0
     deadline = time.monotonic() + args.rounds * (args.round_deadline + args.rendezvous_deadline) + 60
     while ended < len(hosts):
@@ -264,7 +269,9 @@ def collect(args: argparse.Namespace, peers: int, hosts: list[Host], lines: queu
         if victims and now >= kill_at:
             victim = victims.pop(0)
             victim.proc.send_signal(signal.SIGKILL)
-            rec.killed[victim.node_ids[0]] = max(round_started)
+            # The round it dies in: the one after its last reported round (the next round "starts"
+            # with the first peer's line of this one; a slower victim may still be in this one).
+            rec.killed[victim.node_ids[0]] = last_round.get(victim.node_ids[0], 0) + 1
             kill_at = float("inf")
         if now >= deadline:
             rec.timed_out = True
@@ -277,6 +284,7 @@ def collect(args: argparse.Namespace, peers: int, hosts: list[Host], lines: queu
         if msg.get("event") != "round":
             continue
         rec.rounds.append(msg)
+        last_round[msg["node_id"]] = max(last_round.get(msg["node_id"], 0), msg["round"])
         nxt = msg["round"] + 1
         if nxt <= args.rounds and nxt not in round_started:  # the first peer to start the next round
             round_started.add(nxt)
@@ -416,7 +424,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--kill-after", type=float, default=1.0, help="seconds into a round at which its victim dies")
     ap.add_argument("--per-process", type=int, default=8, help="peers sharing one host process (loopback rows)")
     ap.add_argument("--peer-timeout", type=float, default=10.0)
-    ap.add_argument("--round-deadline", type=float, default=120.0)
+    # One deadline bounds a whole grouped round, its three phases and its catch-up: the 64-peer
+    # row's rounds took 199 s at a load of 28, when each phase had a deadline of its own.
+    ap.add_argument("--round-deadline", type=float, default=300.0)
     ap.add_argument("--rendezvous-deadline", type=float, default=60.0)
     # Longer than a round: with bounded groups each peer forms the round's groups from the live
     # records, and a record that expired mid-round at some peers gives them another formation.
@@ -428,6 +438,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--nice", type=int, default=0, help="niceness of the peer processes")
     ap.add_argument("--results", default=str(RESULTS))
     ap.add_argument("--no-write", action="store_true", help="print the rows, do not write the results")
+    ap.add_argument("--keep-logs", action="store_true", help="keep each row's host logs and round lines")
     ap.add_argument("--dht-boot", help=argparse.SUPPRESS)  # internal: the bootstrap DHT's process
     ap.add_argument("--dht-host", default="127.0.0.1", help=argparse.SUPPRESS)
     return ap

@@ -604,6 +604,12 @@ class MurmurDHT:
             )
         return dict(sorted(members.items()))
 
+    def round_entries(self, round_id: int, key: str) -> dict[str, str]:
+        """{node id: address} of who is at a round's rendezvous now, without joining it (a peer
+        that looks for the holders of a result it did not take part in)."""
+        found = self._read(round_key(self.run_id, round_id, key))
+        return dict(sorted((n, str(p["address"])) for n, p in found.items() if p.get("address")))
+
     def leave_round(self, round_id: int, key: str) -> None:
         """Take this peer's entry out of a round's rendezvous (its call failed and it re-syncs).
 
@@ -634,6 +640,9 @@ class MurmurDHT:
 
     async def apeers(self, role: str | None = None, stage: int | None = None) -> list[PeerRecord]:
         return await asyncio.to_thread(self.peers, role, stage)
+
+    async def around_entries(self, round_id: int, key: str) -> dict[str, str]:
+        return await asyncio.to_thread(self.round_entries, round_id, key)
 
     async def aleave_round(self, round_id: int, key: str) -> None:
         await asyncio.to_thread(self.leave_round, round_id, key)

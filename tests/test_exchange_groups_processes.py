@@ -22,7 +22,9 @@ from murmur.protocol.identity import CertificateAuthority
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 PROCESS_TIMEOUT = 500
 NUMEL = 50000
-ROUND_DEADLINE = 60.0
+# The whole grouped round, its three phases and its catch-up, within one deadline
+# (node/exchange/hierarchy.py): seven processes on a 2-core machine at a load of 35.
+ROUND_DEADLINE = 120.0
 
 
 def test_a_peer_sigkilled_mid_round_costs_its_group_its_input_only(tmp_path):

@@ -70,3 +70,37 @@ def test_four_nodes_in_groups_of_two_train_under_one_state_hash_a_round(tmp_path
             assert "refused this group's round" not in log(node), log(node)[-3000:]
         total, offsets, _ = ledger(net)
         assert total > 0 and sum(offsets.values()) == total  # every committed token counted exactly once
+
+
+def test_a_node_that_joins_grouped_rounds_late_trains_in_them_under_the_runs_one_state_hash(tmp_path, data):
+    """Three nodes in groups of 2 (2 groups, one of a single node) train; a fourth joins while
+    they do: it reaches its first round at another time than the others (it loads the state of
+    a round under way), the groups are formed anew with it, and from then on every round is one
+    of all four, under one state hash, with nobody refusing a group's round."""
+    net = make_testnet(tmp_path, data, overrides=["sync.group_size=2", *UNTIL_STOPPED], node_args=FAST_NODE)
+    net.coordinator_args = list(FAST_COORDINATOR)
+    with net:
+        net.start_coordinator()
+        net.create_run(token_uses=4 * NODES + 4)
+        extra = ["--min-peers", str(NODES - 1)]
+        first = net.add_node(extra=extra)
+        assert first.alive(), log(first)[-2000:]
+        net.wait_dht_bootstrap()
+        for _ in range(NODES - 2):
+            net.add_node(extra=extra)
+        for node in net.nodes:
+            wait_log(node, r"3 live trainers all-reduce in 2 groups", timeout_s=300)
+        wait_for(lambda: len(_grouped_rounds(net.nodes)) >= 1, 300, what="a round of the three nodes in groups")
+        late = net.add_node()
+        wait_log(late, r"4 live trainers all-reduce in 2 groups", timeout_s=300)
+        wait_for(lambda: len(_grouped_rounds(net.nodes)) >= 2, 300, what="two rounds of all four nodes in groups")
+        for node in net.nodes:
+            node.proc.send_signal(signal.SIGTERM)
+        for node in net.nodes:
+            assert node.proc.wait(60) == 0, log(node)[-2000:]
+        by_round = hashes_by_round(net.nodes)
+        together = _grouped_rounds(net.nodes)
+        for r in together:
+            assert len(set(by_round[r].values())) == 1, f"round {r}: nodes disagree {by_round[r]}"
+        for node in net.nodes:
+            assert "refused this group's round" not in log(node), log(node)[-3000:]

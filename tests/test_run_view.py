@@ -54,3 +54,24 @@ def test_each_death_seen_is_queued_once_for_the_coordinator_and_wakes_the_report
     # The coordinator then no longer lists them: the quorum counts the survivor alone.
     view.update([member("a")])
     assert view.quorum_base() == 1
+
+
+def test_a_grouped_rounds_trainers_are_alike_whether_the_view_lists_the_others_with_their_address_yet_or_not():
+    """A node names its peer address in its heartbeats a heartbeat after it holds a state: early in
+    a run one node's view listed 2 trainers of 4 with an address, the others' 4. The groups must
+    be formed from the same set on both (node/exchange/groups.py), or they meet under other keys."""
+    from murmur.node.exchange.groups import form_groups
+
+    announced = {"a", "b", "c", "d"}  # what every node's DHT shows
+    early = RunView("a", "i", fresh_s=60.0)
+    early.update([member("a"), member("b"), pb.LiveMember(node_id="c", incarnation="i"), pb.LiveMember(node_id="d")])
+    whole = RunView("b", "i", fresh_s=60.0)
+    whole.update([member(n) for n in sorted(announced)])
+    assert early.round_trainers(announced) == whole.round_trainers(announced) == announced
+    assert form_groups("run", 0, "k", early.round_trainers(announced), 2) == \
+        form_groups("run", 0, "k", whole.round_trainers(announced), 2)
+    # Gone (no longer listed) or seen dead: out, though its DHT record lingers.
+    whole.update([member("a"), member("b"), member("c")])
+    whole.saw_refusal("c", "c:1", "connection refused")
+    assert whole.round_trainers(announced) == {"a", "b"}
+    assert RunView("a", "i", fresh_s=60.0).round_trainers(announced) == set()  # no view yet: the DHT decides

@@ -130,10 +130,11 @@ class PeerDataPlane:
         return peers
 
     def _round_live(self) -> list[str]:
-        """The live trainers a round's groups are formed from: the coordinator's view (the same
-        list for every node, refreshed each heartbeat), else the trainers the DHT lists."""
-        listed = self.view.trainers() if self.view is not None else []
-        return [m.node_id for m in listed] if listed else sorted(self.live.ids)
+        """The live trainers a round's groups are formed from: ``RunView.round_trainers``, the
+        coordinator's view (the same list for every node, refreshed each heartbeat) and the
+        trainers the DHT announces that it lists late; without a fresh view, the DHT's trainers."""
+        listed = self.view.round_trainers(self.live.ids) if self.view is not None else set()
+        return sorted(listed or self.live.ids)
 
     def _log_formation(self, round_id: int, formation: Formation) -> None:
         shape = (sum(map(len, formation.groups)), len(formation.groups))

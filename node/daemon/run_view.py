@@ -105,6 +105,19 @@ class RunView:
             return None
         return len({m.node_id for m in self.trainers()} | {self.node_id} | self.newcomers(announced))
 
+    def round_trainers(self, announced: Collection[str] = ()) -> set[str]:
+        """The trainers a grouped round's groups are formed from (node/exchange/groups.py; empty
+        when not fresh): those the quorum counts (the live trainers, this node, the newcomers) and
+        the trainers the DHT announces that the view lists without a peer address yet. A node
+        names its address in its heartbeats only once it holds a state, so early in a run one
+        node's view listed two trainers of four while the others' listed four: it formed one
+        group, they formed two under other keys, and the round waited out its deadline. Not those
+        seen dead: a group would wait for them at its rendezvous."""
+        if not self.fresh():
+            return set()
+        late = {n for n in announced if n in self.members} - {node_id for node_id, _ in self._dead}
+        return {m.node_id for m in self._alive()} | {self.node_id} | self.newcomers(announced) | late
+
     def expected(self) -> int | None:
         """How many members a rendezvous waits for: the live trainers not seen dead. Not the
         newcomers: one still loading the state would hold every round to the rendezvous

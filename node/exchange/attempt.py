@@ -160,6 +160,7 @@ class ReduceAttempt(Attempt):
     received: dict[str, int] = field(default_factory=dict)  # member -> chunks in
     results: list[bytes] = field(default_factory=list)  # the reduced chunks' payloads, in order
     tasks: list[asyncio.Task] = field(default_factory=list)
+    owned: bool = False  # a reduce-scatter: this owner keeps its span, no result goes back
 
     def __post_init__(self) -> None:
         self.pending = [{} for _ in self.chunks]
@@ -169,7 +170,8 @@ class ReduceAttempt(Attempt):
 
     @property
     def result_bytes(self) -> int:
-        return sum(len(p) for p in self.results)
+        """What this owner streams back to each member: nothing in a reduce-scatter."""
+        return 0 if self.owned else sum(len(p) for p in self.results)
 
     def complete(self, member: str) -> bool:
         return self.received.get(member, 0) == len(self.chunks)

@@ -17,6 +17,7 @@ from typing import ClassVar
 import grpc
 import torch
 
+from murmur.node.exchange.groups import column_block
 from murmur.node.exchange.settings import chunk_ranges, spans
 from murmur.node.exchange.snapshot import Snapshot
 from murmur.node.net.faults import CallFaults
@@ -80,14 +81,29 @@ class ReduceCall(Call):
     own: torch.Tensor | None  # with error feedback: what our encoded input decodes to
     align: int  # span and chunk boundaries fall on multiples of this
     chunk: int  # elements per pipeline chunk
+    # A reduce-scatter (node/exchange/hierarchy.py's phase A): the update is cut into this many
+    # columns, each owner reduces a contiguous block of them (``column_block``) and keeps it: no
+    # result goes back to the members, and a member's result is its own span only. 0: an
+    # all-reduce, one span per owner, every span back to every member.
+    columns: int = 0
 
     @property
     def numel(self) -> int:
         return self.x.numel()
 
+    @property
+    def owned(self) -> bool:
+        """A reduce-scatter: each owner keeps its span."""
+        return self.columns > 0
+
     def span_of(self, owners: Sequence[str], owner: str) -> tuple[int, int]:
         """[start, end) of the flat update that ``owner`` reduces among ``owners``."""
-        return spans(self.numel, len(owners), self.align)[list(owners).index(owner)]
+        i = list(owners).index(owner)
+        if not self.columns:
+            return spans(self.numel, len(owners), self.align)[i]
+        cols = spans(self.numel, self.columns, self.align)
+        lo, hi = column_block(i, len(owners), self.columns)
+        return (cols[lo][0], cols[hi - 1][1]) if hi > lo else (cols[lo - 1][1],) * 2 if lo else (0, 0)
 
     def ranges(self, span: tuple[int, int]) -> list[tuple[int, int]]:
         """The pipeline chunks of ``span``, relative to its start."""
@@ -99,6 +115,14 @@ class GatherCall(Call):
     op: ClassVar[int] = peer_pb2.OP_GATHER
     wires: list[WireTensor]  # our input, as this peer's own attempt input holds it
     payload: bytes  # our input serialized once (faults applied), the same for every owner
+    # The layout every member's input fits (None: ours). With it, a tensor may be empty instead
+    # (node/exchange/validate.py's ``ragged``): members send different numbers of used slots.
+    template: list[WireTensor] | None = None
+
+    @property
+    def expected(self) -> list[WireTensor]:
+        """What every member's input is checked against."""
+        return self.template if self.template is not None else self.wires
 
 
 class AttemptProgress:

@@ -13,6 +13,7 @@ round deadline.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 
 import torch
 
@@ -57,6 +58,15 @@ class CatchUp:
             PublishedState(result_name(call.round_id, call.key), list(named.items()), digest, members)
         )
         self.server.unpublish_state(result_name(call.round_id - self.settings.keep_results, call.key))
+
+    async def publish_owned(self, call: Call, members: list[str]) -> None:
+        """A completed reduce-scatter: claimed like any result, answered ALREADY_DONE from now on
+        (late attempts end at once), but nothing to serve: each member holds only its own span.
+        The hash stands for the call's completed attempt, not for a result anyone could fetch."""
+        if self.gate is not None:
+            await self.gate.claim(call.round_id, call.key, members)
+        digest = hashlib.sha256(f"owned\x00{call.round_id}\x00{call.key}\x00{members}".encode()).digest()
+        self.book.mark_done(call.round_id, call.key, DoneRecord(digest, members))
 
     async def fetch(
         self, call: Call, hints: dict[str, bytes], why: str
@@ -108,6 +118,22 @@ class CatchUp:
         """peer -> result hash, for the peers that say they completed this call."""
         return {node_id: digest for node_id, digest, _ in await self._ask(call) if digest}
 
+    async def done_members(self, call: Call, hints: dict[str, bytes]) -> list[str] | None:
+        """The members of the attempt that completed this call, as the first of the peers that
+        say they completed it (``hints``) answers; None if none does."""
+        for node_id in hints:
+            address = call.peers.get(node_id)
+            if not address:
+                continue
+            try:
+                reply = await self._hello_reply(node_id, address)
+            except Exception:  # noqa: BLE001 - gone or busy: ask the next one
+                continue
+            done = next((d for d in reply.done if d.key == call.key and d.round == call.round_id), None)
+            if done is not None:
+                return list(done.members)
+        return None
+
     async def _result_dropped(self, call: Call) -> bool:
         """Whether a peer has completed keep_results later calls of this key: it published their
         results and unpublished this one (``publish`` above), so no one serves it any more."""
@@ -122,13 +148,16 @@ class CatchUp:
         results = await asyncio.gather(*[self._hello(call, n, a) for n, a in others], return_exceptions=True)
         return [r for r in results if isinstance(r, tuple)]
 
-    async def _hello(self, call: Call, node_id: str, address: str) -> tuple[str, bytes, int]:
+    async def _hello_reply(self, node_id: str, address: str) -> peer_pb2.HelloReply:
         stub = peer_pb2_grpc.PeerStub(self.channels.get(node_id, address))
-        reply = await stub.Hello(
+        return await stub.Hello(
             peer_pb2.HelloRequest(protocol_version=PROTOCOL_VERSION, run_id=self.server.run_id),
             metadata=((VERSION_METADATA_KEY, str(PROTOCOL_VERSION)),),
             timeout=self.settings.peer_timeout,
         )
+
+    async def _hello(self, call: Call, node_id: str, address: str) -> tuple[str, bytes, int]:
+        reply = await self._hello_reply(node_id, address)
         mine = [d for d in reply.done if d.key == call.key]
         digest = next((d.result_hash for d in mine if d.round == call.round_id), b"")
         return node_id, digest, max((d.round for d in mine), default=-1)

@@ -9,6 +9,8 @@ handed to the attempt (node/exchange/attempt.py), which reduces chunk j once eve
 is in. Meanwhile this handler streams the reduced chunks back in order, and ends with one status:
 OK once every chunk is reduced, ABORT (with member -> reason) as soon as the attempt is doomed,
 REFUSED if this member's own input was refused. A caller uses the streamed chunks only after OK.
+In a reduce-scatter (the attempt is ``owned``) the owner keeps its reduced span: no chunk goes
+back, only the status once every chunk is reduced.
 
 Gather (whole payloads): the member's payload in frames, then the attempt's outcome.
 """
@@ -198,14 +200,14 @@ async def _serve_reduce(
                     status(ABORT, failed=att.failed, members=list(att.members), attempt=att.number)
                 )
                 return
-            if sent < len(att.results):
+            if sent < len(att.results) and not att.owned:
                 await _hold_if_stalled(book, s)
                 s.timeline.mark("out_w0", j=sent, peer=peer_id)
                 await context.write(peer_pb2.ExchangeReply(data=att.results[sent]))
                 s.timeline.mark("out_w1", j=sent, peer=peer_id)
                 sent += 1
                 continue
-            if att.done.is_set() and sent == len(att.chunks):
+            if att.done.is_set() and (sent == len(att.chunks) or att.owned):
                 await context.write(
                     status(OK, contributors=sorted(att.members), payload_bytes=att.result_bytes)
                 )

@@ -146,6 +146,11 @@ class DHTGroup:
         deadline there would leave this peer's attempts unserved, and the others drop it)."""
         return await self.members(round_id, key, wait_s=REGROUP_WAIT_S)
 
+    async def present(self, round_id: int, key: str) -> dict[str, str]:
+        """Who is at a round's rendezvous now, without joining it (node/exchange/hierarchy.py
+        looks there for the holders of a column result it missed)."""
+        return await self.dht.around_entries(round_id, key)
+
     async def leave(self, round_id: int, key: str) -> None:
         """This peer's call of the round failed: its rendezvous entry must not count for the retry."""
         await self.dht.aleave_round(round_id, key)

@@ -8,6 +8,11 @@ rule: mean, trimmed mean, CenteredClip), re-encodes it once and streams it back 
 later chunks are still arriving (node/exchange/attempt.py, node/exchange/collect.py). Codec work
 runs in worker threads, off the event loop. Each peer sends about (N-1)/N of its payload and
 (N-1)/N of the result: the butterfly's 2(N-1)/N.
+Reduce-scatter (``areduce_scatter``, a grouped round's phase A, node/exchange/hierarchy.py): the
+same streams with the spans cut on S column boundaries (each owner a contiguous block of columns);
+the owner keeps its reduced span and answers OK with no chunk back, so a peer sends (N-1)/N. A
+peer that did not complete it cannot catch it up (nobody holds its span): unless the completed
+attempt is one whose span it reduced to the end itself, the call fails there.
 Sparse codecs (top-k) and all-gather: every peer streams its payload to every other member;
 a sparse all-reduce then aggregates every payload locally, in sorted order.
 
@@ -37,6 +42,8 @@ import math
 from collections import deque
 from collections.abc import Coroutine, Sequence
 from concurrent.futures import Future
+from contextvars import ContextVar
+from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 import torch
@@ -66,10 +73,27 @@ from murmur.optim.wire import WireTensor
 from murmur.protocol import peer_pb2
 from murmur.protocol.wire import WireError, WireLimits, layout_hash, wire_to_proto
 
-__all__ = ["ExchangeSettings", "ExchangeSettingsError", "GrpcExchange", "LoopHandle", "spans"]
+# The loop time by which the grouped round a call is a phase of must end (node/exchange/hierarchy.py
+# sets it for its phases' tasks): each phase call's own deadline is cut to it. A grouped round is
+# bounded by one ``round_deadline`` in all, as an ungrouped call is: the node waits that long for
+# its round (round_timeout_s), and phases that each took a deadline of their own outlived that
+# wait, still running (and answering ALREADY_DONE) when the node retried the round.
+ROUND_END: ContextVar[float | None] = ContextVar("murmur_round_end", default=None)
+
+__all__ = ["ExchangeSettings", "ExchangeSettingsError", "GrpcExchange", "LoopHandle", "Scattered", "spans"]
 
 T = TypeVar("T")
 MAX_REJECTIONS_KEPT = 1000  # untaken rejection records beyond this drop the oldest
+
+
+@dataclass(frozen=True, slots=True)
+class Scattered:
+    """A reduce-scatter's outcome at one peer: the result (valid on ``span`` only), the owners
+    of its completed attempt in span order, and this peer's span ((0, 0): it owns none)."""
+
+    result: ReduceResult
+    owners: tuple[str, ...]
+    span: tuple[int, int]
 
 
 class LoopHandle(Protocol):
@@ -182,12 +206,33 @@ class GrpcExchange(Exchange):
     async def areduce(
         self, tensors: list[torch.Tensor], *, round_id: int, key: str = "", weight: float = 1.0
     ) -> ReduceResult:
+        res, _ = await self._reduce(tensors, round_id, key, weight)
+        return res
+
+    async def areduce_scatter(
+        self, tensors: list[torch.Tensor], *, round_id: int, key: str, columns: int, weight: float = 1.0
+    ) -> Scattered:
+        """A reduce-scatter of a dense update cut into ``columns`` columns: each owner of the
+        completed attempt reduces a contiguous block of them (settings.column_block) and keeps it;
+        nothing comes back to the members. The flat result is valid on this peer's own span only
+        (``Scattered.span``). A peer that did not complete the call fails it (ExchangeError):
+        nobody else holds its span."""
+        if not self.codec.dense or columns < 1:
+            raise ExchangeError(f"round {round_id} {key!r}: a reduce-scatter needs a dense codec and columns >= 1")
+        res, call = await self._reduce(tensors, round_id, key, weight, columns)
+        owners = call.owners(res.members)
+        span = call.span_of(owners, self.peer_id) if self.peer_id in owners else (0, 0)
+        return Scattered(res, owners, span)
+
+    async def _reduce(
+        self, tensors: list[torch.Tensor], round_id: int, key: str, weight: float, columns: int = 0
+    ) -> tuple[ReduceResult, ReduceCall | None]:
         self._check_weight(weight)
         self.timeline.mark("call", round=round_id)
         codec, faults = self.codec, self.faults.call_faults(self.peer_id, round_id)
         if not codec.dense:  # codec.encode adds (and keeps) the key's error feedback itself
             flat = await asyncio.to_thread(_flatten, tensors)  # one fp32 copy: the caller may go on
-            return await self._sparse_reduce(tensors, flat, round_id, key, weight, codec, faults)
+            return await self._sparse_reduce(tensors, flat, round_id, key, weight, codec, faults), None
         align = alignment(self.settings.span_align, codec)
         chunk = self.settings.chunk_elements(align)
         # One flat fp32 copy of the update (plus the key's error feedback), made chunk by chunk in a
@@ -198,8 +243,9 @@ class GrpcExchange(Exchange):
         snap = Snapshot(tensors, residual, chunk, faults)
         snap.start()
         try:
+            scatter = f"|columns={columns}" if columns else ""  # a reduce-scatter meets no all-reduce
             layout = layout_hash(
-                codec.name, [(t.shape, t.dtype) for t in tensors], f"reduce|align={align}|chunk={chunk}"
+                codec.name, [(t.shape, t.dtype) for t in tensors], f"reduce|align={align}|chunk={chunk}{scatter}"
             )
             x = snap.flat
             call = ReduceCall(
@@ -212,6 +258,7 @@ class GrpcExchange(Exchange):
                 own=torch.empty(x.numel()) if codec.error_feedback else None,
                 align=align,
                 chunk=chunk,
+                columns=columns,
             )
             named, members, fetched = await self._run(call)
             result = named.get("0")
@@ -223,12 +270,20 @@ class GrpcExchange(Exchange):
         finally:
             snap.cancel()
         out = _unflatten(result, tensors)
-        return ReduceResult(out, members, dict(call.dropped), call.sent, call.received, codec.name)
+        return ReduceResult(out, members, dict(call.dropped), call.sent, call.received, codec.name), call
 
     async def agather(
-        self, wires: list[WireTensor], *, round_id: int, key: str = "", weight: float = 1.0
+        self,
+        wires: list[WireTensor],
+        *,
+        round_id: int,
+        key: str = "",
+        weight: float = 1.0,
+        template: list[WireTensor] | None = None,
     ) -> GatherResult:
-        res, _ = await self._gather(wires, round_id, key, weight, self.codec, None)
+        """An all-gather of ``wires``. ``template``: the layout every member's input fits, each
+        tensor of it or empty (a member's unused slot), instead of exactly ours."""
+        res, _ = await self._gather(wires, round_id, key, weight, self.codec, None, template)
         return res
 
     async def _gather(
@@ -239,23 +294,25 @@ class GrpcExchange(Exchange):
         weight: float,
         codec: Codec,
         faults: CallFaults | None,
+        template: list[WireTensor] | None = None,
     ) -> tuple[GatherResult, dict[str, float]]:
         self._check_weight(weight)
         faults = faults or self.faults.call_faults(self.peer_id, round_id)
         parts = [
             (w.codec, tuple(w.shape), w.dtype, sorted((n, str(t.dtype), tuple(t.shape)) for n, t in w.parts.items()))
-            for w in wires
+            for w in (wires if template is None else template)
         ]
-        layout = layout_hash("gather", [], repr(parts))
+        layout = layout_hash("gather" if template is None else "gather|ragged", [], repr(parts))
         sent = faults.gather_wires(wires)
         payload = peer_pb2.Payload(tensors=[wire_to_proto(w) for w in sent]).SerializeToString()
         call = GatherCall(
             **await self._call_basics(round_id, key, weight, layout, codec, faults),
             wires=sent,
             payload=faults.gather_payload(payload),
+            template=template,
         )
         named, members, _ = await self._run(call)
-        updates = self._gathered_updates(call, wires, named, members)
+        updates = self._gathered_updates(call, call.expected if template is not None else wires, named, members)
         res = GatherResult(updates, dict(call.dropped), call.sent, call.received, codec.name)
         return res, {m: float(w) for m, w in zip(members, named["weights"].tolist(), strict=True)}
 
@@ -267,7 +324,7 @@ class GrpcExchange(Exchange):
         weights = named.get("weights")
         if weights is None or weights.numel() != len(members):
             raise ExchangeError(f"{where}: the gathered result has no weights")
-        check = validate_gather(wires, call.codec, self.limits)
+        check = validate_gather(wires, call.codec, self.limits, ragged=call.template is not None)
         updates: dict[str, list[WireTensor]] = {}
         for m in members:
             raw = named.get(f"m/{m}")
@@ -303,9 +360,12 @@ class GrpcExchange(Exchange):
         """The fields every call has: its members met at the rendezvous, its deadline, its faults."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.settings.round_deadline
+        end = ROUND_END.get()
+        if end is not None:
+            deadline = min(deadline, end)
         await faults.delay("rendezvous")
         try:
-            peers = await self.rounds.members(round_id, key, self.settings.round_deadline)
+            peers = await self.rounds.members(round_id, key, max(deadline - loop.time(), 0.001))
         except Exception as err:  # noqa: BLE001 - rendezvous failures end the call with one line
             raise ExchangeError(f"round {round_id} {key!r}: rendezvous failed: {err}") from None
         if faults.stalls:  # a machine that hangs: it still sends, but never answers

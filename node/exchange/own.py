@@ -48,7 +48,7 @@ class OwnAttempts:
         assert isinstance(call, GatherCall)
         gather = GatherAttempt(
             **_common(call, number, members, owners, self.on_rejected),
-            validate=validate_gather(call.wires, call.codec, self.limits),
+            validate=validate_gather(call.expected, call.codec, self.limits, ragged=call.template is not None),
         )
         gather.started.add(self.peer_id)
         gather.add(self.peer_id, call.wires, call.weight)
@@ -78,6 +78,7 @@ class OwnAttempts:
             chunks=ranges,
             reduce_chunk=self.times.wrap("reduce", reducer),
             sink=sink,
+            owned=call.owned,
         )
         att.started.add(self.peer_id)
         att.weights[self.peer_id] = call.weight

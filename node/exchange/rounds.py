@@ -42,6 +42,7 @@ from murmur.node.exchange.send import Sender
 from murmur.node.exchange.settings import ExchangeSettings
 from murmur.node.exchange.stats import Timeline
 from murmur.node.exchange.tasks import discard
+from murmur.node.exchange.validate import decode_chunk
 from murmur.node.net.server import PeerServer
 from murmur.optim.exchange import ExchangeError
 from murmur.protocol import peer_pb2
@@ -106,6 +107,18 @@ class Rounds:
             out = await self._attempts(call)
             if out.named is not None:
                 return out.named, out.members, False
+            if isinstance(call, ReduceCall) and call.owned:
+                # A reduce-scatter's spans stay with their owners: nobody holds this peer's span
+                # to hand it over. But the attempt that completed elsewhere may be one this peer
+                # owned its span in and reduced to the end, only missing an owner's OK (under
+                # load, or a stream cut after its last chunk): then its span is whole here.
+                members = await self._owned_span(call, out.hints) if out.hints else None
+                if members is not None:
+                    return {"0": call.result}, members, False
+                raise ExchangeError(
+                    f"round {call.round_id} {call.key!r} did not complete here: {out.why} "
+                    "(a reduce-scatter cannot be caught up)"
+                )
             named, members = await self.catchup.fetch(call, out.hints, out.why)
             return named, members, True
         except ExchangeError:
@@ -113,6 +126,28 @@ class Rounds:
             raise
         finally:
             self.book.forget(call.round_id, call.key)
+
+    async def _owned_span(self, call: ReduceCall, hints: dict[str, bytes]) -> list[str] | None:
+        """A reduce-scatter completed by others: its members if this peer's own attempt with those
+        members reduced its whole span (its result is then written back into ``call.result``),
+        else None. The owners of a completed attempt all reduced theirs: nobody answers OK before."""
+        members = await self.catchup.done_members(call, hints)
+        if members is None:
+            return None
+        att = next((a for a in self.book.attempts.get((call.round_id, call.key), {}).values()
+                    if list(a.members) == members), None)
+        if not isinstance(att, ReduceAttempt) or not att.done.is_set() or att.failed:
+            return None
+        if self.peer_id in att.owners and len(att.results) != len(att.chunks):
+            return None
+        start = att.span[0]
+        for (a, b), payload in zip(att.chunks, att.results, strict=False):
+            value = await asyncio.to_thread(decode_chunk, call.codec, payload, b - a, self.own.limits)
+            call.result[start + a : start + b] = value
+        await self.catchup.publish_owned(call, members)
+        log.debug("round %d %r: completed by others in attempt %d, whose span this peer reduced",
+                  call.round_id, call.key, att.number)
+        return members
 
     async def _leave(self, call: Call) -> None:
         """The call failed here: take this peer out of the round's rendezvous, so that the retry
@@ -402,6 +437,9 @@ class Rounds:
 
     async def _complete(self, call: Call, att: Attempt) -> dict[str, torch.Tensor]:
         named = {"0": call.result} if isinstance(call, ReduceCall) else self._gathered(att)
+        if isinstance(call, ReduceCall) and call.owned:  # each member holds its own span only
+            await self.catchup.publish_owned(call, list(att.members))
+            return named
         await self.catchup.publish(call, named, list(att.members))
         self.timeline.mark("hashed")
         return named

@@ -202,12 +202,17 @@ class ResultReader:
         finally:
             discard(self.decoding)
 
+    @property
+    def expected(self) -> int:
+        """Result chunks this owner sends back: none in a reduce-scatter (it keeps its span)."""
+        return 0 if self.call.owned else len(self.ranges)
+
     async def _on_data(self, data: bytes) -> str:
         """Take one reduced chunk; what is wrong with it, or ""."""
         self.env.timeline.mark("res_rx", j=self.got, peer=self.owner)
         self.progress.moved()
-        if self.got >= len(self.ranges):
-            return f"sent more than the {len(self.ranges)} result chunks of its span"
+        if self.got >= self.expected:
+            return f"sent more than the {self.expected} result chunks of its span"
         self.total += len(data)
         limit = self.env.settings.max_payload_bytes
         if self.total > limit:
@@ -235,8 +240,8 @@ class ResultReader:
         reply = reply_of(st)
         if reply.code != OK:
             return reply
-        if self.got != len(self.ranges):
-            return Reply(ERROR, reason=f"its result ended after {self.got} of {len(self.ranges)} chunks")
+        if self.got != self.expected:
+            return Reply(ERROR, reason=f"its result ended after {self.got} of {self.expected} chunks")
         if st.payload_bytes != self.total:
             return Reply(ERROR, reason=f"its result is {self.total} bytes, it declared {st.payload_bytes}")
         await self._land()

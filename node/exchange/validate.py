@@ -55,9 +55,11 @@ def decode_chunk(codec: Codec, data: bytes, length: int, limits: WireLimits) -> 
 
 
 def validate_gather(
-    expected: list[WireTensor], codec: Codec | None, limits: WireLimits
+    expected: list[WireTensor], codec: Codec | None, limits: WireLimits, ragged: bool = False
 ) -> Callable[[str, peer_pb2.Payload], list[WireTensor]]:
-    """A gather input: as many wire tensors as ours, each with our codec, shape, dtype and parts."""
+    """A gather input: as many wire tensors as ``expected``, each with its codec, shape, dtype and
+    parts; ``ragged``: or empty (no element, every part empty), a slot its sender leaves unused
+    (node/exchange/hierarchy.py's phase C: owners hold blocks of different sizes)."""
 
     def check(sender: str, payload: peer_pb2.Payload) -> list[WireTensor]:
         if len(payload.tensors) != len(expected):
@@ -65,6 +67,9 @@ def validate_gather(
         out = []
         for i, (msg, ours) in enumerate(zip(payload.tensors, expected, strict=True)):
             w = wire_from_proto(msg, limits)
+            if ragged and _empty(w) and (w.codec, w.dtype) == (ours.codec, ours.dtype):
+                out.append(w)
+                continue
             if (w.codec, tuple(w.shape), w.dtype) != (ours.codec, tuple(ours.shape), ours.dtype):
                 raise InputRejected(
                     f"tensor {i}: {w.codec} {list(w.shape)} {w.dtype}, expected "
@@ -80,3 +85,7 @@ def validate_gather(
         return out
 
     return check
+
+
+def _empty(w: WireTensor) -> bool:
+    return tuple(w.shape) == (0,) and all(t.numel() == 0 for t in w.parts.values())

@@ -48,6 +48,9 @@ Delays (``delay``: sleep SECONDS at a named point, each time the point is reache
   lost_rounds    after the coordinator granted a node the number of rounds lost with their holders,
                  before it goes on as that round and publishes its state (node/daemon/resume.py):
                  a restart slow enough that another one, back at the same moment, claims too
+  group_gather   before this peer joins its group's gather (phase C of a grouped round,
+                 node/exchange/hierarchy.py): a column holder too slow for its group-mates, who
+                 then fetch its columns' results from the other groups' holders
   build_model    before a node builds its model and optimizer (node/daemon/training_thread.py's
                  prepare, beside its DHT's start): a large model on a slow machine
 
@@ -98,7 +101,7 @@ CALL_FAULTS = (
 FAULTS = (*CALL_FAULTS, "delay", "slow")
 DELAY_POINTS = (
     "rendezvous", "open_input", "send_input", "snapshot_piece", "stage_compute", "peer_lookup", "checkpoint",
-    "build_model", "lost_rounds",
+    "build_model", "lost_rounds", "group_gather",
 )
 ANY = "*"
 POISON_SCALE = 1e4

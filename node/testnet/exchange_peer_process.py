@@ -13,8 +13,9 @@ make it misbehave on purpose. It exits cleanly on SIGTERM/SIGINT, leaving no p2p
 
 ``--set sync.group_size=G`` (the run-config key; other keys are checked and ignored): more live
 peers than G all-reduce in groups (node/exchange/hierarchy.py); the live peers are those whose DHT
-records are alive, and the first round starts once ``--peers`` of them are there, so every peer
-forms the same groups. ``--result-dir`` saves each round's result as ``<node id>-<round>.pt``.
+records are alive (``--record-ttl``, 60 s: longer than a loaded round) less those whose address
+refuses a connection (``live_peers``: dead), and the first round starts once ``--peers`` of them
+are there, so every peer forms the same groups. ``--result-dir`` saves each round's result as ``<node id>-<round>.pt``.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import json
 import signal
 import sys
 import time
+from collections.abc import Collection
 
 import torch
 
@@ -36,8 +38,9 @@ from murmur.node.net.faults import FaultInjector
 from murmur.node.net.loop import LoopThread
 from murmur.node.train.overrides import add_set_flag, config_from_args
 from murmur.optim.codecs import make_codec
-from murmur.protocol.dht import DHTSettings, MurmurDHT, PeerRecord
+from murmur.protocol.dht import DHTError, DHTSettings, MurmurDHT, PeerRecord
 from murmur.protocol.identity import Identity
+from murmur.protocol.reachability import refuses_connections
 from murmur.protocol.wire import tensors_hash
 
 
@@ -46,18 +49,56 @@ def update_for(node_id: str, round_id: int, numel: int) -> torch.Tensor:
     return torch.randn(numel, generator=torch.Generator().manual_seed(seed))
 
 
-def wait_for_records(dht: MurmurDHT, record: PeerRecord, peers: int, deadline_s: float, ttl: float) -> None:
-    """Until ``peers`` records are in the DHT (or the deadline): the groups of the first round are
-    formed from them, and a peer that saw fewer would form other groups than the rest. Our record
-    is announced again every half TTL meanwhile: the first peers up must not expire while the
-    last ones start."""
+def wait_for_records(
+    dht: MurmurDHT, records: list[PeerRecord], peers: int, deadline_s: float, ttl: float
+) -> dict[str, str]:
+    """{node id: address} of the peers seen in the DHT, once ``peers`` of them were (or at the
+    deadline): the groups of the first round are formed from them, and a peer that saw fewer
+    would form other groups than the rest. Reads are added up: a busy DHT answers a read with
+    part of the records (a different part each time), and 64 peers waited out the deadline for
+    one read with all of them. Our records (``records``) are announced again every half TTL
+    meanwhile: the first peers up must not expire while the last ones start."""
     end = announced = time.monotonic()
     end += deadline_s
-    while len(dht.peers()) < peers and time.monotonic() < end:
+    seen: dict[str, str] = {}
+    while time.monotonic() < end:
+        try:
+            seen.update((r.node_id, r.address) for r in dht.peers())
+        except DHTError:
+            pass  # busy: read again at the next poll
+        if len(seen) >= peers:
+            break
         if time.monotonic() - announced > ttl / 2:
-            dht.announce(record)
+            for record in records:
+                announce(dht, record)
             announced = time.monotonic()
         time.sleep(0.1)
+    return seen
+
+
+def live_peers(dht: MurmurDHT, mine: Collection[str] = (), before: dict[str, str] | None = None) -> dict[str, str]:
+    """{node id: address} of the live peers a round's groups are formed from: those whose DHT
+    records are alive, and those of the round before (``before``) whose records a busy DHT left
+    out of this read (a read short of peers gave a host of 8 peers another M than the rest), less
+    those whose address refuses a connection: dead (a SIGKILLed peer's record outlives it by its
+    TTL; left in, its group would wait for it at the rendezvous). ``mine``: this process's own
+    peers, alive by definition. Blocking: call it off the loop, as the DHT read is."""
+    try:
+        records = {r.node_id: r.address for r in dht.peers()}
+    except DHTError as err:  # a DHT too busy to answer: the round before's view, checked again
+        print(f"live peers: the DHT read failed ({err}); the round before's {len(before or {})} kept", file=sys.stderr)
+        records = {}
+    found = {**(before or {}), **records}
+    return {n: a for n, a in sorted(found.items()) if n in mine or not refuses_connections(a)}
+
+
+def announce(dht: MurmurDHT, record: PeerRecord) -> None:
+    """A round's re-announcement, best effort: a store that a busy DHT failed is tried again next
+    round (the record lives record_ttl, longer than a round), not a reason to end the peer."""
+    try:
+        dht.announce(record)
+    except DHTError as err:
+        print(f"{record.node_id}: could not re-announce ({err})", file=sys.stderr)
 
 
 def emit(**record: object) -> None:
@@ -78,7 +119,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--peer-timeout", type=float, default=3.0)
     ap.add_argument("--round-deadline", type=float, default=30.0)
     ap.add_argument("--rendezvous-deadline", type=float, default=60.0)
-    ap.add_argument("--record-ttl", type=float, default=5.0)
+    # Longer than a loaded round: each peer forms a round's groups from the live records, and a
+    # record that expired mid-round at some peers gives them another formation than the rest.
+    ap.add_argument("--record-ttl", type=float, default=60.0)
     ap.add_argument("--result-dir", default="", help="save each round's result there (tests)")
     add_set_flag(ap)
     args = ap.parse_args(argv)
@@ -101,9 +144,9 @@ def main(argv: list[str] | None = None) -> int:
         first_round = True
 
         def expected() -> int:
-            # The first round waits for --peers; later ones for the peers whose records are alive
-            # (a dead peer's record expires after record_ttl, so the group shrinks without it).
-            return args.peers if first_round else len(dht.peers())
+            # The first round waits for --peers; later ones for the live peers as the round
+            # found them (live_peers: alive records, dead addresses left out).
+            return args.peers if first_round else len(live)
 
         rendezvous = RendezvousSettings(deadline=args.rendezvous_deadline)
         spec = PeerSpec(
@@ -121,14 +164,16 @@ def main(argv: list[str] | None = None) -> int:
         record = PeerRecord(node_id=identity.node_id, address=address)
         dht.announce(record)
         live: list[str] = []  # read from the DHT before each round, never on the loop (a blocking get)
+        seen: dict[str, str] = {}  # the live peers of the round before, with their addresses
         exchange = GroupedExchange(peer.exchange, run_id=args.run, live=lambda: live, group_size=group_size)
         emit(event="ready", node_id=identity.node_id, address=address)
         if args.peers > group_size:
-            wait_for_records(dht, record, args.peers, args.rendezvous_deadline, args.record_ttl)
+            seen = wait_for_records(dht, [record], args.peers, args.rendezvous_deadline, args.record_ttl)
         for r in range(1, args.rounds + 1):
             t0 = time.monotonic()
-            dht.announce(record)  # re-announce every round: the record lives record_ttl seconds
-            live[:] = [p.node_id for p in dht.peers()]
+            announce(dht, record)  # re-announce every round: the record lives record_ttl seconds
+            seen = live_peers(dht, {identity.node_id}, seen)
+            live[:] = list(seen)
             x = update_for(identity.node_id, r, args.numel)
             try:
                 res = exchange.all_reduce([x], round_id=r, key="update").result()

@@ -37,9 +37,9 @@ from murmur.node.exchange.peer import ExchangePeer, PeerSpec, build_peer
 from murmur.node.exchange.settings import ExchangeSettings
 from murmur.node.net.loop import LoopThread
 from murmur.node.net.server import PeerServerSettings
-from murmur.node.testnet.exchange_peer_process import emit, update_for
+from murmur.node.testnet.exchange_peer_process import announce, emit, live_peers, update_for, wait_for_records
 from murmur.optim.codecs import make_codec
-from murmur.protocol.dht import DHTSettings, MurmurDHT, PeerRecord
+from murmur.protocol.dht import DHTError, DHTSettings, MurmurDHT, PeerRecord
 from murmur.protocol.identity import Identity
 from murmur.protocol.runconfig import RunConfig, apply_override, config_from_dict
 from murmur.protocol.wire import tensors_hash
@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--peer-timeout", type=float, default=10.0)
     ap.add_argument("--round-deadline", type=float, default=120.0)
     ap.add_argument("--rendezvous-deadline", type=float, default=60.0)
-    ap.add_argument("--record-ttl", type=float, default=5.0)
+    ap.add_argument("--record-ttl", type=float, default=60.0)  # as exchange_peer_process
     ap.add_argument("--host", default="127.0.0.1", help="address the peer servers and the DHT listen on")
     args = ap.parse_args(argv)
     try:
@@ -105,9 +105,9 @@ def main(argv: list[str] | None = None) -> int:
         first_round = True
 
         def expected() -> int:
-            # As exchange_peer_process: the first round waits for --peers, later ones for the peers
-            # whose records are alive (a killed peer's record expires after record_ttl).
-            return args.peers if first_round else len(dht.peers())
+            # As exchange_peer_process: the first round waits for --peers, later ones for the live
+            # peers as the round found them (live_peers: alive records, dead addresses left out).
+            return args.peers if first_round else len(live)
 
         rendezvous = RendezvousSettings(deadline=args.rendezvous_deadline)
         settings = ExchangeSettings(peer_timeout=args.peer_timeout, round_deadline=args.round_deadline)
@@ -125,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         # As exchange_peer_process: with bounded groups, each peer's exchange forms the round's
         # groups from the live peers' records, read before each round (never on the loop).
         live: list[str] = []
+        seen: dict[str, str] = {}  # the live peers of the round before, with their addresses
         exchanges = [p.exchange if bound is None else
                      GroupedExchange(p.exchange, run_id=args.run, live=lambda: live, group_size=bound) for p in peers]
         for handle, record in zip(handles, records, strict=True):
@@ -132,13 +133,12 @@ def main(argv: list[str] | None = None) -> int:
             emit(event="ready", node_id=record.node_id, address=record.address, group_size=bound)
         sys.stdin.readline()  # the driver's go: every process starts its rounds at once
         if bound is not None and args.peers > bound:  # the first round's groups need every record
-            end = time.monotonic() + args.rendezvous_deadline
-            while len(dht.peers()) < args.peers and time.monotonic() < end:
-                time.sleep(0.1)
+            seen = wait_for_records(dht, [], args.peers, args.rendezvous_deadline, args.record_ttl)
         for r in range(1, args.rounds + 1):
             for handle, record in zip(handles, records, strict=True):
-                handle.announce(record)  # re-announce every round: the record lives record_ttl seconds
-            live[:] = [rec.node_id for rec in dht.peers()]
+                announce(handle, record)  # re-announce every round: the record lives record_ttl seconds
+            seen = live_peers(dht, {r.node_id for r in records}, seen)
+            live[:] = list(seen)
             calls = {}
             for p, exchange in zip(peers, exchanges, strict=True):
                 t0 = time.time()
@@ -157,7 +157,10 @@ def main(argv: list[str] | None = None) -> int:
                      bytes_sent=res.bytes_sent, t0=t0, t1=time.time())
             first_round = False
         for handle in handles:
-            handle.withdraw()
+            try:  # a goodbye only: on a DHT too busy to take it, the records expire with their TTL
+                handle.withdraw()
+            except DHTError as err:
+                print(f"peer_host: could not withdraw {handle.identity.node_id}: {err}", file=sys.stderr)
         return 0
     finally:
         for p in peers:
