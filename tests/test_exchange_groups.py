@@ -70,6 +70,16 @@ def test_a_round_is_claimed_for_its_own_group_survivors_and_the_groups_it_met():
     assert round_members(f, g, mine, met={g, others[0]}) == sorted({*mine, *f.groups[others[0]]})
 
 
+def assert_one_result_the_mean(results, xs) -> None:
+    """Every peer holds the same result, and it is the mean of ``xs`` to int8's tolerance: int8 is
+    applied five times on the way (inputs, group result, column input, column result, gathered
+    column), each within 1/127 of a block's absmax."""
+    assert len({tensors_hash([("0", r.tensors[0])]) for r in results}) == 1, "every peer holds the same result"
+    mean = torch.stack(xs).mean(0)
+    scale = max(x.abs().max().item() for x in xs)
+    assert (results[0].tensors[0] - mean).abs().max().item() <= 5 * 2 / 127 * scale
+
+
 def grouped(peers, group_size: int) -> list[GroupedExchange]:
     ids = [p.node_id for p in peers]
     return [GroupedExchange(p.exchange, run_id="test-run", live=lambda: ids, group_size=group_size) for p in peers]
@@ -84,13 +94,7 @@ def test_24_peers_in_groups_of_8_end_the_round_with_one_result_the_mean_of_all_i
         futs = [e.all_reduce([x], round_id=1, key="update") for e, x in zip(exchanges, xs, strict=True)]
         results = [f.result(timeout=TIMEOUT) for f in futs]
         assert len(exchanges[0].last.groups) == 3
-        hashes = {tensors_hash([("0", r.tensors[0])]) for r in results}
-        assert len(hashes) == 1, "every peer of the run holds the same result"
-        mean = torch.stack(xs).mean(0)
-        scale = max(x.abs().max().item() for x in xs)
-        # int8 is applied five times on the way (inputs, group result, column input, column
-        # result, gathered column), each within 1/127 of a block's absmax.
-        assert (results[0].tensors[0] - mean).abs().max().item() <= 5 * 2 / 127 * scale
+        assert_one_result_the_mean(results, xs)
         # Connections: a peer's calls touched its group (8) and its column (3), not 24 peers.
         assert all(r.dropped == {} for r in results)
         # Each result names the whole round (what a node claims and commits with), not its group.
@@ -123,10 +127,7 @@ def test_a_holder_too_slow_for_its_groups_gather_is_replaced_by_the_other_groups
         xs = [torch.randn(numel, generator=g) for _ in range(n)]
         futs = [e.all_reduce([x], round_id=1, key="update") for e, x in zip(exchanges, xs, strict=True)]
         results = [f.result(timeout=TIMEOUT) for f in futs]
-        assert len({tensors_hash([("0", r.tensors[0])]) for r in results}) == 1
-        mean = torch.stack(xs).mean(0)
-        scale = max(x.abs().max().item() for x in xs)
-        assert (results[0].tensors[0] - mean).abs().max().item() <= 5 * 2 / 127 * scale
+        assert_one_result_the_mean(results, xs)
         slow_group = exchanges[0].last.groups[exchanges[0].last.group_of(slow.node_id)]
         mates = [i for i, p in enumerate(peers) if p.node_id in slow_group and p is not slow]
         # Its mates' gather went on without it and took its column from the other group (its
@@ -185,10 +186,7 @@ def test_a_grouped_round_that_failed_everywhere_runs_again_under_the_same_round_
         assert all(not p.exchange.book.done for p in peers)  # nothing of the failed try answers ALREADY_DONE
         futs = [e.all_reduce([x], round_id=1, key="update") for e, x in zip(exchanges, xs, strict=True)]
         results = [f.result(timeout=TIMEOUT) for f in futs]
-        assert len({tensors_hash([("0", r.tensors[0])]) for r in results}) == 1
-        mean = torch.stack(xs).mean(0)
-        scale = max(x.abs().max().item() for x in xs)
-        assert (results[0].tensors[0] - mean).abs().max().item() <= 5 * 2 / 127 * scale
+        assert_one_result_the_mean(results, xs)
         assert all(r.dropped == {} for r in results)
 
 

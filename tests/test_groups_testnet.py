@@ -6,6 +6,7 @@ round, and the ledger counts every committed token once."""
 
 from __future__ import annotations
 
+import contextlib
 import signal
 
 import pytest
@@ -34,6 +35,39 @@ def data(tmp_path_factory):
     return small_dataset(tmp_path_factory.mktemp("groups-data"))
 
 
+@contextlib.contextmanager
+def _grouped_net(tmp_path, data, count: int, min_peers: int):
+    """A coordinator, a run in groups of 2 and ``count`` nodes that wait for ``min_peers``."""
+    net = make_testnet(tmp_path, data, overrides=["sync.group_size=2", *UNTIL_STOPPED], node_args=FAST_NODE)
+    net.coordinator_args = list(FAST_COORDINATOR)
+    with net:
+        net.start_coordinator()
+        net.create_run(token_uses=4 * NODES + 4)
+        extra = ["--min-peers", str(min_peers)]
+        first = net.add_node(extra=extra)
+        assert first.alive(), log(first)[-2000:]
+        net.wait_dht_bootstrap()
+        for _ in range(count - 1):
+            net.add_node(extra=extra)
+        yield net
+
+
+def _stop_with_one_hash_a_round(net) -> list[int]:
+    """SIGTERM every node; each exits 0, every round of all of them has one state hash and no node
+    refused a group's round. The rounds of all of them."""
+    for node in net.nodes:
+        node.proc.send_signal(signal.SIGTERM)
+    for node in net.nodes:
+        assert node.proc.wait(60) == 0, log(node)[-2000:]
+    by_round = hashes_by_round(net.nodes)
+    together = _grouped_rounds(net.nodes)
+    for r in together:
+        assert len(set(by_round[r].values())) == 1, f"round {r}: nodes disagree {by_round[r]}"
+    for node in net.nodes:
+        assert "refused this group's round" not in log(node), log(node)[-3000:]
+    return together
+
+
 def _grouped_rounds(nodes) -> list[int]:
     """Rounds every node recorded as a member of a round of all of them (one result of both groups)."""
     peers = [{r["round"]: r["peers"] for r in trained(n)} for n in nodes]
@@ -41,33 +75,14 @@ def _grouped_rounds(nodes) -> list[int]:
 
 
 def test_four_nodes_in_groups_of_two_train_under_one_state_hash_a_round(tmp_path, data):
-    net = make_testnet(tmp_path, data, overrides=["sync.group_size=2", *UNTIL_STOPPED], node_args=FAST_NODE)
-    net.coordinator_args = list(FAST_COORDINATOR)
-    with net:
-        net.start_coordinator()
-        net.create_run(token_uses=4 * NODES + 4)
-        extra = ["--min-peers", str(NODES)]
-        first = net.add_node(extra=extra)
-        assert first.alive(), log(first)[-2000:]
-        net.wait_dht_bootstrap()
-        for _ in range(NODES - 1):
-            net.add_node(extra=extra)
+    with _grouped_net(tmp_path, data, NODES, NODES) as net:
         for node in net.nodes:
             wait_log(node, r"4 live trainers all-reduce in 2 groups", timeout_s=300)
         # Waited for, not assumed of the first rounds: a node that started late meets the others
         # from its second round on.
         wait_for(lambda: len(_grouped_rounds(net.nodes)) >= 3, 300, what="three rounds of all four nodes in groups")
-        for node in net.nodes:
-            node.proc.send_signal(signal.SIGTERM)
-        for node in net.nodes:
-            assert node.proc.wait(60) == 0, log(node)[-2000:]
-        by_round = hashes_by_round(net.nodes)
-        together = _grouped_rounds(net.nodes)
-        assert len(together) >= 3, by_round
-        for r in together:
-            assert len(set(by_round[r].values())) == 1, f"round {r}: nodes disagree {by_round[r]}"
-        for node in net.nodes:
-            assert "refused this group's round" not in log(node), log(node)[-3000:]
+        together = _stop_with_one_hash_a_round(net)
+        assert len(together) >= 3, hashes_by_round(net.nodes)
         total, offsets, _ = ledger(net)
         assert total > 0 and sum(offsets.values()) == total  # every committed token counted exactly once
 
@@ -77,30 +92,11 @@ def test_a_node_that_joins_grouped_rounds_late_trains_in_them_under_the_runs_one
     they do: it reaches its first round at another time than the others (it loads the state of
     a round under way), the groups are formed anew with it, and from then on every round is one
     of all four, under one state hash, with nobody refusing a group's round."""
-    net = make_testnet(tmp_path, data, overrides=["sync.group_size=2", *UNTIL_STOPPED], node_args=FAST_NODE)
-    net.coordinator_args = list(FAST_COORDINATOR)
-    with net:
-        net.start_coordinator()
-        net.create_run(token_uses=4 * NODES + 4)
-        extra = ["--min-peers", str(NODES - 1)]
-        first = net.add_node(extra=extra)
-        assert first.alive(), log(first)[-2000:]
-        net.wait_dht_bootstrap()
-        for _ in range(NODES - 2):
-            net.add_node(extra=extra)
+    with _grouped_net(tmp_path, data, NODES - 1, NODES - 1) as net:
         for node in net.nodes:
             wait_log(node, r"3 live trainers all-reduce in 2 groups", timeout_s=300)
         wait_for(lambda: len(_grouped_rounds(net.nodes)) >= 1, 300, what="a round of the three nodes in groups")
         late = net.add_node()
         wait_log(late, r"4 live trainers all-reduce in 2 groups", timeout_s=300)
         wait_for(lambda: len(_grouped_rounds(net.nodes)) >= 2, 300, what="two rounds of all four nodes in groups")
-        for node in net.nodes:
-            node.proc.send_signal(signal.SIGTERM)
-        for node in net.nodes:
-            assert node.proc.wait(60) == 0, log(node)[-2000:]
-        by_round = hashes_by_round(net.nodes)
-        together = _grouped_rounds(net.nodes)
-        for r in together:
-            assert len(set(by_round[r].values())) == 1, f"round {r}: nodes disagree {by_round[r]}"
-        for node in net.nodes:
-            assert "refused this group's round" not in log(node), log(node)[-3000:]
+        _stop_with_one_hash_a_round(net)
