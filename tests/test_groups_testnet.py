@@ -7,6 +7,7 @@ round, and the ledger counts every committed token once."""
 from __future__ import annotations
 
 import contextlib
+import re
 import signal
 
 import pytest
@@ -52,9 +53,10 @@ def _grouped_net(tmp_path, data, count: int, min_peers: int):
         yield net
 
 
-def _stop_with_one_hash_a_round(net) -> list[int]:
+def _stop_with_one_hash_a_round(net, *, refused_before_together: bool = False) -> list[int]:
     """SIGTERM every node; each exits 0, every round of all of them has one state hash and no node
-    refused a group's round. The rounds of all of them."""
+    refused a group's round (with ``refused_before_together``: none from the first round of all of
+    them on). The rounds of all of them."""
     for node in net.nodes:
         node.proc.send_signal(signal.SIGTERM)
     for node in net.nodes:
@@ -64,7 +66,10 @@ def _stop_with_one_hash_a_round(net) -> list[int]:
     for r in together:
         assert len(set(by_round[r].values())) == 1, f"round {r}: nodes disagree {by_round[r]}"
     for node in net.nodes:
-        assert "refused this group's round" not in log(node), log(node)[-3000:]
+        refused = [int(r) for r in re.findall(r"refused this group's round (\d+)", log(node))]
+        if refused_before_together:
+            refused = [r for r in refused if together and r >= together[0]]
+        assert not refused, log(node)[-3000:]
     return together
 
 
@@ -91,7 +96,7 @@ def test_a_node_that_joins_grouped_rounds_late_trains_in_them_under_the_runs_one
     """Three nodes in groups of 2 (2 groups, one of a single node) train; a fourth joins while
     they do: it reaches its first round at another time than the others (it loads the state of
     a round under way), the groups are formed anew with it, and from then on every round is one
-    of all four, under one state hash, with nobody refusing a group's round."""
+    of all four, under one state hash, with nobody refusing a group's round once all four met."""
     with _grouped_net(tmp_path, data, NODES - 1, NODES - 1) as net:
         for node in net.nodes:
             wait_log(node, r"3 live trainers all-reduce in 2 groups", timeout_s=300)
@@ -99,4 +104,7 @@ def test_a_node_that_joins_grouped_rounds_late_trains_in_them_under_the_runs_one
         late = net.add_node()
         wait_log(late, r"4 live trainers all-reduce in 2 groups", timeout_s=300)
         wait_for(lambda: len(_grouped_rounds(net.nodes)) >= 2, 300, what="two rounds of all four nodes in groups")
-        _stop_with_one_hash_a_round(net)
+        # A node that formed the round of the join from the three it knew (its view not yet
+        # listing the newcomer) may have its minority group's round refused by the coordinator: it
+        # drops that work and re-syncs (one state all the same). Not once all four have met.
+        _stop_with_one_hash_a_round(net, refused_before_together=True)
