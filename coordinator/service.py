@@ -146,7 +146,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 "member calls need the node certificate: call the coordinator's node address "
                 "(the join reply names it) with mutual TLS"
             )
-        return str(names[0].decode())
+        return names[0].decode()
 
     # --- joining -------------------------------------------------------------------------------
 

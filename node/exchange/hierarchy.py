@@ -177,25 +177,21 @@ class GroupedExchange(Exchange):
         catchup = self.inner.rounds.catchup
         token = ROUND_END.set(end)
         try:
-            out, members, dropped, sent, received = await self._grouped(tensors, round_id, key, formation, weight)
-        except ExchangeError as err:
-            # Left out of its group's reduce-scatter, or a phase that failed here: the round may
-            # have completed at its group-mates all the same. Their result is the run's (one hash):
-            # take it (hash-checked), this peer's input dropped, rather than fail the round.
             try:
+                out, members, dropped, sent, received = await self._grouped(tensors, round_id, key, formation, weight)
+            except ExchangeError as err:
+                # Left out of its group's reduce-scatter, or a phase that failed here: the round may
+                # have completed at its group-mates all the same. Their result is the run's (one
+                # hash): take it (hash-checked), this peer's input dropped, rather than fail the round.
                 named, members = await self._catch_up(look, formation, err, sum(t.numel() for t in tensors))
-            except ExchangeError:
-                await self._undo_phases(round_id)
-                raise
-            out, dropped, sent, received = named["0"], {me: f"caught the round up: {err}"}, 0, 0
-        else:
-            # Claimed for the whole round (ExchangeError if the run refuses it: nothing is applied),
-            # then served to group-mates that catch the round up.
-            try:
+                out, dropped, sent, received = named["0"], {me: f"caught the round up: {err}"}, 0, 0
+            else:
+                # Claimed for the whole round (ExchangeError if the run refuses it: nothing is
+                # applied), then served to group-mates that catch the round up.
                 await catchup.publish(look, {"0": out}, members)
-            except ExchangeError:
-                await self._undo_phases(round_id)
-                raise
+        except ExchangeError:
+            await self._undo_phases(round_id)  # the round failed here: the node's retry starts clean
+            raise
         finally:
             ROUND_END.reset(token)
         result, pos = [], 0
