@@ -15,7 +15,11 @@ copy under --out; none is committed until a GPU runs it): per
 peer its stage, ``stage_state_mb`` (weights + gradients + AdamW's two moments, fp32: its share),
 ``gpu_peak_mb`` (torch.cuda.max_memory_allocated: its tensors' peak) and ``gpu_reserved_peak_mb``,
 their ratio to the share, its optimizer steps and checkpoints, the checkpoint files left on disk;
-the drivers' first and last losses (means of 8 microbatches) and whether it fell.
+the drivers' first and last losses (means of 8 microbatches) and whether it fell. From outside,
+every 5 s, ``nvidia-smi``'s memory of each peer's process (its CUDA context and the caching
+allocator's pool included: what the card must have free for it), kept as each peer's
+``smi_peak_mb`` and as a time series in gpu_samples.jsonl under --out (written as it goes, so a
+run cut short still shows its memory).
 
 A CPU smoke test of the script (a tiny model, seconds of training):
     .venv/bin/python benchmarks/pipeline_gpu.py --device cpu --config configs/pipeline-cpu.toml \\
@@ -28,9 +32,11 @@ import argparse
 import datetime
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -67,10 +73,13 @@ def main() -> int:
            "--duration", str(args.duration), "--out", str(out / "testnet")]
     print("$ " + " ".join(cmd), flush=True)
     t0 = time.time()
+    on_gpu = args.device.startswith("cuda") and shutil.which("nvidia-smi")
+    smi = SmiSampler(out / "gpu_samples.jsonl") if on_gpu else None
     # From "/": in the repository root, python -m puts the root's murmur/ folder (the CLI alone)
     # before the package benchmarks/gpu_env.sh lays out.
     rc = subprocess.run(cmd, cwd="/", env=dict(os.environ, PYTHONUNBUFFERED="1")).returncode
     wall = time.time() - t0
+    smi_peaks = smi.stop() if smi is not None else {}
     nodes = out / "testnet" / "nodes"
     peers = []
     for f in sorted(nodes.glob("peer-*.jsonl")):
@@ -87,6 +96,8 @@ def main() -> int:
             "peer": f.stem, "stage": ready[-1]["stage"], "stage_state_mb": round(share, 1),
             "gpu_peak_mb": last.get("gpu_peak_mb"), "gpu_reserved_peak_mb": last.get("gpu_reserved_peak_mb"),
             "gpu_peak_of_share": round(last["gpu_peak_mb"] / share, 3) if last.get("gpu_peak_mb") else None,
+            "smi_peak_mb": smi_peaks.get(f.stem),
+            "smi_peak_of_share": round(smi_peaks[f.stem] / share, 3) if f.stem in smi_peaks else None,
             "peak_rss_mb": last.get("peak_rss_mb"), "stopped": bool(stopped),
             "optimizer_steps": last.get("optimizer_steps"), "checkpoints_written": last.get("checkpoints_written"),
             "checkpoint_files": ckpts,
@@ -109,6 +120,43 @@ def main() -> int:
     (out / "pipeline_gpu.json").write_text(text)
     print(text)
     return 0 if rc == 0 else 1
+
+
+class SmiSampler:
+    """Each testnet process's GPU memory as nvidia-smi reports it, every ``every_s`` seconds, named by
+    the peer or driver folder on its command line; appended to ``path`` as it goes."""
+
+    def __init__(self, path: Path, every_s: float = 5.0) -> None:
+        self.path, self.every_s = path, every_s
+        self.peaks: dict[str, float] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def stop(self) -> dict[str, float]:
+        self._stop.set()
+        self._thread.join()
+        return self.peaks
+
+    def _run(self) -> None:
+        t0 = time.time()
+        while not self._stop.wait(self.every_s):
+            query = ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"]
+            res = subprocess.run(query, capture_output=True, text=True)
+            sample: dict[str, float] = {}
+            for line in res.stdout.splitlines():
+                pid, _, mb = line.partition(",")
+                try:
+                    cmdline = Path(f"/proc/{pid.strip()}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+                    used = float(mb)
+                except (OSError, ValueError):
+                    continue
+                names = re.findall(r"\b((?:peer|driver)-\d+)\b", cmdline)
+                name = names[-1] if names else f"pid-{pid.strip()}"
+                sample[name] = used
+                self.peaks[name] = max(used, self.peaks.get(name, 0.0))
+            with self.path.open("a") as f:
+                f.write(json.dumps({"t": round(time.time() - t0, 1), "mb": sample}) + "\n")
 
 
 def _device(device: str) -> str:
