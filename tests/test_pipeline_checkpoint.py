@@ -105,6 +105,18 @@ def test_a_checkpoint_restores_weights_and_adamw(tmp_path):
         assert fresh.optimizer.state[a]["step"] == worker.optimizer.state[b]["step"] > 0
 
 
+def test_a_cpu_stage_checkpoints_its_live_tensors_under_the_lock():
+    """No copy of the stage in the memory it computes in: the file is written from the parameters
+    and moments themselves, and the lock stays held until it is."""
+    worker = trained_stages()[1]
+    params, opt, hold = stage_checkpoint.for_write(worker.module, worker.optimizer)
+    assert hold
+    live = dict(worker.module.named_stage_parameters())
+    assert all(params[n].data_ptr() == p.data_ptr() for n, p in live.items())
+    moments = [st["exp_avg"] for st in opt["state"].values()]
+    assert {m.data_ptr() for m in moments} == {worker.optimizer.state[p]["exp_avg"].data_ptr() for p in worker.params}
+
+
 def test_a_truncated_checkpoint_is_one_clear_error(tmp_path):
     c = save(tmp_path, trained_stages(1)[0], 1)
     c.path.write_bytes(c.path.read_bytes()[:200])

@@ -20,6 +20,7 @@ import torch
 
 from murmur.node.model.stages import StageModule, build_stage, split_layers
 from murmur.node.model.transformer import model_config
+from murmur.node.pipeline import stage_checkpoint
 from murmur.node.pipeline.worker import StageWorker
 from murmur.protocol.wire import tensors_hash
 
@@ -134,3 +135,23 @@ def test_bf16_autocast_keeps_fp32_master_weights_and_trains():
     assert all(p.dtype == torch.float32 for m in stages for p in m.parameters())
     assert h.dtype == torch.float32 and back.grad_inputs.dtype == torch.float32
     assert losses[-1] < losses[0] - 0.5, losses
+
+
+@pytest.mark.gpu
+@on_gpu
+def test_a_gpu_stage_checkpoints_from_host_copies_so_the_lock_covers_the_copy_alone():
+    """A GPU stage's checkpoint is written from copies in host memory, taken under the lock: the
+    stage steps on while the file is written, and the file still holds the state at the copy."""
+    (first, last) = split_layers(CFG.n_layers, 2)
+    worker = StageWorker(build_stage(CFG, 3, last, "cuda"), OPTIM, target_samples=2)
+    x = torch.randn(2, CFG.seq_len, CFG.dim)
+    y = torch.randint(0, CFG.vocab_size, (2, CFG.seq_len))
+    assert worker.backward(x, targets=y).stepped
+    params, opt, hold = stage_checkpoint.for_write(worker.module, worker.optimizer)
+    assert not hold
+    assert all(t.device.type == "cpu" for t in params.values())
+    assert all(v.device.type == "cpu" for st in opt["state"].values() for v in st.values() if torch.is_tensor(v))
+    at_copy = stage_checkpoint.params_hash(params)
+    assert at_copy == state_hash(worker.module)
+    assert worker.backward(x, targets=y).stepped  # the next step changes the stage, not the copies
+    assert stage_checkpoint.params_hash(params) == at_copy != state_hash(worker.module)

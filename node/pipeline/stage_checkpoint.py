@@ -22,7 +22,10 @@ moments, and the peer calls it under the worker's lock (no step can change them 
 torch.save streams each tensor into the file (a GPU tensor through one CPU copy at a time), so a
 checkpoint costs no copy of the stage's weights and moments in memory; it used to cost three (a
 CPU copy of the weights and of both moments, taken before the write). The price is that the stage
-computes nothing while the file is written and fsynced.
+computes nothing while the file is written and fsynced. That is the CPU's rule; a stage on a GPU
+copies its weights and moments to host memory under the lock (`take`, a second for gigabytes, none
+of the GPU's memory) and writes the file from the copy while the stage computes on
+(`for_write`).
 
 **Versions are instants of the clock.** Every peer of every stage checkpoints at the multiples of
 ``pipeline.checkpoint_every_s`` of Unix time, and version ``v`` is the one taken at
@@ -126,19 +129,37 @@ def live(module: StageModule, optimizer: torch.optim.Optimizer) -> tuple[dict[st
     return {n: p.detach() for n, p in module.named_stage_parameters()}, optimizer.state_dict()
 
 
+def for_write(module: StageModule, optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict, bool]:
+    """(parameters, AdamW state, hold) for `write`, taken under the worker's lock; ``hold``: the
+    lock must stay held until the file is written.
+
+    On the CPU: the live tensors (`live`, hold): a copy would double the stage in the memory the
+    stage computes in, and the stage computes nothing until the file is written. On a GPU that wait
+    is the file's time on disk (a 2.06B model's stage: 5-6 GB torch.saved, hashed and fsynced, every
+    stage at the same instant of the clock: the pipeline trained only in the gaps between
+    checkpoints), while copies in host memory (`take`) cost a second and none of the GPU's memory,
+    which is what a volunteer lacks: there the lock covers the copy alone."""
+    if module.device.type == "cpu":
+        return *live(module, optimizer), True
+    return *take(module, optimizer), False
+
+
 def write(
     state_dir: Path, *, run_id: str, stage: int, stages: int, version: int, model: Any, layers: list[int],
     params: dict[str, torch.Tensor], optimizer: dict | None, outer: dict[str, torch.Tensor] | None,
     tokens_committed: int, optimizer_steps: int, run_config: dict | None, keep: int = KEEP,
+    state_hash: str | None = None,
 ) -> CheckpointFile:
-    """Write one checkpoint atomically and drop this stage's versions beyond the ``keep`` kept."""
+    """Write one checkpoint atomically and drop this stage's versions beyond the ``keep`` kept.
+    ``state_hash``: `params_hash` of ``params`` if the caller has it already (it costs a pass over
+    the stage's weights)."""
     folder = Path(state_dir) / FOLDER
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / file_name(stage, stages, version)
     state = {
         "format": FORMAT, "run_id": run_id, "stage": stage, "stages": stages, "layers": list(layers),
         "version": version, "at": time.time(), "model": dataclasses.asdict(model), "params": params,
-        "state_hash": params_hash(params), "optimizer": optimizer, "outer": outer,
+        "state_hash": state_hash or params_hash(params), "optimizer": optimizer, "outer": outer,
         "tokens_committed": int(tokens_committed), "optimizer_steps": int(optimizer_steps), "config": run_config,
     }
     tmp = path.with_name(f".{path.name}.tmp")

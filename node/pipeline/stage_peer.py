@@ -458,17 +458,21 @@ class StagePeer:
         tokens = s.tokens_committed() if s.tokens_committed is not None else 0
 
         def write() -> tuple[stage_checkpoint.CheckpointFile, int, str]:
-            # From the live weights and moments, under the lock: no copy of the stage in memory
-            # (stage_checkpoint.live); the stage computes nothing until the file is written.
-            with worker.lock:
-                params, opt = stage_checkpoint.live(worker.module, worker.optimizer)
+            with worker.lock:  # no step while the stage is read (stage_checkpoint.for_write)
+                params, opt, hold = stage_checkpoint.for_write(worker.module, worker.optimizer)
                 steps = worker.stats.optimizer_steps
-                c = stage_checkpoint.write(
-                    s.state_dir, run_id=self.run_id, stage=span.index, stages=s.stages, version=version,
-                    model=self.model, layers=layers, params=params, optimizer=opt, outer=outer,
-                    tokens_committed=tokens, optimizer_steps=steps, run_config=s.run_config, keep=s.checkpoint_keep,
-                )
-                return c, steps, stage_checkpoint.params_hash(params)
+                if hold:  # the live tensors themselves: written before the lock goes
+                    return written(params, opt, steps)
+            return written(params, opt, steps)  # host copies: the stage computes on meanwhile
+
+        def written(params, opt, steps: int) -> tuple[stage_checkpoint.CheckpointFile, int, str]:
+            state_hash = stage_checkpoint.params_hash(params)
+            c = stage_checkpoint.write(
+                s.state_dir, run_id=self.run_id, stage=span.index, stages=s.stages, version=version,
+                model=self.model, layers=layers, params=params, optimizer=opt, outer=outer, state_hash=state_hash,
+                tokens_committed=tokens, optimizer_steps=steps, run_config=s.run_config, keep=s.checkpoint_keep,
+            )
+            return c, steps, state_hash
 
         c, steps, params_hash = await asyncio.to_thread(write)
         self.checkpoints_written += 1
