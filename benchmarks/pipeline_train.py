@@ -10,7 +10,9 @@ stage checkpoints.
 microbatches in flight), ``loss_2peers`` (two peers a stage), ``loss_2peers_diloco`` and
 ``loss_2peers_t8`` (two peers a stage with DiLoCo's outer step in the within-stage sync, at half
 and at the whole batch a peer), ``loss_c1`` (one microbatch in flight), ``kills``
-(MTBF 30 s), ``resume`` (all killed at once), ``memory``. The results file gets the rows run; rows
+(MTBF 30 s), ``resume`` (all killed at once), ``memory``, ``memory_4stages`` (the same model in
+4 stages, every pipeline setting as shipped: the issue's target). The results file gets the rows
+run; rows
 of the file's earlier run whose key was not run are kept, each with the run that measured it
 (``measured_by``), so rerunning some rows keeps the others. Each row is a real coordinator, stage
 peers and drivers as processes on loopback, training for a number of run steps of
@@ -137,6 +139,12 @@ MEMORY = Shape({"dim": 1024, "n_layers": 16, "n_heads": 8, "n_kv_heads": 8, "hid
                pipeline=("pipeline.checkpoint_every_s=30.0", "pipeline.sync_every_s=0.0",
                          "pipeline.replica_every_s=10.0", "pipeline.hop_timeout_s=300.0",
                          "pipeline.min_hop_timeout_s=60.0", "pipeline.activation_codec=fp32"))
+# The issue's memory target, as a volunteer runs it: MEMORY's model in 4 stages of one peer (4 blocks a
+# peer), every pipeline setting as shipped (within-stage sync every 30 s, replicas every 10 s,
+# checkpoints every 60 s and at the stop, bf16 activations); only the hop timeouts are longer, for
+# the first microbatches through this CPU's stages (they hold no memory).
+MEMORY_4 = Shape(MEMORY.model, stages=4, batch_size=4, microbatch=2,
+                 pipeline=("pipeline.hop_timeout_s=300.0", "pipeline.min_hop_timeout_s=60.0"))
 # The like-for-like loss rows: TINY's model and cut with the pipeline's settings as shipped (the
 # within-stage sync every 30 s, replicas every 10 s, checkpoints every 60 s and at the stop, bf16
 # activations): only the shape and the schedule are the benchmark's.
@@ -401,6 +409,8 @@ ROWS = {
     "resume": ("all killed at once, resumed", TINY, CAP, {"peers_per_stage": 1, "mtbf_s": 0.0, "kill_all": True}),
     "memory": (f"memory: {MEMORY_STAGES} stages of one peer, a model whose state dwarfs a process", MEMORY, CAP,
                {"peers_per_stage": 1, "mtbf_s": 0.0, "kill_all": False, "drivers": 2}),
+    "memory_4stages": ("memory: 4 stages of one peer, shipped settings (the issue's target)", MEMORY_4, CAP,
+                       {"peers_per_stage": 1, "mtbf_s": 0.0, "kill_all": False, "drivers": 2}),
 }
 
 
@@ -422,6 +432,30 @@ def carried(results: Path, picked: list[str]) -> list[dict]:
     return keep
 
 
+def gpu_row(path: Path) -> list[dict]:
+    """The row of the GPU run (benchmarks/pipeline_gpu.py, which only a GPU machine runs: its own
+    results file is the record), in this file's terms: each stage peer's GPU memory against its
+    share, and the driver's loss."""
+    if not path.is_file():
+        return []
+    g = json.loads(path.read_text())
+    peers = [p for p in g["peers"] if p.get("gpu_peak_mb")]
+    if not peers:
+        return []
+    drivers = g.get("drivers") or [{}]
+    return [{
+        "key": "gpu", "row": f"{len(peers)} stages of one peer on one GPU, shipped settings ({Path(g['config']).name})",
+        "stages": len(peers), "peers_per_stage": 1, "concurrency": DEFAULT_CONCURRENCY, "device": g["device"],
+        "settings": "shipped, but for " + " ".join(g["overrides"]),
+        "stage_state_mb": max(p["stage_state_mb"] for p in peers),
+        "gpu_peak_of_share": [p["gpu_peak_of_share"] for p in peers],
+        "smi_peak_of_share": [p.get("smi_peak_of_share") for p in peers],
+        "microbatches": drivers[0].get("microbatches"), "loss_first": drivers[0].get("first_loss"),
+        "loss_last": drivers[0].get("last_loss"), "loss_fell": g.get("loss_fell"),
+        "measured_by": {k: g.get(k) for k in ("date", "commit", "command")}, "source": f"benchmarks/results/{path.name}",
+    }]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=120, help="run steps of the loss and churn rows")
@@ -430,6 +464,8 @@ def main() -> int:
                     help=f"which rows, comma-separated, of {', '.join(ROWS)} (default: all)")
     ap.add_argument("--work", default="/tmp/murmur-pipeline-train")
     ap.add_argument("--results", default=str(RESULTS / "pipeline_train.json"))
+    ap.add_argument("--gpu-results", default=str(RESULTS / "pipeline_gpu.json"),
+                    help="benchmarks/pipeline_gpu.py's results: its figures become the row 'gpu' (none: no row)")
     args = ap.parse_args()
     picked = [r.strip() for r in args.rows.split(",") if r.strip()]
     unknown = [r for r in picked if r not in ROWS]
@@ -449,7 +485,7 @@ def main() -> int:
     rows = []
     for key in picked:
         name, shape, cap, kw = ROWS[key]
-        steps = args.memory_steps if shape is MEMORY else args.steps
+        steps = args.memory_steps if shape.model is MEMORY.model else args.steps
         batches = eval_batches(Dataset.open(data), 4, shape.seq_len, 8)
         one = (tuple(shape.model.items()), shape.batch_size, steps)  # what `murmur train` trains (no pipeline.*)
         if one not in singles:
@@ -509,7 +545,7 @@ def main() -> int:
         "memory_cap": "measured, not enforced: each stage peer's VmHWM (its whole process, the interpreter, torch "
                       "and grpc included) at its clean stop, against peer_cap_mb = "
                       f"{CAP} x full_state_mb; single_peak_rss_mb: `murmur train`'s VmHWM read from /proc",
-        "rows": rows + carried(Path(args.results), picked),
+        "rows": rows + carried(Path(args.results), [*picked, "gpu"]) + gpu_row(Path(args.gpu_results)),
     }
     Path(args.results).write_text(json.dumps(out, indent=1) + "\n")
     print(f"wrote {args.results}")
