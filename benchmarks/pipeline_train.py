@@ -19,8 +19,10 @@ peers and drivers as processes on loopback, training for a number of run steps o
 - the loss rows (``loss*``): the like-for-like comparison. Both sides train the same untied model
   (``model.tie_embeddings = false``; ``tie_embeddings`` in each row), with the same lr schedule,
   batch, samples and eval batches; the pipeline with its settings as shipped (``settings``:
-  within-stage sync every 30 s, replicas every 10 s, checkpoints every 60 s and at the stop, bf16
-  activations), 2 stages, one driver at ``concurrency`` microbatches in flight (the top-level
+  within-stage sync every ``pipeline.sync_every_samples`` of the run's samples, replicas every
+  10 s, checkpoints every 60 s and at the stop, bf16 activations; ``--sync-every-samples N``
+  tries another sync period, and the row says so in ``settings``), 2 stages, one driver at
+  ``concurrency`` microbatches in flight (the top-level
   ``default_concurrency`` is the driver's default, node/pipeline/driver.py). With two peers a
   stage ``pipeline.target_samples`` (per peer) is half the run's batch, so the stage takes the
   run's steps, and the within-stage sync averages the mates as the pipelined configs ship it
@@ -76,6 +78,7 @@ peers and drivers as processes on loopback, training for a number of run steps o
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import math
@@ -127,7 +130,9 @@ class Shape:
 TINY = Shape({"dim": 192, "n_layers": 4, "n_heads": 4, "n_kv_heads": 4, "hidden_dim": 512, "seq_len": 64},
              stages=2, batch_size=8, microbatch=4,
              pipeline=("pipeline.checkpoint_every_s=2.0", "pipeline.sync_every_s=5.0", "pipeline.replica_every_s=2.0",
-                       "pipeline.hop_timeout_s=30.0", "pipeline.activation_codec=fp32"))
+                       "pipeline.hop_timeout_s=30.0", "pipeline.activation_codec=fp32",
+                       # the churn rows' sync as they measured it: on the clock, every 5 s
+                       "pipeline.sync_every_samples=0"))
 # The memory row: a model whose training state (16 bytes a parameter) dwarfs what a process pays
 # before any model (~250 MB: the interpreter, torch, grpc), cut in MEMORY_STAGES stages of one peer
 # each; short sequences and microbatches so that a few steps fit minutes of this CPU.
@@ -138,8 +143,8 @@ MEMORY = Shape({"dim": 1024, "n_layers": 16, "n_heads": 8, "n_kv_heads": 8, "hid
                          "pipeline.replica_every_s=10.0", "pipeline.hop_timeout_s=300.0",
                          "pipeline.min_hop_timeout_s=60.0", "pipeline.activation_codec=fp32"))
 # The like-for-like loss rows: TINY's model and cut with the pipeline's settings as shipped (the
-# within-stage sync every 30 s, replicas every 10 s, checkpoints every 60 s and at the stop, bf16
-# activations): only the shape and the schedule are the benchmark's.
+# within-stage sync every pipeline.sync_every_samples, replicas every 10 s, checkpoints every 60 s
+# and at the stop, bf16 activations): only the shape and the schedule are the benchmark's.
 SHIPPED = Shape(TINY.model, stages=2, batch_size=8, microbatch=4)
 # Two peers a stage: pipeline.target_samples is per peer, so each peer of a stage steps at half the
 # run's batch and the stage takes the run's steps (each peer sees half the microbatches). The
@@ -430,6 +435,8 @@ def main() -> int:
                     help=f"which rows, comma-separated, of {', '.join(ROWS)} (default: all)")
     ap.add_argument("--work", default="/tmp/murmur-pipeline-train")
     ap.add_argument("--results", default=str(RESULTS / "pipeline_train.json"))
+    ap.add_argument("--sync-every-samples", type=int, default=None,
+                    help="the loss rows' pipeline.sync_every_samples instead of the shipped one (to pick it)")
     args = ap.parse_args()
     picked = [r.strip() for r in args.rows.split(",") if r.strip()]
     unknown = [r for r in picked if r not in ROWS]
@@ -449,6 +456,9 @@ def main() -> int:
     rows = []
     for key in picked:
         name, shape, cap, kw = ROWS[key]
+        if args.sync_every_samples is not None and key.startswith("loss"):
+            shape = dataclasses.replace(
+                shape, pipeline=(*shape.pipeline, f"pipeline.sync_every_samples={args.sync_every_samples}"))
         steps = args.memory_steps if shape is MEMORY else args.steps
         batches = eval_batches(Dataset.open(data), 4, shape.seq_len, 8)
         one = (tuple(shape.model.items()), shape.batch_size, steps)  # what `murmur train` trains (no pipeline.*)
