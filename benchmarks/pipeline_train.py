@@ -21,8 +21,10 @@ peers and drivers as processes on loopback, training for a number of run steps o
 - the loss rows (``loss*``): the like-for-like comparison. Both sides train the same untied model
   (``model.tie_embeddings = false``; ``tie_embeddings`` in each row), with the same lr schedule,
   batch, samples and eval batches; the pipeline with its settings as shipped (``settings``:
-  within-stage sync every 30 s, replicas every 10 s, checkpoints every 60 s and at the stop, bf16
-  activations), 2 stages, one driver at ``concurrency`` microbatches in flight (the top-level
+  within-stage sync every ``pipeline.sync_every_samples`` of the run's samples, replicas every
+  10 s, checkpoints every 60 s and at the stop, bf16 activations; ``--sync-every-samples N``
+  tries another sync period, and the row says so in ``settings``), 2 stages, one driver at
+  ``concurrency`` microbatches in flight (the top-level
   ``default_concurrency`` is the driver's default, node/pipeline/driver.py). With two peers a
   stage ``pipeline.target_samples`` (per peer) is half the run's batch, so the stage takes the
   run's steps, and the within-stage sync averages the mates as the pipelined configs ship it
@@ -78,6 +80,7 @@ peers and drivers as processes on loopback, training for a number of run steps o
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import math
@@ -129,7 +132,9 @@ class Shape:
 TINY = Shape({"dim": 192, "n_layers": 4, "n_heads": 4, "n_kv_heads": 4, "hidden_dim": 512, "seq_len": 64},
              stages=2, batch_size=8, microbatch=4,
              pipeline=("pipeline.checkpoint_every_s=2.0", "pipeline.sync_every_s=5.0", "pipeline.replica_every_s=2.0",
-                       "pipeline.hop_timeout_s=30.0", "pipeline.activation_codec=fp32"))
+                       "pipeline.hop_timeout_s=30.0", "pipeline.activation_codec=fp32",
+                       # the churn rows' sync as they measured it: on the clock, every 5 s
+                       "pipeline.sync_every_samples=0"))
 # The memory row: a model whose training state (16 bytes a parameter) dwarfs what a process pays
 # before any model (~250 MB: the interpreter, torch, grpc), cut in MEMORY_STAGES stages of one peer
 # each; short sequences and microbatches so that a few steps fit minutes of this CPU.
@@ -140,14 +145,14 @@ MEMORY = Shape({"dim": 1024, "n_layers": 16, "n_heads": 8, "n_kv_heads": 8, "hid
                          "pipeline.replica_every_s=10.0", "pipeline.hop_timeout_s=300.0",
                          "pipeline.min_hop_timeout_s=60.0", "pipeline.activation_codec=fp32"))
 # The issue's memory target, as a volunteer runs it: MEMORY's model in 4 stages of one peer (4 blocks a
-# peer), every pipeline setting as shipped (within-stage sync every 30 s, replicas every 10 s,
-# checkpoints every 60 s and at the stop, bf16 activations); only the hop timeouts are longer, for
+# peer), every pipeline setting as shipped (within-stage sync every pipeline.sync_every_samples,
+# replicas every 10 s, checkpoints every 60 s and at the stop, bf16 activations); only the hop timeouts are longer, for
 # the first microbatches through this CPU's stages (they hold no memory).
 MEMORY_4 = Shape(MEMORY.model, stages=4, batch_size=4, microbatch=2,
                  pipeline=("pipeline.hop_timeout_s=300.0", "pipeline.min_hop_timeout_s=60.0"))
 # The like-for-like loss rows: TINY's model and cut with the pipeline's settings as shipped (the
-# within-stage sync every 30 s, replicas every 10 s, checkpoints every 60 s and at the stop, bf16
-# activations): only the shape and the schedule are the benchmark's.
+# within-stage sync every pipeline.sync_every_samples, replicas every 10 s, checkpoints every 60 s
+# and at the stop, bf16 activations): only the shape and the schedule are the benchmark's.
 SHIPPED = Shape(TINY.model, stages=2, batch_size=8, microbatch=4)
 # Two peers a stage: pipeline.target_samples is per peer, so each peer of a stage steps at half the
 # run's batch and the stage takes the run's steps (each peer sees half the microbatches). The
@@ -452,7 +457,8 @@ def gpu_row(path: Path) -> list[dict]:
         "smi_peak_of_share": [p.get("smi_peak_of_share") for p in peers],
         "microbatches": drivers[0].get("microbatches"), "loss_first": drivers[0].get("first_loss"),
         "loss_last": drivers[0].get("last_loss"), "loss_fell": g.get("loss_fell"),
-        "measured_by": {k: g.get(k) for k in ("date", "commit", "command")}, "source": f"benchmarks/results/{path.name}",
+        "measured_by": {k: g.get(k) for k in ("date", "commit", "command")},
+        "source": f"benchmarks/results/{path.name}",
     }]
 
 
@@ -466,6 +472,8 @@ def main() -> int:
     ap.add_argument("--results", default=str(RESULTS / "pipeline_train.json"))
     ap.add_argument("--gpu-results", default=str(RESULTS / "pipeline_gpu.json"),
                     help="benchmarks/pipeline_gpu.py's results: its figures become the row 'gpu' (none: no row)")
+    ap.add_argument("--sync-every-samples", type=int, default=None,
+                    help="the loss rows' pipeline.sync_every_samples instead of the shipped one (to pick it)")
     args = ap.parse_args()
     picked = [r.strip() for r in args.rows.split(",") if r.strip()]
     unknown = [r for r in picked if r not in ROWS]
@@ -485,6 +493,9 @@ def main() -> int:
     rows = []
     for key in picked:
         name, shape, cap, kw = ROWS[key]
+        if args.sync_every_samples is not None and key.startswith("loss"):
+            shape = dataclasses.replace(
+                shape, pipeline=(*shape.pipeline, f"pipeline.sync_every_samples={args.sync_every_samples}"))
         steps = args.memory_steps if shape.model is MEMORY.model else args.steps
         batches = eval_batches(Dataset.open(data), 4, shape.seq_len, 8)
         one = (tuple(shape.model.items()), shape.batch_size, steps)  # what `murmur train` trains (no pipeline.*)

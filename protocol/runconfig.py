@@ -256,9 +256,17 @@ class PipelineSection(Section):
     # refreshed this often, so that a stage whose every peer dies is refilled with weights at
     # most this old instead of the seed's. 0: no copies.
     replica_every_s: float = _bounded(10.0, MAX_SECONDS, _SECONDS_WHY, ge=0)
-    # Stage-mates sync their stage's weights (the run's codec, aggregator and outer step) every
-    # this many seconds of the clock, beside the compute (node/pipeline/stage_sync.py). 0: never.
+    # Stage-mates sync their stage's weights (the run's codec, aggregator and outer step) beside the
+    # compute (node/pipeline/stage_sync.py). 0: never. With sync_every_samples, a round's time
+    # scale: its deadline is 3/4 of it, and a ledger that stood still this long with samples
+    # unsynced syncs them; without, the rounds' period on the clock.
     sync_every_s: float = _bounded(30.0, MAX_SECONDS, _SECONDS_WHY, ge=0)
+    # A sync round each time the run's ledger passes a multiple of this many samples (sequences),
+    # so that stage-mates drift apart by at most that many samples between two rounds whatever
+    # the machines' speed (on the clock the same samples got one round on a fast machine and ten
+    # on a slow one: the two-peer loss gap measured the machine). Every committed sample went
+    # through every stage, so every peer of a stage counts the same. 0: rounds on the clock.
+    sync_every_samples: int = _bounded(128, 1 << 40, "a trillion samples between two rounds", ge=0)
     # At a clean stop a stage peer waits at most this long for its stage-mates that stop too
     # (their stop marks), then runs one last sync round with them before its final checkpoint, so
     # that stage-mates stopped together checkpoint one state (node/pipeline/stop_sync.py). 0: no

@@ -20,7 +20,7 @@ from murmur.node.model.transformer import model_config
 from murmur.node.net.faults import FaultInjector
 from murmur.node.net.loop import LoopThread
 from murmur.node.net.server import PeerServer
-from murmur.node.pipeline.stage_sync import OuterAt, StageSync, newest, outer_name
+from murmur.node.pipeline.stage_sync import OuterAt, StageSync, due_round, newest, outer_name
 from murmur.node.pipeline.worker import StageWorker
 from murmur.optim.exchange import ExchangeError
 from murmur.protocol.identity import CertificateAuthority
@@ -122,7 +122,8 @@ def two_averaging_mates():
 
 
 @contextlib.contextmanager
-def mates_with(sync_cfg: SyncSection, bucket_mb: float = 16.0):
+def mates_with(sync_cfg: SyncSection, bucket_mb: float = 16.0, **by_samples):
+    """``by_samples``: StageSync's ``every_samples`` and ``ledger`` (rounds by the run's samples)."""
     ca = CertificateAuthority.create("sync-test")
     loop = LoopThread()
     span = split_layers(CFG.n_layers, 2)[0]
@@ -144,7 +145,7 @@ def mates_with(sync_cfg: SyncSection, bucket_mb: float = 16.0):
                 return dict(view)
 
             faults = FaultInjector()
-            sync = StageSync(server, sync_cfg, EVERY_S, stage_mates, faults, bucket_mb=bucket_mb)
+            sync = StageSync(server, sync_cfg, EVERY_S, stage_mates, faults, bucket_mb=bucket_mb, **by_samples)
             worker = StageWorker(build_stage(CFG, 5, span), OPTIM, target_samples=1000)
             sync.reset(worker)
             return Mate(sync, server, worker, faults)
@@ -397,3 +398,66 @@ def wait_until_true(ok, timeout_s: float) -> None:
     while not ok():
         assert time.monotonic() < deadline, "timed out"
         time.sleep(0.05)
+
+
+# -- rounds by the run's samples -------------------------------------------------------------------
+
+
+def test_a_round_is_due_at_the_latest_multiple_of_samples_passed_or_at_a_still_total():
+    every, s = 32, EVERY_S
+    assert due_round(0, every, 0, 0.0, s) is None  # a new run: nothing trained
+    assert due_round(31, every, 0, 0.0, s) is None
+    assert due_round(32, every, 0, 0.0, s) == 32  # round 32 once the ledger passes 32 samples
+    assert due_round(40, every, 32, 0.0, s) is None  # started already
+    # A ledger that jumped several multiples (a long round, a late poll): one round, the latest.
+    assert due_round(200, every, 32, 0.0, s) == 192
+    # A peer that becomes the stage at 200 counts from 192 (StageSync.reset): its first round is 224.
+    assert due_round(223, every, 192, 0.0, s) is None and due_round(224, every, 192, 0.0, s) == 224
+    # Still for a period with samples past the last round: a round at the total itself, between
+    # two multiples; once started, none more until the ledger moves.
+    assert due_round(200, every, 192, s - 0.1, s) is None
+    assert due_round(200, every, 192, s, s) == 200
+    assert due_round(200, every, 200, 10 * s, s) is None
+    assert due_round(224, every, 200, 0.0, s) == 224  # the next multiple as usual
+    # A ledger still at the multiple its last round ran at: nothing trained since, no round.
+    assert due_round(224, every, 224, 10 * s, s) is None
+
+
+def test_mates_syncing_by_samples_round_at_the_multiples_the_ledger_passes(two_averaging_mates_by_samples):
+    """Two mates' run loops (StageSync.run) on one ledger: no round while it is below the first
+    multiple, one round at 32 on both once it passes it, one round at 192 (not five) when it jumps
+    to 200, and once it stands still a period at 210, one round there that averages what was
+    trained since: then both hold one state."""
+    loop, (a, b), ledger = two_averaging_mates_by_samples
+
+    def trained(m: Mate, seed: int) -> None:
+        m.train(seed)
+        m.worker.stats.samples_total += 4  # what a round weighs each mate by
+
+    tasks = [loop.run(_start(m.sync)) for m in (a, b)]
+    try:
+        ledger[0] = 20
+        trained(a, 1)
+        ledger[0] = 40
+        wait_until_true(lambda: a.sync.last_round == b.sync.last_round == 32, timeout_s=60)
+        assert a.sync.rounds == b.sync.rounds == 1 and same_weights(a, b)
+        trained(a, 2)
+        trained(b, 3)
+        ledger[0] = 200
+        wait_until_true(lambda: a.sync.last_round == b.sync.last_round == 192, timeout_s=60)
+        assert (a.sync.rounds, a.sync.idle_rounds) == (2, 0) and same_weights(a, b)
+        # (A still round at 200 may come meanwhile: nobody trained since 192, it changes nothing.)
+        trained(a, 4)
+        ledger[0] = 210  # then still: a round at 210 averages a's training into b
+        wait_until_true(lambda: a.sync.last_round == b.sync.last_round == 210, timeout_s=60)
+        assert same_weights(a, b) and a.sync.rounds == 3 and a.sync.failed == b.sync.failed == 0
+    finally:
+        for t in tasks:
+            loop.run(_cancel(t))
+
+
+@pytest.fixture
+def two_averaging_mates_by_samples():
+    ledger = [0]
+    with mates_with(PLAIN, every_samples=32, ledger=lambda: ledger[0]) as (loop, mates, _relay):
+        yield loop, mates, ledger

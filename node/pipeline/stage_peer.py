@@ -75,6 +75,9 @@ class StagePeerSettings:
     pipelined: bool = False  # the run config has a [pipeline] section: report to the coordinator, obey it
     sync: SyncSection | None = None  # the run's outer step, for the within-stage sync
     sync_every_s: float = 0.0  # 0: stage-mates do not sync (node/pipeline/stage_sync.py)
+    # A round each time the run's ledger passes a multiple of this many samples (needs
+    # ``tokens_committed``); 0: rounds on the clock every sync_every_s. pipeline.sync_every_samples.
+    sync_every_samples: int = 0
     # At a clean stop, how long to wait for stage-mates that stop too before one last round with
     # them (node/pipeline/stop_sync.py); 0: no last round. The run's pipeline.stop_sync_s.
     stop_sync_s: float = 0.0
@@ -167,8 +170,11 @@ class StagePeer:
         self.state_address = self._advertised(await self.state_server.start())
         s = self.settings
         if self.member is not None and s.pipelined and s.sync is not None and s.sync_every_s > 0 and s.stages:
+            ledger = None
+            if s.tokens_committed is not None:  # the run's samples: every committed one went through every stage
+                ledger = lambda: s.tokens_committed() // self.model.seq_len  # noqa: E731
             self.sync = StageSync(self.state_server, s.sync, s.sync_every_s, self._mates, self.faults,
-                                  bucket_mb=s.sync_bucket_mb)
+                                  bucket_mb=s.sync_bucket_mb, every_samples=s.sync_every_samples, ledger=ledger)
             self._tasks.append(asyncio.create_task(self.sync.run()))
         if stage is None and self.settings.state_dir is not None:
             stage = self._checkpointed_stage()  # a restart: the stage it holds a checkpoint of
@@ -506,6 +512,10 @@ class StagePeer:
             log.warning("could not ask the coordinator for stage %d's peers: %s", stage, err)
             return {}, {}
         self._view = view
+        if self.settings.heard is not None:
+            # The run's total before the stage is served: a sync by samples counts its rounds from
+            # it (a restarted process has heard nothing yet), and so does the lr of its first step.
+            self.settings.heard(view.tokens_committed)
         me = self.ident.node_id
         donors = {p.node_id: p.report.state_address for p in serving(view, stage) if p.node_id != me}
         holders = {p.node_id: p.report.state_address for p in view.peers

@@ -126,6 +126,7 @@ def settings_of(args: argparse.Namespace, member: PipelineMember | None):
             target_samples=pipe.target_samples, grad_clip=run.optim.grad_clip, replica_every_s=pipe.replica_every_s,
             host=args.host, port=args.port, state_port=args.state_port, advertise_host=args.advertise_host,
             max_rows=args.max_rows, pipelined=True, sync=run.sync, sync_every_s=pipe.sync_every_s,
+            sync_every_samples=pipe.sync_every_samples,
             stop_sync_s=pipe.stop_sync_s, sync_bucket_mb=pipe.sync_bucket_mb,
             device=str(device), autocast=autocast_of(run.train.dtype, device), max_message_bytes=cap,
             max_payload_bytes=payload, step_expire_s=pipe.hop_timeout_s, lr_now=schedule.lr, heard=schedule.heard,

@@ -2,8 +2,39 @@
 beside the compute, never in its way.
 
 Stage-mates step at different rates (the router gives the faster one more microbatches), so a
-round cannot wait for "the H-th step": rounds are on the clock. Round r of stage s starts at
-``r * sync_every_s`` of Unix time on every peer serving s, and runs like this:
+round cannot wait for "the H-th step" of a peer. **Rounds count in the run's samples**
+(``pipeline.sync_every_samples``, N): a round starts on every peer serving s once the run's
+ledger passes the next multiple of N samples, and its id is that multiple. Every committed sample
+went through every stage, so the ledger (tokens committed // seq_len, as the drivers tell it with
+each backward and the peer polls it from the coordinator: node/pipeline/schedule.py) counts what
+the stage trained, the same on every mate, and the mates agree on the round's id without a message.
+The drift between two rounds is then bounded in samples (what decides how far mates drift apart,
+as DiLoCo's H does) whatever the hardware: on the clock (every 30 s) the benchmark's 960 samples
+got one round on a quiet machine and ten on a loaded one, and the two-peer loss gap measured the
+machine as much as the pipeline (5.21% against 1.21%). The rules (`due_round`):
+
+- Mates hear the ledger at slightly different moments (a backward's total, a poll every 0.5 s): a
+  round starts on each when it hears the multiple passed, and the exchange's rendezvous waits for
+  the others within the round's deadline.
+- A ledger that jumps several multiples at once (a round that outlasted them, a late poll) gives
+  one round, at the latest multiple: no backlog, and mates that heard the same total agree.
+- A peer that becomes the stage (a start, a join, a move, a restart) counts from the multiple the
+  ledger is past when it does (the coordinator's view gives the total before the peer serves): its
+  first round is the next multiple, the one its mates run next.
+- A ledger that stood still for ``sync_every_s`` with samples past the last round (the drivers
+  finished, paused, or wait for a refill) gives one round at that total, so mates that trained
+  apart do not stay apart until training resumes; its id, the total, lies between two multiples.
+  A stage nobody trained since its last round (a ledger that did not move) makes no round at all.
+  (A peer that joins a still ledger whose mates ran that round already runs it alone once: it
+  fails at its deadline and changes nothing.)
+- ``sync_every_s`` stays the round's time scale (its deadline is 3/4 of it, the look at the mates'
+  outer states 1/4, its parts start within it) and the stillness above. It is no floor between
+  rounds: a floor in seconds would make the drift depend on the machine's speed again, and rounds
+  never pile up anyway (one at a time; a network slower than the training makes them back to
+  back, each at the latest multiple). ``sync_every_samples = 0`` keeps rounds on the clock, round r
+  at ``r * sync_every_s`` of Unix time.
+
+A round runs like this:
 
 1. Between two microbatches (under the worker's lock) the peer takes a snapshot of its weights
    and the samples it trained since the last round.
@@ -51,7 +82,8 @@ of 8 MiB.
   anchor minus the pseudo-gradient).
 
 A round that fails (a stage-mate died, the view changed) changes nothing from the part that
-failed on, and the next one comes a period later. The parts before it stay done: with plain
+failed on, and the next one makes it up (the next multiple or a still ledger's round; a period
+later on the clock). The parts before it stay done: with plain
 averaging they are averaged weights like any; with an anchor, the published outer state says so
 (``parts``: [round, parts done]), and `newest` ranks a state with more parts of a later round above
 one at the same round without them, so mates a part apart re-converge as mates a round apart do.
@@ -122,8 +154,29 @@ ANCHOR, MOMENTUM, ROUND = "anchor/", "momentum/", "round"
 PARTS = "parts"
 
 
+# How often a peer syncing by samples looks at the ledger total it last heard (a number in memory,
+# no call): a round starts at most this long after the peer heard its multiple passed.
+LEDGER_POLL_S = 0.1
+
+
 def outer_name(stage: int) -> str:
     return f"stage/{stage}/outer"
+
+
+def due_round(total: int, every: int, started: int, still_s: float, every_s: float) -> int | None:
+    """The id of the round to start now when rounds count in the run's samples, or None.
+
+    ``total``: the ledger's samples as heard now; ``every``: pipeline.sync_every_samples;
+    ``started``: the id of the last round this peer started (or the multiple the ledger was past
+    when it became the stage); ``still_s``: how long the total has not moved. The latest multiple
+    passed, if past ``started`` (several at once: one round); else the total itself once it has
+    stood still for ``every_s`` with samples past ``started``."""
+    passed = total // every * every
+    if passed > started:
+        return passed
+    if total > started and still_s >= every_s:
+        return total
+    return None
 
 
 def averages_weights(sync: SyncSection) -> bool:
@@ -198,8 +251,16 @@ class StageSync:
         faults: FaultInjector | None = None,
         *,
         bucket_mb: float = 16.0,
+        every_samples: int = 0,
+        ledger: Callable[[], int] | None = None,
     ) -> None:
         self.server, self.sync, self.every_s, self.mates = server, sync, every_s, mates
+        # Rounds by the run's samples (module docstring): every ``every_samples`` of the ledger's
+        # total as ``ledger()`` says it now (samples); without both, rounds on the clock.
+        self.every_samples = every_samples if ledger is not None else 0
+        self.ledger = ledger
+        self._started = 0  # by samples: the id of the last round started (a multiple, or a still total)
+        self._heard, self._heard_at = -1, time.monotonic()  # the ledger's total, and when it last moved
         # A round's exchange runs in parts of at most this many elements (node/pipeline/sync_buckets.py):
         # pipeline.sync_bucket_mb; 0, the whole stage at once.
         self.bucket_elements = elements_of(bucket_mb)
@@ -246,6 +307,8 @@ class StageSync:
         self.worker = worker
         self._missed = None
         self._unsettled = False
+        if self.every_samples:  # its first round is the next multiple, its mates' next one
+            self._started = self.ledger() // self.every_samples * self.every_samples
         loaded = None if self.plain else self._fits(worker, outer)
         if loaded is not None:
             self.anchor, self.momentum, self.last_round = loaded
@@ -338,14 +401,31 @@ class StageSync:
             self.server.publish_state(state)
             self._at = OuterAt(self.last_round, state.state_hash, self._partial)
 
-    # -- rounds on the clock ---------------------------------------------------------------------
+    # -- when rounds start --------------------------------------------------------------------------
 
-    async def run(self, on_round: Callable[[], None] = lambda: None) -> None:
-        while not self._stopping:
+    async def _next_round(self) -> int | None:
+        """The id of the next round once it is due (None: stopping, or no stage yet)."""
+        if not self.every_samples:  # on the clock
             now = time.time()
             r = int(now // self.every_s) + 1
             await asyncio.sleep(r * self.every_s - now)
-            if self.worker is None or self._stopping:
+            return None if self.worker is None or self._stopping else r
+        while not self._stopping:
+            total = self.ledger()
+            now = time.monotonic()
+            if total != self._heard:
+                self._heard, self._heard_at = total, now
+            r = due_round(total, self.every_samples, self._started, now - self._heard_at, self.every_s)
+            if r is not None and self.worker is not None:
+                self._started = r
+                return r
+            await asyncio.sleep(LEDGER_POLL_S)
+        return None
+
+    async def run(self, on_round: Callable[[], None] = lambda: None) -> None:
+        while not self._stopping:
+            r = await self._next_round()
+            if r is None:
                 continue
             # A task of its own, so that drain() can let it finish while this loop is cancelled.
             self._in_round = asyncio.ensure_future(self.round(r))
@@ -385,7 +465,7 @@ class StageSync:
         """One round; False when the peer is alone in its stage (its anchor follows its weights),
         or when the outer state it adopted from a mate already includes this round. ``key`` and
         ``members``: a round of a fixed group under a key of its own (the last round at a stop,
-        node/pipeline/stop_sync.py) instead of the clock's round of the stage's peers.
+        node/pipeline/stop_sync.py) instead of the stage's round among its peers.
 
         The exchange runs in parts (node/pipeline/sync_buckets.py), one after the other, each under
         its own key (``<key>/part<i>``) and all among the members this round started with."""
@@ -403,7 +483,8 @@ class StageSync:
         keys = [part_key(key, i, len(parts)) for i in range(len(parts))]
         # In an order rotated by the round (the same on every mate): a round cut short by its
         # period (under load) leaves other parts unsynced each time, not always the last ones.
-        first = r % len(parts)
+        # By samples the ids are multiples: the rotation counts them.
+        first = (-(-r // self.every_samples) if self.every_samples else r) % len(parts)
         parts, keys = parts[first:] + parts[:first], keys[first:] + keys[:first]
         for k in keys:  # every part among the same members: one view of the stage a round
             self._group.fixed[k] = mates
@@ -453,7 +534,8 @@ class StageSync:
         """A round's parts start within a period of its start (each part's exchange is bounded by
         the round deadline). Not within the deadline itself: under load (25-40 on the 2-core build
         machine, 8 peers) a stage's six parts took longer than it and the rounds failed half-way;
-        a round that runs long only makes the peer skip the clock's next round (`run`), and a mate
+        a round that runs long only makes the peer skip the next round (`run`; by samples the next is
+        the latest multiple passed), and a mate
         that is there without it fails that one round. The parts done stay done, and the next
         round starts at another part (`round`), so every part is synced in turn."""
         if i and asyncio.get_running_loop().time() - started > self.every_s:
@@ -550,7 +632,7 @@ class StageSync:
         (its round failed here and completed there, or this peer loaded the state just before a
         round), or at the same round but another state (the smallest hash wins), adopt it. Without
         this the two never agreed again: the outer momentum moves the weights even in idle rounds.
-        A state said to be past round ``r`` (the one starting now, by the clock) is not believed."""
+        A state said to be past round ``r`` (the one starting now) is not believed."""
         others = {n: a for n, a in dialable(mates).items() if n != self.server.node_id}
         wheres = await asyncio.gather(*[self._where(n, a, stage) for n, a in others.items()])
         pick = newest(self._at, {n: w for n, w in zip(others, wheres, strict=True) if w is not None and w.round <= r})
