@@ -3,7 +3,7 @@
 A real pipelined run on this machine's CPU: a coordinator, S stage peers of one peer a stage (each
 with its state folder, so it checkpoints), one driver, the run config of configs/pipeline-cpu.toml
 with the model swapped for --dim/--n-layers/--hidden-dim (byte vocabulary, embeddings untied) and
-everything else as shipped: the within-stage sync every ``sync_every_s``, a replica of the next
+everything else as shipped: the within-stage sync every ``sync_every_samples``, a replica of the next
 stage every ``replica_every_s``, checkpoints every ``checkpoint_every_s`` and at the stop (or, with
 ``--settings off``, all three off). The driver trains --steps run steps; then every peer is stopped
 (SIGTERM: it writes its last checkpoint) and reports its peak resident memory (VmHWM of its own
@@ -198,7 +198,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=40, help="run steps the driver trains")
     ap.add_argument("--single-steps", type=int, default=8, help="`murmur train` steps")
     ap.add_argument("--peers-per-stage", type=int, default=1,
-                    help="stage peers a stage (2: stage-mates that sync every pipeline.sync_every_s)")
+                    help="stage peers a stage (2: stage-mates that sync every pipeline.sync_every_samples)")
     ap.add_argument("--settings", choices=("shipped", "off"), default="shipped",
                     help="sync, replica and checkpoints as configs/pipeline-cpu.toml ships them, or all off")
     ap.add_argument("--sync-bucket-mb", type=float, default=None,

@@ -342,7 +342,9 @@ def main() -> int:
     ap.add_argument("--recovery-microbatches", type=int, default=240)
     ap.add_argument("--rebalance-every", type=float, default=60.0)
     ap.add_argument("--replica-every", type=float, default=5.0)
-    ap.add_argument("--sync-every", type=float, default=10.0)
+    ap.add_argument("--sync-every", type=float, default=10.0,
+                    help="pipeline.sync_every_s: a sync round's time scale (its deadline is 3/4 of it); the rounds "
+                         "themselves go by the run's samples, pipeline.sync_every_samples as shipped")
     ap.add_argument("--out", default=str(HERE / "results" / "pipeline.json"))
     args = ap.parse_args()
     args.concurrency = [int(v) for v in args.concurrency.split(",") if v]

@@ -303,7 +303,7 @@ class StageBoard:
     def checkpoint_set(self, run_id: str) -> dict | None:
         """The run's newest complete set of stage checkpoints, from the ledger: ``{"version", "stages":
         [{"stage", "state_hash", "holders"}]}`` (None: no version has every stage yet). Stage-mates
-        may hold different states of one version (they sync only every ``sync_every_s``): the hash
+        may hold different states of one version (they sync only every ``sync_every_samples``): the hash
         most of them hold is named (a tie: the smallest), with its holders."""
         pipe = self.pipeline(run_id)
         if pipe is None:

@@ -4,7 +4,7 @@
 kept theirs under ``nodes/peer-*/``). Each folder holds versions of one or more stages
 (node/pipeline/stage_checkpoint.py); the model is the newest *complete set*: the newest version
 that some folder holds for every stage, all of one run and one cut. Stage-mates can hold different
-states of the same version (they sync only every ``pipeline.sync_every_s``); the state most folders
+states of the same version (they sync only every ``pipeline.sync_every_samples``); the state most folders
 hold is taken (a tie: the smallest hash), as the coordinator names it (coordinator/stage_board.py).
 
 The pipeline unties the embedding and the output head when it has more than one stage
