@@ -5,6 +5,7 @@
     python benchmarks/scale.py --peers 16 --kills 4              # one peer SIGKILLed in each of 4 rounds
     sudo python benchmarks/scale.py --wan                        # 16 peers, 100 Mbit/s links, 50 ms RTT
     python benchmarks/scale.py --sim                             # the 1,000-peer simulation
+    python3 benchmarks/scale.py --peers 64 --group-size 16 --kills 4 --commit abc1234   # a copy without .git
 
 Real exchange peers: each has its own identity (a certificate of the run's CA), its own TLS peer
 server on its own socket, its own DHT records signed with its own key, and meets the others at
@@ -16,6 +17,12 @@ Each round every peer all-reduces a deterministic update of ``--numel`` elements
 Group size: ``--group-size G`` reaches every peer as the run-config override
 ``sync.group_size=G`` (protocol/runconfig.py); a tree whose run config lacks that key refuses it
 in one line. Without it every round is one group of all peers.
+
+Where: any machine with the node's Python packages (grpcio, protobuf, cryptography, psutil,
+pydantic, hivemind with its p2pd; no GPU, no network beyond loopback). Nothing is pinned: each row
+records ``cpus`` (os.cpu_count(), part of its key: a 16-core host's row does not replace the 2-core
+machine's), the 1-minute load before (``load_avg_1m_before``: what else ran) and after it, and the
+device. ``--commit`` names the tree where git cannot (a copy of it without .git).
 
 A row (benchmarks/results/scale.json, merged by its key so separate runs add up):
   peers, group_size (null: one group of all), numel, codec, link, kills, rounds,
@@ -60,7 +67,8 @@ START_TIMEOUT_S = 300.0  # every host process up (torch, hivemind, a DHT each) o
 # rounds, seed) -> dict with rounds_complete and bytes_per_peer (issue 49, "Beyond what one machine holds").
 SIM_MODULE = "murmur.node.exchange.simulate"
 SIM_PEERS = 1000
-ROW_KEY = ("peers", "group_size", "numel", "codec", "link", "kills", "rounds")
+# cpus: a row of the 16-core host and one of the 2-core build machine are two rows, not one.
+ROW_KEY = ("peers", "group_size", "numel", "codec", "link", "kills", "rounds", "cpus")
 
 
 class ArgError(Exception):
@@ -165,6 +173,7 @@ def run_row(args: argparse.Namespace, peers: int, link: str, netns: list[tuple[s
     ``netns``: (namespace, its address) for each host process (the WAN row), else loopback."""
     from murmur.protocol.identity import CertificateAuthority
 
+    load_before = os.getloadavg()[0]  # what else was running: the row's own load comes after
     tmp = Path(tempfile.mkdtemp(prefix="murmur-scale-"))
     ca = CertificateAuthority.create("scale-bench")
     (tmp / "ca.crt").write_bytes(ca.cert_pem)
@@ -215,6 +224,7 @@ def run_row(args: argparse.Namespace, peers: int, link: str, netns: list[tuple[s
             boot.kill()
             boot.wait()
     row = summarize(args, peers, link, records, processes=len(hosts) + 1)
+    row["load_avg_1m_before"] = round(load_before, 2)
     if args.keep_logs:  # the host processes' logs and every round line, for a diagnosis
         (tmp / "rounds.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records.rounds))
         print(f"logs kept in {tmp}", file=sys.stderr)
@@ -322,6 +332,7 @@ def summarize(args: argparse.Namespace, peers: int, link: str, rec: Records, pro
         "bytes_per_peer": round(sum(bytes_sent) / len(bytes_sent)) if bytes_sent else None,
         "dht_failures": sum("DHT" in e for e in errors),
         "processes": processes,
+        "cpus": os.cpu_count(),
         "record_ttl_s": args.record_ttl,
         "timed_out": rec.timed_out,
         "load_avg_1m": round(os.getloadavg()[0], 2),
@@ -396,17 +407,31 @@ def merge(old_rows: list[dict], new_rows: list[dict]) -> list[dict]:
     return sorted([*kept, *new_rows], key=lambda r: (r["link"], r.get("group_size") or 0, r["kills"], r["peers"]))
 
 
-def write(path: Path, rows: list[dict], command: str) -> None:
+def tree_commit(given: str | None) -> str:
+    """``--commit`` where given (a copy of the tree without its .git: the GPU host's), else git's."""
+    if given:
+        return given
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO)
+    except OSError:  # no git there
+        return "unknown (pass --commit)"
+    return out.stdout.strip() or "unknown (pass --commit)"
+
+
+def device() -> str:
+    return f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores (CPU only)"
+
+
+def write(path: Path, rows: list[dict], command: str, commit: str) -> None:
     old = json.loads(path.read_text()) if path.exists() else {}
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO)
     date = dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-    for row in rows:  # rows of several runs share the file: each says where it came from
-        row.update(command=command, commit=commit.stdout.strip(), date=date)
+    for row in rows:  # rows of several runs (and machines) share the file: each says where it came from
+        row.update(command=command, commit=commit, date=date, device=device())
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({
-        "device": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores (CPU only)",
+        "device": device(),
         "date": date,
-        "commit": commit.stdout.strip(),
+        "commit": commit,
         "command": command,
         "notes": old.get("notes", ""),
         "rows": merge(old.get("rows", []), rows),
@@ -439,6 +464,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--results", default=str(RESULTS))
     ap.add_argument("--no-write", action="store_true", help="print the rows, do not write the results")
     ap.add_argument("--keep-logs", action="store_true", help="keep each row's host logs and round lines")
+    ap.add_argument("--commit", help="the tree's commit, for a copy of the tree where git cannot tell")
     ap.add_argument("--dht-boot", help=argparse.SUPPRESS)  # internal: the bootstrap DHT's process
     ap.add_argument("--dht-host", default="127.0.0.1", help=argparse.SUPPRESS)
     return ap
@@ -466,28 +492,34 @@ def main(argv: list[str] | None = None) -> int:
     except ArgError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    rows = []
+    command = "python " + " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])
+    commit = tree_commit(args.commit)
+
+    def done(row: dict) -> None:
+        """Print the row and merge it into the results at once: a run stopped by a time limit
+        (``timeout``'s SIGTERM, which ends the row's peers too) keeps the rows it finished."""
+        print(json.dumps(row), flush=True)
+        if not args.no_write:
+            write(Path(args.results), [row], command, commit)
+            print(f"wrote {args.results}", flush=True)
+
     if args.sim:
         row = sim_row(args)
         if row:
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+            done(row)
     elif args.wan:
         for n in args.peer_counts:
             row = wan_row(args, n)
             if row is None:
                 return 0
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+            done(row)
     else:
         for n in args.peer_counts:
-            rows.append(run_row(args, n, "loopback"))
-            print(json.dumps(rows[-1]), flush=True)
-    if rows and not args.no_write:
-        write(Path(args.results), rows, "python " + " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]))
-        print(f"wrote {args.results}")
+            done(run_row(args, n, "loopback"))
     return 0
 
 
 if __name__ == "__main__":
+    # SIGTERM (a time limit: `timeout`) as an exception: run_row's cleanup stops its host processes.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     sys.exit(main())

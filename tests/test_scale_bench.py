@@ -2,6 +2,7 @@
 argument errors. No timing: the figures live in benchmarks/results/scale.json."""
 
 import json
+import os
 
 import pytest
 from _bench_helpers import benchmark_module
@@ -83,15 +84,25 @@ def test_rows_of_a_later_run_replace_those_with_the_same_key(bench):
     new = [{**old[0], "seconds_per_round": 1.0}]
     merged = bench.merge(old, new)
     assert [r["peers"] for r in merged] == [8, 16] and merged[0]["seconds_per_round"] == 1.0
+    # The same row measured on a machine of other cores (the 16-core host) is a row of its own.
+    merged = bench.merge(merged, [{**old[0], "cpus": 16, "seconds_per_round": 0.5}])
+    assert sorted((r["peers"], r.get("cpus") or 0) for r in merged) == [(8, 0), (8, 16), (16, 0)]
+
+
+def test_a_copy_of_the_tree_without_git_names_its_commit_by_argument(bench):
+    assert bench.tree_commit("abc1234") == "abc1234"
+    assert bench.tree_commit(None)  # git's, or a placeholder that says to pass --commit
 
 
 @pytest.mark.integration
 def test_two_real_peers_make_a_complete_row(bench, tmp_path):
     out = tmp_path / "scale.json"
-    assert bench.main(["--peers", "2", "--rounds", "1", "--numel", "4096", "--results", str(out)]) == 0
+    argv = ["--peers", "2", "--rounds", "1", "--numel", "4096", "--results", str(out), "--commit", "given"]
+    assert bench.main(argv) == 0
     data = json.loads(out.read_text())
     assert {"device", "date", "commit", "command", "rows"} <= set(data)
     (row,) = data["rows"]
     assert ROW_KEYS <= set(row)
+    assert row["cpus"] == os.cpu_count() and row["commit"] == "given" and "load_avg_1m_before" in row
     assert (row["peers"], row["rounds_complete"], row["one_hash"], row["kills"]) == (2, 1, True, 0)
     assert row["bytes_per_peer"] > 0 and row["errors"] == []

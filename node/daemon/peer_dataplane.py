@@ -106,7 +106,7 @@ class PeerDataPlane:
         # More live trainers than sync.group_size: rounds in bounded groups with one result
         # (node/exchange/hierarchy.py); at most that many, the exchange's calls as they are.
         grouped = GroupedExchange(peer.exchange, run_id=peer.exchange.server.run_id, live=self._round_live,
-                                  group_size=group_size)
+                                  group_size=group_size, addresses=self._round_addresses)
         grouped.on_formation = self._log_formation
         self._formed: tuple[int, int] = (0, 0)  # (trainers, groups) of the last grouped round logged
         self.exchange = MemberTracker(grouped)
@@ -119,6 +119,7 @@ class PeerDataPlane:
         # its record with each round's state, and the others' as their records last said.
         self.rate = 0.0
         self._rates: dict[str, float] = {}
+        self._addresses: dict[str, str] = {}  # the DHT's trainers' addresses, as the last lookup found them
 
     # -- discovery -------------------------------------------------------------------------------
 
@@ -127,6 +128,7 @@ class PeerDataPlane:
         peers = await self.dht.apeers(role=TRAINER)
         self.live.ids = frozenset(p.node_id for p in peers)
         self._rates = {p.node_id: p.throughput for p in peers}
+        self._addresses = {p.node_id: p.address for p in peers}
         return peers
 
     def _round_live(self) -> list[str]:
@@ -135,6 +137,12 @@ class PeerDataPlane:
         trainers the DHT announces that it lists late; without a fresh view, the DHT's trainers."""
         listed = self.view.round_trainers(self.live.ids) if self.view is not None else set()
         return sorted(listed or self.live.ids)
+
+    def _round_addresses(self) -> dict[str, str]:
+        """Where the live trainers listen: the coordinator's view (fresher) over the DHT's records.
+        A group's rendezvous dials those it still waits for and goes on without the dead."""
+        listed = {m.node_id: m.address for m in self.view.trainers() if m.address} if self.view is not None else {}
+        return {**self._addresses, **listed}
 
     def _log_formation(self, round_id: int, formation: Formation) -> None:
         shape = (sum(map(len, formation.groups)), len(formation.groups))

@@ -107,11 +107,19 @@ class DHTGroup:
         return self.expected() if callable(self.expected) else self.expected
 
     async def members(
-        self, round_id: int, key: str, wait_s: float | None = None, expected: int | None = None
+        self,
+        round_id: int,
+        key: str,
+        wait_s: float | None = None,
+        expected: int | Callable[[], int | None] | None = None,
+        waiting: Callable[[dict[str, str]], None] | None = None,
     ) -> dict[str, str]:
         """The round's members: waits up to the rendezvous deadline (or ``wait_s``) for the others
-        (``expected`` of them when given: a group's call, node/exchange/hierarchy.py)."""
+        (``expected`` of them when given: a group's call, node/exchange/hierarchy.py, which also
+        brings its own ``waiting``: it probes the group's missing members, not the run's)."""
         view = self.view
+        if waiting is None and view is not None:
+            waiting = functools.partial(self._probe_missing, since=time.monotonic())
         return await self.dht.arendezvous(
             round_id,
             key,
@@ -121,7 +129,7 @@ class DHTGroup:
             min_members=self.settings.min_members,
             extra={"incarnation": view.incarnation} if view is not None else None,
             keep=view.keeps if view is not None else None,
-            waiting=functools.partial(self._probe_missing, since=time.monotonic()) if view is not None else None,
+            waiting=waiting,
         )
 
     def _probe_missing(self, present: dict[str, str], since: float) -> None:

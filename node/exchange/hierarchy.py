@@ -52,7 +52,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -60,6 +60,7 @@ import torch
 
 from murmur.node.exchange.groups import Formation, GroupFormationError, form_groups, holders
 from murmur.node.exchange.grpc_exchange import ROUND_END, GrpcExchange, Scattered
+from murmur.node.exchange.scope import ScopedGroup
 from murmur.node.exchange.settings import alignment, spans
 from murmur.node.net.state_transfer import result_name
 from murmur.optim.exchange import Exchange, ExchangeError, GatherResult, ReduceResult
@@ -70,54 +71,6 @@ __all__ = ["GroupedExchange", "ScopedGroup"]
 log = logging.getLogger(__name__)
 
 
-class ScopedGroup:
-    """The wrapped exchange's group provider, scoped per call: a phase call ``(round, key)`` meets
-    only the peers its phase names. A DHT group meets them at that key's rendezvous and waits for
-    that many; a static group (a fixed cluster, tests) is filtered to them. The quorum of a scoped
-    call is a strict majority of its scope, not of the run's live trainers."""
-
-    def __init__(self, inner) -> None:
-        self.inner = inner
-        self.scopes: dict[tuple[int, str], frozenset[str]] = {}
-        self.sizes: dict[tuple[int, str], int] = {}
-
-    def __getattr__(self, name: str):
-        return getattr(self.inner, name)
-
-    def scope(self, round_id: int, key: str, members: Collection[str], size: int | None = None) -> None:
-        """Call ``(round, key)`` meets ``members`` only; ``size`` (default: all of them) peers
-        are expected there, and its quorum is a strict majority of that."""
-        self.scopes[(round_id, key)] = frozenset(members)
-        self.sizes[(round_id, key)] = len(members) if size is None else size
-
-    def forget(self, round_id: int) -> None:
-        for k in [k for k in self.scopes if k[0] <= round_id]:
-            del self.scopes[k]
-            del self.sizes[k]
-
-    def scope_size(self, round_id: int, key: str) -> int | None:
-        return self.sizes.get((round_id, key))
-
-    async def members(self, round_id: int, key: str, **kw) -> dict[str, str]:
-        scope = self.scopes.get((round_id, key))
-        if scope is None:
-            return await self.inner.members(round_id, key, **kw)
-        if getattr(self.inner, "dht", None) is not None:  # a DHTGroup: the key itself scopes it
-            return await self.inner.members(round_id, key, expected=self.sizes[(round_id, key)], **kw)
-        found = await self.inner.members(round_id, key, **kw)
-        return {n: a for n, a in found.items() if n in scope}
-
-    async def present(self, round_id: int, key: str) -> dict[str, str]:
-        """Who is at ``key``'s rendezvous now, without joining it (a static group: its members)."""
-        look = getattr(self.inner, "present", None)
-        return await (look(round_id, key) if look is not None else self.members(round_id, key))
-
-    async def current(self, round_id: int, key: str) -> dict[str, str]:
-        look = getattr(self.inner, "current", None)
-        static = (round_id, key) in self.scopes and getattr(self.inner, "dht", None) is None
-        return await (self.members(round_id, key) if look is None or static else look(round_id, key))
-
-
 class GroupedExchange(Exchange):
     def __init__(
         self,
@@ -126,12 +79,15 @@ class GroupedExchange(Exchange):
         run_id: str,
         live: Callable[[], Collection[str]],
         group_size: int,
+        addresses: Callable[[], Mapping[str, str]] | None = None,
     ) -> None:
         self.inner = inner
         self.run_id = run_id
         self.live = live  # the run's live trainers, as every peer sees them (node ids)
         self.group_size = group_size
-        self.scoped = ScopedGroup(inner.rounds.group)
+        # Where they listen (as far as this peer knows): a group's rendezvous dials the members
+        # it still waits for, and stops waiting for those whose address refuses (scope.py).
+        self.scoped = ScopedGroup(inner.rounds.group, addresses)
         inner.rounds.group = self.scoped
         # The run's arbiter (the coordinator's ClaimRound) judges the round, not its phases: a
         # group is a minority of the run by design, and its claim would be refused as a split.
@@ -225,7 +181,7 @@ class GroupedExchange(Exchange):
         template = [await asyncio.to_thread(_slot_wire, codec, torch.zeros(0), width)] * slots
         wires = [await asyncio.to_thread(_slot_wire, codec, r.tensors[0].reshape(-1), width) for r in cols]
         wires += [await asyncio.to_thread(codec.encode_stateless, torch.zeros(0))] * (slots - len(wires))
-        self.scoped.scope(round_id, f"{gkey}/gather", survivors)
+        self.scoped.scope(round_id, f"{gkey}/gather", survivors, watch=True)
         await self.inner.faults.delay("group_gather", me, round_id)
         gathered = await self.inner.agather(wires, round_id=round_id, key=f"{gkey}/gather", template=template)
         out = torch.empty_like(mean)
@@ -338,7 +294,7 @@ class GroupedExchange(Exchange):
         """One group's reduce-scatter under ``sub``, with the error feedback of ``key`` (the round's
         own key: a group's key changes from round to round, the residual must not)."""
         codec = self.inner.codec
-        self.scoped.scope(round_id, sub, members)
+        self.scoped.scope(round_id, sub, members, watch=True)
         moved = codec.residuals.pop(key, None)
         if moved is not None:
             codec.residuals[sub] = moved

@@ -165,7 +165,9 @@ def main(argv: list[str] | None = None) -> int:
         dht.announce(record)
         live: list[str] = []  # read from the DHT before each round, never on the loop (a blocking get)
         seen: dict[str, str] = {}  # the live peers of the round before, with their addresses
-        exchange = GroupedExchange(peer.exchange, run_id=args.run, live=lambda: live, group_size=group_size)
+        exchange = GroupedExchange(
+            peer.exchange, run_id=args.run, live=lambda: live, group_size=group_size, addresses=lambda: seen
+        )
         emit(event="ready", node_id=identity.node_id, address=address)
         if args.peers > group_size:
             seen = wait_for_records(dht, [record], args.peers, args.rendezvous_deadline, args.record_ttl)

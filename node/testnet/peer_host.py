@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import logging
+import os
 import signal
 import sys
 import time
@@ -32,6 +34,7 @@ from typing import Any
 import torch
 
 from murmur.errors import MurmurError
+from murmur.library_logs import DEBUG_ENV
 from murmur.node.exchange.group import DHTGroup, RendezvousSettings
 from murmur.node.exchange.peer import ExchangePeer, PeerSpec, build_peer
 from murmur.node.exchange.settings import ExchangeSettings
@@ -69,6 +72,19 @@ def group_size(cfg: RunConfig) -> int | None:
     return None if size is None or GroupedExchange is None else int(size)
 
 
+def log_to_stderr() -> None:
+    """The exchange's own lines (who was dropped, what was retried or caught up) on stderr, at
+    MURMUR_LOG_LEVEL (info, debug) when set: benchmarks/scale.py --keep-logs keeps them. Each line
+    names its thread, not its peer: peers of one process share the loop."""
+    level = os.environ.get(DEBUG_ENV, "").strip().upper()
+    if level in ("DEBUG", "INFO"):
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+        murmur_log = logging.getLogger("murmur")
+        murmur_log.addHandler(handler)
+        murmur_log.setLevel(level)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m murmur.node.testnet.peer_host")
     ap.add_argument("--identity", action="append", required=True, help="a peer's folder (node.key, node.crt, ca.crt)")
@@ -91,6 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"peer_host: {err}", file=sys.stderr)
         return 2
     bound = group_size(cfg)
+    log_to_stderr()
     torch.set_num_threads(1)  # many peers share 2 cores: one torch thread each, as `--threads 1`
     identities = [Identity.load(d) for d in args.identity]
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -127,7 +144,8 @@ def main(argv: list[str] | None = None) -> int:
         live: list[str] = []
         seen: dict[str, str] = {}  # the live peers of the round before, with their addresses
         exchanges = [p.exchange if bound is None else
-                     GroupedExchange(p.exchange, run_id=args.run, live=lambda: live, group_size=bound) for p in peers]
+                     GroupedExchange(p.exchange, run_id=args.run, live=lambda: live, group_size=bound,
+                                     addresses=lambda: seen) for p in peers]
         for handle, record in zip(handles, records, strict=True):
             handle.announce(record)
             emit(event="ready", node_id=record.node_id, address=record.address, group_size=bound)
