@@ -348,11 +348,11 @@ def live_tensor_bytes() -> int:
     seen: dict[int, int] = {}
     for o in gc.get_objects():
         if issubclass(type(o), torch.Tensor) and o.device.type == "cpu":  # type(): no module proxy asked
-            st = o.untyped_storage()
             try:
+                st = o.untyped_storage()
                 seen[st.data_ptr()] = st.nbytes()
-            except RuntimeError:  # a tracing tensor (FakeTensor) another test of this worker left: no data
-                continue
+            except RuntimeError:  # a tracing or vmap tensor (FakeTensor, BatchedTensorImpl) another test
+                continue  # of this worker left: no storage of its own
     return sum(seen.values())
 
 
