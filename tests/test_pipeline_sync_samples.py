@@ -48,7 +48,7 @@ def test_stage_mates_sync_at_the_multiples_of_samples_the_ledger_passes(tmp_path
         assert p.proc.returncode == 0 and p.stopped, p.lines[-3:]
         st = p.stopped
         # Rounds whose ids are the ledger's multiples of EVERY samples: at least two of the six it
-        # passed (a round that outlasts a multiple, under load, runs at the latest one instead),
+        # passed (a round that outlasts a multiple, under load, runs the next one late),
         # the last within the run's samples.
         assert st["sync_rounds"] + st["sync_idle_rounds"] >= 2, seen
         assert 0 < st["sync_last_round"] <= samples and st["sync_last_round"] % EVERY == 0, seen

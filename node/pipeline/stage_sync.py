@@ -16,8 +16,11 @@ machine as much as the pipeline (5.21% against 1.21%). The rules (`due_round`):
 - Mates hear the ledger at slightly different moments (a backward's total, a poll every 0.5 s): a
   round starts on each when it hears the multiple passed, and the exchange's rendezvous waits for
   the others within the round's deadline.
-- A ledger that jumps several multiples at once (a round that outlasted them, a late poll) gives
-  one round, at the latest multiple: no backlog, and mates that heard the same total agree.
+- A ledger that jumps several multiples at once (a round that outlasted them, a late poll) gives a
+  round at each of them in turn, one after another: every mate walks the same ids, whatever moment
+  it heard the total at. Skipping to the latest multiple instead let two mates that heard the total
+  at different moments start different rounds (16 on one, 32 on the other), each waiting out the
+  deadline for the other: under load the first real-process test had no round complete at all.
 - A peer that becomes the stage (a start, a join, a move, a restart) counts from the multiple the
   ledger is past when it does (the coordinator's view gives the total before the peer serves): its
   first round is the next multiple, the one its mates run next.
@@ -30,8 +33,8 @@ machine as much as the pipeline (5.21% against 1.21%). The rules (`due_round`):
 - ``sync_every_s`` stays the round's time scale (its deadline is 3/4 of it, the look at the mates'
   outer states 1/4, its parts start within it) and the stillness above. It is no floor between
   rounds: a floor in seconds would make the drift depend on the machine's speed again, and rounds
-  never pile up anyway (one at a time; a network slower than the training makes them back to
-  back, each at the latest multiple). ``sync_every_samples = 0`` keeps rounds on the clock, round r
+  run one at a time (a network slower than the training makes them back to back, behind the
+  ledger). ``sync_every_samples = 0`` keeps rounds on the clock, round r
   at ``r * sync_every_s`` of Unix time.
 
 A round runs like this:
@@ -168,12 +171,13 @@ def due_round(total: int, every: int, started: int, still_s: float, every_s: flo
 
     ``total``: the ledger's samples as heard now; ``every``: pipeline.sync_every_samples;
     ``started``: the id of the last round this peer started (or the multiple the ledger was past
-    when it became the stage); ``still_s``: how long the total has not moved. The latest multiple
-    passed, if past ``started`` (several at once: one round); else the total itself once it has
-    stood still for ``every_s`` with samples past ``started``."""
-    passed = total // every * every
-    if passed > started:
-        return passed
+    when it became the stage); ``still_s``: how long the total has not moved. The next multiple
+    after ``started`` once the ledger passed it (several passed: each in turn, so that every mate
+    walks the same ids); else the total itself once it has stood still for ``every_s`` with
+    samples past ``started``."""
+    after = (started // every + 1) * every
+    if total >= after:
+        return after
     if total > started and still_s >= every_s:
         return total
     return None
@@ -534,8 +538,8 @@ class StageSync:
         """A round's parts start within a period of its start (each part's exchange is bounded by
         the round deadline). Not within the deadline itself: under load (25-40 on the 2-core build
         machine, 8 peers) a stage's six parts took longer than it and the rounds failed half-way;
-        a round that runs long only makes the peer skip the next round (`run`; by samples the next is
-        the latest multiple passed), and a mate
+        a round that runs long only makes the peer skip the clock's next round (`run`; by samples it
+        runs the next multiple late), and a mate
         that is there without it fails that one round. The parts done stay done, and the next
         round starts at another part (`round`), so every part is synced in turn."""
         if i and asyncio.get_running_loop().time() - started > self.every_s:
