@@ -114,7 +114,8 @@ async def _worker(args: argparse.Namespace) -> None:
                     if attempt == SETUP_TRIES - 1:
                         raise
             ident = identity.Identity(key=key, cert_pem=reply.certificate_pem, ca_cert_pem=ca_pem)
-            client = MemberClient(reply.node_address, ident, timeout_s=CALL_TIMEOUT_S)
+            client = MemberClient(reply.node_address, ident, timeout_s=CALL_TIMEOUT_S,
+                                  heartbeat_address=reply.heartbeat_address)  # a front: its first stream there
             client.heartbeat_stream = not args.unary  # --unary: the Heartbeat call of older nodes
             clients.append(client)
             counts["joined"] += 1
@@ -146,10 +147,9 @@ async def _worker(args: argparse.Namespace) -> None:
     async def beat(i: int, c: MemberClient) -> None:
         async with gate:
             try:
-                # A reply that names a heartbeat front moves the node's stream there: a second beat
-                # opens it now, not in the window.
-                if (await c.heartbeat(peer=as_trainer(i, 0))).heartbeat_address:
-                    await c.heartbeat(peer=as_trainer(i, 0))
+                await c.heartbeat(peer=as_trainer(i, 0))
+                if c.heartbeat_address and c._front is None:  # a reply moved the stream to a front:
+                    await c.heartbeat(peer=as_trainer(i, 0))  # opened now, not in the window
             except CoordinatorError as err:  # counted and reported; the node's next heartbeat tries again
                 setup_errors.append(f"Heartbeat {err.code}")
         counts["open"] += 1

@@ -181,6 +181,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 heartbeat_ttl_s=s.heartbeat_ttl_s,
                 lease_ttl_s=s.lease_ttl_s,
                 tls_server_name=TLS_SERVER_NAME,
+                heartbeat_address=self.fronts.address_for(joined.node_id) if self.fronts is not None else "",
             )
 
         return await self._run("Join", context, call, batched=True)  # a join storm: one fsync per batch

@@ -62,6 +62,7 @@ class JoinInfo:
     heartbeat_interval_s: float
     heartbeat_ttl_s: float
     lease_ttl_s: float
+    heartbeat_address: str = ""  # the coordinator's heartbeat front for this node ("" none)
 
 
 async def join_run(
@@ -108,6 +109,7 @@ async def join_run(
         heartbeat_interval_s=reply.heartbeat_interval_s,
         heartbeat_ttl_s=reply.heartbeat_ttl_s,
         lease_ttl_s=reply.lease_ttl_s,
+        heartbeat_address=reply.heartbeat_address,
     )
     return ident, info
 
@@ -123,10 +125,12 @@ class MemberClient:
         server_name: str = "murmur-coordinator",
         timeout_s: float = CALL_TIMEOUT_S,
         reconnect_backoff_s: float | None = None,
+        heartbeat_address: str = "",
     ) -> None:
         """``reconnect_backoff_s``: the longest wait between attempts to reach a coordinator that
         went away (None: gRPC's own backoff, which grows to two minutes). A member that keeps
-        working through an outage sets it, to see the coordinator's return soon after it."""
+        working through an outage sets it, to see the coordinator's return soon after it.
+        ``heartbeat_address``: the front its join reply named, so the first stream opens there."""
         self._creds = grpc.ssl_channel_credentials(
             root_certificates=ident.ca_cert_pem, private_key=ident.key_pem, certificate_chain=ident.cert_pem
         )
@@ -162,7 +166,7 @@ class MemberClient:
         # replies (heartbeat_address; coordinator/fronts.py): the stream opens there, on a channel
         # of its own, and every other call stays on the node address. Any failure there sends the
         # next heartbeat to the node address again, whose reply names the front anew.
-        self.heartbeat_address = ""
+        self.heartbeat_address = heartbeat_address
         self._front: Any = None  # (channel, stub) to heartbeat_address, opened with its first stream
 
     async def close(self) -> None:

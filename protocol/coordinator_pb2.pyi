@@ -55,7 +55,7 @@ class JoinRequest(_message.Message):
     def __init__(self, protocol_version: _Optional[int] = ..., token: _Optional[str] = ..., csr_pem: _Optional[bytes] = ..., hardware: _Optional[_Union[Hardware, _Mapping]] = ..., peer_address: _Optional[str] = ..., name: _Optional[str] = ...) -> None: ...
 
 class JoinReply(_message.Message):
-    __slots__ = ("node_id", "run_id", "certificate_pem", "ca_certificate_pem", "config_toml", "bootstrap_peers", "node_address", "heartbeat_interval_s", "heartbeat_ttl_s", "lease_ttl_s", "tls_server_name")
+    __slots__ = ("node_id", "run_id", "certificate_pem", "ca_certificate_pem", "config_toml", "bootstrap_peers", "node_address", "heartbeat_interval_s", "heartbeat_ttl_s", "lease_ttl_s", "tls_server_name", "heartbeat_address")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     CERTIFICATE_PEM_FIELD_NUMBER: _ClassVar[int]
@@ -67,6 +67,7 @@ class JoinReply(_message.Message):
     HEARTBEAT_TTL_S_FIELD_NUMBER: _ClassVar[int]
     LEASE_TTL_S_FIELD_NUMBER: _ClassVar[int]
     TLS_SERVER_NAME_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     run_id: str
     certificate_pem: bytes
@@ -78,7 +79,8 @@ class JoinReply(_message.Message):
     heartbeat_ttl_s: float
     lease_ttl_s: float
     tls_server_name: str
-    def __init__(self, node_id: _Optional[str] = ..., run_id: _Optional[str] = ..., certificate_pem: _Optional[bytes] = ..., ca_certificate_pem: _Optional[bytes] = ..., config_toml: _Optional[str] = ..., bootstrap_peers: _Optional[_Iterable[str]] = ..., node_address: _Optional[str] = ..., heartbeat_interval_s: _Optional[float] = ..., heartbeat_ttl_s: _Optional[float] = ..., lease_ttl_s: _Optional[float] = ..., tls_server_name: _Optional[str] = ...) -> None: ...
+    heartbeat_address: str
+    def __init__(self, node_id: _Optional[str] = ..., run_id: _Optional[str] = ..., certificate_pem: _Optional[bytes] = ..., ca_certificate_pem: _Optional[bytes] = ..., config_toml: _Optional[str] = ..., bootstrap_peers: _Optional[_Iterable[str]] = ..., node_address: _Optional[str] = ..., heartbeat_interval_s: _Optional[float] = ..., heartbeat_ttl_s: _Optional[float] = ..., lease_ttl_s: _Optional[float] = ..., tls_server_name: _Optional[str] = ..., heartbeat_address: _Optional[str] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("tokens_per_s", "ban_list_version", "state", "incarnation", "peer_address", "round", "state_hash", "stage_peer", "starting", "measured", "view_version")

@@ -3,7 +3,8 @@ nodes' heartbeat streams and hand the coordinator their beats in batches (coordi
 
 A real coordinator process with two fronts: a node's first heartbeat (at the node address) names
 its front, its next ones go there and keep it alive past its TTL, a refusal comes back through the
-front with the coordinator's status, every other call stays at the node address. A front
+front with the coordinator's status, every other call stays at the node address; a client given
+the front its join reply named opens its first stream there. A front
 SIGKILLed costs its node at most one heartbeat (the next goes to the node address, whose reply
 names the new front) and never its membership. The fronts end with the coordinator, stopped or
 SIGKILLed: no process is left behind.
@@ -12,6 +13,7 @@ SIGKILLed: no process is left behind.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 
@@ -21,7 +23,8 @@ import pytest
 from _coordinator_helpers import FAST, admin, admin_json, join, new_token, start_coordinator, write_run_files
 
 from murmur.coordinator.settings import CoordinatorSettings, SettingsError
-from murmur.protocol.coordinator_client import CoordinatorError
+from murmur.protocol import identity
+from murmur.protocol.coordinator_client import CoordinatorError, MemberClient, join_run
 
 pytestmark = pytest.mark.integration
 FRONTS = ["--heartbeat-fronts", "2"]
@@ -56,19 +59,25 @@ def test_a_front_carries_a_nodes_heartbeats_and_the_coordinators_refusal(tmp_pat
                 first = await client.heartbeat(1.0)
                 assert first.heartbeat_address in fronts  # its front, by its node id
                 lease = (await client.acquire()).lease
-                beats = 0
-                loop = asyncio.get_running_loop()
-                until = loop.time() + 2 * 1.5  # two heartbeat TTLs of FAST: alive only if the beats count
-                while loop.time() < until:
-                    reply = await client.heartbeat(1.0)
-                    assert reply.run_state == "active" and reply.heartbeat_address == first.heartbeat_address
-                    beats += 1
-                    await asyncio.sleep(0.2)
-                assert client._front is not None and client._beats is not None  # the stream is the front's
-                assert status_of(coord, node_id) == "active"
-                # Every other call stays at the node address; the front renewed the lease meanwhile.
+                replies = []
+
+                async def beating() -> None:  # as a node does, also while the admin CLI runs
+                    while True:
+                        replies.append(await client.heartbeat(1.0))
+                        await asyncio.sleep(0.2)
+
+                beater = asyncio.create_task(beating())
+                await asyncio.sleep(2 * 1.5)  # two heartbeat TTLs of FAST: alive only if the beats count
+                assert await asyncio.to_thread(status_of, coord, node_id) == "active"
+                # Every other call stays at the node address; the front's beats renewed the lease.
                 done = await client.commit(lease.lease_id, lease.shard_id, 0, 100)
                 assert done.committed_offset == 100
+                beater.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await beater
+                assert len(replies) >= 3 and all(r.run_state == "active" for r in replies)
+                assert {r.heartbeat_address for r in replies} == {first.heartbeat_address}
+                assert client._front is not None  # the stream is the front's
                 banned = admin(coord, "nodes", "ban", node_id, "--reason", "test")
                 assert banned.returncode == 0, banned.stderr
                 with pytest.raises(CoordinatorError, match="banned") as err:
@@ -91,10 +100,14 @@ def test_a_front_killed_costs_its_node_one_heartbeat_and_is_replaced(tmp_path):
     try:
 
         async def scenario() -> None:
-            client, node_id = await join(coord, token)
+            ident, info = await join_run(coord.address, token, identity.generate_key())
+            address, node_id = info.heartbeat_address, info.node_id
+            assert address in coord.info["heartbeat_fronts"]  # the join reply names the node's front
+            client = MemberClient(info.node_address, ident, server_name=info.tls_server_name,
+                                  heartbeat_address=address)
             async with client:
-                address = (await client.heartbeat(1.0)).heartbeat_address
-                await client.heartbeat(1.0)  # on the front now
+                assert (await client.heartbeat(1.0)).heartbeat_address == address
+                assert client._front is not None  # its very first stream went to the front
                 port = int(address.rpartition(":")[2])
                 (victim,) = [p for p in fronts_of(coord) if any(c.laddr.port == port for c in p.net_connections())]
                 os.kill(victim.pid, signal.SIGKILL)
