@@ -499,7 +499,7 @@ def main() -> int:
             "command": "python " + " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
             "notes": f"{where}; {args.workers} load processes; each node commits every {args.commit_every:g} s; "
                      f"cpu_pct is the coordinator process, % of one core; SQLite WAL synchronous=FULL; "
-                     f"niceness {args.nice}; {SHARED}",
+                     f"niceness {args.nice}; {args.fronts} heartbeat fronts; {SHARED}",
             "rows": rows,
         }
         if args.section:  # beside the file's other tables, which stay as they are
