@@ -22,6 +22,20 @@ Heartbeats go on each node's own long-lived stream (HeartbeatStream), as the nod
 ``--unary`` uses the unary Heartbeat call of older nodes instead, to compare like with like.
 ``--section NAME`` writes the table under that key of the results file and keeps the rest of it.
 
+``--fronts N``: the coordinator runs N heartbeat front processes (``--heartbeat-fronts``,
+coordinator/fronts.py) and each node's stream goes to the one its replies name, as a node's does;
+the coordinator's CPU is then its own process's and its fronts' together (both reported).
+
+The 10,000-node row on a 16-core host (the coordinator and its fronts pinned to 2 cores):
+
+    python benchmarks/coordinator_load.py --nodes 10000 --hz 1 --seconds 30 --workers 8 \
+        --coordinator-cpus 0-1 --load-cpus 2-15 --fronts 2 --commit-every 0 --budget 420
+
+``--budget S``: past S seconds in all (or on SIGTERM, e.g. from ``timeout``) the run is cut short
+and its row is still written, with what was measured until then and the phase it reached
+(``cut_short``). Every row records the commit, the machine's load before and after, the CPU
+pinning, the niceness and the fronts.
+
 Targets: issue 6, 1,000 nodes at 1 Hz with p99 under 50 ms on 2 cores; issue 49, 10,000.
 """
 
@@ -45,7 +59,7 @@ from pathlib import Path
 RESULTS = Path(__file__).resolve().parent / "results" / "coordinator_load.json"
 DEFAULT_ROWS = [(100, 1.0), (500, 1.0), (1000, 1.0), (1000, 2.0), (10000, 1.0)]
 START_TIMEOUT_S = 60.0
-JOIN_CONCURRENCY = 32
+JOIN_CONCURRENCY = 64  # calls in flight per load process while joining and opening streams
 SETUP_TRIES = 5  # a join or lease call that fails before the window is tried this often
 CALL_TIMEOUT_S = 120  # a call in the join storm of 10,000 nodes waits behind thousands of others
 
@@ -67,8 +81,22 @@ async def _worker(args: argparse.Namespace) -> None:
     ca_pem = fetch_pinned_ca(args.address, token.ca_fingerprint)
     opts = [("grpc.ssl_target_name_override", "murmur-coordinator")]
     clients: list[MemberClient] = []
-    gate = asyncio.Semaphore(JOIN_CONCURRENCY)
+    gate = asyncio.Semaphore(args.join_concurrency)
     setup_errors: list[str] = []  # calls that failed before the window (retried), by method and status
+    latencies: list[float] = []
+    commit_latencies: list[float] = []
+    trace: list[tuple[float, float, float]] = []  # (scheduled at, start delay, latency): for diagnosis
+    counts = {"commits": 0, "errors": 0, "views": 0, "joined": 0, "open": 0}
+
+    def dump() -> None:
+        Path(args.out).write_text(json.dumps({"latencies": latencies, "commit_latencies": commit_latencies,
+                                              **counts, "setup_errors": setup_errors, "trace": trace}))
+
+    def cut_short() -> None:  # the driver was told to stop: what was measured so far, then out
+        dump()
+        os._exit(0)
+
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, cut_short)
     async with grpc.aio.secure_channel(args.address, grpc.ssl_channel_credentials(ca_pem), options=opts) as ch:
         stub = pb_grpc.CoordinatorStub(ch)
 
@@ -86,9 +114,11 @@ async def _worker(args: argparse.Namespace) -> None:
                     if attempt == SETUP_TRIES - 1:
                         raise
             ident = identity.Identity(key=key, cert_pem=reply.certificate_pem, ca_cert_pem=ca_pem)
-            client = MemberClient(reply.node_address, ident, timeout_s=CALL_TIMEOUT_S)
+            client = MemberClient(reply.node_address, ident, timeout_s=CALL_TIMEOUT_S,
+                                  heartbeat_address=reply.heartbeat_address)  # a front: its first stream there
             client.heartbeat_stream = not args.unary  # --unary: the Heartbeat call of older nodes
             clients.append(client)
+            counts["joined"] += 1
 
         await asyncio.gather(*(join_one() for _ in range(args.nodes)))
     async def acquire(c: MemberClient):
@@ -118,8 +148,11 @@ async def _worker(args: argparse.Namespace) -> None:
         async with gate:
             try:
                 await c.heartbeat(peer=as_trainer(i, 0))
+                if c.heartbeat_address and c._front is None:  # a reply moved the stream to a front:
+                    await c.heartbeat(peer=as_trainer(i, 0))  # opened now, not in the window
             except CoordinatorError as err:  # counted and reported; the node's next heartbeat tries again
                 setup_errors.append(f"Heartbeat {err.code}")
+        counts["open"] += 1
         getattr(c, "view_members", {}).clear()  # see run_node
 
     # Open every channel before the clock starts (a trainer's first heartbeat changes the view).
@@ -134,18 +167,10 @@ async def _worker(args: argparse.Namespace) -> None:
     args.start_at = float(await asyncio.to_thread(sys.stdin.readline))
     if args.trainers:  # every worker's trainers are in: one more beat, and each holds the whole view
         await asyncio.gather(*(beat(i, c) for i, c in enumerate(clients)))
-    latencies: list[float] = []
-    commit_latencies: list[float] = []
-    trace: list[tuple[float, float, float]] = []  # (scheduled at, start delay, latency): for diagnosis
-    commits = 0
-    errors = 0
     period = 1.0 / args.hz
     start, end = args.start_at, args.start_at + args.seconds
 
-    views = 0  # replies that listed the view (not view_unchanged)
-
     async def run_node(i: int, client: MemberClient, lease: object) -> None:
-        nonlocal commits, errors, views
         rng = random.Random(args.index * 100_000 + i)
         round_id, next_round = 0, start + rng.random() * args.round_every if args.round_every > 0 else float("inf")
         lease = lease.lease  # type: ignore[attr-defined]
@@ -164,7 +189,7 @@ async def _worker(args: argparse.Namespace) -> None:
                     await client.commit(lease.lease_id, lease.shard_id, offset, offset + 100, outer_step=1,
                                         loss=1.0, bytes_sent=1000, seconds=1.0)
                     offset += 100
-                    commits += 1
+                    counts["commits"] += 1
                     commit_latencies.append(time.perf_counter() - t0)
                 else:
                     next_beat += period
@@ -172,20 +197,17 @@ async def _worker(args: argparse.Namespace) -> None:
                         round_id, next_round = round_id + 1, next_round + args.round_every
                     reply = await client.heartbeat(tokens_per_s=100.0, peer=as_trainer(i, round_id))
                     latencies.append(time.perf_counter() - t0)
-                    views += bool(reply.members)
+                    counts["views"] += bool(reply.members)  # replies that listed the view
                     # A simulated node keeps the view's version, not its members: 10,000 copies of a
                     # 10,000-trainer view do not fit this machine (a real node holds one).
                     getattr(client, "view_members", {}).clear()
                     trace.append((round(t - start, 3), round(time.time() - t, 4), latencies[-1]))
             except Exception:  # noqa: BLE001 - counted and reported; the benchmark keeps going
-                errors += 1
+                counts["errors"] += 1
 
     await asyncio.gather(*(run_node(i, c, lz) for i, (c, lz) in enumerate(zip(clients, leases, strict=True))))
+    dump()
     await asyncio.gather(*(c.close() for c in clients))
-    Path(args.out).write_text(json.dumps({"latencies": latencies, "commit_latencies": commit_latencies,
-                                          "commits": commits, "errors": errors, "views": views,
-                                          "setup_errors": setup_errors,
-                                          "trace": trace}))
 
 
 # --- the driver -------------------------------------------------------------------------------------
@@ -235,9 +257,14 @@ SHARED = ("what simulated nodes share: a load process runs many of them on one a
 
 
 def _commit() -> str:
+    """HEAD's short hash, with "+changes" when the tracked files differ from it."""
+    here = Path(__file__).resolve().parent
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True,
-                              cwd=Path(__file__).resolve().parent).stdout.strip()
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True,
+                              cwd=here).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                               text=True, check=True, cwd=here).stdout.strip()
+        return head + ("+changes" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
 
@@ -249,15 +276,35 @@ def _pct(values: list[float], q: float) -> float:
     return s[min(len(s) - 1, int(q * len(s)))]
 
 
+class CutShort(Exception):
+    """SIGTERM or the --budget ran out: the row is written with what was measured so far."""
+
+
+def _cut_short(*_: object) -> None:
+    raise CutShort()
+
+
+def _cpu(procs: list) -> float:
+    total = 0.0
+    for p in procs:
+        try:
+            t = p.cpu_times()
+            total += t.user + t.system
+        except Exception:  # noqa: BLE001 - a process that ended meanwhile counts what it had
+            pass
+    return total
+
+
 def measure(nodes: int, hz: float, seconds: float, workers: int, commit_every: float,
             nice: int = 0, coord_cpus: set[int] | None = None,
             load_cpus: set[int] | None = None, trainers: bool = False, round_every: float = 0.0,
-            unary: bool = False) -> dict[str, object]:
+            unary: bool = False, fronts: int = 0, join_concurrency: int = JOIN_CONCURRENCY) -> dict[str, object]:
     import psutil
 
     from murmur.protocol import coordinator_pb2 as pb
     from murmur.protocol.admin_client import AdminClient, resolve
 
+    began = time.time()
     tmp = Path(tempfile.mkdtemp(prefix="murmur-load-"))
     # Longer than joining every node takes (a node heartbeats only once all of its worker's have
     # joined): 10,000 joins take minutes here, and nodes lost meanwhile would churn the view.
@@ -269,10 +316,16 @@ def measure(nodes: int, hz: float, seconds: float, workers: int, commit_every: f
          "--db", str(db), "--listen", "127.0.0.1:0",
          "--node-listen", "127.0.0.1:0", "--metrics-listen", "off", "--no-dht", "--heartbeat-interval", str(1 / hz),
          "--heartbeat-ttl", str(ttl), "--lease-ttl", str(2 * ttl), "--join-grace", str(ttl),
+         *(["--heartbeat-fronts", str(fronts)] if fronts else []),
          *os.environ.get("LOAD_COORD_ARGS", "").split()],
         stdout=subprocess.PIPE, stderr=coord_log, text=True, preexec_fn=_renice(nice, coord_cpus),
-    )
+    )  # its fronts are its children: they inherit its CPUs and niceness
     procs: list[subprocess.Popen[str]] = []
+    outs: list[Path] = []
+    phase = "starting"
+    window = 0.0
+    busy = main_busy = client_busy = 0.0
+    load_before = os.getloadavg()[0]
     try:
         info = json.loads(coord.stdout.readline())  # type: ignore[union-attr]
         manifest = json.dumps({"shards": [{"id": i, "tokens": 10**9} for i in range(nodes)]})
@@ -281,7 +334,7 @@ def measure(nodes: int, hz: float, seconds: float, workers: int, commit_every: f
             admin.call("CreateRun", pb.CreateRunRequest(config_toml=config, manifest_json=manifest))
             # Uses for retries too: a join whose reply was lost used one up.
             token = admin.call("CreateToken", pb.CreateTokenRequest(ttl_s=3600, uses=SETUP_TRIES * nodes)).token
-        outs = []
+        phase = "joining and opening streams"
         for w in range(workers):
             share = nodes // workers + (1 if w < nodes % workers else 0)
             out = tmp / f"worker{w}.json"
@@ -290,12 +343,13 @@ def measure(nodes: int, hz: float, seconds: float, workers: int, commit_every: f
                 [sys.executable, __file__, "--worker", "--address", info["address"], "--token", token,
                  "--nodes", str(share), "--hz", str(hz), "--seconds", str(seconds),
                  "--commit-every", str(commit_every), "--index", str(w), "--out", str(out),
-                 "--round-every", str(round_every), *(["--trainers"] if trainers else []),
-                 *(["--unary"] if unary else [])],
+                 "--round-every", str(round_every), "--join-concurrency", str(join_concurrency),
+                 *(["--trainers"] if trainers else []), *(["--unary"] if unary else [])],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, preexec_fn=_renice(nice, load_cpus)))
         for p in procs:  # every node joined, leased and connected
             if p.stdout.readline().strip() != "ready":  # type: ignore[union-attr]
                 raise RuntimeError("a load worker failed while joining its nodes")
+        setup_s = time.time() - began
         start_at = time.time() + 1.0 + (nodes / 500 if trainers else 0.0)  # trainers beat once more first
         for p in procs:
             p.stdin.write(f"{start_at}\n")  # type: ignore[union-attr]
@@ -303,23 +357,35 @@ def measure(nodes: int, hz: float, seconds: float, workers: int, commit_every: f
         proc = psutil.Process(coord.pid)
         load_before = os.getloadavg()[0]
         time.sleep(max(0.0, start_at - time.time()))
-        cpu0 = proc.cpu_times()
+        phase = "measuring"
+        kids = proc.children(recursive=True)  # the heartbeat fronts
+        cpu0, main0 = _cpu([proc, *kids]), _cpu([proc])
         wprocs = [psutil.Process(p.pid) for p in procs]
-        wcpu0 = [w.cpu_times() for w in wprocs]
+        wcpu0 = _cpu(wprocs)
         t0 = time.time()
-        time.sleep(seconds)
-        wcpu1 = [w.cpu_times() for w in wprocs]
-        cpu1 = proc.cpu_times()
+        try:
+            time.sleep(seconds)
+        finally:  # cut short in the window: the CPU over what it measured
+            window = min(time.time() - t0, seconds)
+            client_busy = _cpu(wprocs) - wcpu0
+            busy, main_busy = _cpu([proc, *kids]) - cpu0, _cpu([proc]) - main0
         for p in procs:
             p.wait(timeout=START_TIMEOUT_S + nodes * 0.05)
-        client_busy = sum((b.user + b.system) - (a.user + a.system) for a, b in zip(wcpu0, wcpu1, strict=True))
-        window = min(time.time() - t0, seconds)
-        busy = (cpu1.user + cpu1.system) - (cpu0.user + cpu0.system)
-        results = [json.loads(o.read_text()) for o in outs]
+        phase = "done"
         print(f"worker outputs in {tmp}", file=sys.stderr)
+    except (CutShort, KeyboardInterrupt, RuntimeError, subprocess.TimeoutExpired) as err:
+        print(f"cut short while {phase}: {err!r}; writing what was measured", file=sys.stderr)
+        setup_s = time.time() - began if phase != "measuring" else setup_s
     finally:
-        for p in procs:
+        signal.alarm(0)
+        previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the cleanup itself is not cut short
+        for p in procs:  # a worker told to stop writes what it measured (its SIGTERM handler)
             if p.poll() is None:
+                p.terminate()
+        for p in procs:
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
         coord.terminate()
@@ -328,31 +394,47 @@ def measure(nodes: int, hz: float, seconds: float, workers: int, commit_every: f
         except subprocess.TimeoutExpired:
             coord.kill()
             coord.wait()
+        signal.signal(signal.SIGTERM, previous)
+    results = [json.loads(o.read_text()) for o in outs if o.exists() and o.stat().st_size]
     lat = [x for r in results for x in r["latencies"]]
     clat = [x for r in results for x in r["commit_latencies"]]
     commits = sum(r["commits"] for r in results)
-    return {
+    measured = window or seconds
+    row: dict[str, object] = {
         "nodes": nodes, "heartbeat_hz": hz, "heartbeat": "unary" if unary else "stream",
+        "heartbeat_fronts": fronts,
         "trainers": trainers, "round_every_s": round_every or None,
-        "views_per_s": round(sum(r.get("views", 0) for r in results) / seconds, 1),
+        "views_per_s": round(sum(r.get("views", 0) for r in results) / measured, 1),
         "cpu_us_per_call": round(1e6 * busy / max(1, len(lat) + commits), 1),
         "load_processes": workers,
-        "commits_per_s": round(commits / seconds, 1),
+        "commits_per_s": round(commits / measured, 1),
         "p50_ms": round(1000 * _pct(lat, 0.50), 2), "p99_ms": round(1000 * _pct(lat, 0.99), 2),
-        "cpu_pct": round(100 * busy / window, 1),
-        "client_cpu_pct": round(100 * client_busy / window, 1),
-        "heartbeats_per_s": round(len(lat) / seconds, 1),
+        "cpu_pct": round(100 * busy / measured, 1),  # the coordinator's process and its fronts
+        "coordinator_main_cpu_pct": round(100 * main_busy / measured, 1),
+        "client_cpu_pct": round(100 * client_busy / measured, 1),
+        "heartbeats_per_s": round(len(lat) / measured, 1),
         "commit_p99_ms": round(1000 * _pct(clat, 0.99), 2), "errors": sum(r["errors"] for r in results),
         # heartbeats that failed while every node opened its stream, before the window (by status)
         "setup_errors": dict(Counter(code for r in results for code in r["setup_errors"])),
-        "load_avg_1m": round(load_before, 2),
+        "setup_s": round(setup_s, 1),  # from the coordinator's start until every stream was open
+        "total_s": round(time.time() - began, 1),
+        "load_avg_1m": round(load_before, 2), "load_avg_1m_after": round(os.getloadavg()[0], 2),
+        "coordinator_cpus": _spec(coord_cpus), "load_cpus": _spec(load_cpus), "nice": nice,
+        "commit": _commit(),
     }
+    if phase != "done":
+        row["cut_short"] = (f"while {phase}: {sum(r.get('joined', 0) for r in results)} joined, "
+                            f"{sum(r.get('open', 0) for r in results)} streams open, {window:.1f} s of the window")
+    return row
+
+
+def _spec(cpus: set[int] | None) -> str:
+    return ",".join(str(c) for c in sorted(cpus)) if cpus else "any"
 
 
 def main() -> int:
-    # Stopped with SIGTERM (e.g. by `timeout`), the driver still ends its coordinator and load
-    # processes (its finally blocks run): Python's default would leave them behind.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    # Stopped with SIGTERM (e.g. by `timeout`) or past --budget, the driver still ends its
+    # coordinator and load processes and writes the row it has (measure's CutShort).
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nodes", type=int, default=0, help="one row with this many nodes (default: the table)")
     parser.add_argument("--hz", type=float, default=1.0)
@@ -366,6 +448,13 @@ def main() -> int:
     parser.add_argument("--nice", type=int, default=0, help="niceness of the coordinator and load processes")
     parser.add_argument("--coordinator-cpus", help="pin the coordinator to these CPUs, e.g. 0-1")
     parser.add_argument("--load-cpus", help="pin the load generators to these CPUs, e.g. 2-15")
+    parser.add_argument("--fronts", type=int, default=0,
+                        help="the coordinator's heartbeat front processes (--heartbeat-fronts)")
+    parser.add_argument("--join-concurrency", type=int, default=JOIN_CONCURRENCY,
+                        help="joins (and stream openings) in flight per load process")
+    parser.add_argument("--budget", type=float, default=0.0,
+                        help="seconds for the whole run; past them it is cut short and its row written")
+    parser.add_argument("--append", action="store_true", help="with --section: add the rows to the section's")
     parser.add_argument("--results", default=str(RESULTS), help="results file")
     parser.add_argument("--no-write", action="store_true", help="print, do not write the results file")
     parser.add_argument("--section", help="write the table under this key of the results file, keeping the rest")
@@ -379,14 +468,20 @@ def main() -> int:
         asyncio.run(_worker(args))
         return 0
     _renice_session(args.nice)
+    signal.signal(signal.SIGTERM, _cut_short)
+    signal.signal(signal.SIGALRM, _cut_short)
+    if args.budget:
+        signal.alarm(max(1, round(args.budget)))
     rows_spec = [(args.nodes, args.hz)] if args.nodes else DEFAULT_ROWS
     rows = []
     for nodes, hz in rows_spec:
         row = measure(nodes, hz, args.seconds, args.workers, args.commit_every, args.nice,
                       _cpu_set(args.coordinator_cpus), _cpu_set(args.load_cpus), args.trainers, args.round_every,
-                      args.unary)
+                      args.unary, args.fronts, args.join_concurrency)
         print(json.dumps(row), flush=True)
         rows.append(row)
+        if "cut_short" in row:
+            break
     if not args.no_write:
         out = Path(args.results)
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -404,11 +499,13 @@ def main() -> int:
             "command": "python " + " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
             "notes": f"{where}; {args.workers} load processes; each node commits every {args.commit_every:g} s; "
                      f"cpu_pct is the coordinator process, % of one core; SQLite WAL synchronous=FULL; "
-                     f"niceness {args.nice}; {SHARED}",
+                     f"niceness {args.nice}; {args.fronts} heartbeat fronts; {SHARED}",
             "rows": rows,
         }
         if args.section:  # beside the file's other tables, which stay as they are
             whole = json.loads(out.read_text()) if out.exists() else {}
+            if args.append and args.section in whole:
+                table["rows"] = [*whole[args.section].get("rows", []), *rows]
             whole[args.section] = table
             table = whole
         out.write_text(json.dumps(table, indent=1) + "\n")

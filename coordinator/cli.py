@@ -69,6 +69,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
             help=f"{help_text}, seconds (default %(default)s)",
         )
     serve.add_argument(
+        "--heartbeat-fronts",
+        type=int,
+        default=d.heartbeat_fronts,
+        help="processes beside this one that carry the nodes' heartbeat streams: about one per 4,000 nodes "
+        "at 1 Hz (default %(default)s: none, every stream at the node address)",
+    )
+    serve.add_argument(
         "--log-format",
         choices=FORMATS,
         default="text",
@@ -91,6 +98,7 @@ def _serve(args: argparse.Namespace) -> int:
         token_ttl_s=args.token_ttl_s,
         stall_after_s=args.stall_after_s,
         wal_checkpoint_pages=args.wal_checkpoint_pages,
+        heartbeat_fronts=args.heartbeat_fronts,
     )
     return run(
         ServeOptions(

@@ -31,12 +31,14 @@ from murmur.protocol import malformed, tls
 
 from . import authority, kept_server
 from .discovery import Discovery
+from .fronts import HeartbeatFronts
 from .keeper import StateKeeper
 from .membership import Membership
 from .metrics import LedgerCollector
 from .recovery import Recovery
 from .runs import Runs
 from .service import CoordinatorService
+from .serving import PENDING_CALLS, serving_options  # noqa: F401 - tests and callers import them from here
 from .settings import CoordinatorSettings
 from .stage_board import StageBoard
 from .status.http import StatusApp
@@ -45,35 +47,6 @@ from .store import Store
 
 class ServeError(MurmurError):
     pass
-
-
-# gRPC's core cancels calls beyond 1,000 waiting for the server to take them (3,000 hard): a join
-# storm, or the heartbeat streams of thousands of nodes opening at once after a restart, go past
-# that, and measured at 2,000 streams opened together the calls above it were CANCELLED at the
-# clients. Every node holds one heartbeat stream, so the bound is set well above any run's nodes.
-PENDING_CALLS = 100_000
-
-
-def serving_options(settings: CoordinatorSettings) -> list[tuple[str, int]]:
-    """gRPC options of the coordinator's server. How many calls may wait for it to take them, and
-    for how long: gRPC's core cancels a call nobody took within 30 s
-    (``grpc.server_max_unrequested_time_in_server``), and the client sees a bare CANCELLED. A
-    saturated loop takes new calls slowly (the aio server asks for one at a time, between
-    everything else the loop runs), so 10,000 nodes' heartbeat streams opening together waited past
-    it and were cancelled in thousands. A waiting call costs the coordinator nothing, and each
-    client bounds its own wait (its deadline, or the stream's own timeout), so the server's bound
-    is ``settings.call_wait_s`` (an hour)."""
-    return [
-        ("grpc.server.max_pending_requests", PENDING_CALLS),
-        ("grpc.server.max_pending_requests_hard_limit", PENDING_CALLS),
-        ("grpc.server_max_unrequested_time_in_server", max(1, round(settings.call_wait_s))),
-        # gRPC probes a connection's bandwidth (BDP) with a PING on data it receives, to grow its
-        # flow-control window for bulk transfers. The coordinator receives no bulk (its largest
-        # request is a config; kept states it sends, under the reader's window), but a heartbeat
-        # paid for a probe: a ping and its ack. With the node's channel probing no more either,
-        # 2,000 streamed heartbeats a second cost the coordinator 214-232 us each instead of 258-317.
-        ("grpc.http2.bdp_probe", 0),
-    ]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -167,6 +140,12 @@ class Coordinator:
         # the child (abseil's mutex check); nothing of gRPC exists yet here.
         if opts.dht:
             await self._start_dht()
+        node_listen = _derived(opts.listen, opts.node_listen, 1, "--node-listen")
+        if s.heartbeat_fronts:  # processes of their own: started before gRPC's threads are (as the DHT)
+            key_file, cert_file, _ = authority.paths(opts.db)
+            fronts = HeartbeatFronts(s.heartbeat_fronts, self.service.front_beat, key_file, cert_file, s, self.log)
+            self.service.fronts = fronts
+            await fronts.start(split_address(node_listen, "--node-listen")[0])
         self.server = grpc.aio.server(options=[*tls.server_options(s.max_message_bytes), *serving_options(s)])
         # A request that does not parse is refused in one line (INVALID_ARGUMENT), on every method.
         malformed.register(pb_grpc.add_CoordinatorServicer_to_server, self.service, self.server)
@@ -177,7 +156,6 @@ class Coordinator:
             pair, root_certificates=self.secrets.ca.cert_pem, require_client_auth=True
         )
         host, _ = split_address(opts.listen, "--listen")
-        node_listen = _derived(opts.listen, opts.node_listen, 1, "--node-listen")
         try:
             port = self.server.add_secure_port(opts.listen, public_creds)
             node_port = self.server.add_secure_port(node_listen, node_creds)
@@ -193,6 +171,8 @@ class Coordinator:
         await self.server.start()
         advertise = opts.advertise_host or ("127.0.0.1" if host in ("0.0.0.0", "[::]", "::") else host)
         self.service.node_address = f"{advertise}:{node_port}"
+        if self.service.fronts is not None:
+            self.service.fronts.advertise = advertise
         self.keeper.node_address = self.service.node_address
         self.service.started_at = self.clock()
         metrics_address = ""
@@ -216,6 +196,7 @@ class Coordinator:
             "ca_cert_file": str(self.secrets.ca_cert_path),
             "admin_key_file": str(self.secrets.admin_key_path),
             "dht": self.service.bootstrap_peers,
+            "heartbeat_fronts": self.service.fronts.addresses() if self.service.fronts is not None else [],
             "schema_version": self.store.schema_version(),
             "migrated_from": self.store.migrated_from,
         }
@@ -275,6 +256,8 @@ class Coordinator:
         if self.server is not None:
             await self.service.end_streams()  # each node's heartbeat stream would hold the grace period
             await self.server.stop(self.settings.grpc_grace_s)
+        if self.service.fronts is not None:  # each ends its streams with UNAVAILABLE, as above
+            await self.service.fronts.stop()
         if sweeper is not None:
             await sweeper
         await self.keeper.aclose()  # a pull at a lease's end writes to the ledger: done before it closes

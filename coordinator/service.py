@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from murmur.errors import MurmurError
 from murmur.protocol import coordinator_pb2 as pb
@@ -26,6 +27,7 @@ from murmur.protocol import coordinator_pb2_grpc as pb_grpc
 from murmur.protocol.reachability import dial_back
 from murmur.protocol.version import VERSION_METADATA_KEY, VersionMismatch, check_version
 
+from .fronts import HeartbeatFronts
 from .gone import MAX_GONE_PER_REPORT, GoneReports
 from .group_commit import GroupCommit
 from .keeper import StateKeeper, kept_name
@@ -92,6 +94,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self.gone = GoneReports(membership, settings.gone_dial_every_s)
         self.group = GroupCommit(store)  # commits that arrive together share one transaction (one fsync)
         self._streams: set[grpc.aio.ServicerContext] = set()  # the open heartbeat streams
+        self.fronts: HeartbeatFronts | None = None  # heartbeat front processes, if any (set by the server)
         # The run's kept states and the operator's recovery decisions (coordinator/keeper.py,
         # coordinator/recovery.py); set by the server. started_at: heartbeat replies carry it,
         # so nodes see a restart (and dial its DHT peer again) even through no failed call.
@@ -178,6 +181,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 heartbeat_ttl_s=s.heartbeat_ttl_s,
                 lease_ttl_s=s.lease_ttl_s,
                 tls_server_name=TLS_SERVER_NAME,
+                heartbeat_address=self.fronts.address_for(joined.node_id) if self.fronts is not None else "",
             )
 
         return await self._run("Join", context, call, batched=True)  # a join storm: one fsync per batch
@@ -254,7 +258,23 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             reply.ban_list_changed = True
             reply.ban_list.version = version
             reply.ban_list.node_ids.extend(sorted(self.store.banned()))
+        if self.fronts is not None:  # where its stream goes from now on (coordinator/fronts.py)
+            reply.heartbeat_address = self.fronts.address_for(node_id)
         return reply
+
+    def front_beat(self, node_id: str, request: bytes) -> pb.FrontAnswer:
+        """A heartbeat a front carried (coordinator/fronts.py), with the node id it read from the
+        caller's certificate: answered as one on the node's own stream, a refusal included."""
+        try:
+            reply = self._heartbeat(pb.HeartbeatRequest.FromString(request), None, node_id)  # type: ignore[arg-type]
+        except DecodeError as err:
+            self.stats.count("HeartbeatStream", False)
+            return pb.FrontAnswer(code="INVALID_ARGUMENT", details=f"malformed HeartbeatRequest: {str(err)[:200]}")
+        except MurmurError as err:
+            self.stats.count("HeartbeatStream", False)
+            return pb.FrontAnswer(code=getattr(err, "code", "INVALID_ARGUMENT"), details=str(err))
+        self.stats.count("HeartbeatStream", True)
+        return pb.FrontAnswer(reply=reply.SerializeToString())
 
     def _durability_into(self, reply: pb.HeartbeatReply | pb.StatusReply, run_id: str = "") -> None:
         """When this process started, the state it keeps of the run, and whether the run waits for

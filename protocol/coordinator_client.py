@@ -62,6 +62,7 @@ class JoinInfo:
     heartbeat_interval_s: float
     heartbeat_ttl_s: float
     lease_ttl_s: float
+    heartbeat_address: str = ""  # the coordinator's heartbeat front for this node ("" none)
 
 
 async def join_run(
@@ -108,6 +109,7 @@ async def join_run(
         heartbeat_interval_s=reply.heartbeat_interval_s,
         heartbeat_ttl_s=reply.heartbeat_ttl_s,
         lease_ttl_s=reply.lease_ttl_s,
+        heartbeat_address=reply.heartbeat_address,
     )
     return ident, info
 
@@ -123,11 +125,13 @@ class MemberClient:
         server_name: str = "murmur-coordinator",
         timeout_s: float = CALL_TIMEOUT_S,
         reconnect_backoff_s: float | None = None,
+        heartbeat_address: str = "",
     ) -> None:
         """``reconnect_backoff_s``: the longest wait between attempts to reach a coordinator that
         went away (None: gRPC's own backoff, which grows to two minutes). A member that keeps
-        working through an outage sets it, to see the coordinator's return soon after it."""
-        creds = grpc.ssl_channel_credentials(
+        working through an outage sets it, to see the coordinator's return soon after it.
+        ``heartbeat_address``: the front its join reply named, so the first stream opens there."""
+        self._creds = grpc.ssl_channel_credentials(
             root_certificates=ident.ca_cert_pem, private_key=ident.key_pem, certificate_chain=ident.cert_pem
         )
         # No bandwidth probes (BDP pings) on this channel: it carries small member calls only (a
@@ -141,7 +145,8 @@ class MemberClient:
                 ("grpc.initial_reconnect_backoff_ms", backoff_ms),
                 ("grpc.max_reconnect_backoff_ms", backoff_ms),
             ]
-        self.channel = grpc.aio.secure_channel(node_address, creds, options=options)
+        self._options = options
+        self.channel = grpc.aio.secure_channel(node_address, self._creds, options=options)
         self.stub = pb_grpc.CoordinatorStub(self.channel)
         self.timeout_s = timeout_s
         self.metadata = version_metadata()
@@ -157,10 +162,29 @@ class MemberClient:
         self.heartbeat_stream = True
         self._beats: Any = None
         self._beats_lock = asyncio.Lock()
+        # A coordinator with heartbeat fronts names the one this node's stream goes to in its
+        # replies (heartbeat_address; coordinator/fronts.py): the stream opens there, on a channel
+        # of its own, and every other call stays on the node address. Any failure there sends the
+        # next heartbeat to the node address again, whose reply names the front anew.
+        self.heartbeat_address = heartbeat_address
+        self._front: Any = None  # (channel, stub) to heartbeat_address, opened with its first stream
 
     async def close(self) -> None:
         self._drop_stream()
+        await self._close_front()
         await self.channel.close()
+
+    async def _close_front(self) -> None:
+        if self._front is not None:
+            channel, self._front = self._front[0], None
+            await channel.close()
+
+    async def _follow(self, address: str) -> None:
+        """Heartbeat at ``address`` from the next heartbeat on ("" the node address)."""
+        if address != self.heartbeat_address:
+            self._drop_stream()
+            await self._close_front()
+            self.heartbeat_address = address
 
     async def __aenter__(self) -> MemberClient:
         return self
@@ -199,6 +223,7 @@ class MemberClient:
         if reply.ban_list_changed:
             self.ban_list_version = reply.ban_list.version
         self.take_view(reply)
+        await self._follow(reply.heartbeat_address)
         return reply
 
     async def _beat(self, request: pb.HeartbeatRequest) -> pb.HeartbeatReply:
@@ -211,10 +236,10 @@ class MemberClient:
             try:
                 return await asyncio.wait_for(self._round_trip(request), self.timeout_s)
             except TimeoutError:
-                self._drop_stream()
+                await self._stream_failed()
                 raise CoordinatorError("Heartbeat", grpc.StatusCode.DEADLINE_EXCEEDED, "") from None
             except grpc.aio.AioRpcError as err:
-                self._drop_stream()
+                await self._stream_failed()
                 if err.code() != grpc.StatusCode.UNIMPLEMENTED:
                     raise CoordinatorError("Heartbeat", err.code(), err.details() or "") from None
             except BaseException:  # cancelled mid-way (a caller's wait_for): the pairing is unknown
@@ -223,9 +248,21 @@ class MemberClient:
         self.heartbeat_stream = False  # an older coordinator: unary from now on
         return await self._call("Heartbeat", request)
 
+    async def _stream_failed(self) -> None:
+        """The stream failed: the next heartbeat opens a fresh one, at the node address (a front
+        that is gone is named again, or another, by the reply there)."""
+        self._drop_stream()
+        await self._follow("")
+
     async def _round_trip(self, request: pb.HeartbeatRequest) -> pb.HeartbeatReply:
         if self._beats is None:
-            self._beats = self.stub.HeartbeatStream(metadata=self.metadata)
+            stub = self.stub
+            if self.heartbeat_address:  # a front of the coordinator's (opened lazily: never before a fork)
+                if self._front is None:
+                    channel = grpc.aio.secure_channel(self.heartbeat_address, self._creds, options=self._options)
+                    self._front = (channel, pb_grpc.CoordinatorStub(channel))
+                stub = self._front[1]
+            self._beats = stub.HeartbeatStream(metadata=self.metadata)
         beats = self._beats
         try:
             await beats.write(request)

@@ -55,7 +55,7 @@ class JoinRequest(_message.Message):
     def __init__(self, protocol_version: _Optional[int] = ..., token: _Optional[str] = ..., csr_pem: _Optional[bytes] = ..., hardware: _Optional[_Union[Hardware, _Mapping]] = ..., peer_address: _Optional[str] = ..., name: _Optional[str] = ...) -> None: ...
 
 class JoinReply(_message.Message):
-    __slots__ = ("node_id", "run_id", "certificate_pem", "ca_certificate_pem", "config_toml", "bootstrap_peers", "node_address", "heartbeat_interval_s", "heartbeat_ttl_s", "lease_ttl_s", "tls_server_name")
+    __slots__ = ("node_id", "run_id", "certificate_pem", "ca_certificate_pem", "config_toml", "bootstrap_peers", "node_address", "heartbeat_interval_s", "heartbeat_ttl_s", "lease_ttl_s", "tls_server_name", "heartbeat_address")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     CERTIFICATE_PEM_FIELD_NUMBER: _ClassVar[int]
@@ -67,6 +67,7 @@ class JoinReply(_message.Message):
     HEARTBEAT_TTL_S_FIELD_NUMBER: _ClassVar[int]
     LEASE_TTL_S_FIELD_NUMBER: _ClassVar[int]
     TLS_SERVER_NAME_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     run_id: str
     certificate_pem: bytes
@@ -78,7 +79,8 @@ class JoinReply(_message.Message):
     heartbeat_ttl_s: float
     lease_ttl_s: float
     tls_server_name: str
-    def __init__(self, node_id: _Optional[str] = ..., run_id: _Optional[str] = ..., certificate_pem: _Optional[bytes] = ..., ca_certificate_pem: _Optional[bytes] = ..., config_toml: _Optional[str] = ..., bootstrap_peers: _Optional[_Iterable[str]] = ..., node_address: _Optional[str] = ..., heartbeat_interval_s: _Optional[float] = ..., heartbeat_ttl_s: _Optional[float] = ..., lease_ttl_s: _Optional[float] = ..., tls_server_name: _Optional[str] = ...) -> None: ...
+    heartbeat_address: str
+    def __init__(self, node_id: _Optional[str] = ..., run_id: _Optional[str] = ..., certificate_pem: _Optional[bytes] = ..., ca_certificate_pem: _Optional[bytes] = ..., config_toml: _Optional[str] = ..., bootstrap_peers: _Optional[_Iterable[str]] = ..., node_address: _Optional[str] = ..., heartbeat_interval_s: _Optional[float] = ..., heartbeat_ttl_s: _Optional[float] = ..., lease_ttl_s: _Optional[float] = ..., tls_server_name: _Optional[str] = ..., heartbeat_address: _Optional[str] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("tokens_per_s", "ban_list_version", "state", "incarnation", "peer_address", "round", "state_hash", "stage_peer", "starting", "measured", "view_version")
@@ -171,7 +173,7 @@ class LiveMember(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., peer_address: _Optional[str] = ..., round: _Optional[int] = ..., state_hash: _Optional[str] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
-    __slots__ = ("run_state", "leases_renewed", "heartbeat_interval_s", "lease_ttl_s", "ban_list", "ban_list_changed", "members", "run_round", "stage_order", "view_whole", "coordinator_started_at", "kept", "waiting_for_operator", "view_version", "view_unchanged", "view_delta", "view_removed")
+    __slots__ = ("run_state", "leases_renewed", "heartbeat_interval_s", "lease_ttl_s", "ban_list", "ban_list_changed", "members", "run_round", "stage_order", "view_whole", "coordinator_started_at", "kept", "waiting_for_operator", "view_version", "view_unchanged", "view_delta", "view_removed", "heartbeat_address")
     RUN_STATE_FIELD_NUMBER: _ClassVar[int]
     LEASES_RENEWED_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
@@ -189,6 +191,7 @@ class HeartbeatReply(_message.Message):
     VIEW_UNCHANGED_FIELD_NUMBER: _ClassVar[int]
     VIEW_DELTA_FIELD_NUMBER: _ClassVar[int]
     VIEW_REMOVED_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     run_state: str
     leases_renewed: int
     heartbeat_interval_s: float
@@ -206,7 +209,38 @@ class HeartbeatReply(_message.Message):
     view_unchanged: bool
     view_delta: bool
     view_removed: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, run_state: _Optional[str] = ..., leases_renewed: _Optional[int] = ..., heartbeat_interval_s: _Optional[float] = ..., lease_ttl_s: _Optional[float] = ..., ban_list: _Optional[_Union[BanList, _Mapping]] = ..., ban_list_changed: _Optional[bool] = ..., members: _Optional[_Iterable[_Union[LiveMember, _Mapping]]] = ..., run_round: _Optional[int] = ..., stage_order: _Optional[_Union[StageOrder, _Mapping]] = ..., view_whole: _Optional[bool] = ..., coordinator_started_at: _Optional[float] = ..., kept: _Optional[_Union[KeptState, _Mapping]] = ..., waiting_for_operator: _Optional[str] = ..., view_version: _Optional[int] = ..., view_unchanged: _Optional[bool] = ..., view_delta: _Optional[bool] = ..., view_removed: _Optional[_Iterable[str]] = ...) -> None: ...
+    heartbeat_address: str
+    def __init__(self, run_state: _Optional[str] = ..., leases_renewed: _Optional[int] = ..., heartbeat_interval_s: _Optional[float] = ..., lease_ttl_s: _Optional[float] = ..., ban_list: _Optional[_Union[BanList, _Mapping]] = ..., ban_list_changed: _Optional[bool] = ..., members: _Optional[_Iterable[_Union[LiveMember, _Mapping]]] = ..., run_round: _Optional[int] = ..., stage_order: _Optional[_Union[StageOrder, _Mapping]] = ..., view_whole: _Optional[bool] = ..., coordinator_started_at: _Optional[float] = ..., kept: _Optional[_Union[KeptState, _Mapping]] = ..., waiting_for_operator: _Optional[str] = ..., view_version: _Optional[int] = ..., view_unchanged: _Optional[bool] = ..., view_delta: _Optional[bool] = ..., view_removed: _Optional[_Iterable[str]] = ..., heartbeat_address: _Optional[str] = ...) -> None: ...
+
+class FrontBeat(_message.Message):
+    __slots__ = ("node_id", "request")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    request: bytes
+    def __init__(self, node_id: _Optional[str] = ..., request: _Optional[bytes] = ...) -> None: ...
+
+class FrontBatch(_message.Message):
+    __slots__ = ("beats",)
+    BEATS_FIELD_NUMBER: _ClassVar[int]
+    beats: _containers.RepeatedCompositeFieldContainer[FrontBeat]
+    def __init__(self, beats: _Optional[_Iterable[_Union[FrontBeat, _Mapping]]] = ...) -> None: ...
+
+class FrontAnswer(_message.Message):
+    __slots__ = ("reply", "code", "details")
+    REPLY_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    DETAILS_FIELD_NUMBER: _ClassVar[int]
+    reply: bytes
+    code: str
+    details: str
+    def __init__(self, reply: _Optional[bytes] = ..., code: _Optional[str] = ..., details: _Optional[str] = ...) -> None: ...
+
+class FrontAnswers(_message.Message):
+    __slots__ = ("answers",)
+    ANSWERS_FIELD_NUMBER: _ClassVar[int]
+    answers: _containers.RepeatedCompositeFieldContainer[FrontAnswer]
+    def __init__(self, answers: _Optional[_Iterable[_Union[FrontAnswer, _Mapping]]] = ...) -> None: ...
 
 class KeptState(_message.Message):
     __slots__ = ("round", "state_hash", "address", "server_name", "kept_at", "stages")
