@@ -38,7 +38,7 @@ from .metrics import LedgerCollector
 from .recovery import Recovery
 from .runs import Runs
 from .service import CoordinatorService
-from .serving import PENDING_CALLS, serving_options  # noqa: F401 - tests and callers import them from here
+from .serving import serving_options
 from .settings import CoordinatorSettings
 from .stage_board import StageBoard
 from .status.http import StatusApp

@@ -79,7 +79,7 @@ class CoordinatorSettings:
     dht_start_timeout_s: float = 30.0
     wal_checkpoint_pages: int = 1000  # SQLite's automatic WAL checkpoint threshold (0: never automatic)
     stall_after_s: float = 180.0  # no round completed this long while nodes are active: stalled
-    call_wait_s: float = 3600.0  # a call may wait this long for the loop to take it (server.serving_options)
+    call_wait_s: float = 3600.0  # a call may wait this long for the loop to take it (serving.serving_options)
     heartbeat_fronts: int = 0  # heartbeat front processes (coordinator/fronts.py); 0: none
 
     def __post_init__(self) -> None:

@@ -136,7 +136,7 @@ class MemberClient:
         )
         # No bandwidth probes (BDP pings) on this channel: it carries small member calls only (a
         # state is fetched on a channel of its own), and every heartbeat reply set one off, a
-        # ping and its ack at both ends (coordinator/server.py: serving_options).
+        # ping and its ack at both ends (coordinator/serving.py: serving_options).
         options: list[tuple[str, str | int]] = [("grpc.ssl_target_name_override", server_name)]
         options.append(("grpc.http2.bdp_probe", 0))
         if reconnect_backoff_s is not None:

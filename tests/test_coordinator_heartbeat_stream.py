@@ -22,7 +22,8 @@ import grpc
 import pytest
 from _coordinator_helpers import CONFIG, FAST, admin, join, new_token, start_coordinator, write_run_files
 
-from murmur.coordinator.server import Coordinator, ServeOptions, serving_options
+from murmur.coordinator.server import Coordinator, ServeOptions
+from murmur.coordinator.serving import serving_options
 from murmur.coordinator.settings import CoordinatorSettings
 from murmur.protocol import coordinator_pb2 as pb
 from murmur.protocol import coordinator_pb2_grpc as pb_grpc
