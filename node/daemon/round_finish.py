@@ -46,6 +46,8 @@ from murmur.protocol.wire import tensors_hash
 
 # (record, commits, shared tensors, their digest): what the loop takes from a finished round.
 HandOver = Callable[[dict[str, Any], list, list[tuple[str, torch.Tensor]], bytes], None]
+# (checkpoint, the rounds it holds: its own and those whose checkpoints it replaced): a write.
+SaveCheckpoint = Callable[[dict[str, Any], list[int]], None]
 # (round, shared tensors, their digest): a round's state, hashed, to serve and announce.
 Publish = Callable[[int, list[tuple[str, torch.Tensor]], bytes], None]
 
@@ -66,7 +68,7 @@ class _Round:
 
 class RoundFinisher:
     def __init__(
-        self, save_checkpoint: Callable[[dict[str, Any]], None], hand_over: HandOver, publish: Publish | None = None
+        self, save_checkpoint: SaveCheckpoint, hand_over: HandOver, publish: Publish | None = None
     ) -> None:
         self._save, self._hand_over, self._publish = save_checkpoint, hand_over, publish
         self._cv = threading.Condition()
@@ -208,7 +210,7 @@ class RoundFinisher:
             held.append(r)  # a later round's checkpoint holds this round's state: hand over with it
             return
         if r.checkpoint is not None:
-            self._save(r.checkpoint)
+            self._save(r.checkpoint, [int(d.record["round"]) for d in (*held, r)])
         for done in (*held, r):
             self._hand_over(done.record, done.commits, done.shared, done.digest)
         held.clear()

@@ -56,10 +56,15 @@ class RoundHandoff(ThreadParts):
         self.session.exhausted.difference_update(ran_out - keep - carried)
         return (ran_out & keep) - carried
 
-    def _save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """The round finisher's write (its thread); ``--fault delay:checkpoint:S`` slows it."""
+    def _save_checkpoint(self, checkpoint: dict[str, Any], rounds: list[int]) -> None:
+        """The round finisher's write (its thread) of a checkpoint that holds ``rounds``.
+        ``--fault delay:checkpoint:S@R`` slows the write that holds round R: under load a round's
+        own checkpoint may be replaced by a newer round's (node/daemon/round_finish.py), and the
+        fault must strike all the same."""
         if self.faults is not None:
-            self.faults.pause("checkpoint", self.session.info.node_id, int(checkpoint["shared"]["round"]))
+            for held in rounds:
+                if self.faults.pause("checkpoint", self.session.info.node_id, held):
+                    break
         self.state.save_checkpoint(checkpoint)
 
     def _window_commits(self, result: WindowResult, record: dict[str, Any]) -> list[PendingCommit]:

@@ -43,8 +43,9 @@ Delays (``delay``: sleep SECONDS at a named point, each time the point is reache
   stage_compute  before a stage peer computes a Forward or Backward (node/pipeline/service.py)
   peer_lookup    before a node looks its peers' records up in the DHT (node/daemon/peer_dataplane.py):
                  a joiner whose DHT is slow or unreachable sees nobody in time
-  checkpoint     before a node writes a round's local checkpoint (node/daemon/round_handoff.py): a slow
-                 disk between a round's end and its commit
+  checkpoint     before a node writes the local checkpoint that holds a round (its own, or a newer
+                 round's that replaced it: node/daemon/round_handoff.py): a slow disk between a
+                 round's end and its commit
   lost_rounds    after the coordinator granted a node the number of rounds lost with their holders,
                  before it goes on as that round and publishes its state (node/daemon/resume.py):
                  a restart slow enough that another one, back at the same moment, claims too
@@ -187,11 +188,12 @@ class FaultInjector:
             await asyncio.sleep(seconds)
         return seconds
 
-    def pause(self, point: str, peer: str, round_id: int) -> None:
-        """`delay` for a point on a plain thread (no event loop there): block it."""
+    def pause(self, point: str, peer: str, round_id: int) -> float:
+        """`delay` for a point on a plain thread (no event loop there): block it; the seconds slept."""
         seconds = self._delay_armed(point, peer, round_id, ANY)
         if seconds:
             time.sleep(seconds)
+        return seconds
 
     def slow_step(self, peer: str, round_id: int, step_seconds: float) -> float:
         """The ``slow`` fault, after one inner step that took ``step_seconds``: sleep so that it
