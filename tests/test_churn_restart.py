@@ -109,6 +109,13 @@ def test_a_round_granted_to_a_group_that_died_before_saying_so_is_numbered_past(
         net.kill_node(c)
         a.proc.send_signal(signal.SIGTERM)  # to restart it with the hold armed, a few rounds ahead
         assert a.proc.wait(60) == 0, log(a)[-3000:]
+        # B must not count C as its second peer: within C's heartbeat TTL the coordinator still lists
+        # it, and B (started in that window on a loaded CI machine) took its --min-peers as met,
+        # trained alone past round R before A was back, and A then took B's state past R: A's hold
+        # never struck. Wait for the coordinator to see C gone.
+        c_id = wait_log(c, r"joined run \S+ as (\S+)").group(1)
+        wait_for(lambda: {n["node_id"]: n["status"] for n in net.admin("nodes", "list", "--run", net.run_id)["nodes"]}
+                 .get(c_id) != "active", WAIT_S, what="the coordinator to see c gone")
         held = last_round(a) + 3
         hold = ["--min-peers", "2", "--fault", f"delay:checkpoint:600@{held}"]
         since_a = len(log(a))
