@@ -61,10 +61,11 @@ peers and drivers as processes on loopback, training for a number of run steps o
   largest peak above it, and ``peer_rss_detail`` each peer's memory before the model, once its
   stage was built, when it served and at its stop. On the small model the fixed costs alone are
   ten times the cap: only the memory row says anything about the target.
-- ``mtbf_s``/``kills``: stage peers (2 a stage) SIGKILLed at exponential intervals with that mean and
-  restarted with their state folder, which keeps their identity: each comes back as the same node,
-  and the coordinator replaces its entry at its first heartbeat (rows from before the stage peers
-  kept their identity restarted each as a new node, its dead entry listed until the heartbeat TTL);
+- ``mtbf_s``/``kills``: stage peers (2 a stage) SIGKILLed, the first once a quarter of the schedule
+  is in the ledger, then at exponential intervals with that mean, and restarted with their state
+  folder, which keeps their identity: each comes back as the same node, and the coordinator replaces
+  its entry at its first heartbeat (rows from before the stage peers kept their identity restarted
+  each as a new node, its dead entry listed until the heartbeat TTL);
   ``longest_stall_s``: the longest gap between two microbatches the drivers completed;
   ``microbatches_lost``: the schedule's microbatches the ledger does not hold at the end (the driver
   re-runs a microbatch whose hop failed, so 0 is the target); ``samples_committed``: the ledger's
@@ -288,10 +289,14 @@ def run_row(root: Path, data: Path, steps: int, *, shape: Shape = TINY, peers_pe
         every_peer += peers
         active = [start_driver(join, data, root, f"driver-{i}", root / f"driver-state-{i}", concurrency)
                   for i in range(drivers)]
-        next_kill = time.time() + rng.expovariate(1 / mtbf_s) if mtbf_s > 0 else math.inf
+        # The first kill once a quarter of the schedule is in the ledger, then at the MTBF: drawn from
+        # the start, a row that ran 31 s at MTBF 30 s killed nobody and tested nothing.
+        next_kill, first_kill_pending = math.inf, mtbf_s > 0
         killed_all = False
         while any(d.proc.poll() is None for d in active):
             time.sleep(0.5)
+            if first_kill_pending and ledger_tokens(net.db) >= schedule_tokens // 4:
+                next_kill, first_kill_pending = time.time(), False
             if kill_all and not killed_all and ledger_tokens(net.db) >= schedule_tokens // 2:
                 # Killed right after every peer wrote a checkpoint past the half-way mark, not after
                 # a fixed wait: on a quiet machine the driver finished the whole schedule within
