@@ -157,7 +157,10 @@ def test_a_live_node_refused_a_round_whose_holders_died_goes_on_past_it(tmp_path
     (round R is lost with A and B) and trains R + 1, which it is granted."""
     held = 6
     with churn_net(tmp_path, data, token_uses=6) as net:
-        hold = ["--min-peers", "2", "--fault", f"delay:checkpoint:600@{held}"]
+        # A and B wait for C before their first round: with --min-peers 2 they met each other and
+        # trained to R before C, slower to start on a loaded machine, was in; C then joined behind
+        # them, they were killed meanwhile, and C went on alone: never held, never refused.
+        hold = ["--min-peers", "3", "--fault", f"delay:checkpoint:600@{held}"]
         a, b = (net.add_node(extra=hold) for _ in range(2))
         # The exchange numbers a DiLoCo round's call from 0: round R is call R - 1.
         # The hold must outlast A and B's round R (their wait for C at the rendezvous, 8 s, and the
