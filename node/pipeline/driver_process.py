@@ -378,16 +378,29 @@ async def follow_schedule(args, member, schedule, driver, dataset, cfg, model_cf
             # the ledger) carries the validation loss of the weights that trained its microbatches.
             if schedule.evaluation_due(before, before + end - start):
                 val = await evaluate(step)
+
+            async def commit_and_record() -> None:
+                try:
+                    reply = await member.commit(lease, start, end, loss=loss, seconds=0.0, step=step, val_loss=val)
+                except CoordinatorError as err:
+                    if err.code in REFUSALS:
+                        raise LeaseGone(str(err)) from None
+                    raise
+                schedule.heard(reply.run_tokens_committed)
+                committed(lo, hi, end - start, {"event": "commit", "start": lo, "end": hi, "tokens": end - start,
+                                                "shard": lease.shard_id, "ledger_end": end, "run_step": step,
+                                                "run_tokens": reply.run_tokens_committed, "val_loss": val})
+
+            # A SIGTERM (which cancels the driving) during a commit waits for its answer and records
+            # it: cut off, the coordinator had the range and the commit log did not (a loaded CI
+            # run's ledger held 3 microbatches more than the log of the driver it stopped).
+            recording = asyncio.ensure_future(commit_and_record())
             try:
-                reply = await member.commit(lease, start, end, loss=loss, seconds=0.0, step=step, val_loss=val)
-            except CoordinatorError as err:
-                if err.code in REFUSALS:
-                    raise LeaseGone(str(err)) from None
+                await asyncio.shield(recording)
+            except asyncio.CancelledError:
+                with contextlib.suppress(Exception):
+                    await recording
                 raise
-            schedule.heard(reply.run_tokens_committed)
-            committed(lo, hi, end - start, {"event": "commit", "start": lo, "end": hi, "tokens": end - start,
-                                            "shard": lease.shard_id, "ledger_end": end, "run_step": step,
-                                            "run_tokens": reply.run_tokens_committed, "val_loss": val})
 
         try:
             # Other drivers' commits count too: stop starting microbatches once the run's schedule
