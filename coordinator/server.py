@@ -212,7 +212,16 @@ class Coordinator:
             return
         datagrams = HeartbeatDatagrams(self.service.datagram_beat, self.log)
         try:
-            await datagrams.start(node_host.strip("[]"), port, advertise)
+            try:
+                await datagrams.start(node_host.strip("[]"), port, advertise)
+            except OSError as err:
+                if self.settings.heartbeat_udp != "node-port" or not port:
+                    raise
+                # The node port's number is taken for UDP by another program (a restart on a fixed
+                # node port can find it so): a free one, which the nodes are told; one line says so.
+                await datagrams.start(node_host.strip("[]"), 0, advertise)
+                self.log(f"warning: UDP port {port} is taken ({err.strerror}); heartbeat datagrams on "
+                         f"{datagrams.address} instead (nodes are told; --heartbeat-udp PORT fixes one)")
         except OSError as err:
             raise ServeError(
                 f"cannot receive heartbeat datagrams on UDP {node_host}:{port}: {err}; pass --heartbeat-udp PORT "

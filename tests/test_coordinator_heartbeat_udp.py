@@ -16,11 +16,14 @@ import re
 import socket
 import time
 import urllib.request
+from types import SimpleNamespace
 
 import grpc
 import pytest
 from _coordinator_helpers import FAST, admin, admin_json, new_token, start_coordinator, write_run_files
+from _node_helpers import UNTIL_STOPPED, log, make_testnet, small_dataset, wait_rounds
 
+from murmur.coordinator.settings import CoordinatorSettings, SettingsError
 from murmur.protocol import coordinator_pb2 as pb
 from murmur.protocol import heartbeat_datagram as hd
 from murmur.protocol import identity
@@ -313,3 +316,36 @@ def test_with_heartbeat_fronts_the_datagrams_still_go_to_the_coordinator_process
         asyncio.run(scenario())
     finally:
         coord.stop()
+
+
+def test_a_taken_udp_port_or_a_bad_setting_is_refused_in_one_line(tmp_path):
+    taken = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    taken.bind(("127.0.0.1", 0))
+    try:
+        port = str(taken.getsockname()[1])
+        with pytest.raises(RuntimeError, match=f"cannot receive heartbeat datagrams on UDP 127.0.0.1:{port}"):
+            start_coordinator(tmp_path / "coord.db", "--heartbeat-udp", port)
+    finally:
+        taken.close()
+    for bad in ("on", "-1", "70000"):
+        with pytest.raises(SettingsError, match="heartbeat_udp must be node-port, off or a UDP port number"):
+            CoordinatorSettings(heartbeat_udp=bad)
+
+
+def test_a_node_heartbeats_as_datagrams_by_default_while_it_trains(tmp_path):
+    """`murmur node run` as it ships, against a coordinator as it ships: its first heartbeat
+    (`starting`, before its DHT forks) is gRPC and offers the datagram key, and from then on its
+    heartbeats are datagrams, while it trains rounds."""
+    data = small_dataset(tmp_path / "data")
+    with make_testnet(tmp_path, data, node_args=["--solo"], overrides=UNTIL_STOPPED) as net:
+        net.start_coordinator()
+        net.create_run(token_uses=2)
+        node = net.add_node()
+        wait_rounds(node, 2)
+        coord = SimpleNamespace(info=net.info)
+        deadline = time.monotonic() + 120.0  # a failure's bound: beats come every heartbeat interval
+        while served(coord) < 3:  # three datagram heartbeats while it trains on
+            assert time.monotonic() < deadline and node.proc.poll() is None, log(node)[-2000:]
+            time.sleep(0.2)
+        assert metric(coord, "murmur_rpc_calls", 'method="HeartbeatStream"') == 0
+        assert metric(coord, "murmur_rpc_calls", 'method="Heartbeat"') >= 1  # the `starting` one
