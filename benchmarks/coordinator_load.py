@@ -322,8 +322,10 @@ def measure(nodes: int, hz: float, seconds: float, workers: int, commit_every: f
     began = time.time()
     tmp = Path(tempfile.mkdtemp(prefix="murmur-load-"))
     # Longer than joining every node takes (a node heartbeats only once all of its worker's have
-    # joined): 10,000 joins take minutes here, and nodes lost meanwhile would churn the view.
-    ttl = max(60, nodes // 20)
+    # joined): 10,000 joins took 12-14 minutes here under other jobs' load, and a node lost
+    # meanwhile loses its lease (at nodes // 20, 500 s, every commit of the two load processes
+    # that joined first was refused in the 10,000-node row with commits).
+    ttl = max(60, nodes // 5)
     db = tmp / "coord.db"
     coord_log = (tmp / "coordinator.log").open("w")  # its warnings, for a row that fails
     coord = subprocess.Popen(
