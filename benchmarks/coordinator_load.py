@@ -18,8 +18,14 @@ list when it changed since the node's last reply, else ``view_unchanged``. ``--r
 each trainer also reports a new round every S seconds (spread), so the view changes all the time,
 as in a run whose rounds end at different times: the cost of resending it.
 
-Heartbeats go on each node's own long-lived stream (HeartbeatStream), as the node daemon's do;
-``--unary`` uses the unary Heartbeat call of older nodes instead, to compare like with like.
+``--heartbeat stream`` (the default): heartbeats go on each node's own long-lived stream
+(HeartbeatStream), as the node daemon's did before datagrams; ``--heartbeat unary`` (or
+``--unary``) uses the unary Heartbeat call of older nodes instead, to compare like with like. Both
+run the coordinator with ``--heartbeat-udp off``. ``--heartbeat udp``: the nodes join and lease
+over gRPC as always, then heartbeat as signed UDP datagrams (protocol/heartbeat_datagram.py) with
+the key their join reply carried, through MemberClient as the node daemon does: each node has its
+own datagram socket (connected to the coordinator's UDP port), its own key and counter, and HMACs
+every beat and its reply; a beat not answered in time goes over gRPC (counted: ``udp_fallbacks``).
 ``--section NAME`` writes the table under that key of the results file and keeps the rest of it.
 
 ``--fronts N``: the coordinator runs N heartbeat front processes (``--heartbeat-fronts``,
@@ -86,7 +92,7 @@ async def _worker(args: argparse.Namespace) -> None:
     latencies: list[float] = []
     commit_latencies: list[float] = []
     trace: list[tuple[float, float, float]] = []  # (scheduled at, start delay, latency): for diagnosis
-    counts = {"commits": 0, "errors": 0, "views": 0, "joined": 0, "open": 0}
+    counts = {"commits": 0, "errors": 0, "views": 0, "joined": 0, "open": 0, "udp_answered": 0, "udp_fallbacks": 0}
 
     def dump() -> None:
         Path(args.out).write_text(json.dumps({"latencies": latencies, "commit_latencies": commit_latencies,
@@ -114,9 +120,13 @@ async def _worker(args: argparse.Namespace) -> None:
                     if attempt == SETUP_TRIES - 1:
                         raise
             ident = identity.Identity(key=key, cert_pem=reply.certificate_pem, ca_cert_pem=ca_pem)
+            udp = ("", b"")
+            if args.heartbeat == "udp":
+                udp = (reply.heartbeat_udp_address, bytes(reply.heartbeat_udp_key))
             client = MemberClient(reply.node_address, ident, timeout_s=CALL_TIMEOUT_S,
-                                  heartbeat_address=reply.heartbeat_address)  # a front: its first stream there
-            client.heartbeat_stream = not args.unary  # --unary: the Heartbeat call of older nodes
+                                  heartbeat_address=reply.heartbeat_address,  # a front: its first stream there
+                                  heartbeat_udp=udp)  # --heartbeat udp: datagrams from the first beat
+            client.heartbeat_stream = args.heartbeat != "unary"  # unary: the Heartbeat call of older nodes
             clients.append(client)
             counts["joined"] += 1
 
@@ -205,7 +215,11 @@ async def _worker(args: argparse.Namespace) -> None:
             except Exception:  # noqa: BLE001 - counted and reported; the benchmark keeps going
                 counts["errors"] += 1
 
+    before = [(c.datagrams.answered, c.datagrams.use_grpc + c.datagrams.missed) for c in clients]
     await asyncio.gather(*(run_node(i, c, lz) for i, (c, lz) in enumerate(zip(clients, leases, strict=True))))
+    for c, (answered, fallbacks) in zip(clients, before, strict=True):  # in the window only
+        counts["udp_answered"] += c.datagrams.answered - answered
+        counts["udp_fallbacks"] += c.datagrams.use_grpc + c.datagrams.missed - fallbacks
     dump()
     await asyncio.gather(*(c.close() for c in clients))
 
@@ -253,7 +267,8 @@ def _renice_session(nice: int) -> None:
 
 SHARED = ("what simulated nodes share: a load process runs many of them on one asyncio loop (its CPU, its "
           "gRPC library); each has its own key, certificate, mutual-TLS channel (its own TCP connection) and "
-          "lease, and heartbeats on its own schedule over its own stream (or its own unary calls with --unary)")
+          "lease, and heartbeats on its own schedule over its own stream (or its own unary calls with --unary, "
+          "or with --heartbeat udp its own datagram socket, heartbeat key and counter)")
 
 
 def _commit() -> str:
@@ -298,7 +313,7 @@ def _cpu(procs: list) -> float:
 def measure(nodes: int, hz: float, seconds: float, workers: int, commit_every: float,
             nice: int = 0, coord_cpus: set[int] | None = None,
             load_cpus: set[int] | None = None, trainers: bool = False, round_every: float = 0.0,
-            unary: bool = False, fronts: int = 0, join_concurrency: int = JOIN_CONCURRENCY) -> dict[str, object]:
+            heartbeat: str = "stream", fronts: int = 0, join_concurrency: int = JOIN_CONCURRENCY) -> dict[str, object]:
     import psutil
 
     from murmur.protocol import coordinator_pb2 as pb
@@ -307,8 +322,10 @@ def measure(nodes: int, hz: float, seconds: float, workers: int, commit_every: f
     began = time.time()
     tmp = Path(tempfile.mkdtemp(prefix="murmur-load-"))
     # Longer than joining every node takes (a node heartbeats only once all of its worker's have
-    # joined): 10,000 joins take minutes here, and nodes lost meanwhile would churn the view.
-    ttl = max(60, nodes // 20)
+    # joined): 10,000 joins took 12-14 minutes here under other jobs' load, and a node lost
+    # meanwhile loses its lease (at nodes // 20, 500 s, every commit of the two load processes
+    # that joined first was refused in the 10,000-node row with commits).
+    ttl = max(60, nodes // 5)
     db = tmp / "coord.db"
     coord_log = (tmp / "coordinator.log").open("w")  # its warnings, for a row that fails
     coord = subprocess.Popen(
@@ -317,12 +334,14 @@ def measure(nodes: int, hz: float, seconds: float, workers: int, commit_every: f
          "--node-listen", "127.0.0.1:0", "--metrics-listen", "off", "--no-dht", "--heartbeat-interval", str(1 / hz),
          "--heartbeat-ttl", str(ttl), "--lease-ttl", str(2 * ttl), "--join-grace", str(ttl),
          *(["--heartbeat-fronts", str(fronts)] if fronts else []),
+         *([] if heartbeat == "udp" else ["--heartbeat-udp", "off"]),
          *os.environ.get("LOAD_COORD_ARGS", "").split()],
         stdout=subprocess.PIPE, stderr=coord_log, text=True, preexec_fn=_renice(nice, coord_cpus),
     )  # its fronts are its children: they inherit its CPUs and niceness
     procs: list[subprocess.Popen[str]] = []
     outs: list[Path] = []
     phase = "starting"
+    kernel_drops: int | None = None
     window = 0.0
     busy = main_busy = client_busy = 0.0
     load_before = os.getloadavg()[0]
@@ -344,7 +363,7 @@ def measure(nodes: int, hz: float, seconds: float, workers: int, commit_every: f
                  "--nodes", str(share), "--hz", str(hz), "--seconds", str(seconds),
                  "--commit-every", str(commit_every), "--index", str(w), "--out", str(out),
                  "--round-every", str(round_every), "--join-concurrency", str(join_concurrency),
-                 *(["--trainers"] if trainers else []), *(["--unary"] if unary else [])],
+                 "--heartbeat", heartbeat, *(["--trainers"] if trainers else [])],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, preexec_fn=_renice(nice, load_cpus)))
         for p in procs:  # every node joined, leased and connected
             if p.stdout.readline().strip() != "ready":  # type: ignore[union-attr]
@@ -369,6 +388,7 @@ def measure(nodes: int, hz: float, seconds: float, workers: int, commit_every: f
             window = min(time.time() - t0, seconds)
             client_busy = _cpu(wprocs) - wcpu0
             busy, main_busy = _cpu([proc, *kids]) - cpu0, _cpu([proc]) - main0
+            kernel_drops = _udp_drops(str(info.get("heartbeat_udp", "")))
         for p in procs:
             p.wait(timeout=START_TIMEOUT_S + nodes * 0.05)
         phase = "done"
@@ -401,7 +421,12 @@ def measure(nodes: int, hz: float, seconds: float, workers: int, commit_every: f
     commits = sum(r["commits"] for r in results)
     measured = window or seconds
     row: dict[str, object] = {
-        "nodes": nodes, "heartbeat_hz": hz, "heartbeat": "unary" if unary else "stream",
+        "nodes": nodes, "heartbeat_hz": hz, "heartbeat": heartbeat,
+        # --heartbeat udp: beats in the window answered by datagram, and those that went over gRPC
+        "udp_answered": sum(r.get("udp_answered", 0) for r in results),
+        "udp_fallbacks": sum(r.get("udp_fallbacks", 0) for r in results),
+        "beats_over_grpc": len(lat) - sum(r.get("udp_answered", 0) for r in results),  # udp: fallbacks, pauses
+        "udp_kernel_drops": kernel_drops,  # at the coordinator's socket, since it started (full buffer)
         "heartbeat_fronts": fronts,
         "trainers": trainers, "round_every_s": round_every or None,
         "views_per_s": round(sum(r.get("views", 0) for r in results) / measured, 1),
@@ -428,6 +453,25 @@ def measure(nodes: int, hz: float, seconds: float, workers: int, commit_every: f
     return row
 
 
+def _udp_drops(address: str) -> int | None:
+    """Datagrams the kernel dropped at the coordinator's UDP port (its receive buffer was full):
+    /proc/net/udp's last column (Linux); None where it cannot be read."""
+    if not address:
+        return None
+    port = int(address.rpartition(":")[2])
+    total, found = 0, False
+    for table in ("/proc/net/udp", "/proc/net/udp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if int(fields[1].rpartition(":")[2], 16) == port:
+                total, found = total + int(fields[-1]), True
+    return total if found else None
+
+
 def _spec(cpus: set[int] | None) -> str:
     return ",".join(str(c) for c in sorted(cpus)) if cpus else "any"
 
@@ -443,8 +487,9 @@ def main() -> int:
     parser.add_argument("--commit-every", type=float, default=10.0, help="seconds between a node's commits")
     parser.add_argument("--trainers", action="store_true", help="nodes heartbeat as trainers (the view in replies)")
     parser.add_argument("--round-every", type=float, default=0.0, help="with --trainers: a new round this often")
-    parser.add_argument("--unary", action="store_true",
-                        help="heartbeat with the unary Heartbeat call (older nodes) instead of the stream")
+    parser.add_argument("--heartbeat", choices=("stream", "unary", "udp"), default="stream",
+                        help="how nodes heartbeat: their gRPC stream, the unary call, or signed UDP datagrams")
+    parser.add_argument("--unary", action="store_true", help="the same as --heartbeat unary")
     parser.add_argument("--nice", type=int, default=0, help="niceness of the coordinator and load processes")
     parser.add_argument("--coordinator-cpus", help="pin the coordinator to these CPUs, e.g. 0-1")
     parser.add_argument("--load-cpus", help="pin the load generators to these CPUs, e.g. 2-15")
@@ -477,7 +522,7 @@ def main() -> int:
     for nodes, hz in rows_spec:
         row = measure(nodes, hz, args.seconds, args.workers, args.commit_every, args.nice,
                       _cpu_set(args.coordinator_cpus), _cpu_set(args.load_cpus), args.trainers, args.round_every,
-                      args.unary, args.fronts, args.join_concurrency)
+                      "unary" if args.unary else args.heartbeat, args.fronts, args.join_concurrency)
         print(json.dumps(row), flush=True)
         rows.append(row)
         if "cut_short" in row:

@@ -76,6 +76,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         "at 1 Hz (default %(default)s: none, every stream at the node address)",
     )
     serve.add_argument(
+        "--heartbeat-udp",
+        default=d.heartbeat_udp,
+        metavar="node-port|PORT|off",
+        help="heartbeats as signed UDP datagrams on the node address's host: node-port (the default) the node "
+        "port's number, PORT that UDP port (0 a free one), off gRPC only",
+    )
+    serve.add_argument(
         "--log-format",
         choices=FORMATS,
         default="text",
@@ -99,6 +106,7 @@ def _serve(args: argparse.Namespace) -> int:
         stall_after_s=args.stall_after_s,
         wal_checkpoint_pages=args.wal_checkpoint_pages,
         heartbeat_fronts=args.heartbeat_fronts,
+        heartbeat_udp=args.heartbeat_udp,
     )
     return run(
         ServeOptions(

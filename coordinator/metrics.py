@@ -14,6 +14,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from murmur.protocol.coordinator_pb2 import StatusReply
 
+from .heartbeat_udp import DROP_REASONS, HeartbeatDatagrams
 from .runs import sync_of
 from .service import Stats
 from .store import Store
@@ -28,12 +29,14 @@ class LedgerCollector:
 
     def __init__(self, store: Store, stats: Stats, pending_heartbeats: Callable[[], int],
                  tokens_per_s: Callable[[str], float | None],
-                 progress: Callable[[], list[StatusReply]] | None = None) -> None:
+                 progress: Callable[[], list[StatusReply]] | None = None,
+                 datagrams: Callable[[], HeartbeatDatagrams | None] | None = None) -> None:
         self.store = store
         self.stats = stats
         self.pending_heartbeats = pending_heartbeats
         self.tokens_per_s = tokens_per_s  # the live figure from heartbeats not yet flushed
         self.progress = progress  # each run's round, last round and stall (status_report.py)
+        self.datagrams = datagrams  # the heartbeat datagram endpoint, once (and if) it serves
 
     def collect(self) -> Iterator[Metric]:
         counters = self.store.counters()
@@ -75,6 +78,23 @@ class LedgerCollector:
             errors.add_metric([method], n)
         yield calls
         yield errors
+        yield from self._datagrams()
+
+    def _datagrams(self) -> Iterator[Metric]:
+        d = self.datagrams() if self.datagrams is not None else None
+        if d is None:
+            return
+        answered = CounterMetricFamily("murmur_heartbeat_datagrams", "Heartbeat datagrams answered, by outcome "
+                                       "(served; use_grpc: refused or too large for a datagram).", labels=["outcome"])
+        answered.add_metric(["served"], d.served)
+        for why, n in sorted(d.use_grpc.items()):
+            answered.add_metric([f"use_grpc_{why}"], n)
+        yield answered
+        dropped = CounterMetricFamily("murmur_heartbeat_datagrams_dropped", "Heartbeat datagrams dropped unanswered, "
+                                      "by reason.", labels=["reason"])
+        for reason in DROP_REASONS:
+            dropped.add_metric([reason], d.dropped[reason])
+        yield dropped
 
     def _per_run(self) -> Iterator[Metric]:
         sent = CounterMetricFamily(

@@ -32,6 +32,7 @@ from murmur.protocol import malformed, tls
 from . import authority, kept_server
 from .discovery import Discovery
 from .fronts import HeartbeatFronts
+from .heartbeat_udp import HeartbeatDatagrams
 from .keeper import StateKeeper
 from .membership import Membership
 from .metrics import LedgerCollector
@@ -127,7 +128,7 @@ class Coordinator:
         self.service.recovery = Recovery(self.store, self.keeper.kept_round)
         collector = LedgerCollector(
             self.store, self.service.stats, self.membership.pending_count, self.membership.tokens_per_s,
-            self.service.status.progress,
+            self.service.status.progress, lambda: self.service.datagrams,
         )
         self.metrics = StatusApp(self.service.status, self.membership, collector, self.secrets.admin_key).server()
         self.server: grpc.aio.Server | None = None
@@ -168,8 +169,9 @@ class Coordinator:
             self.store.push_deadlines(now, s.restart_grace_s)
         self.membership.hold(now + s.restart_grace_s)
         self.membership.view_from(now + s.heartbeat_ttl_s)  # until then, replies list no trainers
-        await self.server.start()
         advertise = opts.advertise_host or ("127.0.0.1" if host in ("0.0.0.0", "[::]", "::") else host)
+        await self._start_datagrams(node_listen, advertise)  # before any Join reply: each offers it
+        await self.server.start()
         self.service.node_address = f"{advertise}:{node_port}"
         if self.service.fronts is not None:
             self.service.fronts.advertise = advertise
@@ -197,9 +199,35 @@ class Coordinator:
             "admin_key_file": str(self.secrets.admin_key_path),
             "dht": self.service.bootstrap_peers,
             "heartbeat_fronts": self.service.fronts.addresses() if self.service.fronts is not None else [],
+            "heartbeat_udp": self.service.datagrams.address if self.service.datagrams is not None else "",
             "schema_version": self.store.schema_version(),
             "migrated_from": self.store.migrated_from,
         }
+
+    async def _start_datagrams(self, node_listen: str, advertise: str) -> None:
+        """Heartbeat datagrams on the node address's host (coordinator/heartbeat_udp.py), unless off."""
+        node_host, node_port = split_address(node_listen, "--node-listen")
+        port = self.settings.heartbeat_udp_port(node_port)
+        if port is None:
+            return
+        datagrams = HeartbeatDatagrams(self.service.datagram_beat, self.log)
+        try:
+            try:
+                await datagrams.start(node_host.strip("[]"), port, advertise)
+            except OSError as err:
+                if self.settings.heartbeat_udp != "node-port" or not port:
+                    raise
+                # The node port's number is taken for UDP by another program (a restart on a fixed
+                # node port can find it so): a free one, which the nodes are told; one line says so.
+                await datagrams.start(node_host.strip("[]"), 0, advertise)
+                self.log(f"warning: UDP port {port} is taken ({err.strerror}); heartbeat datagrams on "
+                         f"{datagrams.address} instead (nodes are told; --heartbeat-udp PORT fixes one)")
+        except OSError as err:
+            raise ServeError(
+                f"cannot receive heartbeat datagrams on UDP {node_host}:{port}: {err}; pass --heartbeat-udp PORT "
+                "(0 picks a free one) or --heartbeat-udp off"
+            ) from None
+        self.service.datagrams = datagrams
 
     async def _start_dht(self) -> None:
         host, port = split_address(self.options.dht_listen or _dht_default(self.options.listen), "--dht-listen")
@@ -258,6 +286,8 @@ class Coordinator:
             await self.server.stop(self.settings.grpc_grace_s)
         if self.service.fronts is not None:  # each ends its streams with UNAVAILABLE, as above
             await self.service.fronts.stop()
+        if self.service.datagrams is not None:
+            self.service.datagrams.close()
         if sweeper is not None:
             await sweeper
         await self.keeper.aclose()  # a pull at a lease's end writes to the ledger: done before it closes
@@ -278,7 +308,8 @@ def run(options: ServeOptions) -> int:
         def ready(info: dict[str, object]) -> None:
             # The human summary first: whoever waits for the JSON line finds it written already.
             coordinator.log(
-                f"murmur coordinator: serving {info['address']} (nodes: {info['node_address']}, status page and "
+                f"murmur coordinator: serving {info['address']} (nodes: {info['node_address']}, heartbeat datagrams: "
+                f"{'udp://' + str(info['heartbeat_udp']) if info['heartbeat_udp'] else 'off'}, status page and "
                 f"metrics: {'http://' + str(info['metrics']) + '/' if info['metrics'] else 'off'})\n"
                 f"  CA fingerprint {info['ca_fingerprint']}\n"
                 f"  admin credential {info['admin_key_file']}"

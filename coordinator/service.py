@@ -30,6 +30,7 @@ from murmur.protocol.version import VERSION_METADATA_KEY, VersionMismatch, check
 from .fronts import HeartbeatFronts
 from .gone import MAX_GONE_PER_REPORT, GoneReports
 from .group_commit import GroupCommit
+from .heartbeat_udp import HeartbeatDatagrams
 from .keeper import StateKeeper, kept_name
 from .leases import Progress
 from .membership import Membership, NoStateYet
@@ -95,6 +96,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self.group = GroupCommit(store)  # commits that arrive together share one transaction (one fsync)
         self._streams: set[grpc.aio.ServicerContext] = set()  # the open heartbeat streams
         self.fronts: HeartbeatFronts | None = None  # heartbeat front processes, if any (set by the server)
+        self.datagrams: HeartbeatDatagrams | None = None  # heartbeats over UDP, if on (set by the server)
         # The run's kept states and the operator's recovery decisions (coordinator/keeper.py,
         # coordinator/recovery.py); set by the server. started_at: heartbeat replies carry it,
         # so nodes see a restart (and dial its DHT peer again) even through no failed call.
@@ -169,7 +171,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 request.name[:200],
             )
             s = self.settings
-            return pb.JoinReply(
+            reply = pb.JoinReply(
                 node_id=joined.node_id,
                 run_id=joined.run_id,
                 certificate_pem=joined.cert_pem,
@@ -183,6 +185,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 tls_server_name=TLS_SERVER_NAME,
                 heartbeat_address=self.fronts.address_for(joined.node_id) if self.fronts is not None else "",
             )
+            self._offer_datagrams(reply, joined.node_id)
+            return reply
 
         return await self._run("Join", context, call, batched=True)  # a join storm: one fsync per batch
 
@@ -226,12 +230,31 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             with contextlib.suppress(Exception):  # abort raises once it has sent the status
                 await context.abort(grpc.StatusCode.UNAVAILABLE, "the coordinator is stopping")
 
+    def datagram_beat(self, node_id: str, request: pb.HeartbeatRequest) -> pb.HeartbeatReply:
+        """A heartbeat that came as a datagram signed with ``node_id``'s key (coordinator/heartbeat_udp.py):
+        answered as one on the stream; a refusal raises (the node then makes it over gRPC)."""
+        try:
+            reply = self._heartbeat(request, None, node_id, offer=False)  # type: ignore[arg-type]
+        except MurmurError:
+            self.stats.count("HeartbeatDatagram", False)
+            raise
+        self.stats.count("HeartbeatDatagram", True)
+        return reply
+
+    def _offer_datagrams(self, reply: pb.JoinReply | pb.HeartbeatReply, node_id: str) -> None:
+        """The datagram address and the node's key, in a reply that goes over mutual TLS to the
+        holder of node_id's certificate (or to the joiner it is issued to): nobody else learns it."""
+        if self.datagrams is not None and self.datagrams.address:
+            reply.heartbeat_udp_address = self.datagrams.address
+            reply.heartbeat_udp_key = self.datagrams.key_for(node_id)
+
     def _heartbeat(
-        self, request: pb.HeartbeatRequest, context: grpc.aio.ServicerContext, caller: str = ""
+        self, request: pb.HeartbeatRequest, context: grpc.aio.ServicerContext, caller: str = "", *, offer: bool = True
     ) -> pb.HeartbeatReply:
-        """One heartbeat and its reply, unary or streamed alike: membership (memory only), a stage
-        peer's report, the view, the durability fields, the ban list when it changed. ``caller``:
-        the node id a stream read from its certificate already."""
+        """One heartbeat and its reply, unary, streamed or a datagram alike: membership (memory
+        only), a stage peer's report, the view, the durability fields, the ban list when it changed.
+        ``caller``: the node id a stream read from its certificate already (or a datagram's key
+        vouched for). ``offer``: the reply goes over gRPC, so it may carry the datagram key."""
         node_id = caller or self._caller(context)
         run_id = self.membership.member(node_id)
         peer = None
@@ -260,6 +283,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             reply.ban_list.node_ids.extend(sorted(self.store.banned()))
         if self.fronts is not None:  # where its stream goes from now on (coordinator/fronts.py)
             reply.heartbeat_address = self.fronts.address_for(node_id)
+        if offer:
+            self._offer_datagrams(reply, node_id)
         return reply
 
     def front_beat(self, node_id: str, request: bytes) -> pb.FrontAnswer:

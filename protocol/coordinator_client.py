@@ -26,6 +26,7 @@ from murmur.errors import MurmurError
 from . import coordinator_pb2 as pb
 from . import coordinator_pb2_grpc as pb_grpc
 from . import identity
+from .heartbeat_udp_client import DatagramBeats
 from .jointoken import JoinToken, fetch_pinned_ca
 from .version import PROTOCOL_VERSION, version_metadata
 
@@ -63,6 +64,12 @@ class JoinInfo:
     heartbeat_ttl_s: float
     lease_ttl_s: float
     heartbeat_address: str = ""  # the coordinator's heartbeat front for this node ("" none)
+    heartbeat_udp_address: str = ""  # where heartbeats may go as signed datagrams ("" none)
+    heartbeat_udp_key: bytes = b""  # this node's key for them
+
+    @property
+    def heartbeat_udp(self) -> tuple[str, bytes]:
+        return self.heartbeat_udp_address, self.heartbeat_udp_key
 
 
 async def join_run(
@@ -110,6 +117,8 @@ async def join_run(
         heartbeat_ttl_s=reply.heartbeat_ttl_s,
         lease_ttl_s=reply.lease_ttl_s,
         heartbeat_address=reply.heartbeat_address,
+        heartbeat_udp_address=reply.heartbeat_udp_address,
+        heartbeat_udp_key=bytes(reply.heartbeat_udp_key),
     )
     return ident, info
 
@@ -126,11 +135,14 @@ class MemberClient:
         timeout_s: float = CALL_TIMEOUT_S,
         reconnect_backoff_s: float | None = None,
         heartbeat_address: str = "",
+        heartbeat_udp: tuple[str, bytes] = ("", b""),
     ) -> None:
         """``reconnect_backoff_s``: the longest wait between attempts to reach a coordinator that
         went away (None: gRPC's own backoff, which grows to two minutes). A member that keeps
         working through an outage sets it, to see the coordinator's return soon after it.
-        ``heartbeat_address``: the front its join reply named, so the first stream opens there."""
+        ``heartbeat_address``: the front its join reply named, so the first stream opens there.
+        ``heartbeat_udp``: the datagram address and key its join reply offered (JoinInfo.heartbeat_udp),
+        so the first heartbeats go as datagrams; else they start once a gRPC reply offers them."""
         self._creds = grpc.ssl_channel_credentials(
             root_certificates=ident.ca_cert_pem, private_key=ident.key_pem, certificate_chain=ident.cert_pem
         )
@@ -168,8 +180,15 @@ class MemberClient:
         # next heartbeat to the node address again, whose reply names the front anew.
         self.heartbeat_address = heartbeat_address
         self._front: Any = None  # (channel, stub) to heartbeat_address, opened with its first stream
+        # Heartbeats as signed datagrams while the coordinator offers them (every gRPC heartbeat
+        # reply says whether it does, and with which key: protocol/heartbeat_udp_client.py); each
+        # beat that gets no datagram answer goes over gRPC as above.
+        self.datagrams = DatagramBeats(ident.node_id)
+        self.datagrams.offer(*heartbeat_udp)
+        self._datagram_lock = asyncio.Lock()
 
     async def close(self) -> None:
+        self.datagrams.close()
         self._drop_stream()
         await self._close_front()
         await self.channel.close()
@@ -218,6 +237,7 @@ class MemberClient:
             # heartbeats that follow, once the DHT's process runs.
             self._drop_stream()
             reply = await self._call("Heartbeat", request)
+            self.datagrams.offer(reply.heartbeat_udp_address, bytes(reply.heartbeat_udp_key))
         else:
             reply = await self._beat(request)
         if reply.ban_list_changed:
@@ -229,7 +249,18 @@ class MemberClient:
     async def _beat(self, request: pb.HeartbeatRequest) -> pb.HeartbeatReply:
         """One heartbeat: on the stream (opened now if none is open), else unary. Every failure is a
         CoordinatorError as a unary call's would be, and drops the stream: the next heartbeat opens
-        a fresh one (a reply still in flight on the old one is never taken for its answer)."""
+        a fresh one (a reply still in flight on the old one is never taken for its answer). First,
+        while offered, as a datagram: its reply is taken only whole and signed, else gRPC answers."""
+        if self.datagrams.usable() and not self._datagram_lock.locked():
+            async with self._datagram_lock:
+                reply = await self.datagrams.beat(request)
+            if reply is not None:
+                return reply
+        reply = await self._grpc_beat(request)
+        self.datagrams.offer(reply.heartbeat_udp_address, bytes(reply.heartbeat_udp_key))  # or "none now"
+        return reply
+
+    async def _grpc_beat(self, request: pb.HeartbeatRequest) -> pb.HeartbeatReply:
         if not self.heartbeat_stream:
             return await self._call("Heartbeat", request)
         async with self._beats_lock:

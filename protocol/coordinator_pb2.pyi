@@ -55,7 +55,7 @@ class JoinRequest(_message.Message):
     def __init__(self, protocol_version: _Optional[int] = ..., token: _Optional[str] = ..., csr_pem: _Optional[bytes] = ..., hardware: _Optional[_Union[Hardware, _Mapping]] = ..., peer_address: _Optional[str] = ..., name: _Optional[str] = ...) -> None: ...
 
 class JoinReply(_message.Message):
-    __slots__ = ("node_id", "run_id", "certificate_pem", "ca_certificate_pem", "config_toml", "bootstrap_peers", "node_address", "heartbeat_interval_s", "heartbeat_ttl_s", "lease_ttl_s", "tls_server_name", "heartbeat_address")
+    __slots__ = ("node_id", "run_id", "certificate_pem", "ca_certificate_pem", "config_toml", "bootstrap_peers", "node_address", "heartbeat_interval_s", "heartbeat_ttl_s", "lease_ttl_s", "tls_server_name", "heartbeat_address", "heartbeat_udp_address", "heartbeat_udp_key")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     CERTIFICATE_PEM_FIELD_NUMBER: _ClassVar[int]
@@ -68,6 +68,8 @@ class JoinReply(_message.Message):
     LEASE_TTL_S_FIELD_NUMBER: _ClassVar[int]
     TLS_SERVER_NAME_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_UDP_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_UDP_KEY_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     run_id: str
     certificate_pem: bytes
@@ -80,7 +82,9 @@ class JoinReply(_message.Message):
     lease_ttl_s: float
     tls_server_name: str
     heartbeat_address: str
-    def __init__(self, node_id: _Optional[str] = ..., run_id: _Optional[str] = ..., certificate_pem: _Optional[bytes] = ..., ca_certificate_pem: _Optional[bytes] = ..., config_toml: _Optional[str] = ..., bootstrap_peers: _Optional[_Iterable[str]] = ..., node_address: _Optional[str] = ..., heartbeat_interval_s: _Optional[float] = ..., heartbeat_ttl_s: _Optional[float] = ..., lease_ttl_s: _Optional[float] = ..., tls_server_name: _Optional[str] = ..., heartbeat_address: _Optional[str] = ...) -> None: ...
+    heartbeat_udp_address: str
+    heartbeat_udp_key: bytes
+    def __init__(self, node_id: _Optional[str] = ..., run_id: _Optional[str] = ..., certificate_pem: _Optional[bytes] = ..., ca_certificate_pem: _Optional[bytes] = ..., config_toml: _Optional[str] = ..., bootstrap_peers: _Optional[_Iterable[str]] = ..., node_address: _Optional[str] = ..., heartbeat_interval_s: _Optional[float] = ..., heartbeat_ttl_s: _Optional[float] = ..., lease_ttl_s: _Optional[float] = ..., tls_server_name: _Optional[str] = ..., heartbeat_address: _Optional[str] = ..., heartbeat_udp_address: _Optional[str] = ..., heartbeat_udp_key: _Optional[bytes] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("tokens_per_s", "ban_list_version", "state", "incarnation", "peer_address", "round", "state_hash", "stage_peer", "starting", "measured", "view_version")
@@ -173,7 +177,7 @@ class LiveMember(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., peer_address: _Optional[str] = ..., round: _Optional[int] = ..., state_hash: _Optional[str] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
-    __slots__ = ("run_state", "leases_renewed", "heartbeat_interval_s", "lease_ttl_s", "ban_list", "ban_list_changed", "members", "run_round", "stage_order", "view_whole", "coordinator_started_at", "kept", "waiting_for_operator", "view_version", "view_unchanged", "view_delta", "view_removed", "heartbeat_address")
+    __slots__ = ("run_state", "leases_renewed", "heartbeat_interval_s", "lease_ttl_s", "ban_list", "ban_list_changed", "members", "run_round", "stage_order", "view_whole", "coordinator_started_at", "kept", "waiting_for_operator", "view_version", "view_unchanged", "view_delta", "view_removed", "heartbeat_address", "heartbeat_udp_address", "heartbeat_udp_key")
     RUN_STATE_FIELD_NUMBER: _ClassVar[int]
     LEASES_RENEWED_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
@@ -192,6 +196,8 @@ class HeartbeatReply(_message.Message):
     VIEW_DELTA_FIELD_NUMBER: _ClassVar[int]
     VIEW_REMOVED_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_UDP_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_UDP_KEY_FIELD_NUMBER: _ClassVar[int]
     run_state: str
     leases_renewed: int
     heartbeat_interval_s: float
@@ -210,7 +216,9 @@ class HeartbeatReply(_message.Message):
     view_delta: bool
     view_removed: _containers.RepeatedScalarFieldContainer[str]
     heartbeat_address: str
-    def __init__(self, run_state: _Optional[str] = ..., leases_renewed: _Optional[int] = ..., heartbeat_interval_s: _Optional[float] = ..., lease_ttl_s: _Optional[float] = ..., ban_list: _Optional[_Union[BanList, _Mapping]] = ..., ban_list_changed: _Optional[bool] = ..., members: _Optional[_Iterable[_Union[LiveMember, _Mapping]]] = ..., run_round: _Optional[int] = ..., stage_order: _Optional[_Union[StageOrder, _Mapping]] = ..., view_whole: _Optional[bool] = ..., coordinator_started_at: _Optional[float] = ..., kept: _Optional[_Union[KeptState, _Mapping]] = ..., waiting_for_operator: _Optional[str] = ..., view_version: _Optional[int] = ..., view_unchanged: _Optional[bool] = ..., view_delta: _Optional[bool] = ..., view_removed: _Optional[_Iterable[str]] = ..., heartbeat_address: _Optional[str] = ...) -> None: ...
+    heartbeat_udp_address: str
+    heartbeat_udp_key: bytes
+    def __init__(self, run_state: _Optional[str] = ..., leases_renewed: _Optional[int] = ..., heartbeat_interval_s: _Optional[float] = ..., lease_ttl_s: _Optional[float] = ..., ban_list: _Optional[_Union[BanList, _Mapping]] = ..., ban_list_changed: _Optional[bool] = ..., members: _Optional[_Iterable[_Union[LiveMember, _Mapping]]] = ..., run_round: _Optional[int] = ..., stage_order: _Optional[_Union[StageOrder, _Mapping]] = ..., view_whole: _Optional[bool] = ..., coordinator_started_at: _Optional[float] = ..., kept: _Optional[_Union[KeptState, _Mapping]] = ..., waiting_for_operator: _Optional[str] = ..., view_version: _Optional[int] = ..., view_unchanged: _Optional[bool] = ..., view_delta: _Optional[bool] = ..., view_removed: _Optional[_Iterable[str]] = ..., heartbeat_address: _Optional[str] = ..., heartbeat_udp_address: _Optional[str] = ..., heartbeat_udp_key: _Optional[bytes] = ...) -> None: ...
 
 class FrontBeat(_message.Message):
     __slots__ = ("node_id", "request")

@@ -27,7 +27,7 @@ from murmur.protocol import identity
 from murmur.protocol.coordinator_client import CoordinatorError, MemberClient, join_run
 
 pytestmark = pytest.mark.integration
-FRONTS = ["--heartbeat-fronts", "2"]
+FRONTS = ["--heartbeat-fronts", "2", "--heartbeat-udp", "off"]  # the streams themselves (datagrams: their own test)
 
 
 def fronts_of(coord) -> list[psutil.Process]:

@@ -42,7 +42,7 @@ def calls(coord, method: str) -> int:
 
 
 def test_heartbeats_go_on_one_stream_and_a_refusal_ends_it_with_the_unary_calls_status(tmp_path):
-    coord = start_coordinator(tmp_path / "coord.db", *FAST)
+    coord = start_coordinator(tmp_path / "coord.db", *FAST, "--heartbeat-udp", "off")  # the gRPC path itself
     try:
         config, manifest = write_run_files(tmp_path, [1000])
         assert admin(coord, "runs", "create", "--config", str(config), "--manifest", str(manifest)).returncode == 0
@@ -108,7 +108,8 @@ def test_a_coordinator_without_the_stream_gets_unary_heartbeats(tmp_path, monkey
 
     async def scenario() -> None:
         coordinator = Coordinator(ServeOptions(db=tmp_path / "old.db", listen="127.0.0.1:0",
-                                               node_listen="127.0.0.1:0", metrics_listen="off"))
+                                               node_listen="127.0.0.1:0", metrics_listen="off",
+                                               settings=CoordinatorSettings(heartbeat_udp="off")))  # older: no UDP
         info = await coordinator.start()
         try:
             def create_run() -> str:  # the real admin calls, from a thread: this loop serves them
