@@ -32,10 +32,11 @@ every beat and its reply; a beat not answered in time goes over gRPC (counted: `
 coordinator/fronts.py) and each node's stream goes to the one its replies name, as a node's does;
 the coordinator's CPU is then its own process's and its fronts' together (both reported).
 
-The 10,000-node row on a 16-core host (the coordinator and its fronts pinned to 2 cores):
+The 10,000-node row on a 16-core host (the coordinator pinned to 2 cores, nodes heartbeating as
+they do by default, in datagrams; joining 10,000 takes minutes):
 
     python benchmarks/coordinator_load.py --nodes 10000 --hz 1 --seconds 30 --workers 8 \
-        --coordinator-cpus 0-1 --load-cpus 2-15 --fronts 2 --commit-every 0 --budget 420
+        --coordinator-cpus 0-1 --load-cpus 2-15 --heartbeat udp --commit-every 0 --budget 1200
 
 ``--budget S``: past S seconds in all (or on SIGTERM, e.g. from ``timeout``) the run is cut short
 and its row is still written, with what was measured until then and the phase it reached

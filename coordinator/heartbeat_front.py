@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import signal
 import struct
@@ -35,12 +34,12 @@ from murmur.protocol import coordinator_pb2 as pb
 from murmur.protocol import tls
 from murmur.protocol.version import VERSION_METADATA_KEY, VersionMismatch, check_version
 
-from .serving import serving_options  # the coordinator's own server options (call waits, no BDP probes)
+from .serving import end_streams, serving_options  # the coordinator's own (call waits, no BDP probes)
 from .settings import CoordinatorSettings
 
 FRAME = struct.Struct("!I")  # each link message: its length, then a FrontBatch or FrontAnswers
 MAX_BATCH = 256  # beats a batch carries at most (a reply listing a whole view can be a megabyte)
-SERVICE = "murmur.v1.Coordinator"
+SERVICE = pb.DESCRIPTOR.services_by_name["Coordinator"].full_name  # murmur.v1.Coordinator
 
 
 class LinkLost(ConnectionError):
@@ -129,10 +128,6 @@ class Front:
         finally:
             self.streams.discard(context)
 
-    async def end_streams(self) -> None:
-        for context in list(self.streams):
-            with contextlib.suppress(Exception):  # abort raises once it has sent the status
-                await context.abort(grpc.StatusCode.UNAVAILABLE, "the coordinator is stopping")
 
 
 async def serve(args: argparse.Namespace) -> None:
@@ -157,7 +152,7 @@ async def serve(args: argparse.Namespace) -> None:
     reading = asyncio.ensure_future(link.run())  # ends when the link closes (the coordinator is gone)
     await asyncio.wait([asyncio.ensure_future(stop.wait()), reading], return_when=asyncio.FIRST_COMPLETED)
     reading.cancel()
-    await front.end_streams()
+    await end_streams(front.streams)
     await server.stop(args.grace)
     writer.close()
 

@@ -47,9 +47,8 @@ RECEIVE_BUFFER_BYTES = 8 * 1024 * 1024
 
 
 class HeartbeatDatagrams:
-    def __init__(self, handler: Handler, log: Callable[[str], None]) -> None:
+    def __init__(self, handler: Handler) -> None:
         self.handler = handler
-        self.log = log
         self._secret = secrets.token_bytes(32)
         self._keys: dict[str, bytes] = {}  # derived once per node: an HMAC less per beat
         self._last: dict[str, int] = {}  # node id -> the last counter accepted from it
@@ -93,9 +92,9 @@ class HeartbeatDatagrams:
 
     def _drain(self) -> None:
         sock = self._sock
+        if sock is None:
+            return
         for _ in range(DRAIN_MAX):
-            if sock is None:
-                return
             try:
                 data, addr = sock.recvfrom(hd.MAX_DATAGRAM_BYTES + 1)  # a longer one reads as oversized
             except (BlockingIOError, InterruptedError):
@@ -125,10 +124,7 @@ class HeartbeatDatagrams:
         try:
             request = pb.HeartbeatRequest.FromString(beat.request)
             reply: bytes | None = self.handler(beat.node_id, request).SerializeToString()
-        except DecodeError:  # authenticated yet not a HeartbeatRequest: gRPC refuses it by name
-            reply = None
-            self.use_grpc["refused"] += 1
-        except MurmurError:  # its status and reason reach the node over gRPC
+        except (DecodeError, MurmurError):  # not a HeartbeatRequest, or refused: gRPC says why, by status
             reply = None
             self.use_grpc["refused"] += 1
         else:

@@ -210,7 +210,7 @@ class Coordinator:
         port = self.settings.heartbeat_udp_port(node_port)
         if port is None:
             return
-        datagrams = HeartbeatDatagrams(self.service.datagram_beat, self.log)
+        datagrams = HeartbeatDatagrams(self.service.datagram_beat)
         try:
             try:
                 await datagrams.start(node_host.strip("[]"), port, advertise)
