@@ -53,10 +53,12 @@ def main() -> int:
     ap.add_argument("--drivers", type=int, default=1)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--duration", type=float, default=240.0, help="the drivers' seconds of training")
-    ap.add_argument("--set", action="append", default=["optim.warmup_steps=20"], help="run config overrides")
+    ap.add_argument("--set", action="append", default=None,
+                    help="run config overrides (default: optim.warmup_steps=20)")
     ap.add_argument("--out", default="/tmp/murmur-pipeline-gpu")
     ap.add_argument("--results", default=str(RESULTS))
     args = ap.parse_args()
+    args.set = args.set if args.set is not None else ["optim.warmup_steps=20"]
 
     from murmur.protocol.runconfig import load_config
 
