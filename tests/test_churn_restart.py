@@ -150,7 +150,7 @@ def test_a_round_granted_to_a_group_that_died_before_saying_so_is_numbered_past(
 
 
 def test_a_live_node_refused_a_round_whose_holders_died_goes_on_past_it(tmp_path, data):
-    """The same loss, seen by a node that stays up: C is held at round R's rendezvous (45 s), A and
+    """The same loss, seen by a node that stays up: C is held at round R's rendezvous, A and
     B complete R without it and die before they publish it. C, alone now, trains R, and the
     coordinator refuses it: A and B's group has it. Every retry is refused the same way, so once
     nobody has served the run's newer state for state_fetch_timeout_s C goes on numbered R
@@ -164,13 +164,16 @@ def test_a_live_node_refused_a_round_whose_holders_died_goes_on_past_it(tmp_path
         a, b = (net.add_node(extra=hold) for _ in range(2))
         # The exchange numbers a DiLoCo round's call from 0: round R is call R - 1.
         # The hold must outlast A and B's round R (their wait for C at the rendezvous, 8 s, and the
-        # exchange): 20 s did not on a machine at load 16, and C met them in R after all
+        # exchange): 20 s did not on a machine at load 16, and C met them in R after all. So it
+        # lasts until the test lets it go (SIGUSR1), once A and B are dead.
         c = net.add_node(extra=["--min-peers", "2", "--state-fetch-timeout", "5",
-                                "--fault", f"delay:rendezvous:45@{held - 1}"])
+                                "--fault", f"delay:rendezvous:600@{held - 1}"])
         for node in (a, b):
             wait_log(node, rf"injected fault: checkpoint delayed 600.0 s \(round {held}\)", WAIT_S)
         net.kill_node(a)
         net.kill_node(b)
+        wait_log(c, rf"injected fault: rendezvous delayed 600.0 s \(round {held - 1}\)", WAIT_S)
+        c.proc.send_signal(signal.SIGUSR1)
         wait_log(c, rf"the coordinator refused this group's round {held - 1}", timeout_s=WAIT_S)
         # (A and B may have completed and been granted a round or two past R: their checkpoints are
         # written beside their training threads.)

@@ -4,6 +4,10 @@ owners of a real gRPC exchange see them (peers on loopback, one process)."""
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+import threading
+import time
 
 import pytest
 import torch
@@ -43,6 +47,42 @@ def test_spec_strings_arm_call_faults_and_delays():
 def test_bad_spec_strings_are_refused_with_the_reason(spec, reason):
     with pytest.raises(FaultError, match=reason):
         FaultInjector.parse([spec])
+
+
+def test_sigusr1_ends_the_delays_sleeping_now_and_not_later_ones():
+    """A test holds a point with a long delay and lets it go on an event (``--fault`` arms SIGUSR1):
+    the sleeping delay ends, on a plain thread and in an event loop, and a delay armed later sleeps."""
+    inj = FaultInjector.parse(["delay:checkpoint:600@1", "delay:rendezvous:600@1", "delay:checkpoint:0.2@2"])
+    before = signal.getsignal(signal.SIGUSR1)
+    inj.release_on_signal()
+    try:
+        slept = threading.Event()
+        t = threading.Thread(target=lambda: inj.pause("checkpoint", "me", 1) and slept.set())
+        t.start()
+        wait_until(lambda: ("delay", "me", 1) in inj.fired)
+        os.kill(os.getpid(), signal.SIGUSR1)
+        t.join(30)
+        assert not t.is_alive() and slept.is_set()
+
+        async def held() -> float:
+            task = asyncio.create_task(inj.delay("rendezvous", "me", 1))
+            while inj.fired.count(("delay", "me", 1)) < 2:
+                await asyncio.sleep(0.01)
+            inj.release()
+            return await asyncio.wait_for(task, 30)
+
+        assert asyncio.run(held()) == 600.0
+        t0 = time.monotonic()
+        assert inj.pause("checkpoint", "me", 2) == 0.2 and time.monotonic() - t0 >= 0.2  # not released
+    finally:
+        signal.signal(signal.SIGUSR1, before)
+
+
+def wait_until(ok, timeout_s: float = 30.0) -> None:
+    end = time.monotonic() + timeout_s
+    while not ok():
+        assert time.monotonic() < end, "timed out"
+        time.sleep(0.01)
 
 
 def test_a_delay_strikes_only_its_peer_round_and_target():

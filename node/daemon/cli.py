@@ -178,9 +178,11 @@ def _faults(specs: list[str]):
     from murmur.node.net.faults import FaultError, FaultInjector  # torch: only when faults are asked for
 
     try:
-        return FaultInjector.parse(specs)
+        injector = FaultInjector.parse(specs)
     except FaultError as err:
         raise MurmurError(f"--fault: {err}") from None
+    injector.release_on_signal()  # SIGUSR1 ends a delay early: tests hold a point until an event
+    return injector
 
 
 def _debug_log(level: str | None) -> None:

@@ -60,6 +60,9 @@ each step the node sleeps FACTOR - 1 times the step's own time, node/daemon/trai
   slow:FACTOR    ``slow:3@x*`` a node 3x slower for the whole run; ``slow:3@x40`` for its first 40
                  steps, then at its own speed (a volunteer whose machine got busy, then free)
 
+A delay sleeps its SECONDS, or until the process gets SIGUSR1 (``--fault`` arms it; `release`):
+a test holds a point with a long delay and lets it go once what it waits for has happened.
+
 Spec strings (the command line, `FaultInjector.parse`): ``fault[@ROUND][xTIMES]`` and, for a
 delay, ``delay:POINT:SECONDS[@ROUND][xTIMES]``; TIMES ``*`` fires every time. For example
 ``exit_midstream@2``, ``lose_result@1x2``, ``poison_sign@1x*``, ``delay:rendezvous:5@1``.
@@ -105,6 +108,7 @@ DELAY_POINTS = (
     "build_model", "lost_rounds", "group_gather",
 )
 ANY = "*"
+RELEASE_POLL_S = 0.1  # how soon a sleeping delay sees `release` (a signal handler cannot notify)
 POISON_SCALE = 1e4
 POISON_FLIP_SCALE = 8.0  # under the pre-filter's 10x the median norm, so the plain rules take it in
 NAN_BYTES = {"float32": b"\x00\x00\xc0\x7f", "float16": b"\x00\x7e", "bfloat16": b"\xc0\x7f"}
@@ -135,6 +139,7 @@ class FaultInjector:
         self._lock = threading.Lock()
         self.fired: list[tuple[str, str, int]] = []
         self.die: Callable[[], None] | None = None  # the exit faults: None is a real SIGKILL
+        self._released = 0  # bumped by `release`: the delays sleeping then end
 
     def arm(
         self,
@@ -182,18 +187,44 @@ class FaultInjector:
         return CallFaults(self, peer, round_id, taken)
 
     async def delay(self, point: str, peer: str, round_id: int, *, target: str = ANY) -> float:
-        """The ``delay`` fault point ``point``: sleep if a delay is armed here; the seconds slept."""
+        """The ``delay`` fault point ``point``: sleep if a delay is armed here (until `release`);
+        the seconds it was armed for."""
         seconds = self._delay_armed(point, peer, round_id, target)
         if seconds:
-            await asyncio.sleep(seconds)
+            released, end = self._released, time.monotonic() + seconds
+            while released == self._released and (left := end - time.monotonic()) > 0:
+                await asyncio.sleep(min(RELEASE_POLL_S, left))
+            self._log_release(point, round_id, released, end - seconds)
         return seconds
 
     def pause(self, point: str, peer: str, round_id: int) -> float:
-        """`delay` for a point on a plain thread (no event loop there): block it; the seconds slept."""
+        """`delay` for a point on a plain thread (no event loop there): block it; the seconds it
+        was armed for."""
         seconds = self._delay_armed(point, peer, round_id, ANY)
         if seconds:
-            time.sleep(seconds)
+            released, end = self._released, time.monotonic() + seconds
+            while released == self._released and (left := end - time.monotonic()) > 0:
+                time.sleep(min(RELEASE_POLL_S, left))
+            self._log_release(point, round_id, released, end - seconds)
         return seconds
+
+    def release(self) -> None:
+        """End every delay sleeping now, early. ``--fault`` makes SIGUSR1 call this
+        (`release_on_signal`), so a test holds a point until the event it waits for rather than for a
+        length it must guess: long enough for a loaded machine, and no longer than needed on an
+        idle one. A plain counter, so a signal handler may bump it while a sleeper reads it."""
+        self._released += 1
+
+    def release_on_signal(self, signum: int = signal.SIGUSR1) -> None:
+        """Let ``signum`` end the delays sleeping now (from the main thread: `signal.signal` works
+        there alone; elsewhere nothing is armed)."""
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signum, lambda *_: self.release())
+
+    def _log_release(self, point: str, round_id: int, released: int, started: float) -> None:
+        if released != self._released:
+            log.warning("injected fault: %s delay released after %.1f s (round %d)", point,
+                        time.monotonic() - started, round_id)
 
     def slow_step(self, peer: str, round_id: int, step_seconds: float) -> float:
         """The ``slow`` fault, after one inner step that took ``step_seconds``: sleep so that it
