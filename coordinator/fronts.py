@@ -24,12 +24,12 @@ import contextlib
 import json
 import shutil
 import sys
-import tempfile
 import zlib
 from collections.abc import Callable
 from pathlib import Path
 
 from murmur.protocol import coordinator_pb2 as pb
+from murmur.protocol.scratch_dirs import make_scratch_dir
 
 from .heartbeat_front import FRAME
 from .settings import CoordinatorSettings
@@ -82,7 +82,7 @@ class HeartbeatFronts:
     async def start(self, host: str) -> None:
         """Open the link and start every front; each binds ``host`` on a free port."""
         self.host = host
-        self._dir = tempfile.mkdtemp(prefix="murmur-fronts-")  # mode 0700: this user only
+        self._dir = str(make_scratch_dir("murmur-fronts-"))  # mode 0700: this user only
         path = str(Path(self._dir) / "link")
         self._link = await asyncio.start_unix_server(self._serve_link, path)
         for i in range(self.count):

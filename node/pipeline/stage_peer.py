@@ -35,7 +35,6 @@ import asyncio
 import contextlib
 import logging
 import shutil
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -59,6 +58,7 @@ from murmur.protocol import coordinator_pb2 as pb
 from murmur.protocol import tls
 from murmur.protocol.identity import Identity
 from murmur.protocol.runconfig import OptimSection, SyncSection
+from murmur.protocol.scratch_dirs import make_scratch_dir
 
 log = logging.getLogger(__name__)
 
@@ -589,7 +589,7 @@ class StagePeer:
             if self.settings.state_dir is not None:
                 self._replica_dir = Path(self.settings.state_dir) / "replica"
             else:
-                self._replica_dir = Path(tempfile.mkdtemp(prefix="murmur-replica-"))
+                self._replica_dir = make_scratch_dir("murmur-replica-")
                 self._replica_tmp = True
         return self._replica_dir
 
