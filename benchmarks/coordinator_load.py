@@ -23,20 +23,43 @@ as in a run whose rounds end at different times: the cost of resending it.
 ``--unary``) uses the unary Heartbeat call of older nodes instead, to compare like with like. Both
 run the coordinator with ``--heartbeat-udp off``. ``--heartbeat udp``: the nodes join and lease
 over gRPC as always, then heartbeat as signed UDP datagrams (protocol/heartbeat_datagram.py) with
-the key their join reply carried, through MemberClient as the node daemon does: each node has its
-own datagram socket (connected to the coordinator's UDP port), its own key and counter, and HMACs
-every beat and its reply; a beat not answered in time goes over gRPC (counted: ``udp_fallbacks``).
-``--section NAME`` writes the table under that key of the results file and keeps the rest of it.
+the key their join reply carried: each node has its own datagram socket (connected to the
+coordinator's UDP port), its own key and counter, and HMACs every beat and its reply; a beat not
+answered in time, or answered "use gRPC", goes over gRPC (counted: ``udp_fallbacks``). By default
+(``--udp-client lean``) the beats come from LeanBeats: the same bytes and rules per node as the
+node's MemberClient, one beat in flight per node, but one scheduler per load process instead of
+a task, a transport, a future and a timer per node and beat (``--udp-client member``: through
+MemberClient as before). LeanBeats beats from the moment every node is in; with ``--trainers`` the
+window starts one TTL after the coordinator started (its view is whole from then) plus
+``--warmup`` seconds, in which each node fetches the whole view once over gRPC. Beside the
+clients' p50/p99, a udp row has the coordinator's own (``server_p50_ms``/``server_p99_ms``: from its
+``murmur_heartbeat_datagram_seconds`` histogram over the window, arrival at its socket to reply
+sent, each the upper bound of its bucket), how late the load processes sent beats against their
+schedule (``send_lag_p99_ms``), beats a node skipped because its last was still in flight
+(``beats_skipped``), and how long joining, leasing and opening took (``join_s``, ``lease_s``,
+``open_s``, the slowest load process's).
+``--section NAME`` writes the table under that key of the results file (``--results FILE``, default
+benchmarks/results/coordinator_load.json) and keeps the rest of it; ``--append`` adds to its rows.
 
 ``--fronts N``: the coordinator runs N heartbeat front processes (``--heartbeat-fronts``,
 coordinator/fronts.py) and each node's stream goes to the one its replies name, as a node's does;
 the coordinator's CPU is then its own process's and its fronts' together (both reported).
 
-The 10,000-node row on a 16-core host (the coordinator pinned to 2 cores, nodes heartbeating as
-they do by default, in datagrams; joining 10,000 takes minutes):
+The 10,000-node rows on a 16-core host (the coordinator pinned to 2 cores, the load to the other
+14; nodes heartbeating as they do by default, in datagrams, committing every 10 s; the results
+where --results says; PYTHONSAFEPATH keeps the repository's own murmur/ folder off the path of
+the coordinator's ``-m murmur.cli``). Needs grpcio, protobuf, cryptography, prometheus_client,
+psutil and pydantic; each row is cut short and still written at --budget:
 
-    python benchmarks/coordinator_load.py --nodes 10000 --hz 1 --seconds 30 --workers 8 \
-        --coordinator-cpus 0-1 --load-cpus 2-15 --heartbeat udp --commit-every 0 --budget 1200
+    source benchmarks/gpu_env.sh; export PYTHONSAFEPATH=1
+    python3 benchmarks/coordinator_load.py --nodes 10000 --hz 1 --seconds 30 --workers 8 \
+        --coordinator-cpus 0-1 --load-cpus 2-15 --heartbeat udp --commit-every 10 \
+        --budget 300 --results "$OUT/coordinator_load.json" --section issue_49_coord10k_16core --append
+    # the same as trainers: the view is whole 100 s after the start, then 240 s for every node to
+    # fetch it whole once (1.6 MB each, over gRPC), then the window
+    python3 benchmarks/coordinator_load.py --nodes 10000 --hz 1 --seconds 30 --workers 8 \
+        --coordinator-cpus 0-1 --load-cpus 2-15 --heartbeat udp --trainers --commit-every 10 \
+        --warmup 240 --budget 470 --results "$OUT/coordinator_load.json" --section issue_49_coord10k_16core --append
 
 ``--budget S``: past S seconds in all (or on SIGTERM, e.g. from ``timeout``) the run is cut short
 and its row is still written, with what was measured until then and the phase it reached
@@ -113,6 +136,7 @@ class LeanBeats:
         import socket
 
         from murmur.protocol import heartbeat_datagram as hd
+        from murmur.protocol.coordinator_client import CALL_TIMEOUT_S as NODE_CALL_TIMEOUT_S
         from murmur.protocol.heartbeat_udp_client import MISSES_BEFORE_PAUSE, PAUSE_S, WAIT_S
 
         self.hd, self.wait_s, self.misses_before_pause, self.pause_s = hd, WAIT_S, MISSES_BEFORE_PAUSE, PAUSE_S
@@ -127,6 +151,10 @@ class LeanBeats:
         host, port = hd.split_host_port(udp_address)
         self.nodes: list[_LeanNode] = []
         for i, c in enumerate(clients):
+            # From now on each node's gRPC calls wait as long as a node's do (the join storm's
+            # CALL_TIMEOUT_S is longer): a fallback stuck behind others fails after 10 s, and the
+            # node's next beat (a datagram first, which keeps it alive) tries again.
+            c.timeout_s = NODE_CALL_TIMEOUT_S
             c.datagrams.close()  # the client's own transport: this node's datagrams go from its socket below
             sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_DGRAM)
             sock.setblocking(False)
@@ -372,11 +400,14 @@ async def _worker(args: argparse.Namespace) -> None:
     while args.trainers and not lean and not (await clients[0].heartbeat(peer=as_trainer(0, 0))).view_whole:
         await asyncio.sleep(1.0)
     async def beat(i: int, c: MemberClient) -> None:
+        # LeanBeats: the first beat is a plain node's (alive, its lease renewed); it comes in as a
+        # trainer with LeanBeats' first beat, so the opening does not hand out growing whole views.
+        peer = None if lean else as_trainer(i, 0)
         async with gate:
             try:
-                await c.heartbeat(peer=as_trainer(i, 0))
+                await c.heartbeat(peer=peer)
                 if c.heartbeat_address and c._front is None:  # a reply moved the stream to a front:
-                    await c.heartbeat(peer=as_trainer(i, 0))  # opened now, not in the window
+                    await c.heartbeat(peer=peer)  # opened now, not in the window
             except CoordinatorError as err:  # counted and reported; the node's next heartbeat tries again
                 setup_errors.append(f"Heartbeat {err.code}")
         counts["open"] += 1
@@ -683,7 +714,8 @@ def measure(nodes: int, hz: float, seconds: float, workers: int, commit_every: f
         "commits_per_s": round(commits / measured, 1),
         "p50_ms": round(1000 * _pct(lat, 0.50), 2), "p99_ms": round(1000 * _pct(lat, 0.99), 2),
         # the coordinator's own share (udp): arrival at its socket to reply sent, from its histogram
-        # (murmur_heartbeat_datagram_seconds) over the window; a percentile is its bucket's upper bound
+        # (murmur_heartbeat_datagram_seconds) from SCRAPE_AHEAD_S before the window to its end; a
+        # percentile is its bucket's upper bound
         **_served_figures(served_before, served_after),
         # how late the load processes sent beats against their schedule (LeanBeats): their own lag
         "send_lag_p99_ms": round(1000 * _pct(lags, 0.99), 2) if (lags := [x for r in results
