@@ -17,6 +17,11 @@ that heartbeat over gRPC at once, where a refusal keeps its status and a reply g
 
 The secret is random per process and stored nowhere: a restarted coordinator's keys differ.
 
+Each beat answered is timed (``latency``, coordinator/latency.py; ``murmur_heartbeat_datagram_seconds``
+on /metrics): from the datagram's arrival, as the kernel stamped it (SO_TIMESTAMPNS, Linux), to its
+reply handed to the kernel, so a beat that waited in the receive buffer while the loop ran other
+work counts that wait. It is the coordinator's share of what a node sees.
+
 Not asyncio's datagram transport: it reads one datagram per turn of the loop, so at 10,000 beats
 a second the loop would have to turn 10,000 times a second besides its gRPC work. A reader on the
 loop drains the socket instead (up to ``DRAIN_MAX`` datagrams a turn), and the socket's receive
@@ -27,8 +32,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import platform
 import secrets
 import socket
+import struct
+import sys
+import time
 from collections.abc import Callable
 
 from google.protobuf.message import DecodeError
@@ -37,6 +46,8 @@ from murmur.errors import MurmurError
 from murmur.protocol import coordinator_pb2 as pb
 from murmur.protocol import heartbeat_datagram as hd
 
+from .latency import Histogram
+
 Handler = Callable[[str, pb.HeartbeatRequest], pb.HeartbeatReply]
 DROP_REASONS = ("oversized", "malformed", "bad_tag", "replay")
 DRAIN_MAX = 256  # datagrams one turn of the loop reads at most: the gRPC calls get their turns too
@@ -44,6 +55,12 @@ DRAIN_MAX = 256  # datagrams one turn of the loop reads at most: the gRPC calls 
 # 208 KiB by default on many hosts); each queued datagram takes about a kilobyte of it, so 8 MiB
 # would hold almost a second of 10,000 beats while the loop is busy elsewhere.
 RECEIVE_BUFFER_BYTES = 8 * 1024 * 1024
+# The kernel's receive timestamp of each datagram, as a struct timespec in the ancillary data. Python
+# names neither constant; 35 is SO_TIMESTAMPNS (and SCM_TIMESTAMPNS) on Linux's common ABIs (x86,
+# ARM), with a 64-bit timespec on 64-bit machines. Elsewhere a beat is timed from when it is read.
+SO_TIMESTAMPNS = 35 if sys.platform == "linux" and platform.machine() in ("x86_64", "aarch64") else 0
+_TIMESPEC = struct.Struct("@qq")
+_ANCILLARY_BYTES = socket.CMSG_SPACE(_TIMESPEC.size)
 
 
 class HeartbeatDatagrams:
@@ -55,6 +72,8 @@ class HeartbeatDatagrams:
         self.served = 0  # beats answered with their reply
         self.use_grpc = {"refused": 0, "too_large": 0}  # beats answered "use gRPC", by why
         self.dropped = dict.fromkeys(DROP_REASONS, 0)
+        self.latency = Histogram()  # arrival to reply sent, per beat answered (see the module's docstring)
+        self._stamped = False  # the kernel stamps arrivals (SO_TIMESTAMPNS took)
         self._sock: socket.socket | None = None
         self.address = ""  # HOST:PORT nodes send to, once bound (server.py)
 
@@ -72,6 +91,10 @@ class HeartbeatDatagrams:
         try:
             with contextlib.suppress(OSError):  # a smaller buffer only drops more under a stall
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, RECEIVE_BUFFER_BYTES)
+            if SO_TIMESTAMPNS:
+                with contextlib.suppress(OSError):  # without it, beats are timed from when they are read
+                    sock.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPNS, 1)
+                    self._stamped = True
             sock.setblocking(False)
             sock.bind(where)
         except OSError:
@@ -95,16 +118,18 @@ class HeartbeatDatagrams:
         if sock is None:
             return
         for _ in range(DRAIN_MAX):
-            try:
-                data, addr = sock.recvfrom(hd.MAX_DATAGRAM_BYTES + 1)  # a longer one reads as oversized
+            try:  # a longer datagram than the largest reads as oversized
+                data, ancillary, _, addr = sock.recvmsg(hd.MAX_DATAGRAM_BYTES + 1, _ANCILLARY_BYTES)
             except (BlockingIOError, InterruptedError):
                 return
             except OSError:  # an ICMP error for an earlier reply: nothing to do
                 continue
+            arrived = _arrival(ancillary) if self._stamped else time.time()
             answer = self.datagram_received(data, addr)
             if answer is not None:
                 with contextlib.suppress(OSError):  # a full send buffer drops it: the node falls back
                     sock.sendto(answer, addr)
+                    self.latency.observe(time.time() - arrived)
 
     def datagram_received(self, data: bytes, addr: tuple[str, int]) -> bytes | None:
         """The answer to one datagram, or None: dropped."""
@@ -134,3 +159,13 @@ class HeartbeatDatagrams:
             else:
                 self.served += 1
         return hd.encode_reply(key, beat.counter, reply)
+
+
+def _arrival(ancillary: list[tuple[int, int, bytes]]) -> float:
+    """The kernel's arrival time of a datagram (Unix seconds), from recvmsg's ancillary data; now
+    if it carries none."""
+    for level, kind, data in ancillary:
+        if level == socket.SOL_SOCKET and kind == SO_TIMESTAMPNS and len(data) >= _TIMESPEC.size:
+            sec, nsec = _TIMESPEC.unpack_from(data)
+            return sec + nsec * 1e-9
+    return time.time()

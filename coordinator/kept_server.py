@@ -32,7 +32,7 @@ class KeptStateServicer(peer_pb2_grpc.PeerServicer):
 
     async def GetState(self, request: peer_pb2.StateRequest, context: grpc.aio.ServicerContext):  # noqa: N802
         try:
-            tls.authenticated_peer(context.auth_context(), BanList(self.membership.store.banned()))
+            tls.authenticated_peer(context.auth_context(), BanList(self.membership.banned()))
         except IdentityError as err:
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, f"{err}; fetch kept states at the node address")
         state = self.keeper.served(request.name)

@@ -10,10 +10,11 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 from murmur.protocol.coordinator_pb2 import StatusReply
 
+from .group_commit import GroupCommit
 from .heartbeat_udp import DROP_REASONS, HeartbeatDatagrams
 from .runs import sync_of
 from .service import Stats
@@ -30,13 +31,15 @@ class LedgerCollector:
     def __init__(self, store: Store, stats: Stats, pending_heartbeats: Callable[[], int],
                  tokens_per_s: Callable[[str], float | None],
                  progress: Callable[[], list[StatusReply]] | None = None,
-                 datagrams: Callable[[], HeartbeatDatagrams | None] | None = None) -> None:
+                 datagrams: Callable[[], HeartbeatDatagrams | None] | None = None,
+                 group: GroupCommit | None = None) -> None:
         self.store = store
         self.stats = stats
         self.pending_heartbeats = pending_heartbeats
         self.tokens_per_s = tokens_per_s  # the live figure from heartbeats not yet flushed
         self.progress = progress  # each run's round, last round and stall (status_report.py)
         self.datagrams = datagrams  # the heartbeat datagram endpoint, once (and if) it serves
+        self.group = group  # the group commits of joins, lease grants and commits
 
     def collect(self) -> Iterator[Metric]:
         counters = self.store.counters()
@@ -78,6 +81,11 @@ class LedgerCollector:
             errors.add_metric([method], n)
         yield calls
         yield errors
+        if self.group is not None:  # calls over batches: the mean batch, one fsync each
+            yield CounterMetricFamily("murmur_group_commit_batches", "Group-commit transactions (one fsync each).",
+                                      value=self.group.batches)
+            yield CounterMetricFamily("murmur_group_commit_calls", "Calls answered through group commits "
+                                      "(joins, lease grants, commits).", value=self.group.calls)
         yield from self._datagrams()
 
     def _datagrams(self) -> Iterator[Metric]:
@@ -95,6 +103,11 @@ class LedgerCollector:
         for reason in DROP_REASONS:
             dropped.add_metric([reason], d.dropped[reason])
         yield dropped
+        latency = HistogramMetricFamily(
+            "murmur_heartbeat_datagram_seconds", "Heartbeat datagrams answered: from arrival at the coordinator's "
+            "socket (the kernel's timestamp) to the reply sent.")
+        latency.add_metric([], [(_le(b), n) for b, n in d.latency.cumulative()], sum_value=d.latency.sum)
+        yield latency
 
     def _per_run(self) -> Iterator[Metric]:
         sent = CounterMetricFamily(
@@ -156,6 +169,10 @@ class LedgerCollector:
         yield tps
         yield sent
         yield refused
+
+
+def _le(bound: float) -> str:
+    return "+Inf" if bound == float("inf") else repr(bound)
 
 
 def registry(collector: LedgerCollector) -> CollectorRegistry:

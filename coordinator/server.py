@@ -128,7 +128,7 @@ class Coordinator:
         self.service.recovery = Recovery(self.store, self.keeper.kept_round)
         collector = LedgerCollector(
             self.store, self.service.stats, self.membership.pending_count, self.membership.tokens_per_s,
-            self.service.status.progress, lambda: self.service.datagrams,
+            self.service.status.progress, lambda: self.service.datagrams, self.service.group,
         )
         self.metrics = StatusApp(self.service.status, self.membership, collector, self.secrets.admin_key).server()
         self.server: grpc.aio.Server | None = None

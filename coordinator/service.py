@@ -277,7 +277,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         if version != request.ban_list_version:
             reply.ban_list_changed = True
             reply.ban_list.version = version
-            reply.ban_list.node_ids.extend(sorted(self.store.banned()))
+            reply.ban_list.node_ids.extend(sorted(self.membership.banned()))
         if self.fronts is not None:  # where its stream goes from now on (coordinator/fronts.py)
             reply.heartbeat_address = self.fronts.address_for(node_id)
         if offer:

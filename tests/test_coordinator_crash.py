@@ -1,15 +1,24 @@
-"""SIGKILL the coordinator during a burst of commits: nothing acknowledged is lost, nodes carry on."""
+"""SIGKILL the coordinator during a burst of commits, or of joins: nothing acknowledged is lost,
+nodes carry on."""
 
 from __future__ import annotations
 
 import asyncio
+import re
 import threading
+import urllib.request
 
+import grpc
 import pytest
 from _coordinator_helpers import admin, admin_json, join, new_token, start_coordinator, write_run_files
 
 from murmur.coordinator.store import Store
-from murmur.protocol.coordinator_client import CoordinatorError
+from murmur.protocol import coordinator_pb2 as pb
+from murmur.protocol import coordinator_pb2_grpc as pb_grpc
+from murmur.protocol import identity
+from murmur.protocol.coordinator_client import CoordinatorError, MemberClient
+from murmur.protocol.jointoken import JoinToken, fetch_pinned_ca
+from murmur.protocol.version import PROTOCOL_VERSION, version_metadata
 
 pytestmark = pytest.mark.integration
 
@@ -107,6 +116,92 @@ def test_sigkill_during_commit_burst_loses_nothing_acknowledged(tmp_path):
             assert kinds.count("coordinator_started") == 2
         finally:
             ledger.close()
+    finally:
+        first.kill()
+        if second is not None:
+            second.stop()
+
+
+JOINERS = 48  # joins sent at once
+KILL_AFTER_JOINS = 24  # acknowledged joins before the SIGKILL
+
+
+def _counter(coord, name: str) -> int:
+    with urllib.request.urlopen(f"http://{coord.info['metrics']}/metrics", timeout=30) as reply:
+        found = re.search(rf"^{name}_total ([0-9.e+]+)$", reply.read().decode(), re.M)
+    return int(float(found.group(1))) if found else 0
+
+
+def test_sigkill_during_a_join_storm_loses_no_acknowledged_join(tmp_path):
+    """Joins that arrive together share one transaction and one fsync (coordinator/group_commit.py,
+    the fsync off the loop): the coordinator SIGKILLed once some are answered, every answered one
+    is in the ledger, its token use counted, and its node a member of the restarted coordinator."""
+    db = tmp_path / "coord.db"
+    first = start_coordinator(db)
+    second = None
+    try:
+        config, manifest = write_run_files(tmp_path, [1000] * JOINERS)
+        assert admin(first, "runs", "create", "--config", str(config), "--manifest", str(manifest)).returncode == 0
+        token = new_token(first, "--uses", str(JOINERS))
+        acked: list[tuple[str, identity.Identity]] = []
+        batched: list[tuple[int, int]] = []
+        killed = asyncio.Event()
+        # As nodes join, each with its own key and CSR, but sent at once over one channel (the CA
+        # read once), so that they arrive together, as in a join storm.
+        ca_pem = fetch_pinned_ca(first.address, JoinToken.parse(token).ca_fingerprint)
+
+        async def storm() -> None:
+            creds = grpc.ssl_channel_credentials(root_certificates=ca_pem)
+            options = [("grpc.ssl_target_name_override", "murmur-coordinator")]
+            async with grpc.aio.secure_channel(first.address, creds, options=options) as channel:
+                stub = pb_grpc.CoordinatorStub(channel)
+
+                async def joiner() -> None:
+                    key = identity.generate_key()
+                    request = pb.JoinRequest(protocol_version=PROTOCOL_VERSION, token=token,
+                                             csr_pem=identity.make_csr(key))
+                    try:
+                        reply = await stub.Join(request, metadata=version_metadata(), timeout=60)
+                    except grpc.aio.AioRpcError:  # in flight at the kill: never answered, nothing promised
+                        return
+                    # (a reply read after the kill was sent before it: acknowledged all the same)
+                    acked.append((reply.node_id, identity.Identity(key=key, cert_pem=reply.certificate_pem,
+                                                                   ca_cert_pem=ca_pem)))
+                    if len(acked) >= KILL_AFTER_JOINS and not killed.is_set():
+                        batched.append((_counter(first, "murmur_group_commit_calls"),
+                                        _counter(first, "murmur_group_commit_batches")))
+                        first.kill()  # SIGKILL, other joins in flight
+                        killed.set()
+
+                await asyncio.gather(*(joiner() for _ in range(JOINERS)))
+
+        asyncio.run(storm())
+        assert killed.is_set() and len(acked) >= KILL_AFTER_JOINS
+        calls, batches = batched[0]
+        assert calls >= KILL_AFTER_JOINS and batches < calls  # joins did share transactions
+
+        ledger = Store(db)
+        try:
+            nodes = {r["node_id"]: r["status"] for r in ledger.nodes()}
+            assert all(nodes.get(node_id) == "active" for node_id, _ in acked), "an acknowledged join was lost"
+            joins = [e["node_id"] for e in ledger.events(limit=10_000, kind="join")]
+            assert set(joins) == set(nodes)  # every node in the ledger joined by the book, once
+            token_row = ledger.token(token.split(".")[1])
+            assert token_row["uses_left"] == JOINERS - len(nodes)  # each join in the ledger used the token
+            assert ledger.check_consistency() == []
+        finally:
+            ledger.close()
+
+        second = start_coordinator(db)
+
+        async def still_a_member() -> None:
+            node_id, ident = acked[0]
+            client = MemberClient(str(second.info["node_address"]), ident)
+            async with client:
+                reply = await client.acquire()
+                assert reply.lease.shard_id >= 0 and (await client.heartbeat()).run_state == "active"
+
+        asyncio.run(still_a_member())
     finally:
         first.kill()
         if second is not None:

@@ -41,6 +41,14 @@ def metric(coord, name: str, label: str = "") -> int:
     return int(float(found.group(1))) if found else 0
 
 
+def latency_histogram(coord) -> dict[str, float]:
+    """murmur_heartbeat_datagram_seconds's series: count, sum and bucket{le="..."}."""
+    with urllib.request.urlopen(f"http://{coord.info['metrics']}/metrics", timeout=30) as reply:
+        text = reply.read().decode()
+    return {m.group(1): float(m.group(2))
+            for m in re.finditer(r"^murmur_heartbeat_datagram_seconds_(\S+) ([0-9.e+-]+)$", text, re.M)}
+
+
 def served(coord) -> int:
     return metric(coord, "murmur_heartbeat_datagrams", 'outcome="served"')
 
@@ -137,6 +145,10 @@ def test_heartbeats_go_as_datagrams_and_bad_ones_are_dropped_unanswered(tmp_path
                 before = served(coord)
                 assert (await client.heartbeat(1.0, peer=trainer(1))).run_state == "active"  # still serving
                 assert served(coord) == before + 1 and grpc_beats(coord) == 0
+                # Every beat answered, and nothing dropped, is timed from its arrival to its reply.
+                timed = latency_histogram(coord)
+                assert timed["count"] == timed['bucket{le="+Inf"}'] == served(coord)
+                assert 0 < timed["sum"] < 10 * timed["count"]
 
                 # A refusal keeps its gRPC status: the datagram says "use gRPC", gRPC refuses by name.
                 banned = admin(coord, "nodes", "ban", info.node_id, "--reason", "test")

@@ -84,3 +84,44 @@ def test_a_nested_write_that_fails_takes_back_its_own_writes_only(ledger):
             raise RuntimeError("refused")
         store.bump("c")
     assert (store.counter("a"), store.counter("b"), store.counter("c")) == (1, 0, 1)
+
+
+def test_calls_that_arrive_while_a_batch_fsyncs_are_the_next_batch_and_nobody_is_answered_before_its_fsync(ledger):
+    """The fsync runs off the loop (Store.sync in a worker thread): while it runs, the loop takes
+    the calls that come, and they share the next transaction. Here the first batch's fsync is held
+    until three more calls have queued behind it."""
+    import threading
+
+    store, members, run_id, token, _ = ledger
+    group = GroupCommit(store)
+    in_sync, release = threading.Event(), threading.Event()
+    syncs: list[int] = []
+    real_sync = store.sync
+
+    def held_sync() -> None:  # the real fsync, once the test lets it through
+        in_sync.set()
+        release.wait(timeout=30)
+        real_sync()
+        syncs.append(group.batches)
+
+    store.sync = held_sync  # type: ignore[method-assign]
+    csrs = [identity.make_csr(identity.generate_key()) for _ in range(4)]
+
+    def join(i: int):
+        return lambda: members.join(token, csrs[i], {}, "")
+
+    async def scenario():
+        first = asyncio.ensure_future(group.run(join(0)))
+        await asyncio.to_thread(in_sync.wait, 30)  # batch 1 (one join) is fsyncing; the loop runs on
+        rest = [asyncio.ensure_future(group.run(join(i))) for i in (1, 2, 3)]
+        await asyncio.sleep(0)
+        assert not first.done() and not any(r.done() for r in rest)  # nothing answered before its fsync
+        release.set()
+        return await first, await asyncio.gather(*rest)
+
+    first, rest = asyncio.run(scenario())
+    assert (group.batches, group.calls) == (2, 4) and syncs == [0, 1]  # two transactions, two fsyncs
+    assert len({first.node_id, *(j.node_id for j in rest)}) == 4
+    other = sqlite3.connect(ledger[4])  # every answered join is in the ledger for another reader
+    assert other.execute("SELECT COUNT(*) FROM nodes").fetchone()[0] == 4
+    other.close()
