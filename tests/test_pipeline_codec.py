@@ -117,10 +117,48 @@ def malformed() -> dict[str, tuple[tensor_pb2.WireTensor, tuple[int, ...], str]]
     return cases
 
 
+@pytest.mark.parametrize("read", [codec.decode, codec.check])
 @pytest.mark.parametrize("case", sorted(malformed()))
-def test_a_malformed_message_is_refused_with_its_reason(case):
+def test_a_malformed_message_is_refused_with_its_reason(case, read):
     msg, shape, words = malformed()[case]
     with pytest.raises(WireError) as err:
-        codec.decode(msg, shape=shape, what="inputs")
+        read(msg, shape=shape, what="inputs")
     text = str(err.value)
     assert text.startswith("inputs: ") and words in text and "\n" not in text, (case, text)
+
+
+@pytest.mark.parametrize("name", ["fp32", "bf16", "tokens"])
+def test_a_tensor_in_any_layout_encodes_to_the_same_message(name):
+    """Non-contiguous, requiring grad, or already of the codec's dtype: one message for one value."""
+    g = torch.Generator().manual_seed(1)
+    if name == "tokens":
+        base = torch.randint(0, 256, TOKENS[::-1], generator=g)
+        variants = [base.t(), base.t().contiguous(), base.t().to(torch.int32)]
+    else:
+        base = torch.randn(SHAPE[::-1], generator=g)
+        t = base.permute(2, 1, 0)
+        variants = [t, t.contiguous().requires_grad_(True), t.to(torch.bfloat16) if name == "bf16" else t.double()]
+    want = reference(variants[1].detach(), name).SerializeToString()
+    for v in variants:
+        assert codec.encode(v, name).SerializeToString() == want
+
+
+@pytest.mark.parametrize("name", ["fp32", "bf16", "int8", "tokens"])
+def test_a_checked_message_handed_on_is_what_decoding_and_encoding_it_again_sends(name):
+    """What a driver does with a stage's outputs (node/pipeline/driver.py): ``check`` passes the
+    message itself, and the next request copies it. For every codec but int8 that is byte for byte
+    the old way (decode to fp32, encode again); for int8 it is the sender's own quantization,
+    which decodes to the same values."""
+    g = torch.Generator().manual_seed(2)
+    t = torch.randint(0, 256, TOKENS, generator=g) if name == "tokens" else torch.randn(SHAPE, generator=g)
+    reply = pipeline_pb2.ForwardReply()
+    codec.encode_into(reply.outputs, t, name)
+    shape = tuple(t.shape)
+    assert codec.check(reply.outputs, shape=shape, what="outputs") is reply.outputs
+    handed_on, reencoded = pipeline_pb2.BackwardRequest(), pipeline_pb2.BackwardRequest()
+    handed_on.inputs.CopyFrom(reply.outputs)
+    codec.encode_into(reencoded.inputs, codec.decode(reply.outputs, shape=shape, what="outputs"), name)
+    if name != "int8":
+        assert handed_on.SerializeToString() == reencoded.SerializeToString()
+    assert torch.equal(codec.decode(handed_on.inputs, shape=shape, what="inputs"),
+                       codec.decode(reply.outputs, shape=shape, what="outputs"))

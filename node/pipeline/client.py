@@ -18,7 +18,7 @@ import grpc
 import torch
 
 from murmur.node.pipeline import chunks, codec
-from murmur.protocol import pipeline_pb2, pipeline_pb2_grpc, tls
+from murmur.protocol import pipeline_pb2, pipeline_pb2_grpc, tensor_pb2, tls
 from murmur.protocol.identity import BanList, Identity
 from murmur.protocol.version import PROTOCOL_VERSION, version_metadata
 
@@ -34,12 +34,24 @@ class StageEndpoint:
     stage: int
 
 
+# What a call sends as an activation: a tensor, encoded here, or the message a stage replied with
+# (checked, `codec.check`), handed on as it came.
+Activation = torch.Tensor | tensor_pb2.WireTensor
+
+
 @dataclass(slots=True)
 class BackwardAnswer:
-    grad_inputs: torch.Tensor | None
+    grad_wire: tensor_pb2.WireTensor | None  # the gradient of the stage's inputs as it came (checked)
     loss: float
     stepped: bool
     wire_bytes: int  # request + reply, as serialized
+
+    @property
+    def grad_inputs(self) -> torch.Tensor | None:
+        """The gradient of the stage's inputs, fp32 (None on the first stage)."""
+        if self.grad_wire is None:
+            return None
+        return codec.decode(self.grad_wire, shape=tuple(self.grad_wire.shape), what="grad_inputs")
 
 
 class StageClient:
@@ -73,24 +85,33 @@ class StageClient:
         return self._calls(peer).stub
 
     async def forward(
-        self, peer: StageEndpoint, microbatch: str, inputs: torch.Tensor, *, reply_codec: str, timeout: float,
+        self, peer: StageEndpoint, microbatch: str, inputs: Activation, *, reply_codec: str, timeout: float,
         dim: int, evaluation: bool = False,
     ) -> tuple[torch.Tensor, int]:
         """The stage's outputs (fp32) and the bytes that crossed the wire. ``evaluation``: no
         backward follows (the stage neither holds nor counts it at its step boundary)."""
+        out, wire = await self.forward_wire(peer, microbatch, inputs, reply_codec=reply_codec, timeout=timeout,
+                                            dim=dim, evaluation=evaluation)
+        return codec.decode(out, shape=tuple(out.shape), what=f"outputs of {peer.node_id}"), wire
+
+    async def forward_wire(
+        self, peer: StageEndpoint, microbatch: str, inputs: Activation, *, reply_codec: str, timeout: float,
+        dim: int, evaluation: bool = False,
+    ) -> tuple[tensor_pb2.WireTensor, int]:
+        """As `forward`, the outputs as the stage sent them (checked, not converted): what the
+        driver hands on to the next stage."""
         request = pipeline_pb2.ForwardRequest(
             protocol_version=PROTOCOL_VERSION, run_id=self.run_id, stage=peer.stage, microbatch=microbatch,
             reply_codec=reply_codec, evaluation=evaluation,
         )
-        codec.encode_into(request.inputs, inputs, _codec_for(inputs, reply_codec))
-        shape = (*inputs.shape[:2], dim)
+        _put(request.inputs, inputs, reply_codec)
+        shape = (*_shape(inputs)[:2], dim)
         reply, wire = await self._call(peer, "Forward", request, _activation_bytes(shape, reply_codec),
                                        {"outputs": shape}, timeout)
-        out = codec.decode(reply.outputs, shape=shape, what=f"outputs of {peer.node_id}")
-        return out, wire
+        return codec.check(reply.outputs, shape=shape, what=f"outputs of {peer.node_id}"), wire
 
     async def evaluate(
-        self, peer: StageEndpoint, microbatch: str, inputs: torch.Tensor, targets: torch.Tensor, *,
+        self, peer: StageEndpoint, microbatch: str, inputs: Activation, targets: torch.Tensor, *,
         activation_codec: str, timeout: float,
     ) -> tuple[float, int]:
         """The last stage's mean loss of ``targets`` (nothing trained) and the bytes on the wire."""
@@ -98,33 +119,33 @@ class StageClient:
             protocol_version=PROTOCOL_VERSION, run_id=self.run_id, stage=peer.stage, microbatch=microbatch,
             reply_codec=activation_codec,
         )
-        codec.encode_into(request.inputs, inputs, _codec_for(inputs, activation_codec))
+        _put(request.inputs, inputs, activation_codec)
         codec.encode_into(request.targets, targets, "tokens")
         # the reply is one number; the inputs may be any size
         reply, wire = await self._call(peer, "Forward", request, 0, {}, timeout)
         return reply.loss, wire
 
     async def backward(
-        self, peer: StageEndpoint, microbatch: str, inputs: torch.Tensor, *,
-        grad_outputs: torch.Tensor | None = None, targets: torch.Tensor | None = None,
+        self, peer: StageEndpoint, microbatch: str, inputs: Activation, *,
+        grad_outputs: Activation | None = None, targets: torch.Tensor | None = None,
         reply_codec: str, timeout: float, dim: int, run_tokens: int = 0,
     ) -> BackwardAnswer:
         request = pipeline_pb2.BackwardRequest(
             protocol_version=PROTOCOL_VERSION, run_id=self.run_id, stage=peer.stage, microbatch=microbatch,
             reply_codec=reply_codec, run_tokens_committed=run_tokens,
         )
-        codec.encode_into(request.inputs, inputs, _codec_for(inputs, reply_codec))
+        _put(request.inputs, inputs, reply_codec)
         if grad_outputs is not None:
-            codec.encode_into(request.grad_outputs, grad_outputs, reply_codec)
+            _put(request.grad_outputs, grad_outputs, reply_codec)
         if targets is not None:
             codec.encode_into(request.targets, targets, "tokens")
-        shape = (*inputs.shape[:2], dim)
+        shape = (*_shape(inputs)[:2], dim)
         expected = {} if peer.stage == 0 else {"grad_inputs": shape}
         reply, wire = await self._call(peer, "Backward", request,
                                        _activation_bytes(shape, reply_codec) if expected else 0, expected, timeout)
         grad = None
         if reply.HasField("grad_inputs"):
-            grad = codec.decode(reply.grad_inputs, shape=shape, what=f"grad_inputs of {peer.node_id}")
+            grad = codec.check(reply.grad_inputs, shape=shape, what=f"grad_inputs of {peer.node_id}")
         return BackwardAnswer(grad, reply.loss, reply.stepped, wire)
 
     async def _call(self, peer: StageEndpoint, call: str, request, reply_bytes: int, expected: dict,
@@ -209,4 +230,17 @@ def _activation_bytes(shape: tuple[int, ...], codec_name: str) -> int:
 
 def _codec_for(t: torch.Tensor, activation_codec: str) -> str:
     return "tokens" if not t.is_floating_point() else activation_codec
+
+
+def _put(field: tensor_pb2.WireTensor, value: Activation, activation_codec: str) -> None:
+    """Write an activation into a request's (empty) field: a tensor encoded, a message as it came
+    (a stage's reply, checked when it arrived)."""
+    if isinstance(value, tensor_pb2.WireTensor):
+        field.CopyFrom(value)
+    else:
+        codec.encode_into(field, value, _codec_for(value, activation_codec))
+
+
+def _shape(value: Activation) -> tuple[int, ...]:
+    return tuple(value.shape)
 

@@ -44,15 +44,20 @@ def encode_into(msg: tensor_pb2.WireTensor, t: torch.Tensor, codec: str) -> None
     carries it (``request.inputs``): the bytes are copied into the message once, where building a
     separate message and assigning it copied them once more per level (upb copies a sub-message
     on assignment), twice for every activation a hop sends."""
-    t = t.detach()
+    if t.requires_grad:
+        t = t.detach()
     meta: dict[str, int] = {}
-    if codec == "tokens":
-        parts, dtype = {"values": t.to(torch.int64).reshape(-1)}, "int64"
-    elif codec == "fp32":
-        parts, dtype = {"values": t.float().reshape(-1)}, "float32"
-    elif codec == "bf16":
-        parts, dtype = {"values": t.to(torch.bfloat16).reshape(-1)}, "float32"
-    elif codec == "int8":
+    if codec in _PLAIN:
+        # One conversion into a fresh contiguous CPU tensor, its bytes taken once: a stage peer
+        # calls this on its event loop while the compute thread runs, and every torch call here
+        # hands the GIL over and back (a detach, reshape, contiguous and view each, before).
+        dtype = _PARTS[codec]["values"]
+        v = t.to(device="cpu", dtype=dtype, memory_format=torch.contiguous_format)
+        msg.codec, msg.dtype = codec, "int64" if codec == "tokens" else "float32"
+        msg.shape.extend(t.shape)
+        msg.parts.add(name="values", dtype=DTYPE_NAMES[dtype], shape=(v.numel(),), data=_raw_bytes(v))
+        return
+    if codec == "int8":
         q, scales, _ = kernels.quantize_blockwise(t.float().contiguous().reshape(-1), 8, INT8_BLOCK)
         parts, dtype, meta = {"values": q, "scales": scales}, "float32", {"block": INT8_BLOCK}
     else:
@@ -65,6 +70,16 @@ def encode_into(msg: tensor_pb2.WireTensor, t: torch.Tensor, codec: str) -> None
         msg.meta.add(name=name, int_value=value)
 
 
+_PLAIN = ("tokens", "fp32", "bf16")  # one part, "values", of the codec's dtype
+
+
+def _raw_bytes(v: torch.Tensor) -> bytes:
+    """The bytes of a contiguous CPU tensor (as `protocol.wire.tensor_bytes`; numpy has no bf16)."""
+    if not v.numel():
+        return b""
+    return (v.view(torch.int16) if v.dtype == torch.bfloat16 else v).numpy().tobytes()
+
+
 def decode(
     msg: tensor_pb2.WireTensor, *, shape: tuple[int, ...], what: str, limits: WireLimits = WireLimits()
 ) -> torch.Tensor:
@@ -75,6 +90,24 @@ def decode(
     is known here, so the message's shape, its codec's parts and their dtypes are compared with it
     before any byte becomes a tensor, and each part's bytes are taken once (the general decoder's
     per-part checks and records cost a hop more than the bytes did)."""
+    values, scales, block = _checked(msg, shape, what, limits)
+    if scales is not None:
+        return kernels.dequantize_blockwise(values, scales, 8, block, shape)
+    return values.reshape(shape) if msg.codec == "tokens" else values.float().reshape(shape)
+
+
+def check(msg: tensor_pb2.WireTensor, *, shape: tuple[int, ...], what: str,
+          limits: WireLimits = WireLimits()) -> tensor_pb2.WireTensor:
+    """``msg`` itself, once it has passed every check `decode` makes (WireError otherwise), without
+    converting it: a driver hands a stage's outputs on to the next stage as they came (the next
+    request copies the message), where decoding them to fp32 and encoding them again gave the
+    same bytes (bf16, fp32, tokens) at the cost of two conversions a hop."""
+    _checked(msg, shape, what, limits)
+    return msg
+
+
+def _checked(msg: tensor_pb2.WireTensor, shape: tuple[int, ...], what: str, limits: WireLimits):
+    """(values, scales, block) of a message that passed every check; scales and block only for int8."""
     if not msg.ListFields():  # not ByteSize(): upb serializes the whole message to count it
         raise WireError(f"{what}: missing")
     if len(msg.parts) > limits.max_parts or len(msg.meta) > limits.max_meta:
@@ -100,12 +133,12 @@ def decode(
         blocks = math.ceil(n / block)
         scales = _part(parts["scales"], torch.float32, blocks, what, f"int8 needs {blocks} fp32 scales")
         values = _part(parts["values"], torch.int8, n, what, f"codec int8 needs {n} {torch.int8} values")
-        return kernels.dequantize_blockwise(values, scales, 8, block, shape)
+        return values, scales, block
     dtype = want["values"]
     values = _part(parts["values"], dtype, n, what,
                    f"token ids must be {n} int64 values" if msg.codec == "tokens"
                    else f"codec {msg.codec} needs {n} {dtype} values")
-    return values.reshape(shape) if msg.codec == "tokens" else values.float().reshape(shape)
+    return values, None, 0
 
 
 # The parts each codec sends, with their dtypes.

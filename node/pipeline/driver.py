@@ -28,7 +28,8 @@ import grpc
 import torch
 
 from murmur.errors import MurmurError
-from murmur.node.pipeline.client import StageClient, StageEndpoint
+from murmur.node.pipeline import codec
+from murmur.node.pipeline.client import Activation, StageClient, StageEndpoint
 from murmur.node.pipeline.router import Router
 from murmur.protocol.identity import BannedError
 from murmur.protocol.runconfig import PipelineSection
@@ -123,16 +124,21 @@ class Driver:
             return None
 
     async def run_microbatch(self, name: str, x: torch.Tensor, y: torch.Tensor) -> MicrobatchResult:
-        """Loss of one microbatch after its forward and backward went through every stage."""
+        """Loss of one microbatch after its forward and backward went through every stage.
+
+        The activations and gradients travel on as the stages sent them (checked on arrival,
+        `codec.check`, and copied into the next request), never decoded here, and the token ids
+        are encoded once for the first stage's forward and backward."""
         s_last = self.cfg.stages - 1
         rows = x.shape[0]
-        codec = self.cfg.activation_codec
+        act_codec = self.cfg.activation_codec
         res = MicrobatchResult(loss=float("nan"))
-        inputs: list[torch.Tensor] = [x]
+        inputs: list[Activation] = [codec.encode(x, "tokens")]
         forward_peers: list[StageEndpoint] = []
         for stage in range(s_last):
             async def fwd(peer, timeout, inp=inputs[-1]):
-                return await self.client.forward(peer, name, inp, reply_codec=codec, timeout=timeout, dim=self.dim)
+                return await self.client.forward_wire(peer, name, inp, reply_codec=act_codec, timeout=timeout,
+                                                      dim=self.dim)
             peer, (out, nbytes), hop = await self._hop(stage, "forward", rows, fwd)
             inputs.append(out)
             forward_peers.append(peer)
@@ -141,40 +147,39 @@ class Driver:
 
         async def last(peer, timeout):
             return await self.client.backward(
-                peer, name, inputs[-1], targets=y, reply_codec=codec, timeout=timeout, dim=self.dim,
+                peer, name, inputs[-1], targets=y, reply_codec=act_codec, timeout=timeout, dim=self.dim,
                 run_tokens=self.progress(),
             )
         _, answer, hop = await self._hop(s_last, "backward", rows, last)
-        res.loss, grad = answer.loss, answer.grad_inputs
+        res.loss, grad = answer.loss, answer.grad_wire
         res.hops.append(hop)
         res.wire_bytes += answer.wire_bytes
         for stage in range(s_last - 1, -1, -1):
             async def bwd(peer, timeout, inp=inputs[stage], g=grad):
                 return await self.client.backward(
-                    peer, name, inp, grad_outputs=g, reply_codec=codec, timeout=timeout, dim=self.dim,
+                    peer, name, inp, grad_outputs=g, reply_codec=act_codec, timeout=timeout, dim=self.dim,
                     run_tokens=self.progress(),
                 )
             _, answer, hop = await self._hop(stage, "backward", rows, bwd, prefer=forward_peers[stage])
-            grad = answer.grad_inputs
+            grad = answer.grad_wire
             res.hops.append(hop)
             res.wire_bytes += answer.wire_bytes
         return res
-
 
     async def evaluate(self, name: str, x: torch.Tensor, y: torch.Tensor) -> float:
         """The loss of one validation microbatch, forward only: through stages 0..S-2, then the
         last stage scores the targets. No peer accumulates or steps anything."""
         s_last = self.cfg.stages - 1
-        rows, codec = x.shape[0], self.cfg.activation_codec
-        h = x
+        rows, act_codec = x.shape[0], self.cfg.activation_codec
+        h: Activation = x
         for stage in range(s_last):
             async def fwd(peer, timeout, inp=h):
-                return await self.client.forward(peer, name, inp, reply_codec=codec, timeout=timeout, dim=self.dim,
-                                                 evaluation=True)
+                return await self.client.forward_wire(peer, name, inp, reply_codec=act_codec, timeout=timeout,
+                                                      dim=self.dim, evaluation=True)
             _, (h, _), _ = await self._hop(stage, "forward", rows, fwd, evaluation=True)
 
         async def score(peer, timeout):
-            return await self.client.evaluate(peer, name, h, y, activation_codec=codec, timeout=timeout)
+            return await self.client.evaluate(peer, name, h, y, activation_codec=act_codec, timeout=timeout)
         _, (loss, _), _ = await self._hop(s_last, "forward", rows, score)
         return loss
 

@@ -85,6 +85,9 @@ class StageService(pipeline_pb2_grpc.StageServicer):
         self.identity, self.worker, self.run_id = identity, worker, run_id
         self.on_progress = on_progress  # a Backward's run_tokens_committed (the run's schedule)
         self.faults = faults  # the ``delay`` fault at point ``stage_compute``: a slow machine
+        # The node id, derived once: `Identity.node_id` hashes the public key at every read, and the
+        # fault hook asks for it at every computation.
+        self._node_id = identity.node_id
         self.ban_list = ban_list if ban_list is not None else BanList()
         self.settings = settings or StageServiceSettings()
         self.refusals: list[tuple[str, str]] = []  # (who, reason)
@@ -245,7 +248,7 @@ class StageService(pipeline_pb2_grpc.StageServicer):
         """A slow machine, on purpose: the delay fault sleeps in the compute thread, so a caller
         that gives up meanwhile still sees the computation finish (and not be kept)."""
         if self.faults is not None:
-            armed = self.faults.take("delay", self.identity.node_id, 0, point="stage_compute")
+            armed = self.faults.take("delay", self._node_id, 0, point="stage_compute")
             if armed is not None:
                 time.sleep(armed.seconds)
 
