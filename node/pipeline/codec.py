@@ -24,7 +24,6 @@ from murmur.protocol.wire import (
     DTYPES,
     WireError,
     WireLimits,
-    all_finite,
     dtype_name,
     read_meta,
     tensor_bytes,
@@ -157,9 +156,16 @@ def _part(part: tensor_pb2.TensorPart, dtype: torch.dtype, numel: int, what: str
         raise WireError(f"{what}: part {part.name!r} holds {len(data)} bytes, {numel} {dtype} values are "
                         f"{numel * dtype.itemsize}")
     t = torch.frombuffer(bytearray(data), dtype=dtype) if numel else torch.empty(0, dtype=dtype)
-    if t.is_floating_point() and not all_finite(t):
+    if numel and t.is_floating_point() and not _finite(t):
         raise WireError(f"{what}: part {part.name!r} holds NaN or Inf values")
     return t
+
+
+def _finite(t: torch.Tensor) -> bool:
+    """`protocol.wire.all_finite` of a non-empty 1-D part in one call less (no flattening view):
+    on a stage peer's event loop each torch call hands the GIL to the compute thread and back."""
+    lo, hi = torch.aminmax(t)
+    return math.isfinite(lo.item()) and math.isfinite(hi.item())
 
 
 def wire_bytes(msg: tensor_pb2.WireTensor) -> int:

@@ -51,6 +51,14 @@ log = logging.getLogger(__name__)
 THROUGHPUT_EMA_ALPHA = 0.1  # as SWARM's throughput estimate
 
 
+def _metadata_value(metadata, key: str):
+    """The value of ``key`` in a call's metadata (None if absent), read without building a dict."""
+    for k, v in metadata or ():
+        if k == key:
+            return v
+    return None
+
+
 class Refused(Exception):
     def __init__(self, code: grpc.StatusCode, reason: str) -> None:
         super().__init__(reason)
@@ -146,7 +154,7 @@ class StageService(pipeline_pb2_grpc.StageServicer):
         except IdentityError as err:
             raise Refused(grpc.StatusCode.UNAUTHENTICATED, str(err)) from None
         try:
-            check_version(dict(context.invocation_metadata() or ()).get(VERSION_METADATA_KEY), who="caller")
+            check_version(_metadata_value(context.invocation_metadata(), VERSION_METADATA_KEY), who="caller")
         except VersionMismatch as err:
             raise Refused(grpc.StatusCode.FAILED_PRECONDITION, str(err)) from None
         return peer_id
@@ -191,7 +199,8 @@ class StageService(pipeline_pb2_grpc.StageServicer):
             raise Refused(grpc.StatusCode.INVALID_ARGUMENT, str(err)) from None
         if t.dtype == torch.int64:
             vocab = self.worker.module.cfg.vocab_size
-            if t.numel() and (int(t.min()) < 0 or int(t.max()) >= vocab):
+            lo, hi = torch.aminmax(t) if t.numel() else (0, 0)  # one pass, where min and max took two
+            if int(lo) < 0 or int(hi) >= vocab:
                 raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"{what}: token ids outside [0, {vocab})")
         return t
 
