@@ -15,6 +15,14 @@ rebuilding: a join storm of 10,000 trainers would otherwise rebuild at every hea
 a trainer only reported a new round or state hash, at most once per ``tick_s`` (every trainer does
 at every round). A rebuild that finds the same list keeps the version, so nobody is sent anything.
 
+A reply that lists the whole view (a node's first, or one too far behind: 10,000 trainers starting
+together each get one, some 1.6 MB) is not built member by member: the view's ``members`` are
+serialized once per version, as a HeartbeatReply's field 7, at the first reply that needs them
+(``View.members_field``), and each such reply is its other fields serialized and those bytes
+appended (protobuf's wire format concatenates: a repeated field's entries append). Building and
+serializing the 10,000 members for each reply cost the coordinator's loop 6-15 ms a reply
+(coordinator/preserialized.py sends the bytes as they are; docs/coordinator.md, "At scale").
+
 Versions carry a random prefix of this process: a node holding a version of an earlier
 coordinator process matches none of this one's (but with odds of 2^-31) and gets the whole list.
 """
@@ -53,6 +61,16 @@ class View:
     progress: int
     built_at: float
     deltas: dict[int, Delta] = field(default_factory=dict)  # from an older version to this one
+    _members_field: bytes | None = None  # ``members`` as HeartbeatReply field 7; made at first use
+
+    def members_field(self) -> bytes:
+        """``members`` serialized as a HeartbeatReply's field 7 entries, made once for this version
+        (a view's members never change: a new list is a new View with a new version, so these
+        bytes can never stand for another version's list). Appended to a reply serialized without
+        members, they parse as that reply listing the whole view."""
+        if self._members_field is None:
+            self._members_field = pb.HeartbeatReply(members=self.members).SerializeToString()
+        return self._members_field
 
 
 class TrainerViews:
