@@ -47,8 +47,9 @@ from murmur.protocol import coordinator_pb2 as pb
 from murmur.protocol import heartbeat_datagram as hd
 
 from .latency import Histogram
+from .preserialized import BeatReply
 
-Handler = Callable[[str, pb.HeartbeatRequest], pb.HeartbeatReply]
+Handler = Callable[[str, pb.HeartbeatRequest], BeatReply]
 DROP_REASONS = ("oversized", "malformed", "bad_tag", "replay")
 DRAIN_MAX = 256  # datagrams one turn of the loop reads at most: the gRPC calls get their turns too
 # Asked of the kernel for the socket (it caps it at net.core.rmem_max: 4 MiB on the build machines,
@@ -148,15 +149,18 @@ class HeartbeatDatagrams:
         self._last[beat.node_id] = beat.counter
         try:
             request = pb.HeartbeatRequest.FromString(beat.request)
-            reply: bytes | None = self.handler(beat.node_id, request).SerializeToString()
+            answer = self.handler(beat.node_id, request)
         except (DecodeError, MurmurError):  # not a HeartbeatRequest, or refused: gRPC says why, by status
-            reply = None
+            reply: bytes | None = None
             self.use_grpc["refused"] += 1
         else:
-            if len(reply) > hd.MAX_REPLY_PAYLOAD:  # a view's changes, a ban list...: whole over gRPC
+            # Sized before it is assembled: a whole view's members are bytes of a known length, so a
+            # reply of 10,000 trainers is never put together only to be found too large.
+            if answer.size() > hd.MAX_REPLY_PAYLOAD:  # a whole view, many changes, a ban list...: over gRPC
                 reply = None
                 self.use_grpc["too_large"] += 1
             else:
+                reply = answer.wire()
                 self.served += 1
         return hd.encode_reply(key, beat.counter, reply)
 

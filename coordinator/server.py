@@ -36,6 +36,7 @@ from .heartbeat_udp import HeartbeatDatagrams
 from .keeper import StateKeeper
 from .membership import Membership
 from .metrics import LedgerCollector
+from .preserialized import PassingBytes
 from .recovery import Recovery
 from .runs import Runs
 from .service import CoordinatorService
@@ -148,8 +149,9 @@ class Coordinator:
             self.service.fronts = fronts
             await fronts.start(split_address(node_listen, "--node-listen")[0])
         self.server = grpc.aio.server(options=[*tls.server_options(s.max_message_bytes), *serving_options(s)])
-        # A request that does not parse is refused in one line (INVALID_ARGUMENT), on every method.
-        malformed.register(pb_grpc.add_CoordinatorServicer_to_server, self.service, self.server)
+        # A request that does not parse is refused in one line (INVALID_ARGUMENT), on every method;
+        # a heartbeat reply may be bytes assembled already (a whole view: coordinator/preserialized.py).
+        malformed.register(pb_grpc.add_CoordinatorServicer_to_server, self.service, PassingBytes(self.server))
         kept_server.register(self.server, self.keeper, self.membership)  # GetState of kept states
         pair = [(self.secrets.tls_key_pem, self.secrets.ca.cert_pem)]
         public_creds = grpc.ssl_server_credentials(pair)

@@ -34,6 +34,7 @@ from .heartbeat_udp import HeartbeatDatagrams
 from .keeper import StateKeeper, kept_name
 from .leases import Progress
 from .membership import Membership, NoStateYet
+from .preserialized import BeatReply
 from .recovery import Recovery
 from .runs import NotFound, RunError, Runs
 from .serving import end_streams
@@ -193,12 +194,15 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
 
     # --- members -------------------------------------------------------------------------------
 
-    async def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.aio.ServicerContext) -> pb.HeartbeatReply:
-        return await self._run("Heartbeat", context, lambda: self._heartbeat(request, context))
+    async def Heartbeat(
+        self, request: pb.HeartbeatRequest, context: grpc.aio.ServicerContext
+    ) -> pb.HeartbeatReply | bytes:
+        # bytes: a reply with the whole view, sent as they are (coordinator/preserialized.py)
+        return await self._run("Heartbeat", context, lambda: self._heartbeat(request, context).for_grpc())
 
     async def HeartbeatStream(
         self, requests: AsyncIterator[pb.HeartbeatRequest], context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[pb.HeartbeatReply]:
+    ) -> AsyncIterator[pb.HeartbeatReply | bytes]:
         """Heartbeats on one long-lived stream per node, each answered as Heartbeat answers it (a
         message on an open stream costs far less than a unary call). A refusal ends the stream
         with Heartbeat's status and reason; the node opens a new stream for its next heartbeat."""
@@ -219,7 +223,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                     code = getattr(grpc.StatusCode, getattr(err, "code", "INVALID_ARGUMENT"))
                     await context.abort(code, str(err))
                 self.stats.count("HeartbeatStream", True)  # per heartbeat: murmur_rpc_calls_total{method}
-                yield reply
+                yield reply.for_grpc()
         finally:
             self._streams.discard(context)
 
@@ -227,7 +231,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         """Stopping: every open heartbeat stream ends now (serving.end_streams)."""
         await end_streams(self._streams)
 
-    def datagram_beat(self, node_id: str, request: pb.HeartbeatRequest) -> pb.HeartbeatReply:
+    def datagram_beat(self, node_id: str, request: pb.HeartbeatRequest) -> BeatReply:
         """A heartbeat that came as a datagram signed with ``node_id``'s key (coordinator/heartbeat_udp.py):
         answered as one on the stream; a refusal raises (the node then makes it over gRPC)."""
         try:
@@ -247,9 +251,10 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
 
     def _heartbeat(
         self, request: pb.HeartbeatRequest, context: grpc.aio.ServicerContext, caller: str = "", *, offer: bool = True
-    ) -> pb.HeartbeatReply:
+    ) -> BeatReply:
         """One heartbeat and its reply, unary, streamed or a datagram alike: membership (memory
         only), a stage peer's report, the view, the durability fields, the ban list when it changed.
+        A whole view's members come as the bytes the view serialized once (coordinator/preserialized.py).
         ``caller``: the node id a stream read from its certificate already (or a datagram's key
         vouched for). ``offer``: the reply goes over gRPC, so it may carry the datagram key."""
         node_id = caller or self._caller(context)
@@ -268,8 +273,9 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             heartbeat_interval_s=self.settings.heartbeat_interval_s,
             lease_ttl_s=self.settings.lease_ttl_s,
         )
+        members = b""
         if peer is not None:
-            self._view_into(reply, run_id, node_id, request.view_version)
+            members = self._view_into(reply, run_id, node_id, request.view_version)
         self._durability_into(reply, run_id)
         if order is not None:
             reply.stage_order.CopyFrom(order)
@@ -282,7 +288,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             reply.heartbeat_address = self.fronts.address_for(node_id)
         if offer:
             self._offer_datagrams(reply, node_id)
-        return reply
+        return BeatReply(reply, members)
 
     def front_beat(self, node_id: str, request: bytes) -> pb.FrontAnswer:
         """A heartbeat a front carried (coordinator/fronts.py), with the node id it read from the
@@ -296,7 +302,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             self.stats.count("HeartbeatStream", False)
             return pb.FrontAnswer(code=getattr(err, "code", "INVALID_ARGUMENT"), details=str(err))
         self.stats.count("HeartbeatStream", True)
-        return pb.FrontAnswer(reply=reply.SerializeToString())
+        return pb.FrontAnswer(reply=reply.wire())
 
     def _durability_into(self, reply: pb.HeartbeatReply | pb.StatusReply, run_id: str = "") -> None:
         """When this process started, the state it keeps of the run, and whether the run waits for
@@ -313,14 +319,16 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
 
     def _view_into(
         self, reply: pb.HeartbeatReply | pb.ReportGoneReply, run_id: str, node_id: str, have: int = 0
-    ) -> None:
+    ) -> bytes:
         """A trainer's view: the run's live trainers, for its round groups; none while this
         coordinator has not yet heard from every live trainer (just started: a partial list is a split).
         A heartbeat whose node holds a recent version (``have``) is told what changed since, or that
         nothing did (coordinator/trainer_view.py); a ReportGone reply lists them as they are right
-        after its losses."""
+        after its losses. Returns a heartbeat reply's whole view as the serialized members to append
+        to it (``View.members_field``: made once per version), else b"" (the reply carries the rest)."""
+        members = b""
         if not self.membership.view_is_whole():
-            return
+            return members
         if isinstance(reply, pb.HeartbeatReply):
             view = self.views.get(run_id)
             reply.view_version = view.version
@@ -331,12 +339,13 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 reply.view_delta = True
                 reply.members.extend(delta.changed)
                 reply.view_removed.extend(delta.removed)
-            else:
-                reply.members.extend(view.members)
+            else:  # the whole view: its bytes, appended when the reply is sent
+                members = view.members_field()
         else:
             reply.members.extend(self.views.get(run_id, fresh=True).members)
         reply.run_round = self.membership.trainers.run_round(run_id, node_id)
         reply.view_whole = True
+        return members
 
     async def AcquireLease(
         self, request: pb.AcquireLeaseRequest, context: grpc.aio.ServicerContext

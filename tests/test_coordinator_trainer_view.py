@@ -107,3 +107,88 @@ def test_a_member_client_builds_the_view_from_whole_delta_and_unchanged_replies(
     same = pb.HeartbeatReply(view_whole=True, view_version=8, view_unchanged=True)
     client.take_view(same)
     assert [m.node_id for m in client.members(same)] == ["a", "c"] and client.view_version == 8
+
+
+def every_field_set(message) -> None:
+    """Give every field of ``message`` (but a HeartbeatReply's members) a value other than its
+    default, nested messages one level down: a field added to the reply later is covered too."""
+    from google.protobuf.descriptor import FieldDescriptor as F
+
+    for f in message.DESCRIPTOR.fields:
+        if f.name == "members":
+            continue
+        if f.type == F.TYPE_MESSAGE:
+            inner = getattr(message, f.name).add() if f.is_repeated else getattr(message, f.name)
+            for g in inner.DESCRIPTOR.fields:  # one level: their own scalars
+                if g.type != F.TYPE_MESSAGE:
+                    _set(inner, g, F)
+            if not f.is_repeated:
+                getattr(message, f.name).SetInParent()
+        else:
+            _set(message, f, F)
+
+
+def _set(message, f, F) -> None:
+    value = {F.TYPE_STRING: f"{f.name}-value", F.TYPE_BYTES: f.name.encode(), F.TYPE_BOOL: True,
+             F.TYPE_DOUBLE: 2.5, F.TYPE_FLOAT: 1.5}.get(f.type, 7)  # the rest: integers and enums
+    if f.is_repeated:
+        getattr(message, f.name).append(value)
+    else:
+        setattr(message, f.name, value)
+
+
+def test_a_reply_with_the_views_bytes_appended_parses_as_the_one_built_member_by_member():
+    """coordinator/preserialized.py: the whole view goes as bytes serialized once per version, and
+    the reply's other fields serialized apart; what a node parses is the reply built the old way."""
+    from murmur.coordinator.preserialized import BeatReply
+    from murmur.protocol import coordinator_pb2 as pb
+
+    trainers, v, _, _ = views()
+    for i in range(50):
+        trainers.update(f"node-{i:03d}", "run", f"inc-{i}", f"10.0.0.{i}:7800", i % 3, f"{i:064x}")
+    view = v.get("run")
+    rest = pb.HeartbeatReply()
+    every_field_set(rest)
+    assert {f.name for f, _ in rest.ListFields()} == {f.name for f in pb.HeartbeatReply.DESCRIPTOR.fields} - {"members"}
+    old = pb.HeartbeatReply()
+    old.CopyFrom(rest)
+    old.members.extend(view.members)
+
+    sent = BeatReply(rest, view.members_field())
+    wire = sent.wire()
+    assert sent.size() == len(wire) == old.ByteSize()  # sized without being assembled (the datagram check)
+    parsed = pb.HeartbeatReply.FromString(wire)
+    assert parsed == old and parsed.SerializeToString() == old.SerializeToString()
+    assert [m.node_id for m in parsed.members] == [f"node-{i:03d}" for i in range(50)]
+    assert sent.for_grpc() == wire  # bytes, passed through by the gRPC registration as they are
+    assert BeatReply(rest).for_grpc() is rest  # no whole view (a delta, unchanged): the message itself
+    assert view.members_field() is view.members_field()  # made once for the version
+
+
+def test_the_views_bytes_are_made_again_for_a_new_version_and_never_serve_an_old_one():
+    from murmur.protocol import coordinator_pb2 as pb
+
+    def listed(view) -> list[str]:
+        return [m.node_id for m in pb.HeartbeatReply.FromString(view.members_field()).members]
+
+    trainers, v, clock, gone = views()
+    trainers.update("a", "run", "i1", "h:1", 0, "00")
+    trainers.update("b", "run", "i2", "h:2", 0, "00")
+    first = v.get("run")
+    assert listed(first) == ["a", "b"]
+    trainers.update("a", "run", "i1", "h:1", 0, "00")  # nothing changed: the same version, its bytes kept
+    assert v.get("run") is first and listed(v.get("run")) == ["a", "b"]
+    trainers.update("c", "run", "i3", "h:3", 0, "00")  # a trainer joins
+    joined = v.get("run")
+    assert joined.version != first.version and listed(joined) == ["a", "b", "c"]
+    gone.add("b")
+    trainers.drop("b")  # a trainer goes
+    left = v.get("run")
+    assert left.version != joined.version and listed(left) == ["a", "c"]
+    trainers.update("a", "run", "i1", "h:1", 4, "44")  # a new round, past the tick
+    clock.now += 1.0
+    moved = v.get("run")
+    assert moved.version != left.version
+    assert [(m.node_id, m.round) for m in pb.HeartbeatReply.FromString(moved.members_field()).members] == [
+        ("a", 4), ("c", 0)]
+    assert listed(joined) == ["a", "b", "c"]  # each version's bytes are its own list
