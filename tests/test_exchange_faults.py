@@ -4,8 +4,9 @@ owners of a real gRPC exchange see them (peers on loopback, one process)."""
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -49,33 +50,51 @@ def test_bad_spec_strings_are_refused_with_the_reason(spec, reason):
         FaultInjector.parse([spec])
 
 
-def test_sigusr1_ends_the_delays_sleeping_now_and_not_later_ones():
-    """A test holds a point with a long delay and lets it go on an event (``--fault`` arms SIGUSR1):
-    the sleeping delay ends, on a plain thread and in an event loop, and a delay armed later sleeps."""
+def test_release_ends_the_delays_sleeping_now_and_not_later_ones():
+    """A test holds a point with a long delay and lets it go on an event: the sleeping delay ends, on
+    a plain thread and in an event loop, and a delay armed later sleeps its length."""
     inj = FaultInjector.parse(["delay:checkpoint:600@1", "delay:rendezvous:600@1", "delay:checkpoint:0.2@2"])
-    before = signal.getsignal(signal.SIGUSR1)
-    inj.release_on_signal()
+    slept = threading.Event()
+    t = threading.Thread(target=lambda: inj.pause("checkpoint", "me", 1) and slept.set())
+    t.start()
+    wait_until(lambda: ("delay", "me", 1) in inj.fired)
+    inj.release()
+    t.join(30)
+    assert not t.is_alive() and slept.is_set()
+
+    async def held() -> float:
+        task = asyncio.create_task(inj.delay("rendezvous", "me", 1))
+        while inj.fired.count(("delay", "me", 1)) < 2:
+            await asyncio.sleep(0.01)
+        inj.release()
+        return await asyncio.wait_for(task, 30)
+
+    assert asyncio.run(held()) == 600.0
+    t0 = time.monotonic()
+    assert inj.pause("checkpoint", "me", 2) == 0.2 and time.monotonic() - t0 >= 0.2  # not released
+
+
+RELEASED_BY_SIGNAL = """
+from murmur.node.net.faults import FaultInjector
+inj = FaultInjector.parse(["delay:checkpoint:600@1"])
+inj.release_on_signal()
+print("slept", inj.pause("checkpoint", "me", 1), flush=True)
+"""
+
+
+def test_sigusr1_releases_a_process_whose_faults_armed_it():
+    """The signal a test sends a node (``--fault`` arms it): a real process, a real SIGUSR1."""
+    proc = subprocess.Popen([sys.executable, "-c", RELEASED_BY_SIGNAL], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
     try:
-        slept = threading.Event()
-        t = threading.Thread(target=lambda: inj.pause("checkpoint", "me", 1) and slept.set())
-        t.start()
-        wait_until(lambda: ("delay", "me", 1) in inj.fired)
-        os.kill(os.getpid(), signal.SIGUSR1)
-        t.join(30)
-        assert not t.is_alive() and slept.is_set()
-
-        async def held() -> float:
-            task = asyncio.create_task(inj.delay("rendezvous", "me", 1))
-            while inj.fired.count(("delay", "me", 1)) < 2:
-                await asyncio.sleep(0.01)
-            inj.release()
-            return await asyncio.wait_for(task, 30)
-
-        assert asyncio.run(held()) == 600.0
-        t0 = time.monotonic()
-        assert inj.pause("checkpoint", "me", 2) == 0.2 and time.monotonic() - t0 >= 0.2  # not released
+        # The delay's log line (stderr): a release from then on ends it.
+        assert "injected fault: checkpoint delayed 600.0 s" in proc.stderr.readline()
+        proc.send_signal(signal.SIGUSR1)
+        out, err = proc.communicate(timeout=60)
     finally:
-        signal.signal(signal.SIGUSR1, before)
+        proc.kill()
+    assert proc.returncode == 0 and out == "slept 600.0\n", err
+    assert "checkpoint delay released after" in err
 
 
 def wait_until(ok, timeout_s: float = 30.0) -> None:

@@ -189,9 +189,10 @@ class FaultInjector:
     async def delay(self, point: str, peer: str, round_id: int, *, target: str = ANY) -> float:
         """The ``delay`` fault point ``point``: sleep if a delay is armed here (until `release`);
         the seconds it was armed for."""
+        released = self._released  # before the log line: a release after it ends this delay
         seconds = self._delay_armed(point, peer, round_id, target)
         if seconds:
-            released, end = self._released, time.monotonic() + seconds
+            end = time.monotonic() + seconds
             while released == self._released and (left := end - time.monotonic()) > 0:
                 await asyncio.sleep(min(RELEASE_POLL_S, left))
             self._log_release(point, round_id, released, end - seconds)
@@ -200,9 +201,10 @@ class FaultInjector:
     def pause(self, point: str, peer: str, round_id: int) -> float:
         """`delay` for a point on a plain thread (no event loop there): block it; the seconds it
         was armed for."""
+        released = self._released  # before the log line: a release after it ends this delay
         seconds = self._delay_armed(point, peer, round_id, ANY)
         if seconds:
-            released, end = self._released, time.monotonic() + seconds
+            end = time.monotonic() + seconds
             while released == self._released and (left := end - time.monotonic()) > 0:
                 time.sleep(min(RELEASE_POLL_S, left))
             self._log_release(point, round_id, released, end - seconds)
