@@ -110,13 +110,14 @@ def test_a_node_restarted_after_coordinator_restarts_trains_in_a_group_and_does_
         address = str(net.info["address"])
         for _ in range(restarts):
             marks = {n.name: max(int(r["round"]) for r in trained(n)) for n in (a, b, c)}
+            sinces = {n.name: len(log(n)) for n in (a, b, c)}  # what each wrote before this restart
             net.kill_coordinator()
             net.stop_coordinator()  # closes its log; it is dead already
             net.start_coordinator(address)
             wait_for(lambda m=marks: all(max(int(r["round"]) for r in trained(n)) >= m[n.name] + 2 for n in (a, b, c)),
                      WAIT_S, what="two rounds after the coordinator restart")
-        for node in (a, b, c):
-            wait_log(node, r"coordinator is back", timeout_s=WAIT_S)
+        for node in (a, b, c):  # back to the last one (an earlier restart's line does not count)
+            wait_log(node, r"coordinator is back", timeout_s=WAIT_S, since=sinces[node.name])
         killed_at = max(int(r["round"]) for n in (a, b) for r in trained(n))
         before = _round_seconds(a, 0, killed_at) + _round_seconds(b, 0, killed_at)
         net.kill_node(c)
