@@ -78,7 +78,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -191,11 +191,8 @@ class FaultInjector:
         the seconds it was armed for."""
         released = self._released  # before the log line: a release after it ends this delay
         seconds = self._delay_armed(point, peer, round_id, target)
-        if seconds:
-            end = time.monotonic() + seconds
-            while released == self._released and (left := end - time.monotonic()) > 0:
-                await asyncio.sleep(min(RELEASE_POLL_S, left))
-            self._log_release(point, round_id, released, end - seconds)
+        for step in self._sleeps(point, round_id, released, seconds):
+            await asyncio.sleep(step)
         return seconds
 
     def pause(self, point: str, peer: str, round_id: int) -> float:
@@ -203,11 +200,8 @@ class FaultInjector:
         was armed for."""
         released = self._released  # before the log line: a release after it ends this delay
         seconds = self._delay_armed(point, peer, round_id, ANY)
-        if seconds:
-            end = time.monotonic() + seconds
-            while released == self._released and (left := end - time.monotonic()) > 0:
-                time.sleep(min(RELEASE_POLL_S, left))
-            self._log_release(point, round_id, released, end - seconds)
+        for step in self._sleeps(point, round_id, released, seconds):
+            time.sleep(step)
         return seconds
 
     def release(self) -> None:
@@ -223,8 +217,14 @@ class FaultInjector:
         if threading.current_thread() is threading.main_thread():
             signal.signal(signum, lambda *_: self.release())
 
-    def _log_release(self, point: str, round_id: int, released: int, started: float) -> None:
-        if released != self._released:
+    def _sleeps(self, point: str, round_id: int, released: int, seconds: float) -> Iterator[float]:
+        """The steps a delay of ``seconds`` sleeps (``delay`` awaits them, ``pause`` blocks on them):
+        until its length is out or `release` bumped the counter past ``released``."""
+        started = time.monotonic()
+        end = started + seconds
+        while released == self._released and (left := end - time.monotonic()) > 0:
+            yield min(RELEASE_POLL_S, left)
+        if seconds and released != self._released:
             log.warning("injected fault: %s delay released after %.1f s (round %d)", point,
                         time.monotonic() - started, round_id)
 
