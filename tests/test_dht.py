@@ -16,6 +16,7 @@ from _net_helpers import PYTHON, REPO, p2pd_processes, python_env
 
 from murmur.node.daemon.run_view import RunView
 from murmur.node.exchange.group import DHTGroup, RendezvousSettings
+from murmur.node.exchange.start_floor import StartFloor
 from murmur.protocol import coordinator_pb2 as pb
 from murmur.protocol import dht as D
 from murmur.protocol.identity import CertificateAuthority
@@ -306,3 +307,29 @@ def test_a_start_called_off_stops_its_process_and_p2pd_at_once(ca):
     assert took < 5.0, took  # a poll, a kill and p2pd's own exit; hivemind's shutdown waits for a whole start
     assert p2pd_processes() == [] and not dht.started
     assert _living(list(set(psutil.Process().children()) - before)) == []
+
+
+def test_the_peers_a_start_waited_for_are_waited_for_at_its_first_rendezvous(ca):
+    """--min-peers counted B (still starting), and the run's view listed nobody but A: A's first
+    rendezvous must still wait for B, not go on alone (node/exchange/start_floor.py); once they
+    met, A's later rounds wait for the live trainers only."""
+    a, b = ca.issue(), ca.issue()
+    fast = D.DHTSettings(rendezvous_ttl=60.0, poll_interval=0.05)
+    floor = StartFloor()
+    floor.hold({a.node_id, b.node_id}, 2, 60.0)
+    with D.MurmurDHT("run", ca_cert_pem=ca.cert_pem, identity=a, settings=fast) as da:
+        with D.MurmurDHT("run", ca_cert_pem=ca.cert_pem, identity=b, initial_peers=da.addresses, settings=fast) as db:
+            group = DHTGroup(da, "127.0.0.1:1", expected=1, settings=RendezvousSettings(deadline=0.5), floor=floor)
+            t0 = time.monotonic()
+            assert asyncio.run(group.members(1, "k")) == {a.node_id: "127.0.0.1:1"}
+            assert time.monotonic() - t0 >= 0.4  # it waited its deadline for B (expected 1 returns at once)
+            assert group.fewest() == 2  # not met: the exchange's attempt does not start with one
+            db.rendezvous(2, "k", "127.0.0.1:2", deadline=time.monotonic() + 5, expected=1)
+            group.settings = RendezvousSettings(deadline=60.0)
+            t0 = time.monotonic()
+            assert asyncio.run(group.members(2, "k")) == {a.node_id: "127.0.0.1:1", b.node_id: "127.0.0.1:2"}
+            assert time.monotonic() - t0 < 30.0  # met B: not the deadline
+            assert group.fewest() == 1
+            t0 = time.monotonic()
+            assert asyncio.run(group.members(3, "k")) == {a.node_id: "127.0.0.1:1"}
+            assert time.monotonic() - t0 < 30.0  # expected 1 again: no wait

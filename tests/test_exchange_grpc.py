@@ -678,6 +678,32 @@ def test_a_peer_alone_at_the_rendezvous_does_not_complete_while_the_dht_lists_ot
         assert p.exchange.all_reduce([torch.ones(100)], round_id=3, key="k").result(timeout=30).members == [p.node_id]
 
 
+class _StartWaitedForTwo(EntryComesLate):
+    """P's group: its start counted two peers (node/exchange/start_floor.py), and its first look
+    at the rendezvous shows it alone."""
+
+    def fewest(self) -> int:
+        return 2
+
+
+def test_a_peer_whose_start_waited_for_two_does_not_complete_its_first_round_alone():
+    """Regression (test_churn_restart under CI load): a node started with --min-peers 2 counted a
+    peer that was still loading, met nobody at its first rendezvous, and trained rounds alone. The
+    floor keeps its attempt from starting with one: it meets again, and both complete together."""
+    with peer_group(2, round_deadline=30.0) as (_, peers, _):
+        every = {p.node_id: p.server.address for p in peers}
+        p = peers[0]
+        p.exchange.rounds.group = _StartWaitedForTwo({p.node_id: p.server.address}, every)
+        results = run_reduce(peers, inputs(2))
+        assert all(not isinstance(r, Exception) for r in results), results
+        assert [r.members for r in results] == [sorted(every)] * 2
+    with peer_group(1, round_deadline=3.0) as (_, peers, _):
+        p = peers[0]
+        p.exchange.rounds.group = _StartWaitedForTwo({p.node_id: p.server.address}, {p.node_id: p.server.address})
+        with pytest.raises(ExchangeError, match="start waited for"):
+            p.exchange.all_reduce([torch.ones(100)], round_id=2, key="k").result(timeout=30)
+
+
 def test_a_caller_at_a_later_attempt_ends_the_owners_current_one_at_once():
     """Two peers one attempt apart used to wait out each other's peer_timeout in every attempt
     and step on together, one apart again, until the round's deadline (a poisoning run under

@@ -146,7 +146,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--min-peers",
         type=int,
         default=int(_env("MURMUR_MIN_PEERS", "1") or 1),
-        help="wait for this many peers (this one included) before the first round (default 1)",
+        help="wait (up to 60 s) for this many peers (this one included) before the first round, "
+        "and for as many members at its rendezvous (default 1)",
     )
     r.add_argument(
         "--log-format",

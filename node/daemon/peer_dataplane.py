@@ -40,6 +40,7 @@ from murmur.node.exchange.groups import DEFAULT_GROUP_SIZE, Formation
 from murmur.node.exchange.hierarchy import GroupedExchange
 from murmur.node.exchange.peer import ExchangePeer, PeerSpec, abuild_peer
 from murmur.node.exchange.settings import ExchangeSettings
+from murmur.node.exchange.start_floor import StartFloor
 from murmur.node.net.addresses import WILDCARDS, advertised
 from murmur.node.net.faults import FaultInjector
 from murmur.node.net.loop import RunningLoop
@@ -96,9 +97,11 @@ class PeerDataPlane:
         live: LivePeers,
         view: RunView | None = None,
         group_size: int = DEFAULT_GROUP_SIZE,
+        floor: StartFloor | None = None,
     ) -> None:
         self.ident, self.s, self.log = ident, settings, log
         self.dht, self.peer, self.live, self.view = dht, peer, live, view
+        self.floor = floor  # the peers the start waited for, which the first round waits for too
         # Called with (round, state hash, address) whenever this node publishes a round's state:
         # the session reports them with its heartbeats.
         self.on_publish: Callable[[int, str, str], None] | None = None
@@ -237,7 +240,8 @@ class PeerDataPlane:
     async def wait_for_peers(self, count: int, timeout_s: float, stop: Callable[[], bool]) -> int:
         """Wait until ``count`` peers (this one included) are in the DHT, the timeout, or a stop.
         Peers that are still starting have no record yet: they are found by rendezvous entries
-        too, so this also counts nodes that registered for round 0."""
+        too, so this also counts nodes that registered for round 0. Once counted, the first
+        round waits for as many at its rendezvous (node/exchange/start_floor.py)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         # Until the first round, announce round -1 so others can count this node.
@@ -246,6 +250,8 @@ class PeerDataPlane:
             # Re-announce each time: a lone first node's store fails until someone joins its DHT.
             await self._announce()
             peers = self._may_be_live(await self._trainers())
+            if len(peers) >= count and self.floor is not None:
+                self.floor.hold({p.node_id for p in peers} | {self.ident.node_id}, count, timeout_s)
             if len(peers) >= count or loop.time() >= deadline or stop():
                 return len(peers)
             await asyncio.sleep(min(0.5, max(0.0, deadline - loop.time())))
@@ -555,6 +561,7 @@ async def open_peer_dataplane(
     worker thread) once the DHT's process is forked, seconds before it is ready."""
     host, _, port = listen.rpartition(":")
     live = LivePeers()
+    floor = StartFloor(dead=view.dead_ids if view is not None else frozenset, log=log)
     dht: MurmurDHT | None = None
     async with contextlib.AsyncExitStack() as undo:
 
@@ -578,6 +585,7 @@ async def open_peer_dataplane(
                 announced_ids=lambda: live.ids,
                 settings=RendezvousSettings(deadline=settings.rendezvous_deadline_s),
                 view=view,
+                floor=floor,
             )
 
         spec = PeerSpec(
@@ -601,7 +609,8 @@ async def open_peer_dataplane(
         undo.push_async_callback(peer.aclose)
         assert dht is not None  # the group factory started it
         plane = PeerDataPlane(
-            ident, settings, log, dht=dht, peer=peer, live=live, view=view, group_size=cfg.sync.group_size
+            ident, settings, log, dht=dht, peer=peer, live=live, view=view, group_size=cfg.sync.group_size,
+            floor=floor,
         )
         # Where others can bootstrap from and dial us (read by `murmur testnet` and by operators).
         (state_dir / "peer.json").write_text(

@@ -161,6 +161,11 @@ class RunView:
         """The live trainers whose address has not refused a connection."""
         return [m for m in self.trainers() if (m.node_id, m.address) not in self._dead]
 
+    def dead_ids(self) -> set[str]:
+        """The nodes one of whose addresses refused a connection (that process is dead)."""
+        with self._gone_lock:
+            return {node_id for node_id, _ in self._dead}
+
     def saw_refusal(self, node_id: str, address: str, reason: str) -> bool:
         """A member's address refused a connection: that process is dead. True if recorded."""
         if not process_gone(reason) or node_id == self.node_id:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from murmur.node.exchange.calls import CONNECTION_REFUSED
+from murmur.node.exchange.start_floor import StartFloor
 from murmur.protocol.reachability import refuses_connections
 
 
@@ -89,6 +90,7 @@ class DHTGroup:
         announced_ids: Callable[[], Collection[str]] | None = None,
         settings: RendezvousSettings | None = None,
         view: LiveView | None = None,
+        floor: StartFloor | None = None,
     ) -> None:
         self.dht = dht
         self.address = address
@@ -98,13 +100,18 @@ class DHTGroup:
         self.announced_ids = announced_ids or (lambda: ())
         self.settings = settings or RendezvousSettings()
         self.view = view
+        self.floor = floor  # the peers this node's start waited for: its first round waits for them too
         self._probed: dict[str, float] = {}  # node id -> when its address was last dialed
 
     def _expected(self) -> int | None:
         live = self.view.expected() if self.view is not None else None
-        if live is not None:
-            return live
-        return self.expected() if callable(self.expected) else self.expected
+        if live is None:
+            live = self.expected() if callable(self.expected) else self.expected
+        return live if live is None else max(live, self.fewest())
+
+    def fewest(self) -> int:
+        """The fewest members a round of the whole run may start with (node/exchange/start_floor.py)."""
+        return self.floor.need() if self.floor is not None else 1
 
     async def members(
         self,
@@ -120,7 +127,7 @@ class DHTGroup:
         view = self.view
         if waiting is None and view is not None:
             waiting = functools.partial(self._probe_missing, since=time.monotonic())
-        return await self.dht.arendezvous(
+        found = await self.dht.arendezvous(
             round_id,
             key,
             self.address,
@@ -131,6 +138,9 @@ class DHTGroup:
             keep=view.keeps if view is not None else None,
             waiting=waiting,
         )
+        if expected is None and self.floor is not None:  # the whole run's call, not a group's
+            self.floor.met(len(found))
+        return found
 
     def _probe_missing(self, present: dict[str, str], since: float) -> None:
         """While the rendezvous waits (a DHT worker thread): a live trainer that has not arrived may

@@ -211,6 +211,8 @@ class Rounds:
         or "": then meet again."""
         if not self._quorum(call, members):
             return f"only {len(members)} of {self._quorum_base(call)} live peers here (no quorum)"
+        if len(members) < (fewest := self._fewest(call)):
+            return f"only {len(members)} of the {fewest} peers this node's start waited for here"
         if not call.owners(members):
             return (
                 f"none of the {len(members)} members of round {call.round_id} accepts connections "
@@ -253,6 +255,15 @@ class Rounds:
         # round alone, and the others adopted that one-member result (test_poisoning under load).
         announced = getattr(self.group, "announced", None)
         return max(call.start_members, (announced() if announced is not None else None) or 0)
+
+    def _fewest(self, call: Call) -> int:
+        """The fewest members the whole run's call may start with: the peers this node's start
+        waited for, until they met once (node/exchange/start_floor.py); a group's call: any."""
+        scoped = getattr(self.group, "scope_size", None)
+        if scoped is not None and scoped(call.round_id, call.key):
+            return 1
+        fewest = getattr(self.group, "fewest", None)
+        return fewest() if fewest is not None else 1
 
     def _quorum(self, call: Call, members: list[str]) -> bool:
         return len(members) > self._quorum_base(call) * self.settings.quorum
