@@ -97,9 +97,27 @@ def _env(threads: int) -> dict[str, str]:
 
 
 def kill_group(proc: subprocess.Popen, sig: int = signal.SIGKILL) -> None:
-    """Signal a process and everything in its session (it was started with start_new_session)."""
+    """Signal a process and everything in its session (it was started with start_new_session).
+
+    A process already reaped gave its pid back, and pids wrap within minutes on a busy machine (the
+    suite on 2 cores went past 32,768 in 16 minutes): the number may be a new session leader's now,
+    another test's coordinator, whose group this would kill. So a reaped process's group is
+    signalled only while no process holds its number: its members are then what it left behind
+    (Linux gives a number out again only once no process uses it as a pid, group or session id)."""
+    if proc.poll() is not None and _pid_exists(proc.pid):
+        return
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, sig)
+
+
+def _pid_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def stop_process(proc: subprocess.Popen, timeout_s: float = STOP_TIMEOUT_S) -> int:
