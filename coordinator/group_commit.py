@@ -19,6 +19,11 @@ call a turn of the loop, so an fsync on the loop thread (inside SQLite's COMMIT,
 new calls from arriving while it ran, and a join storm's batches stayed one call each, one fsync a
 join (measured: 3,721 batches for 4,000 joins and lease grants of 2,000 nodes).
 
+A call whose client gave up while it queued (its deadline, a cancel) is left out of the batch:
+nothing of it is written, and its client, which has no answer, retries. Its ``fn`` must not run
+anyway: gRPC frees an ended call, and what ``fn`` would read of it (the caller's certificate) is
+gone; the service reads that before it queues (coordinator/service.py, ``_member_run``).
+
 The promise is unchanged: a reply means the ledger has it on disk. A crash before the batch's
 fsync loses at most the batch, and none of its callers has an answer (each retries: a repeated
 commit answers ``duplicate``, leases.py), so the ledger stays exact. A failed COMMIT or fsync
@@ -68,6 +73,8 @@ class GroupCommit:
         try:
             with self.store.write(durable=False):
                 for fn, future in batch:
+                    if future.done():  # its caller gave up (cancelled) before the batch: nothing of it runs
+                        continue
                     try:
                         outcomes.append((future, fn(), None))
                     except Exception as err:  # noqa: BLE001 - the caller's own refusal, answered to it alone
@@ -80,7 +87,7 @@ class GroupCommit:
                     future.set_exception(err)
             return
         self.batches += 1
-        self.calls += len(batch)
+        self.calls += len(outcomes)
         for future, result, error in outcomes:
             if future.done():  # its caller gave up (cancelled): what it did is on disk all the same
                 continue

@@ -16,7 +16,7 @@ import contextlib
 import hmac
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -114,19 +114,25 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
     ) -> T:
         """Check the protocol version, run ``fn``, and turn a MurmurError into a one-line gRPC status.
         ``batched``: ``fn`` writes the ledger and shares its transaction (one fsync) with the calls
-        that arrive with it (coordinator/group_commit.py); answered once that is on disk."""
+        that arrive with it (coordinator/group_commit.py); answered once that is on disk. A batched
+        ``fn`` runs later, in the flusher, when its call may have ended (its client gave up): it
+        must not touch ``context``, whose call gRPC has freed by then (reading its auth context
+        there crashed the coordinator with a segfault in gRPC's core, at 10,000 nodes). So member
+        calls read who calls first (``_member_run``)."""
         try:
             check_version(_metadata(context).get(VERSION_METADATA_KEY), who="client")
             result = await self.group.run(fn) if batched else fn()
-        except VersionMismatch as err:
-            self.stats.count(method, False)
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(err))
         except MurmurError as err:
-            self.stats.count(method, False)
-            code = getattr(grpc.StatusCode, getattr(err, "code", "INVALID_ARGUMENT"))
-            await context.abort(code, str(err))
+            await self._refuse(method, context, err)
         self.stats.count(method, True)
         return result
+
+    async def _refuse(self, method: str, context: grpc.aio.ServicerContext, err: MurmurError) -> NoReturn:
+        """End the call with ``err`` as a one-line gRPC status."""
+        self.stats.count(method, False)
+        if isinstance(err, VersionMismatch):
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(err))
+        await context.abort(getattr(grpc.StatusCode, getattr(err, "code", "INVALID_ARGUMENT")), str(err))
 
     def _admin(self, context: grpc.aio.ServicerContext) -> None:
         given = _metadata(context).get(ADMIN_METADATA_KEY)
@@ -137,6 +143,18 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             )
         if not hmac.compare_digest(given.encode(), self.admin_key.encode()):
             raise _Denied("the admin credential is wrong: use the <db>.admin-key file of this coordinator")
+
+    async def _member_run(
+        self, method: str, context: grpc.aio.ServicerContext, fn: Callable[[str, str], T]
+    ) -> T:
+        """A batched member call: ``fn(node id, run id)``, the caller's certificate read now, while
+        its call is alive, and its membership checked in the batch (it may have changed since)."""
+        try:
+            check_version(_metadata(context).get(VERSION_METADATA_KEY), who="client")
+            node_id = self._caller(context)
+        except MurmurError as err:
+            await self._refuse(method, context, err)
+        return await self._run(method, context, lambda: fn(node_id, self.membership.member(node_id)), batched=True)
 
     def _node(self, context: grpc.aio.ServicerContext) -> tuple[str, str]:
         """(node id, run id) of the caller, from the certificate the mutual-TLS handshake verified."""
@@ -350,8 +368,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
     async def AcquireLease(
         self, request: pb.AcquireLeaseRequest, context: grpc.aio.ServicerContext
     ) -> pb.AcquireLeaseReply:
-        def call() -> pb.AcquireLeaseReply:
-            node_id, run_id = self._node(context)
+        def call(node_id: str, run_id: str) -> pb.AcquireLeaseReply:
             self.membership.started(node_id)  # a lease is renewed by heartbeats: the TTL holds now
             shard, reason = self.leases.acquire(run_id, node_id, frozenset(list(request.exhausted)[:64]))
             if shard is None:
@@ -369,11 +386,10 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 ),
             )
 
-        return await self._run("AcquireLease", context, call, batched=True)
+        return await self._member_run("AcquireLease", context, call)
 
     async def Commit(self, request: pb.CommitRequest, context: grpc.aio.ServicerContext) -> pb.CommitReply:
-        def call() -> pb.CommitReply:
-            node_id, run_id = self._node(context)
+        def call(node_id: str, run_id: str) -> pb.CommitReply:
             if request.round_members:
                 self._check_round(run_id, node_id, request)
             result = self.leases.commit(
@@ -395,7 +411,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 run_tokens_committed=int(self.store.run_totals(run_id)["tokens_committed"]),
             )
 
-        return await self._run("Commit", context, call, batched=True)
+        return await self._member_run("Commit", context, call)
 
     def _check_round(self, run_id: str, node_id: str, request: pb.CommitRequest) -> None:
         """Refuse (and count) a commit of tokens that reached a split's model, not the run's."""

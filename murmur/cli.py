@@ -11,6 +11,7 @@ up, never to declare them, so --help, --version and usage errors answer at once
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import importlib
 import os
 import signal
@@ -81,6 +82,11 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if as_program:  # before any sub-app imports grpc or hivemind, which read their settings then
         quiet_library_logs()
+        # A crash in native code (gRPC's core, torch) ends the process without a Python word: the
+        # coordinator under 10,000 simulated nodes died so, its log ending at "serving", and only
+        # the kernel's log said "segfault ... in cygrpc". Every thread's Python stack goes to
+        # stderr (the log) instead.
+        faulthandler.enable()
     if as_program and _noun(argv) == "node":
         # A node SIGTERMed while it still imports torch and grpc (a testnet stopped right after a
         # chaos restart; node/daemon/cli.py imports them once its arguments hold up) has joined

@@ -125,3 +125,47 @@ def test_calls_that_arrive_while_a_batch_fsyncs_are_the_next_batch_and_nobody_is
     other = sqlite3.connect(ledger[4])  # every answered join is in the ledger for another reader
     assert other.execute("SELECT COUNT(*) FROM nodes").fetchone()[0] == 4
     other.close()
+
+
+def test_a_call_whose_caller_gave_up_while_it_queued_is_not_run(ledger):
+    """A call queued behind a batch's fsync whose client gave up (its deadline: the handler is
+    cancelled) is left out of the next batch: nothing of it runs. Its function read the ended
+    call's certificate once, and gRPC, which had freed that call, crashed the coordinator with a
+    segfault (10,000 simulated nodes, commits every 10 s)."""
+    import threading
+
+    store, members, run_id, token, _ = ledger
+    group = GroupCommit(store)
+    in_sync, release = threading.Event(), threading.Event()
+    real_sync = store.sync
+
+    def held_sync() -> None:
+        in_sync.set()
+        release.wait(timeout=30)
+        real_sync()
+
+    store.sync = held_sync  # type: ignore[method-assign]
+    ran: list[int] = []
+
+    def join(i: int):
+        def fn():
+            ran.append(i)
+            return members.join(token, identity.make_csr(identity.generate_key()), {}, "")
+        return fn
+
+    async def scenario():
+        first = asyncio.ensure_future(group.run(join(0)))
+        await asyncio.to_thread(in_sync.wait, 30)
+        gave_up, stays = asyncio.ensure_future(group.run(join(1))), asyncio.ensure_future(group.run(join(2)))
+        await asyncio.sleep(0)  # both queued for the next batch
+        gave_up.cancel()
+        release.set()
+        await first
+        await stays
+        return gave_up.cancelled()
+
+    assert asyncio.run(scenario())
+    assert ran == [0, 2] and (group.batches, group.calls) == (2, 2)
+    other = sqlite3.connect(ledger[4])
+    assert other.execute("SELECT COUNT(*) FROM nodes").fetchone()[0] == 2
+    other.close()
