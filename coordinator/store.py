@@ -228,6 +228,11 @@ class Store:
                 "point --db at a new file or at the coordinator's own database"
             ) from None
         self._depth = 0
+        # Each run's shard totals, kept in step with the writes to its shards (insert_run, advance)
+        # and dropped at any rollback (recounted at the next read): every commit's reply carries the
+        # run's committed tokens, and counting them over the shards table took 1.4 ms at 10,000
+        # shards, more than a second of every second at 1,000 commits a second.
+        self._totals: dict[str, dict[str, int]] = {}
 
     # --- plumbing ------------------------------------------------------------------------------
 
@@ -276,6 +281,7 @@ class Store:
                 yield self.db
             except BaseException:
                 self.db.execute(f"ROLLBACK TO {savepoint}")
+                self._totals.clear()
                 self.db.execute(f"RELEASE {savepoint}")
                 raise
             else:
@@ -289,6 +295,7 @@ class Store:
             yield self.db
         except BaseException:
             self.db.execute("ROLLBACK")
+            self._totals.clear()
             raise
         else:
             self.db.execute("COMMIT")
@@ -418,6 +425,7 @@ class Store:
             "INSERT INTO shards(run_id, shard_id, name, tokens, done) VALUES (?, ?, ?, ?, ?)",
             [(run_id, i, n, t, int(t == 0)) for i, n, t in shards],
         )
+        self._totals.pop(run_id, None)
 
     def run(self, run_id: str) -> sqlite3.Row | None:
         return self._one("SELECT * FROM runs WHERE run_id = ?", (run_id,))
@@ -428,16 +436,20 @@ class Store:
     def set_run_state(self, run_id: str, state: str) -> None:
         self.db.execute("UPDATE runs SET state = ? WHERE run_id = ?", (state, run_id))
 
-    def run_totals(self, run_id: str) -> sqlite3.Row:
-        row = self._one(
-            "SELECT COUNT(*) AS shards_total, COALESCE(SUM(done), 0) AS shards_done, "
-            "COALESCE(SUM(tokens), 0) AS tokens_total, "
-            "COALESCE(SUM(committed_offset), 0) AS tokens_committed "
-            "FROM shards WHERE run_id = ?",
-            (run_id,),
-        )
-        assert row is not None
-        return row
+    def run_totals(self, run_id: str) -> dict[str, int]:
+        """The run's shards_total, shards_done, tokens_total and tokens_committed (a copy)."""
+        totals = self._totals.get(run_id)
+        if totals is None:
+            row = self._one(
+                "SELECT COUNT(*) AS shards_total, COALESCE(SUM(done), 0) AS shards_done, "
+                "COALESCE(SUM(tokens), 0) AS tokens_total, "
+                "COALESCE(SUM(committed_offset), 0) AS tokens_committed "
+                "FROM shards WHERE run_id = ?",
+                (run_id,),
+            )
+            assert row is not None
+            totals = self._totals[run_id] = {k: int(row[k]) for k in row.keys()}  # noqa: SIM118 - a Row
+        return dict(totals)
 
     def last_round(self, run_id: str) -> sqlite3.Row | None:
         return self._one("SELECT * FROM rounds WHERE run_id = ? ORDER BY outer_step DESC LIMIT 1", (run_id,))
@@ -664,10 +676,16 @@ class Store:
         ]
 
     def advance(self, run_id: str, shard_id: int, end_offset: int, done: bool) -> None:
+        totals = self._totals.get(run_id)
+        old = self._one("SELECT committed_offset, done FROM shards WHERE run_id = ? AND shard_id = ?",
+                        (run_id, shard_id)) if totals is not None else None
         self.db.execute(
             "UPDATE shards SET committed_offset = ?, done = ? WHERE run_id = ? AND shard_id = ?",
             (end_offset, int(done), run_id, shard_id),
         )
+        if totals is not None and old is not None:
+            totals["tokens_committed"] += end_offset - int(old["committed_offset"])
+            totals["shards_done"] += int(done) - int(old["done"])
 
     # --- commits, rounds, checkpoints ----------------------------------------------------------
 
