@@ -878,7 +878,8 @@ def main() -> int:
             "commit": _commit(),
             "command": "python " + " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
             "notes": f"{where}; {args.workers} load processes; each node commits every {args.commit_every:g} s; "
-                     f"cpu_pct is the coordinator process, % of one core; SQLite WAL synchronous=FULL; "
+                     f"cpu_pct is the coordinator process, % of one core; "
+                     f"the ledger on disk before each reply (WAL fsynced per group commit); "
                      f"niceness {args.nice}; {args.fronts} heartbeat fronts; {SHARED}",
             "rows": rows,
         }
