@@ -25,6 +25,7 @@ import datetime as dt
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -86,6 +87,7 @@ async def measure(nodes: int, rounds: int, repeat: int) -> list[dict[str, object
         return rows
     finally:
         await coord.close()
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _commit_row(coord, run_id: str, ids: list[str], rounds: int, repeat: int) -> dict[str, object]:
