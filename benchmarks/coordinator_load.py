@@ -574,7 +574,8 @@ def measure(nodes: int, hz: float, seconds: float, workers: int, commit_every: f
             nice: int = 0, coord_cpus: set[int] | None = None,
             load_cpus: set[int] | None = None, trainers: bool = False, round_every: float = 0.0,
             heartbeat: str = "stream", fronts: int = 0, join_concurrency: int = JOIN_CONCURRENCY,
-            udp_client: str = "lean", ttl: int = 0, warmup: float = -1.0) -> dict[str, object]:
+            udp_client: str = "lean", ttl: int = 0, warmup: float = -1.0,
+            load_nice: int | None = None) -> dict[str, object]:
     import psutil
 
     from murmur.protocol import coordinator_pb2 as pb
@@ -630,7 +631,8 @@ def measure(nodes: int, hz: float, seconds: float, workers: int, commit_every: f
                  "--commit-every", str(commit_every), "--index", str(w), "--out", str(out),
                  "--round-every", str(round_every), "--join-concurrency", str(join_concurrency),
                  "--heartbeat", heartbeat, "--udp-client", udp_client, *(["--trainers"] if trainers else [])],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, preexec_fn=_renice(nice, load_cpus)))
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                preexec_fn=_renice(nice if load_nice is None else load_nice, load_cpus)))
         for p in procs:  # every node joined, leased and connected
             if p.stdout.readline().strip() != "ready":  # type: ignore[union-attr]
                 raise RuntimeError("a load worker failed while joining its nodes")
@@ -739,6 +741,7 @@ def measure(nodes: int, hz: float, seconds: float, workers: int, commit_every: f
         "total_s": round(time.time() - began, 1),
         "load_avg_1m": round(load_before, 2), "load_avg_1m_after": round(os.getloadavg()[0], 2),
         "coordinator_cpus": _spec(coord_cpus), "load_cpus": _spec(load_cpus), "nice": nice,
+        "load_nice": nice if load_nice is None else load_nice,
         "commit": _commit(),
     }
     if phase != "done":
@@ -825,6 +828,9 @@ def main() -> int:
                         help="--trainers with datagrams: seconds of beating after the view is whole, before the "
                              "window (each node fetches the whole view once); default nodes / 250")
     parser.add_argument("--nice", type=int, default=0, help="niceness of the coordinator and load processes")
+    parser.add_argument("--load-nice", type=int, default=None,
+                        help="niceness of the load processes alone (default --nice): with 19 on a machine too "
+                        "small to pin them apart, the coordinator gets the CPU it wants and they what is left")
     parser.add_argument("--coordinator-cpus", help="pin the coordinator to these CPUs, e.g. 0-1")
     parser.add_argument("--load-cpus", help="pin the load generators to these CPUs, e.g. 2-15")
     parser.add_argument("--fronts", type=int, default=0,
@@ -857,7 +863,7 @@ def main() -> int:
         row = measure(nodes, hz, args.seconds, args.workers, args.commit_every, args.nice,
                       _cpu_set(args.coordinator_cpus), _cpu_set(args.load_cpus), args.trainers, args.round_every,
                       "unary" if args.unary else args.heartbeat, args.fronts, args.join_concurrency, args.udp_client,
-                      args.ttl, args.warmup)
+                      args.ttl, args.warmup, args.load_nice)
         print(json.dumps(row), flush=True)
         rows.append(row)
         if "cut_short" in row:
@@ -880,7 +886,9 @@ def main() -> int:
             "notes": f"{where}; {args.workers} load processes; each node commits every {args.commit_every:g} s; "
                      f"cpu_pct is the coordinator process, % of one core; "
                      f"the ledger on disk before each reply (WAL fsynced per group commit); "
-                     f"niceness {args.nice}; {args.fronts} heartbeat fronts; {SHARED}",
+                     f"niceness {args.nice}"
+                     f"{'' if args.load_nice is None else f' (load processes {args.load_nice})'}; "
+                     f"{args.fronts} heartbeat fronts; {SHARED}",
             "rows": rows,
         }
         if args.section:  # beside the file's other tables, which stay as they are
