@@ -99,7 +99,7 @@ CALL_TIMEOUT_S = 120  # a call in the join storm of 10,000 nodes waits behind th
 
 class _LeanNode:
     __slots__ = ("index", "client", "sock", "key", "node_id", "counter", "waiting", "sent_at", "sent_wall",
-                 "misses", "paused_until", "round", "busy")
+                 "misses", "paused_until", "slow_until", "round", "busy")
 
     def __init__(self, index: int, client: object, sock: object, counter: int) -> None:
         self.index, self.client, self.sock = index, client, sock
@@ -109,6 +109,7 @@ class _LeanNode:
         self.sent_at = self.sent_wall = 0.0
         self.misses = 0
         self.paused_until = 0.0
+        self.slow_until = 0.0  # a late answer came: this node's beats wait SLOW_WAIT_S until then
         self.round = 0
         self.busy = False  # a beat of this node is in flight (its datagram or its gRPC fallback)
 
@@ -120,9 +121,10 @@ class LeanBeats:
     its own UDP socket connected to the coordinator's address, its own key and strictly increasing
     counter (the clock in ns), a HeartbeatRequest built for each beat and signed with
     heartbeat_datagram.encode_beat, the answer taken only if decode_reply verifies it under the
-    node's key and it echoes the beat's counter, then parsed; a beat unanswered within WAIT_S, or
-    answered "use gRPC", is made over gRPC at once (the node's own channel), and MISSES_BEFORE_PAUSE
-    unanswered in a row pause datagrams for PAUSE_S. What is left out is the per-beat machinery
+    node's key and it echoes the beat's counter, then parsed; a beat unanswered within WAIT_S (or
+    SLOW_WAIT_S, for SLOW_FOR_S after an answer came late), or answered "use gRPC", is made over gRPC
+    at once (the node's own channel), and MISSES_BEFORE_PAUSE unanswered in a row pause datagrams
+    for PAUSE_S. What is left out is the per-beat machinery
     of asyncio around it (a datagram transport and a task per node, a future and a wait_for timer
     per beat): here one scheduler sends every beat that is due in a turn of the loop, each node's
     own datagram from its own socket, and one reader per socket takes its answers. At 10,000 nodes
@@ -137,9 +139,10 @@ class LeanBeats:
 
         from murmur.protocol import heartbeat_datagram as hd
         from murmur.protocol.coordinator_client import CALL_TIMEOUT_S as NODE_CALL_TIMEOUT_S
-        from murmur.protocol.heartbeat_udp_client import MISSES_BEFORE_PAUSE, PAUSE_S, WAIT_S
+        from murmur.protocol.heartbeat_udp_client import MISSES_BEFORE_PAUSE, PAUSE_S, SLOW_FOR_S, SLOW_WAIT_S, WAIT_S
 
         self.hd, self.wait_s, self.misses_before_pause, self.pause_s = hd, WAIT_S, MISSES_BEFORE_PAUSE, PAUSE_S
+        self.slow_wait_s, self.slow_for_s = max(WAIT_S, SLOW_WAIT_S), SLOW_FOR_S
         self.trainer, self.period, self.start = trainer, 1.0 / hz, start
         # Beats go from ``start`` on; only those sent in [window_start, end) are counted (window()).
         self.window_start = self.end = float("inf")
@@ -189,17 +192,18 @@ class LeanBeats:
 
     async def run(self) -> None:
         import heapq
-        from collections import deque
 
         heap = [(self.start + self.rng.random() * self.period, i) for i in range(len(self.nodes))]
         heapq.heapify(heap)
         next_round = [self.start + self.rng.random() * self.round_every if self.round_every > 0 else float("inf")
                       for _ in self.nodes]
-        deadlines: deque = deque()  # (when, node, counter): sends are in time order, so these are too
+        # (when, sequence, node, counter): a beat's wait is WAIT_S, or SLOW_WAIT_S after a late answer
+        deadlines: list = []
+        sequence = 0
         while heap or deadlines:
             now = time.time()
             while deadlines and deadlines[0][0] <= now:
-                _, node, counter = deadlines.popleft()
+                _, _, node, counter = heapq.heappop(deadlines)
                 if node.waiting == counter:  # unanswered within WAIT_S: a miss, and gRPC answers it
                     self._missed(node, now)
                     self._over_grpc(node, self._request(node), node.sent_at)
@@ -218,7 +222,9 @@ class LeanBeats:
                     self.lags.append(now - due)
                 self._send(node, now)
                 if node.waiting:
-                    deadlines.append((now + self.wait_s, node, node.waiting))
+                    sequence += 1
+                    wait = self.slow_wait_s if now < node.slow_until else self.wait_s
+                    heapq.heappush(deadlines, (now + wait, sequence, node, node.waiting))
             wake = min(heap[0][0] if heap else float("inf"), deadlines[0][0] if deadlines else float("inf"))
             if wake < float("inf"):
                 await asyncio.sleep(max(0.0, wake - time.time()))
@@ -255,7 +261,10 @@ class LeanBeats:
             except self.hd.BadDatagram:  # not signed under this node's key: not its answer
                 continue
             if not node.waiting or answer.counter != node.waiting:
-                continue  # late, or not this beat's
+                if answer.counter <= node.counter:  # an earlier beat's, after its wait: a slow coordinator
+                    node.misses, node.slow_until = 0, time.time() + self.slow_for_s
+                    self.counts["udp_late"] += 1
+                continue
             node.waiting, node.misses = 0, 0
             counted = self._counted(node.sent_wall)
             if answer.reply is None:  # "use gRPC": this beat is made there now
@@ -327,7 +336,7 @@ async def _worker(args: argparse.Namespace) -> None:
     trace: list[tuple[float, float, float]] = []  # (scheduled at, start delay, latency): for diagnosis
     lags: list[float] = []  # LeanBeats: how late each beat left against its schedule (the generator's own lag)
     counts = {"commits": 0, "errors": 0, "views": 0, "joined": 0, "open": 0, "udp_answered": 0, "udp_fallbacks": 0,
-              "warmup_errors": 0, "beats_skipped": 0}
+              "udp_late": 0, "warmup_errors": 0, "beats_skipped": 0}
     phases: dict[str, float] = {}  # seconds each setup phase took in this worker: join, lease, open
     began = time.perf_counter()
 
@@ -706,6 +715,7 @@ def measure(nodes: int, hz: float, seconds: float, workers: int, commit_every: f
         # --heartbeat udp: beats in the window answered by datagram, and those that went over gRPC
         "udp_answered": sum(r.get("udp_answered", 0) for r in results),
         "udp_fallbacks": sum(r.get("udp_fallbacks", 0) for r in results),
+        "udp_late": sum(r.get("udp_late", 0) for r in results),  # answers after their beat's wait, all run
         "beats_over_grpc": len(lat) - sum(r.get("udp_answered", 0) for r in results),  # udp: fallbacks, pauses
         "udp_kernel_drops": kernel_drops,  # at the coordinator's socket, since it started (full buffer)
         "heartbeat_fronts": fronts,

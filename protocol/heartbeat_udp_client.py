@@ -2,7 +2,8 @@
 
 Used by MemberClient (protocol/coordinator_client.py) while the coordinator offers a datagram
 address and key (its Join reply and gRPC heartbeat replies). ``beat`` returns the HeartbeatReply,
-or None when this heartbeat must go over gRPC: no answer within ``wait_s``, the coordinator said
+or None when this heartbeat must go over gRPC: no answer within its wait (``wait_s``; longer
+while the coordinator answers late: SLOW_WAIT_S), the coordinator said
 "use gRPC" (a refusal, or a reply too large for a datagram), or the request itself does not fit.
 A forged or stale datagram is ignored (it cannot end the wait early with a wrong answer: a reply
 must carry this beat's counter under the node's key). After ``misses_before_pause`` beats in a
@@ -32,6 +33,13 @@ from . import heartbeat_datagram as hd
 WAIT_S = 0.25
 MISSES_BEFORE_PAUSE = 3  # unanswered datagram beats in a row that pause datagrams
 PAUSE_S = 60.0  # datagrams stay paused this long, then one beat tries them again
+# An answer that comes after its beat's wait (signed under this node's key, for one of its earlier
+# beats) shows a coordinator that is slow, not a path that loses datagrams: for SLOW_FOR_S a beat
+# waits up to SLOW_WAIT_S for its answer before it goes over gRPC, and the late answer counts as
+# answered (no pause). Falling back at once made an overloaded coordinator busier: at 10,000
+# simulated nodes a third of the beats came again over gRPC, each several times a datagram's cost.
+SLOW_WAIT_S = 1.0
+SLOW_FOR_S = 30.0
 
 
 class _Endpoint(asyncio.DatagramProtocol):
@@ -65,7 +73,8 @@ class DatagramBeats:
         self._waiting: tuple[int, asyncio.Future[hd.Reply]] | None = None
         self.misses = 0
         self.paused_until = 0.0
-        self.sent = self.answered = self.use_grpc = self.missed = 0  # counts, for tests and the benchmark
+        self.slow_until = 0.0  # a late answer came: beats wait SLOW_WAIT_S until then
+        self.sent = self.answered = self.use_grpc = self.missed = self.late = 0  # counts, for tests and the benchmark
 
     def offer(self, address: str, key: bytes) -> None:
         """What a gRPC reply (or the Join reply) offered: a new address reopens the socket. A new
@@ -113,7 +122,7 @@ class DatagramBeats:
         try:
             self._transport.sendto(data)  # type: ignore[union-attr]
             self.sent += 1
-            answer = await asyncio.wait_for(future, self.wait_s)
+            answer = await asyncio.wait_for(future, self.wait())
         except (TimeoutError, OSError, ConnectionError):
             self._missed()
             return None
@@ -131,6 +140,10 @@ class DatagramBeats:
         self.answered += 1
         return reply
 
+    def wait(self) -> float:
+        """How long this beat waits for its datagram answer before it goes over gRPC."""
+        return max(self.wait_s, SLOW_WAIT_S) if self.clock() < self.slow_until else self.wait_s
+
     def _missed(self) -> None:
         self.missed += 1
         self.misses += 1
@@ -140,15 +153,17 @@ class DatagramBeats:
             self.close()
 
     def _received(self, data: bytes) -> None:
-        waiting = self._waiting
-        if waiting is None or waiting[1].done():
-            return
         try:
             answer = hd.decode_reply(self.key, data)
         except hd.BadDatagram:  # forged, corrupted or under an old key: not this beat's answer
             return
-        if answer.counter == waiting[0]:
+        waiting = self._waiting
+        if waiting is not None and not waiting[1].done() and answer.counter == waiting[0]:
             waiting[1].set_result(answer)
+        elif answer.counter <= self._counter:  # an earlier beat's, after its wait: the coordinator is slow
+            self.late += 1
+            self.misses = 0
+            self.slow_until = self.clock() + SLOW_FOR_S
 
     def _unreachable(self) -> None:
         waiting = self._waiting

@@ -271,6 +271,51 @@ def test_datagrams_that_go_unanswered_pause_and_are_tried_again_later():
         hole.close()
 
 
+def test_a_coordinator_that_answers_late_is_waited_for_not_fallen_back_from():
+    """An answer after its beat's wait shows a slow coordinator, not a lossy path: the next beats
+    wait longer for theirs instead of coming again over gRPC (which made an overloaded coordinator
+    busier), and the late answer keeps datagrams from pausing. Here a real socket answers every
+    beat, signed, late: the first 0.6 s after it came, the others 0.15 s; the first beat's wait is
+    0.05 s, the later ones' SLOW_WAIT_S (1 s)."""
+    key = b"k" * 32
+    slow = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    slow.bind(("127.0.0.1", 0))
+    slow.settimeout(30)
+
+    def answer_late(delays: list[float]) -> None:
+        for delay in delays:
+            data, sender = slow.recvfrom(65536)
+            time.sleep(delay)
+            reply = pb.HeartbeatReply(run_round=7).SerializeToString()
+            slow.sendto(hd.encode_reply(key, hd.decode_beat(data).counter, reply), sender)
+
+    async def scenario() -> list:
+        beats = DatagramBeats("a" * 64, wait_s=0.05, misses_before_pause=2, pause_s=60.0)
+        beats.offer(f"127.0.0.1:{slow.getsockname()[1]}", key)
+        first = await beats.beat(pb.HeartbeatRequest())  # no sign of slowness yet: its wait is short
+        for _ in range(3000):  # its answer comes, late
+            if beats.late:
+                break
+            await asyncio.sleep(0.01)
+        assert beats.late == 1 and beats.wait() >= 1.0
+        later = [await beats.beat(pb.HeartbeatRequest()) for _ in range(3)]
+        beats.close()
+        return [first, *later, beats]
+
+    import threading
+
+    server = threading.Thread(target=answer_late, args=([0.6, 0.15, 0.15, 0.15],), daemon=True)
+    server.start()
+    try:
+        first, *later, beats = asyncio.run(scenario())
+        server.join(30)
+    finally:
+        slow.close()
+    assert first is None  # over gRPC, as before
+    assert [r.run_round for r in later] == [7, 7, 7]  # by datagram, waited for
+    assert beats.usable() and beats.missed == 1 and beats.answered == 3
+
+
 def test_a_restarted_coordinators_new_keys_are_followed(tmp_path):
     db = tmp_path / "coord.db"
     coord = start_coordinator(db, *FAST)
