@@ -174,7 +174,8 @@ def test_the_run_totals_kept_in_step_with_commits_equal_a_recount_through_refusa
     store, members, runs, clock, run_id, token = ledger
     a, b = join(members, token), join(members, token)
     leases = members.leases
-    assert store.run_totals(run_id) == {"shards_total": 2, "shards_done": 0, "tokens_total": 1300, "tokens_committed": 0}
+    fresh = {"shards_total": 2, "shards_done": 0, "tokens_total": 1300, "tokens_committed": 0}
+    assert store.run_totals(run_id) == fresh
     sa, _ = leases.acquire(run_id, a)
     sb, _ = leases.acquire(run_id, b)
     p = Progress(outer_step=1, loss=2.0, bytes_sent=10, seconds=1.0)
