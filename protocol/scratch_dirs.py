@@ -34,13 +34,14 @@ def sweep_orphans(prefix: str) -> list[Path]:
         with contextlib.suppress(OSError):
             if path.is_symlink() or not path.is_dir() or path.stat().st_uid != os.getuid():
                 continue
-            if not _running(int(pid_text)):
+            if not pid_running(int(pid_text)):
                 shutil.rmtree(path, ignore_errors=True)
                 removed.append(path)
     return removed
 
 
-def _running(pid: int) -> bool:
+def pid_running(pid: int) -> bool:
+    """Whether a process holds this number now (another user's counts)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

@@ -147,7 +147,12 @@ def test_a_stage_emptied_by_sigkill_is_refilled_and_the_same_drivers_go_on(tmp_p
                      coordinator_args=FAST_COORDINATOR) as (net, join):
         peers = []
         try:
-            peers = [start_run_peer(tmp_path / f"peer{i}", join) for i in range(3)]
+            # Stage 1's peer (the second to start) computes slowly until it is killed: the schedule
+            # took 3 s on a quiet machine, and a driver that started a few seconds after the other
+            # made its first commit when the run was at step 65 of 72, so the kill came after both
+            # drivers were done and neither trained through the moved peer.
+            slow = ["--fault", "delay:stage_compute:0.05@x*"]
+            peers = [start_run_peer(tmp_path / f"peer{i}", join, *(slow if i == 1 else [])) for i in range(3)]
             assert [p.ready["stage"] for p in peers] == [0, 1, 0]
 
             def replicas():

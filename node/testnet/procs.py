@@ -24,6 +24,7 @@ from typing import IO, Any, TypeVar
 
 from murmur.errors import MurmurError
 from murmur.node.testnet import warm
+from murmur.protocol.scratch_dirs import pid_running
 
 COORDINATOR_START_TIMEOUT_S = 60.0  # the coordinator prints its listening line within this
 ADMIN_TIMEOUT_S = 60.0  # one `murmur admin` call
@@ -104,20 +105,10 @@ def kill_group(proc: subprocess.Popen, sig: int = signal.SIGKILL) -> None:
     another test's coordinator, whose group this would kill. So a reaped process's group is
     signalled only while no process holds its number: its members are then what it left behind
     (Linux gives a number out again only once no process uses it as a pid, group or session id)."""
-    if proc.poll() is not None and _pid_exists(proc.pid):
+    if proc.poll() is not None and pid_running(proc.pid):
         return
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, sig)
-
-
-def _pid_exists(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def stop_process(proc: subprocess.Popen, timeout_s: float = STOP_TIMEOUT_S) -> int:
