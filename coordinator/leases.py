@@ -231,7 +231,7 @@ class Leases:
                 val_loss=progress.val_loss,
             )
             finished = end == shard.tokens
-            self.store.advance(run_id, shard_id, end, finished)
+            self.store.advance(shard, end, finished)
             self.store.bump("tokens_committed", end - start)
             self.store.bump("commits")
             if finished:

@@ -121,6 +121,13 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         calls read who calls first (``_member_run``)."""
         try:
             check_version(_metadata(context).get(VERSION_METADATA_KEY), who="client")
+        except MurmurError as err:
+            await self._refuse(method, context, err)
+        return await self._answer(method, context, fn, batched)
+
+    async def _answer(self, method: str, context: grpc.aio.ServicerContext, fn: Callable[[], T], batched: bool) -> T:
+        """``fn``'s result (in the next batch if ``batched``), a MurmurError as a one-line status."""
+        try:
             result = await self.group.run(fn) if batched else fn()
         except MurmurError as err:
             await self._refuse(method, context, err)
@@ -154,7 +161,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             node_id = self._caller(context)
         except MurmurError as err:
             await self._refuse(method, context, err)
-        return await self._run(method, context, lambda: fn(node_id, self.membership.member(node_id)), batched=True)
+        return await self._answer(method, context, lambda: fn(node_id, self.membership.member(node_id)), True)
 
     def _node(self, context: grpc.aio.ServicerContext) -> tuple[str, str]:
         """(node id, run id) of the caller, from the certificate the mutual-TLS handshake verified."""

@@ -675,17 +675,16 @@ class Store:
             _shard(r) for r in self._q("SELECT * FROM shards WHERE lease_id IS NOT NULL AND lease_expiry < ?", (now,))
         ]
 
-    def advance(self, run_id: str, shard_id: int, end_offset: int, done: bool) -> None:
-        totals = self._totals.get(run_id)
-        old = self._one("SELECT committed_offset, done FROM shards WHERE run_id = ? AND shard_id = ?",
-                        (run_id, shard_id)) if totals is not None else None
+    def advance(self, shard: Shard, end_offset: int, done: bool) -> None:
+        """``shard`` (as its caller read it in this transaction) committed up to ``end_offset``."""
         self.db.execute(
             "UPDATE shards SET committed_offset = ?, done = ? WHERE run_id = ? AND shard_id = ?",
-            (end_offset, int(done), run_id, shard_id),
+            (end_offset, int(done), shard.run_id, shard.shard_id),
         )
-        if totals is not None and old is not None:
-            totals["tokens_committed"] += end_offset - int(old["committed_offset"])
-            totals["shards_done"] += int(done) - int(old["done"])
+        totals = self._totals.get(shard.run_id)
+        if totals is not None:
+            totals["tokens_committed"] += end_offset - shard.committed_offset
+            totals["shards_done"] += int(done) - int(shard.done)
 
     # --- commits, rounds, checkpoints ----------------------------------------------------------
 

@@ -105,7 +105,7 @@ class StageClient:
             reply_codec=reply_codec, evaluation=evaluation,
         )
         _put(request.inputs, inputs, reply_codec)
-        shape = (*_shape(inputs)[:2], dim)
+        shape = (*inputs.shape[:2], dim)  # a tensor's or a message's
         reply, wire = await self._call(peer, "Forward", request, _activation_bytes(shape, reply_codec),
                                        {"outputs": shape}, timeout)
         return codec.check(reply.outputs, shape=shape, what=f"outputs of {peer.node_id}"), wire
@@ -139,7 +139,7 @@ class StageClient:
             _put(request.grad_outputs, grad_outputs, reply_codec)
         if targets is not None:
             codec.encode_into(request.targets, targets, "tokens")
-        shape = (*_shape(inputs)[:2], dim)
+        shape = (*inputs.shape[:2], dim)  # a tensor's or a message's
         expected = {} if peer.stage == 0 else {"grad_inputs": shape}
         reply, wire = await self._call(peer, "Backward", request,
                                        _activation_bytes(shape, reply_codec) if expected else 0, expected, timeout)
@@ -239,8 +239,3 @@ def _put(field: tensor_pb2.WireTensor, value: Activation, activation_codec: str)
         field.CopyFrom(value)
     else:
         codec.encode_into(field, value, _codec_for(value, activation_codec))
-
-
-def _shape(value: Activation) -> tuple[int, ...]:
-    return tuple(value.shape)
-
